@@ -50,6 +50,25 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> str:
     return text[:cut]
 
 
+def format_chat(tokenizer, user_message: str) -> str:
+    """``user_message`` in the tokenizer's chat template with the generation prompt appended; the
+    Alpaca ``### Instruction / ### Response`` format when the tokenizer has no template."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": user_message}], tokenize=False, add_generation_prompt=True)
+    return DEFAULT_TEMPLATE.format(instruction=user_message)
+
+
+class PromptFormatter:
+    """The formatting part of a TextModel (no weights): enough for ``Task.examples``."""
+
+    def __init__(self, tokenizer, name: str = "formatter"):
+        self.tokenizer, self.name = tokenizer, name
+
+    def format_chat(self, user_message: str) -> str:
+        return format_chat(self.tokenizer, user_message)
+
+
 class HFTextModel:
     """:class:`darts_bench.api.TextModel` over an HF causal LM and tokenizer.
 
@@ -65,6 +84,7 @@ class HFTextModel:
                  batch_size: int = 8, max_length: int = 1024):
         self.name, self.model, self.tokenizer = name, model, tokenizer
         self.tokenizer.padding_side = "left"
+        self.tokenizer.truncation_side = "left"  # keep the end of an over-long prompt
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.head = head
@@ -79,10 +99,7 @@ class HFTextModel:
 
     # ------------------------------------------------------------------ prompts
     def format_chat(self, user_message: str) -> str:
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": user_message}], tokenize=False, add_generation_prompt=True)
-        return DEFAULT_TEMPLATE.format(instruction=user_message)
+        return format_chat(self.tokenizer, user_message)
 
     def _encode(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         enc = self.tokenizer(list(texts), return_tensors="pt", padding=True, add_special_tokens=True,

@@ -1,0 +1,41 @@
+# darts-bench: `make run` (full default pipeline) and `make test` (pytest). Both create .venv if missing.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DATA ?= $(abspath ../shared/data)
+export DARTS_BENCH_DATA ?= $(DATA)
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_OFFLINE := 1
+export HF_DATASETS_OFFLINE := 1
+export TORCH_EXTENSIONS_DIR ?= $(abspath .cache/torch_extensions)
+export DS_ACCELERATOR ?= cpu
+
+.PHONY: install install-dev run test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# torch is pinned to the CPU build on the machine unless a torch is already installed in the venv
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+run: install
+	$(BIN)/darts-bench run --suite all --config tiny
+
+test: install-dev
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+bench: install
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf work .cache

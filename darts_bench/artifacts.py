@@ -1,0 +1,125 @@
+"""Content-addressed, atomically written artifacts.
+
+An artifact is a directory ``<work_dir>/<kind>/<key>`` where ``key`` hashes the artifact's config
+and its inputs' keys. It is built in a temp dir next to its final place and renamed when complete,
+with a ``_manifest.json`` listing every file's size and sha256. A reader verifies the manifest; a
+missing or mismatched file means the artifact is corrupt and it is rebuilt, never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+log = logging.getLogger("darts_bench")
+MANIFEST = "_manifest.json"
+
+
+def stable_hash(obj: Any, n: int = 16) -> str:
+    """Hex sha256 (first ``n`` chars) of the canonical JSON of ``obj``."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:n]
+
+
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def write_manifest(root: Path, meta: dict[str, Any] | None = None) -> None:
+    files = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            files[str(p.relative_to(root))] = {"size": p.stat().st_size, "sha256": file_sha256(p)}
+    (root / MANIFEST).write_text(json.dumps({"files": files, "meta": meta or {}}, indent=1, sort_keys=True))
+
+
+def verify(root: Path, deep: bool = True) -> str | None:
+    """``None`` if ``root`` is a complete artifact, else the reason it is not."""
+    mf = root / MANIFEST
+    if not mf.is_file():
+        return f"no {MANIFEST}"
+    try:
+        files = json.loads(mf.read_text())["files"]
+    except (json.JSONDecodeError, KeyError) as e:
+        return f"unreadable manifest ({e})"
+    for rel, info in files.items():
+        p = root / rel
+        if not p.is_file():
+            return f"missing file {rel}"
+        if p.stat().st_size != info["size"]:
+            return f"size mismatch for {rel}"
+        if deep and file_sha256(p) != info["sha256"]:
+            return f"hash mismatch for {rel}"
+    return None
+
+
+@contextmanager
+def atomic_dir(final: Path, meta: dict[str, Any] | None = None) -> Iterator[Path]:
+    """Yield a temp dir beside ``final``; on success write the manifest and rename it into place
+    (replacing a stale ``final``); on error remove the temp dir, leaving ``final`` untouched."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".darts-tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        write_manifest(tmp, meta)
+        if final.exists():
+            trash = final.parent / f".darts-tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.replace(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".darts-tmp-{path.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def cached(final: Path, build: Callable[[Path], None], what: str, meta: dict[str, Any] | None = None,
+           deep_verify: bool = True) -> Path:
+    """Return ``final`` if it verifies, else build it atomically with ``build(tmp_dir)``.
+
+    Logs whether the artifact was reused, rebuilt (with the reason) or built, and the time taken.
+    """
+    if final.exists():
+        why = verify(final, deep=deep_verify)
+        if why is None:
+            log.info("%s: cached (%s)", what, final)
+            return final
+        log.warning("%s: cached artifact at %s is corrupt (%s); rebuilding", what, final, why)
+    t0 = time.perf_counter()
+    with atomic_dir(final, meta) as tmp:
+        build(tmp)
+    log.info("%s: built in %.1f s (%s)", what, time.perf_counter() - t0, final)
+    return final
+
+
+def clean_stale_temps(work_dir: Path) -> int:
+    """Remove temp dirs left by killed runs (``.darts-tmp-*``); returns how many were removed."""
+    n = 0
+    if work_dir.is_dir():
+        for p in work_dir.rglob(".darts-tmp-*"):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            n += 1
+    return n

@@ -1,0 +1,142 @@
+"""``darts-bench`` command line (contract in DESIGN.md)::
+
+    darts-bench run --suite {all,humaneval,gsm8k,alpacaeval} [--config NAME|PATH] [--limit N] [--out DIR] [--set K=V ...]
+    darts-bench pool | merge | collect | train | evaluate | report   (each stage alone, same options)
+    darts-bench score {humaneval,gsm8k,alpacaeval} SAMPLES.jsonl [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from darts_bench.config import TASK_NAMES, ConfigError, load_config
+
+log = logging.getLogger("darts_bench")
+STAGE_HELP = {
+    "run": "run every stage and write the results tables",
+    "pool": "build (or reuse) the base model and experts",
+    "merge": "merge the experts with mergekit",
+    "collect": "collect calibration features (expert and merged final hidden states)",
+    "train": "train the Surgery / DARTS heads on cached features",
+    "evaluate": "evaluate every model row on the benchmarks",
+    "report": "write results.json, table.csv, table.md and plots",
+}
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="tiny", help="packaged config name (tiny, smollm2-135m, llama2-7b) or YAML path")
+    p.add_argument("--suite", default="all", choices=["all", *TASK_NAMES], help="benchmarks to run")
+    p.add_argument("--limit", type=int, default=None, help="cap examples per benchmark")
+    p.add_argument("--out", default=None, help="results dir (default results/<config name>)")
+    p.add_argument("--data-dir", default=None, help="offline data dir (default $DARTS_BENCH_DATA, else hub)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config entry by dotted key, e.g. --set surgery.rank=8 (repeatable)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="darts-bench", description="Merge decoder experts, correct the merged model "
+                                 "with representation surgery / DARTS, evaluate on HumanEval, GSM8K, AlpacaEval.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name, help_ in STAGE_HELP.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        _common(p)
+        if name == "run":
+            p.add_argument("--dry-run", action="store_true", help="print the plan and estimates; run nothing")
+    s = sub.add_parser("score", help="score completions made elsewhere with the same protocol and sandbox")
+    s.add_argument("task", choices=list(TASK_NAMES))
+    s.add_argument("samples", help="samples file (HumanEval: JSONL with task_id, completion)")
+    s.add_argument("--out", default=None, help="write the metrics JSON here")
+    s.add_argument("--data-dir", default=None)
+    s.add_argument("--config", default="tiny", help="config whose task settings (timeouts, k) apply")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    return ap
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    for noisy in ("mergekit", "root", "lm-eval", "lm_eval", "httpx", "datasets", "alpaca_eval", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+
+def _load(args) -> "Config":
+    overrides = list(args.overrides)
+    if getattr(args, "data_dir", None):
+        overrides.append(f"data_dir={args.data_dir}")
+    return load_config(args.config, overrides)
+
+
+def cmd_score(args) -> int:
+    cfg = _load(args)
+    if args.task != "humaneval":
+        from darts_bench.api import get_task
+
+        task = get_task(args.task)
+        fn = getattr(task, "score_samples", None)
+        if fn is None:
+            print(f"darts-bench score {args.task}: not supported for this task", file=sys.stderr)
+            return 2
+        res = fn(args.samples, cfg=cfg)
+    else:
+        from darts_bench.api import get_task
+
+        get_task("humaneval")
+        from darts_bench_tasks.humaneval import score_samples
+
+        hc = cfg.tasks.humaneval
+        res = score_samples(args.samples, data_dir=cfg.resolved_data_dir(), timeout_s=hc.timeout_s,
+                            memory_mb=hc.memory_mb, workers=hc.workers, k=tuple(hc.k))
+    text = json.dumps(res, indent=1, default=str)
+    if args.out:
+        from pathlib import Path
+
+        from darts_bench.artifacts import atomic_write_text
+
+        atomic_write_text(Path(args.out), text)
+    summary = {k: v for k, v in res.items() if not isinstance(v, (list, dict))}
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(getattr(args, "verbose", False))
+    try:
+        if args.command == "score":
+            return cmd_score(args)
+        cfg = _load(args)
+        if args.command == "run" and args.dry_run:
+            from darts_bench.plan import print_plan
+
+            print_plan(cfg, suite=args.suite, limit=args.limit)
+            return 0
+        from darts_bench.pipeline import Pipeline
+
+        t0 = time.perf_counter()
+        pipe = Pipeline(cfg, suite=args.suite, limit=args.limit, out_dir=args.out)
+        try:
+            stage = "report" if args.command == "run" else args.command
+            res = pipe.run_until(stage)
+        finally:
+            pipe.close()
+        if stage == "report":
+            from darts_bench.report.tables import to_markdown
+
+            print(to_markdown(res))
+            log.info("results written to %s (%.0f s)", pipe.out_dir, time.perf_counter() - t0)
+        return 0
+    except (ConfigError, FileNotFoundError, PermissionError, ValueError, KeyError, FloatingPointError) as e:
+        log.error("%s: %s", type(e).__name__, e)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

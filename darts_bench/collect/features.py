@@ -1,0 +1,191 @@
+"""Calibration sequences and cached hidden-state features.
+
+For each task and calibration split (``transductive``: the benchmark's own inputs, as in the
+Surgery paper; ``inductive``: prompts from the expert's training data):
+
+1. the prompts, formatted exactly as at evaluation (chat template where the task uses one), each
+   continued by the task expert's greedy generation (``calibration.max_new_tokens`` at most), so
+   the loss covers the positions where generation happens;
+2. the expert's final hidden state (after the last norm) and next-token entropy (nats, fp32) at
+   every token — one artifact per (task, split), shared by all merges;
+3. each merged model's final hidden state and entropy on the same tokens — one artifact per
+   (merge, task, split).
+
+Features are stored as safetensors shards (fixed-order shards of ``ray.shard_size`` sequences)
+with an ``index.json``; shards are persisted as they finish so a resumed run redoes only missing
+shards. NaN/inf features fail the run, naming the shard.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from darts_bench.api import Task
+from darts_bench.artifacts import atomic_dir, cached, stable_hash, verify
+
+log = logging.getLogger("darts_bench")
+
+
+def _shard_payloads(sequences: list[list[int]], shard_size: int) -> list[dict[str, Any]]:
+    return [{"sequences": sequences[i:i + shard_size]} for i in range(0, len(sequences), shard_size)]
+
+
+def _check_finite(feats: dict[str, torch.Tensor], where: str) -> None:
+    for k, v in feats.items():
+        if v.is_floating_point() and not torch.isfinite(v).all():
+            n = int((~torch.isfinite(v)).sum())
+            raise FloatingPointError(f"{n} non-finite values in {k} of {where}; the model produced NaN/inf "
+                                     "(check the checkpoint and dtype)")
+
+
+def _run_sharded(executor, model_dir: Path, sequences: list[list[int]], shard_size: int, out: Path,
+                 partial: Path, prefix: str, desc: str) -> None:
+    """Compute features shard by shard (persisted in ``partial`` as they finish), then move the
+    shards into ``out`` with an index."""
+    payloads = _shard_payloads(sequences, shard_size)
+    partial.mkdir(parents=True, exist_ok=True)
+    done = set()
+    for i in range(len(payloads)):
+        p = partial / f"{prefix}-{i:05d}.safetensors"
+        if p.is_file():
+            try:
+                load_file(str(p))
+                done.add(i)
+            except Exception:  # a torn shard from a killed run: redo it
+                p.unlink()
+
+    def persist(i: int, res: dict) -> None:
+        feats = {k: torch.from_numpy(np.asarray(v)) for k, v in res.items()}
+        feats["seq_index"] = feats["seq_index"] + i * shard_size
+        _check_finite(feats, f"shard {i} of {desc}")
+        tmp = partial / f".tmp-{prefix}-{i:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in feats.items()}, str(tmp))
+        tmp.replace(partial / f"{prefix}-{i:05d}.safetensors")
+
+    if done:
+        log.info("%s: resuming, %d/%d shards already done", desc, len(done), len(payloads))
+    executor.map(str(model_dir), "features", payloads, skip=done, on_result=persist, desc=desc)
+    index = {"shards": [], "n_sequences": len(sequences)}
+    for i in range(len(payloads)):
+        name = f"{prefix}-{i:05d}.safetensors"
+        (partial / name).replace(out / name)
+        index["shards"].append(name)
+    (out / "index.json").write_text(json.dumps(index))
+    shutil.rmtree(partial, ignore_errors=True)
+
+
+def load_shards(root: Path) -> dict[str, torch.Tensor]:
+    """Concatenate the shards listed in ``root/index.json`` (tokens in sequence order)."""
+    index = json.loads((root / "index.json").read_text())
+    parts = [load_file(str(root / s)) for s in index["shards"]]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+@dataclass
+class CalibrationSet:
+    """Calibration sequences of one (task, split) and the expert's features on them."""
+
+    task: str
+    split: str
+    root: Path
+    key: str
+
+    @property
+    def meta(self) -> dict:
+        return json.loads((self.root / "sequences.json").read_text())
+
+    def expert_features(self) -> dict[str, torch.Tensor]:
+        return load_shards(self.root)
+
+
+@dataclass
+class FeatureSet:
+    """A merged model's features on a calibration set (tokens aligned with the expert's)."""
+
+    merge: str
+    calib: CalibrationSet
+    root: Path
+    key: str
+
+    def merged_features(self) -> dict[str, torch.Tensor]:
+        return load_shards(self.root)
+
+
+def calibration_prompts(task: Task, split: str, cfg, text_model, examples) -> list[str]:
+    """Prompts of one split: ``transductive`` = the first ``n_prompts`` evaluated benchmark inputs;
+    ``inductive`` = ``n_prompts`` prompts sampled from the expert's training data."""
+    n = cfg.calibration.n_prompts
+    if split == "transductive":
+        prompts = [e.prompt for e in examples[:n]]
+    else:
+        prompts = task.training_prompts(cfg.resolved_data_dir(), text_model, n, cfg.seed)
+    if len(prompts) < 2:
+        raise ValueError(f"calibration set of {task.name}/{split} has {len(prompts)} prompts; need >= 2")
+    return prompts
+
+
+def collect_calibration(cfg, task: Task, split: str, prompts: list[str], expert_dir: Path, executor,
+                        tokenizer, work_dir: Path, expert_key: str,
+                        references: list[str] | None = None) -> CalibrationSet:
+    """Expert continuations and expert features for one (task, split); cached.
+
+    With ``references`` (split ``reference``) each prompt is continued by its reference answer
+    (at most ``max_prompt_tokens`` tokens) instead of the expert's generation: these sequences
+    are for evaluation signals only, never for training.
+    """
+    cal = cfg.calibration
+    key = stable_hash({"expert": expert_key, "task": task.name, "version": task.version, "split": split,
+                       "prompts": stable_hash(prompts), "refs": stable_hash(references), "max_new": cal.max_new_tokens,
+                       "max_prompt": cal.max_prompt_tokens, "shard": cfg.ray.shard_size})
+    final = work_dir / "calibration" / f"{task.name}-{split}-{key}"
+
+    def build(tmp: Path) -> None:
+        tokenizer.truncation_side = "left"
+        prompt_ids = [tokenizer(p, add_special_tokens=True, truncation=True,
+                                max_length=cal.max_prompt_tokens)["input_ids"] for p in prompts]
+        if references is not None:
+            gen_ids = [tokenizer(r, add_special_tokens=False)["input_ids"][:cal.max_prompt_tokens]
+                       for r in references]
+        else:  # the expert's greedy continuation of the (truncated) prompt text
+            texts = [tokenizer.decode(ids) for ids in prompt_ids]
+            gen_payloads = [{"prompts": texts[i:i + cfg.ray.shard_size],
+                             "kwargs": {"max_new_tokens": cal.max_new_tokens}}
+                            for i in range(0, len(texts), cfg.ray.shard_size)]
+            gens = executor.map(str(expert_dir), "generate_ids", gen_payloads,
+                                desc=f"calibrate {task.name}/{split}")
+            gen_ids = [s[0] for shard in gens for s in shard]
+        sequences = [p + g for p, g in zip(prompt_ids, gen_ids)]
+        (tmp / "sequences.json").write_text(json.dumps({
+            "task": task.name, "split": split, "prompts": prompts, "prompt_len": [len(p) for p in prompt_ids],
+            "sequences": sequences}))
+        _run_sharded(executor, expert_dir, sequences, cfg.ray.shard_size, tmp, final.with_name(final.name + ".partial"),
+                     "expert", f"expert features {task.name}/{split}")
+
+    cached(final, build, what=f"collect calibration {task.name}/{split}",
+           meta={"kind": "calibration", "task": task.name, "split": split})
+    return CalibrationSet(task=task.name, split=split, root=final, key=key)
+
+
+def collect_merged(cfg, merge: str, merge_dir: Path, merge_key: str, calib: CalibrationSet, executor,
+                   work_dir: Path) -> FeatureSet:
+    """The merged model's features on ``calib``'s sequences; cached per (merge, calibration set)."""
+    key = stable_hash({"merge": merge_key, "calib": calib.key})
+    final = work_dir / "features" / f"{merge}-{calib.task}-{calib.split}-{key}"
+
+    def build(tmp: Path) -> None:
+        seqs = calib.meta["sequences"]
+        _run_sharded(executor, merge_dir, seqs, cfg.ray.shard_size, tmp, final.with_name(final.name + ".partial"),
+                     "merged", f"merged features {merge}/{calib.task}/{calib.split}")
+
+    cached(final, build, what=f"collect features {merge}/{calib.task}/{calib.split}",
+           meta={"kind": "features", "merge": merge, "calib": calib.key})
+    return FeatureSet(merge=merge, calib=calib, root=final, key=key)

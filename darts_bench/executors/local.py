@@ -1,0 +1,59 @@
+"""In-process executor: one worker, shards in order."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from tqdm.auto import tqdm
+
+from darts_bench.executors.worker import ModelWorker
+
+
+class LocalExecutor:
+    """Runs every shard in this process, in order (the reference the Ray executor must match)."""
+
+    name = "local"
+
+    def __init__(self, batch_size: int = 8, device: str = "cpu", torch_threads: int | None = None):
+        self.batch_size, self.device, self.torch_threads = batch_size, device, torch_threads
+
+    def worker(self, model_dir: str, head_dir: str | None = None, name: str = "model") -> ModelWorker:
+        return ModelWorker(str(model_dir), head_dir=str(head_dir) if head_dir else None, name=name,
+                           device=self.device, batch_size=self.batch_size, torch_threads=self.torch_threads)
+
+    def map(self, model_dir: str, op: str, payloads: Sequence[dict[str, Any]], *, head_dir: str | None = None,
+            skip: set[int] = frozenset(), on_result: Callable[[int, Any], None] | None = None,
+            desc: str = "") -> list[Any]:
+        """Run ``op`` on every payload not in ``skip``; ``on_result(i, result)`` as each finishes.
+
+        Returns:
+            results in payload order (``None`` for skipped shards).
+        """
+        todo = [i for i in range(len(payloads)) if i not in skip]
+        results: list[Any] = [None] * len(payloads)
+        if not todo:
+            return results
+        w = self.worker(model_dir, head_dir)
+        for i in tqdm(todo, desc=desc or op, leave=False, disable=len(todo) < 2):
+            results[i] = w.run(op, payloads[i])
+            if on_result:
+                on_result(i, results[i])
+        return results
+
+    def text_model(self, name: str, model_dir: str, head_dir: str | None = None, batch_size: int | None = None):
+        """An in-process :class:`HFTextModel` (with the head attached when ``head_dir``)."""
+        w = ModelWorker(str(model_dir), head_dir=head_dir, name=name, device=self.device,
+                        batch_size=batch_size or self.batch_size, torch_threads=self.torch_threads)
+        return w.text_model
+
+    def close(self) -> None:
+        pass
+
+
+def make_executor(cfg) -> Any:
+    """The executor named by ``cfg.executor``."""
+    if cfg.executor == "ray":
+        from darts_bench.executors.ray_executor import RayExecutor
+
+        return RayExecutor(cfg)
+    return LocalExecutor(batch_size=cfg.calibration.batch_size, device=cfg.device, torch_threads=cfg.torch_threads)

@@ -1,0 +1,77 @@
+"""A worker holding one model (optionally with a correction head) and serving shard operations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm
+from darts_bench.surgery.heads import load_head
+from darts_bench.surgery.losses import next_token_entropy
+
+
+@torch.inference_mode()
+def hidden_state_features(model, sequences: list[list[int]], pad_id: int, batch_size: int = 8) -> dict[str, torch.Tensor]:
+    """Final hidden states (after the last norm, input of ``lm_head``) and next-token entropy for
+    every real token of every sequence.
+
+    Args:
+        sequences: token id lists (prompt + continuation), processed left-padded in batches.
+    Returns:
+        ``h`` ``[N, d_model]`` float32, ``entropy`` ``[N]`` float32 (nats), ``positions`` ``[N]`` int64
+        (absolute, from 0), ``seq_index`` ``[N]`` int64 (index into ``sequences``); N = total tokens,
+        sequences in order, tokens in order.
+    """
+    hs, ents, poss, sids = [], [], [], []
+    for start in range(0, len(sequences), batch_size):
+        chunk = sequences[start:start + batch_size]
+        L = max(len(s) for s in chunk)
+        ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), L), dtype=torch.long)
+        for i, s in enumerate(chunk):
+            ids[i, L - len(s):] = torch.tensor(s)
+            mask[i, L - len(s):] = 1
+        dev = next(model.parameters()).device
+        out = model.model(input_ids=ids.to(dev), attention_mask=mask.to(dev))
+        h = out.last_hidden_state  # [batch, seq, d_model], after the final norm
+        ent = next_token_entropy(model.lm_head(h))  # [batch, seq]
+        for i, s in enumerate(chunk):
+            n = len(s)
+            hs.append(h[i, L - n:].float().cpu())
+            ents.append(ent[i, L - n:].float().cpu())
+            poss.append(torch.arange(n, dtype=torch.long))
+            sids.append(torch.full((n,), start + i, dtype=torch.long))
+    return {"h": torch.cat(hs), "entropy": torch.cat(ents), "positions": torch.cat(poss),
+            "seq_index": torch.cat(sids)}
+
+
+class ModelWorker:
+    """Holds one model; ``run(op, payload)`` serves ``generate``, ``score`` and ``features``.
+
+    Used in-process by the local executor and as the body of a Ray actor.
+    """
+
+    def __init__(self, model_dir: str, head_dir: str | None = None, name: str = "model",
+                 device: str = "cpu", batch_size: int = 8, torch_threads: int | None = None):
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        model, tok = load_causal_lm(model_dir, device=device)
+        head = load_head(head_dir) if head_dir else None
+        self.text_model = HFTextModel(name, model, tok, head=head, batch_size=batch_size)
+
+    def run(self, op: str, payload: dict[str, Any]) -> Any:
+        tm = self.text_model
+        if op == "generate_ids":
+            return tm.generate_ids(payload["prompts"], **payload["kwargs"])
+        if op == "generate":
+            return tm.generate(payload["prompts"], **payload["kwargs"])
+        if op == "score":
+            return tm.score(payload["contexts"], payload["continuations"])
+        if op == "features":
+            feats = hidden_state_features(tm.model, payload["sequences"], tm.tokenizer.pad_token_id, tm.batch_size)
+            return {k: v.numpy() for k, v in feats.items()}
+        if op == "ping":
+            return "ok"
+        raise ValueError(f"unknown worker op {op!r}")

@@ -1,0 +1,80 @@
+"""Merge the pool's experts with mergekit.
+
+Methods (mergekit names) and their sources: ``linear`` (weight averaging, Wortsman et al. 2022),
+``task_arithmetic`` (Ilharco et al., ICLR 2023), ``ties`` (Yadav et al., NeurIPS 2023),
+``dare_ties`` / ``dare_linear`` (Yu et al., ICML 2024). DARE's random drop masks come from
+mergekit's ``random_seed`` option, set from the run seed, so merges are reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from darts_bench.artifacts import cached, stable_hash
+from darts_bench.config import EXPERT_NAMES, Config, MergeSpec
+from darts_bench.pool.build import Pool
+
+log = logging.getLogger("darts_bench")
+
+
+def merge_config_dict(spec: MergeSpec, pool: Pool) -> dict:
+    """The mergekit ``MergeConfiguration`` (as a dict) for ``spec`` over all experts of ``pool``."""
+    params: dict = {"weight": spec.weight}
+    if spec.density is not None:
+        params["density"] = spec.density
+    models = [{"model": str(pool.experts[e]), "parameters": dict(params)} for e in EXPERT_NAMES]
+    cfg: dict = {"merge_method": spec.method, "models": models, "dtype": spec.dtype}
+    if spec.method != "linear":
+        cfg["base_model"] = str(pool.base)
+    glob: dict = {}
+    if spec.normalize is not None:
+        glob["normalize"] = spec.normalize
+    if spec.method in ("ties", "dare_ties", "dare_linear") and spec.int8_mask:
+        glob["int8_mask"] = True
+    if glob:
+        cfg["parameters"] = glob
+    return cfg
+
+
+def run_one_merge(cfg_dict: dict, out: Path, seed: int, base_dir: Path) -> None:
+    """Run mergekit into ``out`` and carry over the base's generation config (eos/pad ids).
+
+    Raises:
+        RuntimeError: mergekit wrote no weights, or the merged eos ids differ from the base's.
+    """
+    from mergekit.config import MergeConfiguration
+    from mergekit.merge import run_merge
+    from mergekit.options import MergeOptions
+
+    conf = MergeConfiguration.model_validate(cfg_dict)
+    run_merge(conf, str(out), options=MergeOptions(random_seed=seed, copy_tokenizer=True, lazy_unpickle=False,
+                                                   write_model_card=False, quiet=True, safe_serialization=True))
+    if not any(out.glob("*.safetensors")):
+        raise RuntimeError(f"mergekit wrote no safetensors into {out}")
+    gen = base_dir / "generation_config.json"
+    if gen.is_file():
+        shutil.copy(gen, out / "generation_config.json")
+    base_cfg = json.loads((base_dir / "config.json").read_text())
+    merged_cfg = json.loads((out / "config.json").read_text())
+    if merged_cfg.get("eos_token_id") != base_cfg.get("eos_token_id"):
+        merged_cfg["eos_token_id"] = base_cfg.get("eos_token_id")
+        (out / "config.json").write_text(json.dumps(merged_cfg, indent=2))
+    for f in ("chat_template.jinja",):
+        if (base_dir / f).is_file() and not (out / f).is_file():
+            shutil.copy(base_dir / f, out / f)
+
+
+def build_merges(cfg: Config, pool: Pool, work_dir: Path) -> dict[str, Path]:
+    """Every configured merge, cached by (pool key, merge spec, seed): name -> checkpoint dir."""
+    out: dict[str, Path] = {}
+    for spec in cfg.merges:
+        cd = merge_config_dict(spec, pool)
+        key = stable_hash({"pool": pool.key, "spec": spec.model_dump(mode="json"), "seed": cfg.seed})
+        final = work_dir / "merges" / f"{spec.name}-{key}"
+        cached(final, lambda tmp, cd=cd: run_one_merge(cd, tmp, cfg.seed, pool.base),
+               what=f"merge {spec.name} ({spec.method})", meta={"kind": "merge", "mergekit": cd})
+        out[spec.name] = final
+    return out

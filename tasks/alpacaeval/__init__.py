@@ -1,0 +1,307 @@
+"""AlpacaEval (instruction following): win rate against a reference through ``alpaca_eval`` with a
+local pairwise judge, every pair judged in both orders. See ``README.md`` in this folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task
+from darts_bench.data import DataError, alpaca_text, load_expert_records, read_json_list, require_file
+from darts_bench.evaluate.nll import reference_nll
+
+from .judge import (ANNOTATOR_DIR, alpaca_eval_version, judge_consistency, judge_pairs, load_annotator_config,
+                    win_rate)
+
+# The evaluation set and the reference (baseline) outputs, in the data dir (shared/data layout).
+EVAL_SET = "gpt4_turbo"
+REFERENCE_FILES = {
+    "gpt4_turbo": "alpaca_eval/gpt4_1106_preview_model_outputs.json",  # AlpacaEval 2.0 baseline
+    "text_davinci_003": "alpaca_eval/text_davinci_003_model_outputs.json",  # AlpacaEval 1.0 baseline
+}
+# Without a data dir: the same sets on the hub (datasets config, file in the dataset repo).
+HUB_REPO = "tatsu-lab/alpaca_eval"
+HUB_SETS = {
+    "gpt4_turbo": ("alpaca_eval_gpt4_baseline", "alpaca_eval_gpt4_baseline.json"),
+    "text_davinci_003": ("alpaca_eval", "alpaca_eval.json"),
+}
+FIELDS = ("instruction", "output", "dataset", "generator")
+OFFICIAL_SIZE = 805
+FLAG_UNINFORMATIVE = "uninformative_judge"
+
+
+def _validate(records: list[Any], source: str) -> list[dict[str, Any]]:
+    for i, rec in enumerate(records):
+        if not isinstance(rec, dict):
+            raise DataError(f"{source}: record {i}: expected an object")
+        missing = [k for k in FIELDS if k not in rec]
+        if missing:
+            raise DataError(f"{source}: record {i}: missing field(s) {missing}")
+        if not isinstance(rec["instruction"], str) or not rec["instruction"].strip():
+            raise DataError(f"{source}: record {i}: 'instruction' must be a non-empty string")
+        if not isinstance(rec["output"], str):
+            raise DataError(f"{source}: record {i}: 'output' must be a string")
+    if not records:
+        raise DataError(f"{source}: no records")
+    return records
+
+
+def _load_hub(which: str) -> tuple[list[dict[str, Any]], str]:
+    config, filename = HUB_SETS[which]
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(HUB_REPO, config, split="eval")
+        return _validate([dict(r) for r in ds], f"hub {HUB_REPO}/{config}"), f"hub:{HUB_REPO}/{config}"
+    except DataError:
+        raise
+    except Exception as e1:  # noqa: BLE001 - script datasets are unsupported by recent `datasets`; try the file
+        try:
+            from huggingface_hub import hf_hub_download
+
+            path = hf_hub_download(HUB_REPO, filename, repo_type="dataset")
+            return _validate(read_json_list(Path(path), FIELDS), path), f"hub:{HUB_REPO}/{filename}"
+        except DataError:
+            raise
+        except Exception as e2:  # noqa: BLE001
+            raise DataError(f"no data dir given (--data-dir / DARTS_BENCH_DATA) and the hub copy of AlpacaEval "
+                            f"({HUB_REPO}, {config}) could not be loaded: {type(e1).__name__}: {e1}; "
+                            f"{type(e2).__name__}: {e2}") from None
+
+
+def load_reference_set(data_dir: Path | None, which: str) -> tuple[list[dict[str, Any]], str]:
+    """Records (instruction, output, dataset, generator) of a reference set, and where they came from.
+
+    ``which``: ``gpt4_turbo`` (AlpacaEval 2.0 baseline, also the evaluation set) or
+    ``text_davinci_003`` (1.0 baseline). From ``data_dir`` when given, else the hub.
+
+    Raises:
+        DataError: missing or malformed file (naming it and the record), or no hub access.
+        ValueError: unknown ``which``.
+    """
+    if which not in REFERENCE_FILES:
+        raise ValueError(f"unknown AlpacaEval reference set {which!r}; known: {sorted(REFERENCE_FILES)}")
+    if data_dir is None:
+        return _load_hub(which)
+    path = require_file(data_dir, REFERENCE_FILES[which])
+    return _validate(read_json_list(path, FIELDS), str(path)), str(path)
+
+
+def check_alignment(examples: list[Example], ref_records: list[dict[str, Any]], source: str) -> None:
+    """Check that a reference set holds the evaluation set's instructions one to one: the same number
+    of records as the evaluation set, and at each example's index the same instruction text.
+
+    Raises:
+        ValueError: naming the reference source and the first mismatching index.
+    """
+    set_size = examples[0].meta.get("set_size") if examples else None
+    if set_size is not None and len(ref_records) != set_size:
+        raise ValueError(f"AlpacaEval reference set {source} has {len(ref_records)} records but the evaluation set "
+                         f"has {set_size}: the two must hold the same instructions in the same order")
+    for k, e in enumerate(examples):
+        i = e.meta.get("index", k)
+        if i >= len(ref_records):
+            raise ValueError(f"AlpacaEval reference set {source} has only {len(ref_records)} records; "
+                             f"first mismatch at index {i} (example {e.id})")
+        ref_instr = ref_records[i]["instruction"]
+        if ref_instr != e.meta["instruction"]:
+            raise ValueError(f"AlpacaEval reference set {source} does not match the evaluation set: first mismatch "
+                             f"at index {i} (example {e.id}): evaluation {e.meta['instruction'][:80]!r} vs "
+                             f"reference {ref_instr[:80]!r}")
+
+
+@register_task
+class AlpacaEvalTask(Task):
+    """AlpacaEval 805 instructions; win rate against ``tasks.alpacaeval.reference`` judged locally."""
+
+    name = "alpacaeval"
+    expert = "instruction"
+    version = "1"
+    primary_metrics = ("alpacaeval_win_rate",)
+    annotators_config: Path = ANNOTATOR_DIR  # the alpaca_eval annotator config folder of the local judge
+
+    # ------------------------------------------------------------------------------ data
+    def examples(self, data_dir: Path | None, model: TextModel | None, limit: int | None) -> list[Example]:
+        records, _ = load_reference_set(data_dir, EVAL_SET)
+        chosen = records if limit is None else records[:limit]
+        return [Example(id=f"alpaca_eval/{i}",
+                        prompt=model.format_chat(r["instruction"]) if model is not None else r["instruction"],
+                        reference=r["output"],
+                        meta={"instruction": r["instruction"], "dataset": r["dataset"], "index": i,
+                              "set_size": len(records)})
+                for i, r in enumerate(chosen)]
+
+    def training_prompts(self, data_dir: Path | None, model: TextModel | None, n: int, seed: int) -> list[str]:
+        records = load_expert_records(data_dir, self.expert)
+        picked = random.Random(seed).sample(records, min(n, len(records)))
+        texts = [alpaca_text(r) for r in picked]
+        return [model.format_chat(t) for t in texts] if model is not None else texts
+
+    # ----------------------------------------------------------------------- references
+    def reference_outputs(self, examples: list[Example], reference: str, ctx: EvalContext
+                          ) -> tuple[list[str], dict[str, Any]]:
+        """The reference output per example, checked one to one against the examples.
+
+        ``reference``: ``gpt4_turbo`` | ``text_davinci_003`` | ``model:<row name>`` (that row's
+        outputs on the same examples, from ``ctx.get_outputs``).
+
+        Raises:
+            ValueError: unknown reference, no ``ctx.get_outputs`` for a model reference, or a
+                reference set that does not match the examples (count, order or text).
+        """
+        if reference.startswith("model:"):
+            row = reference[len("model:"):]
+            if not row:
+                raise ValueError("tasks.alpacaeval.reference 'model:' needs a row name, e.g. model:expert:instruction")
+            if ctx.get_outputs is None:
+                raise ValueError(f"reference {reference!r} needs the runner's get_outputs (outputs of row {row!r})")
+            outs = list(ctx.get_outputs(row))
+            if len(outs) != len(examples):
+                raise ValueError(f"AlpacaEval reference {reference!r} has {len(outs)} outputs for {len(examples)} "
+                                 f"examples: they must be that row's outputs on the same examples, in order")
+            bad = next((k for k, o in enumerate(outs) if not isinstance(o, str)), None)
+            if bad is not None:
+                raise ValueError(f"AlpacaEval reference {reference!r}: output {bad} is not a string")
+            return outs, {"reference_source": f"row:{row}", "reference_generator": row}
+        if reference not in REFERENCE_FILES:
+            raise ValueError(f"unknown tasks.alpacaeval.reference {reference!r}; use one of "
+                             f"{sorted(REFERENCE_FILES)} or model:<row name>")
+        records, source = load_reference_set(ctx.data_dir, reference)
+        check_alignment(examples, records, source)
+        picked = [records[e.meta.get("index", k)] for k, e in enumerate(examples)]
+        return [r["output"] for r in picked], {"reference_source": source,
+                                               "reference_generator": picked[0]["generator"]}
+
+    # ------------------------------------------------------------------------ evaluate
+    def evaluate(self, model: TextModel, examples: list[Example], ctx: EvalContext) -> TaskResult:
+        cfg = ctx.config
+        jcfg = cfg.judge
+        if not examples:
+            raise ValueError("alpacaeval: no examples")
+        n = len(examples)
+        instructions = [e.meta["instruction"] for e in examples]
+        # 1. references first: a misaligned set fails before any generation or judging
+        refs, ref_meta = self.reference_outputs(examples, cfg.reference, ctx)
+        cfg_path, annotator_name, ann_cfg = load_annotator_config(self.annotators_config)
+        if ctx.get_model is None:
+            raise ValueError("alpacaeval needs ctx.get_model to load the judge "
+                             f"(tasks.alpacaeval.judge.model={jcfg.model!r})")
+
+        # 2. the model's outputs (greedy)
+        gens = model.generate([e.prompt for e in examples], max_new_tokens=cfg.max_new_tokens, temperature=0.0)
+        outputs = [g[0].strip() for g in gens]
+
+        # 3. judge: reference as output_1 / model as output_2 ("ab"), and swapped ("ba")
+        judge = ctx.get_model(jcfg.model)
+        pairs = [(i, r, o) for i, r, o in zip(instructions, refs, outputs)]
+        if jcfg.both_orders:
+            pairs += [(i, o, r) for i, r, o in zip(instructions, refs, outputs)]
+        judged = judge_pairs(judge, pairs, max_new_tokens=jcfg.max_new_tokens,
+                             annotators_config=cfg_path, seed=ctx.seed)
+        v_ab, raw_ab = [v for v, _ in judged[:n]], [c for _, c in judged[:n]]
+        if jcfg.both_orders:
+            v_ba, raw_ba = [v for v, _ in judged[n:]], [c for _, c in judged[n:]]
+            _, prefs = judge_consistency(v_ab, v_ba)
+            # identical outputs get a draw from alpaca_eval without asking the judge: not a test of it
+            asked = [k for k in range(n) if refs[k] != outputs[k]]
+            consistency, _ = judge_consistency([v_ab[k] for k in asked], [v_ba[k] for k in asked])
+        else:
+            v_ba, raw_ba = [None] * n, [None] * n
+            prefs = [v if v is not None else 1.5 for v in v_ab]
+            asked = [k for k in range(n) if refs[k] != outputs[k]]
+            consistency = None
+        n_no_verdict = sum(v is None for v in v_ab) + (sum(v is None for v in v_ba) if jcfg.both_orders else 0)
+
+        wr = win_rate(prefs)
+        wr_second = win_rate(v_ab)  # model as output_2 only
+        wr_first = win_rate([3.0 - v for v in v_ba if v is not None]) if jcfg.both_orders else None
+        flag = FLAG_UNINFORMATIVE if consistency is not None and consistency < jcfg.min_consistency else None
+
+        # 4. length-controlled only on the full official set in order, and only if it computes offline
+        lc, lc_note = None, None
+        full = (cfg.reference == "gpt4_turbo" and n == OFFICIAL_SIZE
+                and examples[0].meta.get("set_size") == OFFICIAL_SIZE
+                and [e.meta.get("index") for e in examples] == list(range(OFFICIAL_SIZE)))
+        if full:
+            try:
+                lc = _length_controlled(instructions, refs, outputs, prefs, model_name=getattr(model, "name", "model"),
+                                        annotator=annotator_name)
+            except Exception as e:  # noqa: BLE001 - needs df_gamed.csv from the hub
+                lc_note = f"length-controlled win rate unavailable ({type(e).__name__}: {str(e)[:200]})"
+        else:
+            lc_note = "not the full official 805-instruction set in order against the gpt4_turbo reference"
+        kind = "length_controlled" if lc is not None else "raw"
+
+        # 5. reference NLL with the chosen reference outputs (empty references are skipped)
+        ex_ref = [replace(e, reference=r) for e, r in zip(examples, refs)]
+        scored = [k for k, e in enumerate(ex_ref) if e.reference.strip()]
+        ref_nll, per_nll = None, [math.nan] * n
+        if scored:
+            ref_nll, per = reference_nll(model, [ex_ref[k] for k in scored])
+            for k, v in zip(scored, per):
+                per_nll[k] = v
+
+        wins = [p - 1.0 for p in prefs]
+        samples = [{"id": e.id, "instruction": instructions[k], "dataset": e.meta.get("dataset"),
+                    "output": outputs[k], "reference_output": refs[k],
+                    "verdict_model_second": v_ab[k], "verdict_model_first": v_ba[k],
+                    "judge_completion_model_second": raw_ab[k], "judge_completion_model_first": raw_ba[k],
+                    "preference": prefs[k], "win": wins[k]}
+                   for k, e in enumerate(examples)]
+        template = cfg_path.parent.parent / ann_cfg["prompt_template"]
+        metrics: dict[str, Any] = {
+            "alpacaeval_win_rate": lc if lc is not None else wr["win_rate"],
+            "alpacaeval_win_rate_raw": wr["win_rate"],
+            "alpacaeval_judge_consistency": consistency,
+            "alpacaeval_win_rate_flag": flag,
+            "alpacaeval_ref_nll": ref_nll,
+            "n_alpacaeval": n,
+        }
+        meta = {
+            "win_rate_kind": kind,
+            "length_controlled_note": lc_note,
+            "reference": cfg.reference, **ref_meta,
+            "judge": jcfg.model, "judge_name": getattr(judge, "name", None),
+            "judge_mode": (ann_cfg.get("completions_kwargs") or {}).get("mode", "score"),
+            "judge_both_orders": jcfg.both_orders, "judge_max_new_tokens": jcfg.max_new_tokens,
+            "judge_consistency": consistency, "min_consistency": jcfg.min_consistency, "judge_flag": flag,
+            "annotator": annotator_name, "annotators_config": str(cfg_path),
+            "prompt_template_sha256": hashlib.sha256(template.read_bytes()).hexdigest(),
+            "alpaca_eval_version": alpaca_eval_version(),
+            "n_judged_pairs": len(asked), "n_identical_outputs": n - len(asked), "n_no_verdict": n_no_verdict,
+            "win_rate_standard_error": wr.get("standard_error"),
+            "n_wins": wr.get("n_wins"), "n_wins_reference": wr.get("n_wins_base"), "n_draws": wr.get("n_draws"),
+            "win_rate_model_second": wr_second["win_rate"] if wr_second else None,
+            "win_rate_model_first": wr_first["win_rate"] if wr_first else None,
+            "max_new_tokens": cfg.max_new_tokens,
+            "ref_nll_n_skipped_empty": n - len(scored),
+            "comparable_to_leaderboard": False,
+        }
+        return TaskResult(metrics=metrics, per_example={"win": wins, "ref_nll": per_nll}, samples=samples, meta=meta)
+
+
+def _length_controlled(instructions: list[str], refs: list[str], outputs: list[str], prefs: list[float], *,
+                       model_name: str, annotator: str) -> float:
+    """alpaca_eval's length-controlled win rate on the debiased preferences (official 805 in order only;
+    downloads ``df_gamed.csv`` from the hub, so it raises offline)."""
+    import pandas as pd
+
+    from .judge import _import_alpaca_eval
+
+    _, metrics = _import_alpaca_eval()
+    df = pd.DataFrame({"instruction": instructions, "output_1": refs, "output_2": outputs, "preference": prefs,
+                       "generator_1": "gpt4_1106_preview", "generator_2": model_name, "annotator": annotator})
+    out = metrics.get_length_controlled_winrate(df, save_weights_dir=None, is_add_glm_preference_inplace=False)
+    value = float(out["length_controlled_winrate"])
+    if math.isnan(value):
+        raise ValueError("length-controlled win rate is NaN")
+    return value
+
+
+__all__ = ["AlpacaEvalTask", "judge_consistency", "judge_pairs", "load_reference_set", "check_alignment",
+           "win_rate", "REFERENCE_FILES"]

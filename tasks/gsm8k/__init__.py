@@ -1,0 +1,244 @@
+"""GSM8K (math expert): exact match of the final number, strict (``#### N``) and flexible (last
+number), scored by lm-eval through its public API on a local-file task (``gsm8k_local.yaml``).
+
+See README.md in this folder for the protocol and the changelog.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task
+from darts_bench.data import DataError, read_jsonl, require_file
+from darts_bench.evaluate.nll import reference_nll
+
+TEMPLATE_PATH = Path(__file__).resolve().parent / "gsm8k_local.yaml"
+TEMPLATE_TEXT = TEMPLATE_PATH.read_text(encoding="utf-8")
+TEMPLATE_SHA256 = hashlib.sha256(TEMPLATE_TEXT.encode("utf-8")).hexdigest()
+_TEMPLATE: dict[str, Any] = yaml.safe_load(TEMPLATE_TEXT)
+LM_EVAL_TASK = _TEMPLATE["task"]
+
+# The regexes lm-eval applies, read from the YAML so the pure functions below cannot drift from it.
+_FILTERS = {f["name"]: f["filter"][0] for f in _TEMPLATE["filter_list"]}
+STRICT_PATTERN = re.compile(_FILTERS["strict-match"]["regex_pattern"])
+FLEXIBLE_PATTERN = re.compile(_FILTERS["flexible-extract"]["regex_pattern"])
+_FLEXIBLE_GROUP = int(_FILTERS["flexible-extract"].get("group_select", 0))
+_STRICT_GROUP = int(_FILTERS["strict-match"].get("group_select", 0))
+_EM = _TEMPLATE["metric_list"][0]
+REGEXES_TO_IGNORE: tuple[str, ...] = tuple(_EM["regexes_to_ignore"])
+_IGNORE_CASE = bool(_EM.get("ignore_case", False))
+INVALID = "[invalid]"  # lm-eval's RegexFilter fallback
+
+PROMPT = "Question: {question}\nAnswer:"
+_CALC = re.compile(r"<<[^<>]*>>")
+
+
+# ------------------------------------------------------------------------------ pure scoring
+def _regex_extract(pattern: re.Pattern[str], group_select: int, text: str) -> str | None:
+    """What lm-eval's ``RegexFilter`` returns (``None`` for its ``[invalid]`` fallback)."""
+    matches = pattern.findall(text if isinstance(text, str) else "")
+    if not matches:
+        return None
+    m = matches[group_select]
+    if isinstance(m, tuple):
+        m = next((g for g in m if g), None)
+        if m is None:
+            return None
+    return m.strip()
+
+
+def extract_strict(text: str) -> str | None:
+    """The number after the first ``#### `` (lm-eval's ``strict-match`` filter), raw (commas kept)."""
+    return _regex_extract(STRICT_PATTERN, _STRICT_GROUP, text)
+
+
+def extract_flexible(text: str) -> str | None:
+    """The last number-like token in ``text`` (lm-eval's ``flexible-extract`` filter), raw
+    (``$``, commas and a trailing period kept: :func:`normalize_number` removes them)."""
+    return _regex_extract(FLEXIBLE_PATTERN, _FLEXIBLE_GROUP, text)
+
+
+def normalize_number(text: str) -> str:
+    """lm-eval's exact-match normalisation for GSM8K: drop ``,`` and ``$``, everything up to
+    ``#### ``, a trailing ``.``; lower-case. ``"$3,000."`` -> ``"3000"``; a gold answer -> its number."""
+    for pat in REGEXES_TO_IGNORE:
+        text = re.sub(pat, "", text)
+    return text.lower() if _IGNORE_CASE else text
+
+
+def is_correct(extracted: str | None, gold_answer: str) -> bool:
+    """Exact match as lm-eval scores it (``gold_answer``: the full solution or just the number)."""
+    return normalize_number(INVALID if extracted is None else extracted) == normalize_number(gold_answer)
+
+
+def final_answer(answer: str) -> str:
+    """The gold number string of a GSM8K solution (text after the last ``####``)."""
+    return answer.split("####")[-1].strip()
+
+
+def strip_calculator(answer: str) -> str:
+    """The solution without GSM8K's calculator annotations (``<<48/2=24>>``)."""
+    return _CALC.sub("", answer)
+
+
+# ----------------------------------------------------------------------------------- data
+def _load_split(data_dir: Path | None, split: str) -> list[dict[str, Any]]:
+    """GSM8K records of ``split`` (``test``/``train``): ``<data_dir>/gsm8k/<split>.jsonl``, or the hub's
+    ``openai/gsm8k`` (config ``main``) when no data dir is given.
+
+    Raises:
+        DataError: a missing or malformed file (naming file and line), or the hub is unreachable.
+    """
+    if data_dir is not None:
+        return read_jsonl(require_file(data_dir, f"gsm8k/{split}.jsonl"), required=("question", "answer"))
+    try:
+        import datasets
+
+        ds = datasets.load_dataset("openai/gsm8k", "main", split=split)
+    except Exception as e:  # offline, no cache ...
+        raise DataError(f"no data dir given and the hub dataset openai/gsm8k ({split}) could not be loaded: "
+                        f"{type(e).__name__}: {e}. Pass --data-dir or set DARTS_BENCH_DATA.") from None
+    return [{"question": r["question"], "answer": r["answer"]} for r in ds]
+
+
+@register_task
+class GSM8KTask(Task):
+    name = "gsm8k"
+    expert = "math"
+    version = "1"
+    primary_metrics = ("gsm8k_em_strict", "gsm8k_em_flexible")
+
+    def examples(self, data_dir: Path | None, model: TextModel | None, limit: int | None) -> list[Example]:
+        """Test questions in file order, raw lm-eval prompt format (the chat template, when on, is
+        applied by lm-eval at evaluation time, not here)."""
+        recs = _load_split(data_dir, "test")
+        if limit is not None:
+            recs = recs[:limit]
+        return [Example(id=f"gsm8k/{i}", prompt=PROMPT.format(question=r["question"]),
+                        reference=" " + strip_calculator(r["answer"]),
+                        meta={"gold": final_answer(r["answer"]), "question": r["question"], "answer": r["answer"]})
+                for i, r in enumerate(recs)]
+
+    def training_prompts(self, data_dir: Path | None, model: TextModel | None, n: int, seed: int) -> list[str]:
+        """``n`` train-split questions drawn with ``random.Random(seed)``, formatted as :meth:`examples`.
+
+        Raises:
+            ValueError: ``n`` larger than the train split.
+        """
+        recs = _load_split(data_dir, "train")
+        if n > len(recs):
+            raise ValueError(f"gsm8k: asked for {n} training prompts, the train split has {len(recs)}")
+        idx = random.Random(seed).sample(range(len(recs)), n)
+        return [PROMPT.format(question=recs[i]["question"]) for i in idx]
+
+    # ------------------------------------------------------------------------------ evaluate
+    def write_lm_eval_task(self, examples: list[Example], out_dir: Path, *, data_dir: Path | None,
+                           num_fewshot: int, max_new_tokens: int) -> Path:
+        """Write the runtime lm-eval task into ``out_dir``: the docs of ``examples`` (in order) as
+        ``test.jsonl``, and ``darts_gsm8k.yaml`` = the template with absolute data paths, the
+        few-shot split (``<data_dir>/gsm8k/train.jsonl``, or a copy of the hub's train split) when
+        ``num_fewshot > 0``, and ``max_gen_toks``. Returns the YAML path."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        test_path = out_dir / "test.jsonl"
+        with open(test_path, "w", encoding="utf-8") as f:
+            for e in examples:
+                if "question" not in e.meta or "answer" not in e.meta:
+                    raise ValueError(f"gsm8k: example {e.id} lacks meta question/answer (not from GSM8KTask.examples)")
+                f.write(json.dumps({"question": e.meta["question"], "answer": e.meta["answer"]}) + "\n")
+        cfg = json.loads(json.dumps(_TEMPLATE))  # deep copy
+        files = {"test": str(test_path.resolve())}
+        if num_fewshot > 0:
+            if data_dir is not None:
+                train = require_file(data_dir, "gsm8k/train.jsonl").resolve()
+            else:
+                train = out_dir / "train.jsonl"
+                with open(train, "w", encoding="utf-8") as f:
+                    for r in _load_split(None, "train"):
+                        f.write(json.dumps(r) + "\n")
+            files["train"] = str(Path(train).resolve())
+            cfg["training_split"] = "train"
+            cfg["fewshot_split"] = "train"
+        cfg["dataset_kwargs"]["data_files"] = files
+        cfg["num_fewshot"] = num_fewshot
+        cfg["generation_kwargs"]["max_gen_toks"] = max_new_tokens
+        yaml_path = out_dir / f"{LM_EVAL_TASK}.yaml"
+        yaml_path.write_text(yaml.safe_dump(cfg, sort_keys=False, allow_unicode=True), encoding="utf-8")
+        return yaml_path
+
+    def evaluate(self, model: TextModel, examples: list[Example], ctx: EvalContext) -> TaskResult:
+        """lm-eval ``simple_evaluate`` on exactly ``examples`` with the :class:`DartsBenchLM` adapter
+        (greedy), plus the reference NLL. ``ctx.config``: a ``GSM8KConfig`` (defaults if None)."""
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+
+        from darts_bench.config import GSM8KConfig
+        from darts_bench.evaluate.lm_eval_adapter import DartsBenchLM
+
+        if not examples:
+            raise ValueError("gsm8k.evaluate: no examples")
+        cfg = ctx.config if ctx.config is not None else GSM8KConfig()
+        task_dir = Path(ctx.work_dir) / "lm_eval_gsm8k"
+        self.write_lm_eval_task(examples, task_dir, data_dir=ctx.data_dir,
+                                num_fewshot=cfg.num_fewshot, max_new_tokens=cfg.max_new_tokens)
+        lm = DartsBenchLM(model, max_gen_toks=cfg.max_new_tokens)
+        tm = TaskManager(include_path=str(task_dir), include_defaults=False)
+        out = lm_eval.simple_evaluate(
+            model=lm, tasks=[LM_EVAL_TASK], task_manager=tm, num_fewshot=cfg.num_fewshot,
+            limit=len(examples), apply_chat_template=cfg.apply_chat_template,
+            fewshot_as_multiturn=bool(cfg.apply_chat_template), log_samples=True,
+            device=str(getattr(model, "device", "cpu")), bootstrap_iters=0,
+            random_seed=ctx.seed, numpy_random_seed=ctx.seed, torch_random_seed=ctx.seed,
+            fewshot_random_seed=ctx.seed)
+        return self._to_result(model, examples, out, cfg)
+
+    def _to_result(self, model: TextModel, examples: list[Example], out: dict[str, Any], cfg: Any) -> TaskResult:
+        by_filter: dict[str, dict[int, dict[str, Any]]] = {}
+        for s in out["samples"][LM_EVAL_TASK]:
+            by_filter.setdefault(s["filter"], {})[int(s["doc_id"])] = s
+        n = len(examples)
+        for f in ("strict-match", "flexible-extract"):
+            got = sorted(by_filter.get(f, {}))
+            if got != list(range(n)):
+                raise RuntimeError(f"lm-eval returned samples for docs {got[:10]}... under {f!r}, expected 0..{n - 1}")
+        strict = [by_filter["strict-match"][i] for i in range(n)]
+        flex = [by_filter["flexible-extract"][i] for i in range(n)]
+        em_strict = [float(s["exact_match"]) for s in strict]
+        em_flex = [float(s["exact_match"]) for s in flex]
+        ref_nll, ref_nll_each = reference_nll(model, examples)
+        res = out["results"][LM_EVAL_TASK]
+        samples = []
+        for e, s, fl in zip(examples, strict, flex):
+            response = s["resps"][0][0]
+            samples.append({
+                "id": e.id, "question": e.meta["question"], "prompt": s["arguments"][0][0], "response": response,
+                "strict": None if s["filtered_resps"][0] == INVALID else s["filtered_resps"][0],
+                "flexible": None if fl["filtered_resps"][0] == INVALID else fl["filtered_resps"][0],
+                "gold": e.meta["gold"], "em_strict": float(s["exact_match"]), "em_flexible": float(fl["exact_match"]),
+            })
+        try:
+            lm_eval_version = importlib_metadata.version("lm_eval")
+        except importlib_metadata.PackageNotFoundError:
+            lm_eval_version = None
+        return TaskResult(
+            metrics={"gsm8k_em_strict": float(res["exact_match,strict-match"]),
+                     "gsm8k_em_flexible": float(res["exact_match,flexible-extract"]),
+                     "gsm8k_ref_nll": ref_nll, "n_gsm8k": n},
+            per_example={"em_strict": em_strict, "em_flexible": em_flex, "ref_nll": ref_nll_each},
+            samples=samples,
+            meta={"task_version": self.version, "lm_eval_task": LM_EVAL_TASK,
+                  "num_fewshot": cfg.num_fewshot, "apply_chat_template": cfg.apply_chat_template,
+                  "fewshot_as_multiturn": bool(cfg.apply_chat_template), "max_new_tokens": cfg.max_new_tokens,
+                  "decoding": "greedy", "lm_eval_version": lm_eval_version,
+                  "task_yaml_sha256": TEMPLATE_SHA256,
+                  "docs_sha256": hashlib.sha256("".join(
+                      json.dumps({"question": e.meta["question"], "answer": e.meta["answer"]}) + "\n"
+                      for e in examples).encode("utf-8")).hexdigest()},
+        )
