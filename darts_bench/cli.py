@@ -60,9 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
-    for noisy in ("mergekit", "root", "lm-eval", "lm_eval", "httpx", "datasets", "alpaca_eval", "transformers"):
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True)
+    for noisy in ("mergekit", "lm-eval", "lm_eval", "httpx", "datasets", "alpaca_eval", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # mergekit logs its progress on the root logger itself: keep only its warnings
+    for h in logging.root.handlers:
+        h.addFilter(lambda r: r.name != "root" or r.levelno >= logging.WARNING)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 

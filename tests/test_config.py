@@ -1,0 +1,62 @@
+import pytest
+
+from darts_bench.config import Config, ConfigError, load_config
+
+
+def test_packaged_configs_validate():
+    for name in ("tiny", "smollm2-135m", "llama2-7b"):
+        cfg = load_config(name)
+        assert cfg.name == name
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("surgery:\n  rnak: 8\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(p))
+    assert "surgery.rnak: unknown key" in str(e.value)
+    assert str(p) in str(e.value)
+
+
+def test_wrong_type_and_range(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("surgery:\n  rank: -3\ncalibration:\n  n_prompts: lots\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(p))
+    msg = str(e.value)
+    assert "surgery.rank" in msg and "calibration.n_prompts" in msg
+
+
+def test_set_override_validated():
+    cfg = load_config("tiny", ["surgery.rank=8", "executor=ray"])
+    assert cfg.surgery.rank == 8 and cfg.executor == "ray"
+    with pytest.raises(ConfigError, match="executor"):
+        load_config("tiny", ["executor=slurm"])
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config("tiny", ["surgery.rank"])
+    with pytest.raises(ConfigError, match="surgery.rnak: unknown key"):
+        load_config("tiny", ["surgery.rnak=3"])
+
+
+def test_merge_density_rules():
+    with pytest.raises(ConfigError, match="needs density"):
+        load_config("tiny", ["merges=[{name: t, method: ties}]"])
+    with pytest.raises(ConfigError, match="must be unique"):
+        load_config("tiny", ["merges=[{name: t, method: linear}, {name: t, method: linear}]"])
+
+
+def test_unknown_config_name():
+    with pytest.raises(ConfigError, match="unknown config"):
+        load_config("tinyy")
+
+
+def test_yaml_syntax_error(tmp_path):
+    p = tmp_path / "x.yaml"
+    p.write_text("surgery: [unclosed\n")
+    with pytest.raises(ConfigError, match="YAML syntax error"):
+        load_config(str(p))
+
+
+def test_digest_changes_with_content():
+    a, b = Config(), Config(seed=1)
+    assert a.digest() != b.digest() and a.digest("pool") == b.digest("pool")
