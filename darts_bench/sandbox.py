@@ -57,7 +57,6 @@ What it does NOT protect against (do not run it on a machine with secrets in wor
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import random

@@ -1,0 +1,137 @@
+"""Merges through mergekit checked against values computed by hand on two tensors."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from darts_bench.config import MergeSpec
+from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm
+from darts_bench.merge import merge_config_dict, run_one_merge
+from darts_bench.pool.build import Pool
+from darts_bench.pool.tiny import train_tokenizer
+
+T1, T2 = "model.layers.0.mlp.up_proj.weight", "lm_head.weight"
+EXPERTS = ("code", "math", "instruction")
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    """Base + 3 experts differing from the base on two tensors only, by hand-chosen deltas."""
+    root = tmp_path_factory.mktemp("toy")
+    tok = train_tokenizer(["hello world, def f(x): return x"] * 10, 270)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(cfg)
+    base.save_pretrained(root / "base")
+    tok.save_pretrained(root / "base")
+    g = torch.Generator().manual_seed(1)
+    deltas = {}
+    sd = base.state_dict()
+    for i, e in enumerate(EXPERTS):
+        m = LlamaForCausalLM(cfg)
+        d1 = torch.randn(sd[T1].shape, generator=g)
+        d2 = torch.randn(sd[T2].shape, generator=g) * (1.0 if e == "code" else 0.0)  # T2: code only
+        new = {k: v.clone() for k, v in sd.items()}
+        new[T1] += d1
+        new[T2] += d2
+        m.load_state_dict(new)
+        m.save_pretrained(root / e)
+        tok.save_pretrained(root / e)
+        deltas[e] = {T1: d1, T2: d2}
+    pool = Pool(base=root / "base", experts={e: root / e for e in EXPERTS}, key="toy")
+    return pool, {k: v.clone() for k, v in sd.items()}, deltas, root
+
+
+def _merge(toy, spec, seed=0):
+    pool, base, deltas, root = toy
+    out = root / f"out-{spec.name}-{seed}"
+    run_one_merge(merge_config_dict(spec, pool), out, seed, pool.base)
+    return load_file(str(out / "model.safetensors")), out
+
+
+def _stack(deltas, k):
+    return torch.stack([deltas[e][k] for e in EXPERTS])  # [3, ...]
+
+
+def test_task_arithmetic_exact(toy):
+    _, base, deltas, _ = toy
+    merged, _ = _merge(toy, MergeSpec(name="ta", method="task_arithmetic", weight=0.5))
+    for k in (T1, T2):
+        torch.testing.assert_close(merged[k], base[k] + 0.5 * _stack(deltas, k).sum(0), rtol=0, atol=1e-6)
+    torch.testing.assert_close(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"], rtol=0, atol=0)
+
+
+def test_linear_is_weight_average(toy):
+    _, base, deltas, _ = toy
+    merged, _ = _merge(toy, MergeSpec(name="lin", method="linear", weight=1.0, normalize=True))
+    for k in (T1, T2):
+        experts = base[k] + _stack(deltas, k)
+        torch.testing.assert_close(merged[k], experts.mean(0), rtol=0, atol=1e-6)
+
+
+def _ties_by_hand(base, d, density):
+    """TIES (Yadav et al. 2023): trim to top-`density` magnitudes per expert, elect the sign of the
+    summed trimmed deltas, average the deltas agreeing with it (weights 1, normalized)."""
+    k = int(density * d[0].numel())
+    trimmed = []
+    for di in d:
+        flat = di.flatten()
+        keep = torch.zeros_like(flat)
+        keep[flat.abs().topk(k).indices] = 1
+        trimmed.append((flat * keep).view_as(di))
+    t = torch.stack(trimmed)
+    sign = torch.sign(t.sum(0))
+    agree = (torch.sign(t) == sign) & (t != 0)
+    num = (t * agree).sum(0)
+    den = agree.sum(0).clamp_min(1)
+    return base + num / den
+
+
+@pytest.mark.parametrize("density", [1.0, 0.5])
+def test_ties_by_hand(toy, density):
+    _, base, deltas, _ = toy
+    merged, _ = _merge(toy, MergeSpec(name=f"ties{density}", method="ties", weight=1.0, density=density,
+                                      normalize=True))
+    for k in (T1, T2):
+        torch.testing.assert_close(merged[k], _ties_by_hand(base[k], _stack(deltas, k), density), rtol=0, atol=1e-5)
+
+
+def test_dare_linear_density_one_equals_task_arithmetic(toy):
+    _, base, deltas, _ = toy
+    merged, _ = _merge(toy, MergeSpec(name="dl1", method="dare_linear", weight=0.5, density=1.0))
+    for k in (T1, T2):
+        torch.testing.assert_close(merged[k], base[k] + 0.5 * _stack(deltas, k).sum(0), rtol=0, atol=1e-6)
+
+
+def test_dare_masks_reproducible_from_seed(toy):
+    _, base, deltas, _ = toy
+    spec = MergeSpec(name="dare", method="dare_linear", weight=1.0, density=0.5)
+    a, _ = _merge(toy, spec, seed=3)
+    b, _ = _merge(toy, spec.model_copy(update={"name": "dare_b"}), seed=3)
+    c, _ = _merge(toy, spec.model_copy(update={"name": "dare_c"}), seed=4)
+    assert torch.equal(a[T1], b[T1]) and torch.equal(a[T2], b[T2])
+    assert not torch.equal(a[T1], c[T1])
+    # DARE (Yu et al. 2024) as mergekit 0.1.5 implements it: a Bernoulli(density) mask, then the kept
+    # delta is rescaled to the original L1 norm. T2 differs from the base in the code expert only,
+    # so the merged delta there is mask * delta_code * s with one scale s = |d|_1 / |mask * d|_1.
+    d = deltas["code"][T2]
+    got = a[T2] - base[T2]
+    kept = got != 0
+    s = got[kept] / d[kept]
+    torch.testing.assert_close(s, torch.full_like(s, float(s[0])), rtol=1e-5, atol=0)
+    torch.testing.assert_close(got.abs().sum(), d.abs().sum(), rtol=1e-5, atol=0)
+    assert 0.3 < kept.float().mean() < 0.7
+
+
+def test_merged_checkpoint_reloads_generates_and_keeps_eos(toy):
+    pool, *_ = toy
+    _, out = _merge(toy, MergeSpec(name="reload", method="ties", weight=1.0, density=0.5, normalize=True))
+    model, tok = load_causal_lm(out)
+    base_model, _ = load_causal_lm(pool.base)
+    assert model.generation_config.eos_token_id == base_model.generation_config.eos_token_id == tok.eos_token_id
+    tm = HFTextModel("m", model, tok)
+    outs = tm.generate(["hello", "def f"], max_new_tokens=5)
+    assert len(outs) == 2 and all(isinstance(o[0], str) for o in outs)

@@ -1,0 +1,88 @@
+"""The tiny pool: determinism, experts that are experts, compatibility checks."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from darts_bench.api import get_task
+from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm
+from darts_bench.evaluate.nll import reference_nll
+from darts_bench.pool.build import PoolMismatchError, check_compatible
+from darts_bench.pool.tiny import train_tokenizer
+
+
+def test_tokenizer_deterministic():
+    texts = ["def add(a, b):\n    return a + b\n", "Question: 2+2?\nAnswer: 4", "Write a poem."] * 20
+    a, b = train_tokenizer(texts, 300), train_tokenizer(texts, 300)
+    assert a.get_vocab() == b.get_vocab()
+    assert a("def add(x)")["input_ids"] == b("def add(x)")["input_ids"]
+
+
+def test_pool_deterministic(micro_pipeline, tmp_path):
+    """Rebuilding the pool from the same config and seed gives bitwise-identical weights."""
+    from darts_bench.pool.tiny import build_tiny_pool
+
+    pool = micro_pipeline.pool()
+    cfg = micro_pipeline.cfg.pool.model_copy(update={
+        "tiny": micro_pipeline.cfg.pool.tiny.model_copy(update={"pretrain_steps": 60, "finetune_steps": 40})})
+    build_tiny_pool(cfg, micro_pipeline.cfg.resolved_data_dir(), tmp_path)
+    for name in ("base", "math"):
+        a = load_file(str(pool.path(name) / "model.safetensors"))
+        b = load_file(str(tmp_path / name / "model.safetensors"))
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{name}:{k}"
+    assert json.loads((pool.base / "tokenizer.json").read_text()) == json.loads((tmp_path / "base" / "tokenizer.json").read_text())
+
+
+def test_experts_beat_base_and_each_other_on_own_task(micro_pipeline):
+    """Each expert has the lowest reference NLL on its own task's held-out benchmark data."""
+    pool = micro_pipeline.pool()
+    data_dir = micro_pipeline.cfg.resolved_data_dir()
+    names = ["base", "code", "math", "instruction"]
+    models = {n: HFTextModel(n, *load_causal_lm(pool.path(n)), batch_size=8) for n in names}
+    for task_name in ("humaneval", "gsm8k", "alpacaeval"):
+        task = get_task(task_name)
+        ex = task.examples(data_dir, models["base"], 24)
+        nll = {n: reference_nll(m, ex)[0] for n, m in models.items()}
+        own = nll[task.expert]
+        others = {n: v for n, v in nll.items() if n != task.expert}
+        assert all(own < v for v in others.values()), (task_name, nll)
+
+
+def test_mismatched_vocab_is_a_clear_error(micro_pipeline, tmp_path):
+    pool = micro_pipeline.pool()
+    bad = tmp_path / "bad_expert"
+    shutil.copytree(pool.path("math"), bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["vocab_size"] += 8
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PoolMismatchError, match=r"expert 'math'.*vocab_size = \d+ vs base"):
+        check_compatible(pool.base, {"math": bad})
+
+
+def test_mismatched_hidden_size_is_a_clear_error(micro_pipeline, tmp_path):
+    pool = micro_pipeline.pool()
+    bad = tmp_path / "bad_expert"
+    shutil.copytree(pool.path("code"), bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["hidden_size"] *= 2
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PoolMismatchError, match="hidden_size"):
+        check_compatible(pool.base, {"code": bad})
+
+
+def test_different_tokenizer_is_a_clear_error(micro_pipeline, tmp_path):
+    pool = micro_pipeline.pool()
+    bad = tmp_path / "bad_expert"
+    shutil.copytree(pool.path("code"), bad)
+    tok = json.loads((bad / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = list(vocab)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (bad / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(PoolMismatchError, match="different tokenizer vocabulary"):
+        check_compatible(pool.base, {"code": bad})
