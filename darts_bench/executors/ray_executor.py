@@ -1,0 +1,454 @@
+"""Ray executor: one model per Ray actor, fixed-order shards spread over ``ray.num_actors`` actors.
+
+Same interface and same outputs as :class:`darts_bench.executors.local.LocalExecutor`:
+
+* :meth:`RayExecutor.map` runs one op (``generate_ids`` / ``generate`` / ``score`` / ``features``)
+  on every payload (shard). Shards are submitted in payload order to whichever actor is free,
+  collected with ``ray.wait`` as they finish, handed to ``on_result(i, result)`` in the driver (the
+  driver persists them, so a resumed run redoes only missing shards) and returned in payload order.
+* :meth:`RayExecutor.text_model` returns a :class:`RayTextModel` proxy (the :class:`TextModel`
+  protocol) that cuts prompts into contiguous chunks and concatenates the actors' answers in order.
+
+Identical results. A shard is a deterministic function of its payload: every actor runs the same
+:class:`~darts_bench.executors.worker.ModelWorker` code as the local executor. For the text-model
+proxy two more things make the output independent of the number of actors:
+
+1. chunks are ``ray.shard_size`` rounded *up to a multiple of the batch size*, so every forward
+   batch holds exactly the prompts (and hence the left padding) that
+   :class:`~darts_bench.evaluate.hf_model.HFTextModel` would batch in-process;
+2. the chunk starting at prompt ``s`` is called with ``seed + s``; the worker seeds batch ``b`` of
+   the chunk with ``(seed + s) + b``, which is ``seed + (s + b)`` = the seed the in-process model
+   uses for the batch starting at global index ``s + b``. Sampling is therefore reproducible and
+   equal to the local executor's for any number of actors.
+
+Fault tolerance. Actors are created with ``max_restarts`` / ``max_task_retries`` from
+:class:`~darts_bench.config.RayConfig`, so Ray itself restarts an actor that dies mid-shard and
+retries the shard. When Ray gives up (restarts exhausted), the driver replaces the actor with a
+fresh one and resubmits the shard, at most ``max_task_retries`` more times; a shard that still
+fails raises :class:`RuntimeError` naming the shard index, the op and the model dir. An exception
+raised *by the op* (bad payload, NaN check ...) is deterministic and is not retried: it is raised
+at once as a :class:`RuntimeError` naming the shard, chained to the original error.
+
+Resources. Actor groups (``num_actors`` actors of one model, optionally with a head) are kept in
+an LRU pool keyed by ``(model_dir, head_dir, batch_size)``: consecutive ``map`` calls on the same
+model (expert generation, then expert features) reuse the loaded actors; at most one group that no
+open proxy uses is kept; a group that would not fit next to the resident ones (in the cluster's
+total CPUs/GPUs) evicts the least recently used idle groups first, and a proxy whose group was
+evicted recreates it on its next call. On a local instance the number of actors per model is capped
+at what the machine can hold (a warning says so) instead of waiting forever for resources.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from tqdm.auto import tqdm
+
+from darts_bench.api import ScoreContinuation
+from darts_bench.executors.worker import ModelWorker
+
+log = logging.getLogger("darts_bench")
+
+
+class _WorkerActor:
+    """Body of one Ray actor: a :class:`ModelWorker` (or a subclass) holding one model."""
+
+    def __init__(self, worker_cls: type, kwargs: dict[str, Any]):
+        self.worker = worker_cls(**kwargs)
+
+    def run(self, op: str, payload: dict[str, Any]) -> Any:
+        return self.worker.run(op, payload)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+_RemoteWorker = ray.remote(_WorkerActor)
+
+
+@dataclass
+class _Group:
+    """``num_actors`` actors serving one (model_dir, head_dir, batch_size)."""
+
+    key: tuple
+    kwargs: dict[str, Any]
+    actors: list = field(default_factory=list)
+    busy: int = 0  # calls in flight (never evicted while > 0)
+
+
+def _local_cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def init_ray(address: str | None, num_cpus: int | None = None) -> bool:
+    """Start (``address`` None) or join (``"auto"``, ``ray://...``, ``host:port``) a Ray instance.
+
+    A local instance stays on 127.0.0.1, without dashboard, with ``num_cpus`` (default: the CPUs
+    this process may use). Returns whether this call initialised Ray (False when this process was
+    already connected, in which case the caller must not shut it down).
+    """
+    if ray.is_initialized():
+        return False
+    if address is None:
+        kwargs = dict(address="local", num_cpus=num_cpus or _local_cpu_count(), include_dashboard=False,
+                      log_to_driver=False, _node_ip_address="127.0.0.1")
+        try:
+            ray.init(**kwargs)
+        except TypeError:  # a Ray without the private loopback option
+            kwargs.pop("_node_ip_address")
+            ray.init(**kwargs)
+    else:
+        ray.init(address=address, log_to_driver=False)
+    return True
+
+
+class RayExecutor:
+    """Runs shards on Ray actors, one model per actor (see the module docstring).
+
+    Args:
+        cfg: the run's :class:`~darts_bench.config.Config` (uses ``ray``, ``calibration.batch_size``,
+            ``device``, ``torch_threads``).
+        worker_cls: the worker class each actor holds (a :class:`ModelWorker` subclass; tests pass
+            one that fails on purpose).
+    """
+
+    name = "ray"
+
+    def __init__(self, cfg, worker_cls: type = ModelWorker):
+        self.cfg, self.rcfg = cfg, cfg.ray
+        self.batch_size = cfg.calibration.batch_size
+        self.device = cfg.device
+        # one torch thread per reserved CPU unless the config says otherwise
+        self.torch_threads = cfg.torch_threads or max(1, int(self.rcfg.num_cpus_per_actor))
+        self.worker_cls = worker_cls
+        self._owns_ray = init_ray(self.rcfg.address)
+        self._local = self.rcfg.address is None
+        self._groups: OrderedDict[tuple, _Group] = OrderedDict()
+        self._users: Counter = Counter()  # group key -> open RayTextModel proxies
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # --------------------------------------------------------------------------- actor groups
+    def _actor_options(self) -> dict[str, Any]:
+        r = self.rcfg
+        return dict(num_cpus=r.num_cpus_per_actor, num_gpus=r.num_gpus_per_actor,
+                    max_restarts=r.max_restarts, max_task_retries=r.max_task_retries)
+
+    def _new_actor(self, kwargs: dict[str, Any]):
+        return _RemoteWorker.options(**self._actor_options()).remote(self.worker_cls, kwargs)
+
+    def _cluster_capacity(self) -> int | None:
+        """How many actors of this size the cluster can hold at once (None: unknown)."""
+        try:
+            total = ray.cluster_resources()
+        except Exception:  # pragma: no cover - a disconnected client
+            return None
+        r = self.rcfg
+        fits = [math.floor(total.get("CPU", 0) / r.num_cpus_per_actor + 1e-9)]
+        if r.num_gpus_per_actor > 0:
+            fits.append(math.floor(total.get("GPU", 0) / r.num_gpus_per_actor + 1e-9))
+        return min(fits)
+
+    def _n_actors(self) -> int:
+        n = self.rcfg.num_actors
+        if not self._local:
+            return n  # a cluster may autoscale: ask for what the config says
+        cap = self._cluster_capacity()
+        if cap is not None and cap < 1:
+            raise RuntimeError(
+                f"the local Ray instance cannot hold one actor with num_cpus={self.rcfg.num_cpus_per_actor}, "
+                f"num_gpus={self.rcfg.num_gpus_per_actor} (resources: {ray.cluster_resources()}); "
+                "lower ray.num_cpus_per_actor / ray.num_gpus_per_actor")
+        if cap is not None and cap < n:
+            log.warning("ray.num_actors=%d does not fit the local Ray instance; using %d actors per model", n, cap)
+            return cap
+        return n
+
+    def _kill_group(self, g: _Group) -> None:
+        for a in g.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already dead
+                pass
+        g.actors = []
+        self._groups.pop(g.key, None)
+
+    def _make_room(self, n_new: int, keep: tuple) -> None:
+        """Evict least recently used groups without calls in flight until ``n_new`` more actors fit."""
+        cap = self._cluster_capacity()
+        if cap is None:
+            return
+        resident = sum(len(g.actors) for g in self._groups.values())
+        for key in list(self._groups):
+            if resident + n_new <= cap:
+                break
+            g = self._groups[key]
+            if key == keep or g.busy:
+                continue
+            log.info("ray: releasing actors of %s to make room", key[0])
+            resident -= len(g.actors)
+            self._kill_group(g)
+
+    def _trim_idle(self, keep: tuple) -> None:
+        """Keep at most one group that no proxy uses (the most recent one)."""
+        for key in list(self._groups):
+            g = self._groups[key]
+            if key != keep and not self._users[key] and not g.busy:
+                self._kill_group(g)
+
+    @staticmethod
+    def _key(model_dir: str, head_dir: str | None, batch_size: int) -> tuple:
+        return (str(model_dir), str(head_dir) if head_dir else None, int(batch_size))
+
+    def _acquire(self, key: tuple, name: str = "model") -> _Group:
+        """The (possibly new) actor group for ``key``; marks it most recently used."""
+        if self._closed:
+            raise RuntimeError("RayExecutor is closed")
+        with self._lock:
+            g = self._groups.get(key)
+            if g is not None:
+                self._groups.move_to_end(key)
+                return g
+            n = self._n_actors()
+            self._make_room(n, keep=key)
+            kwargs = dict(model_dir=key[0], head_dir=key[1], name=name, device=self.device,
+                          batch_size=key[2], torch_threads=self.torch_threads)
+            g = _Group(key=key, kwargs=kwargs, actors=[self._new_actor(kwargs) for _ in range(n)])
+            self._groups[key] = g
+        try:  # wait for the models to load so a broken checkpoint is reported as such
+            ray.get([a.pid.remote() for a in g.actors])
+        except (RayActorError, RayTaskError) as e:
+            with self._lock:
+                self._kill_group(g)
+            raise RuntimeError(f"starting Ray workers for model {key[0]} (head {key[1]}) failed: "
+                               f"{_cause(e)}") from e
+        return g
+
+    def _replace_actor(self, g: _Group, slot: int) -> None:
+        try:
+            ray.kill(g.actors[slot], no_restart=True)
+        except Exception:
+            pass
+        g.actors[slot] = self._new_actor(g.kwargs)
+
+    # ------------------------------------------------------------------------------- sharding
+    def _run_shards(self, g: _Group, op: str, payloads: Sequence[dict[str, Any]], todo: list[int],
+                    on_result: Callable[[int, Any], None] | None, desc: str) -> list[Any]:
+        """Submit ``todo`` shards in order to free actors; collect with ``ray.wait`` as they finish."""
+        results: list[Any] = [None] * len(payloads)
+        pending = deque(todo)
+        free = deque(range(len(g.actors)))
+        inflight: dict[Any, tuple[int, int]] = {}  # object ref -> (shard, actor slot)
+        resubmits: dict[int, int] = {}
+        model_dir = g.key[0]
+        bar = tqdm(total=len(todo), desc=desc or op, leave=False, disable=len(todo) < 2)
+        g.busy += 1
+        ok = False
+        try:
+            while pending or inflight:
+                while pending and free:
+                    i, slot = pending.popleft(), free.popleft()
+                    inflight[g.actors[slot].run.remote(op, payloads[i])] = (i, slot)
+                ready, _ = ray.wait(list(inflight), num_returns=1)
+                for ref in ready:
+                    i, slot = inflight.pop(ref)
+                    try:
+                        res = ray.get(ref)
+                    except RayActorError as e:  # the actor died and Ray's own retries are spent
+                        n = resubmits.get(i, 0) + 1
+                        resubmits[i] = n
+                        if n > self.rcfg.max_task_retries:
+                            raise RuntimeError(
+                                f"shard {i} of op {op!r} on model {model_dir} failed: its Ray worker died "
+                                f"{n} times ({_cause(e)})") from e
+                        log.warning("ray: worker died on shard %d of %s (%s); retrying on a new actor "
+                                    "(%d/%d)", i, op, model_dir, n, self.rcfg.max_task_retries)
+                        self._replace_actor(g, slot)
+                        pending.appendleft(i)
+                        free.append(slot)
+                        continue
+                    except RayTaskError as e:  # the op raised: deterministic, do not retry
+                        raise RuntimeError(f"shard {i} of op {op!r} on model {model_dir} failed: "
+                                           f"{_cause(e)}") from e
+                    free.append(slot)
+                    results[i] = res
+                    if on_result is not None:
+                        on_result(i, res)
+                    bar.update(1)
+            ok = True
+        finally:
+            bar.close()
+            g.busy -= 1
+            if not ok:  # drop work still queued on the actors: start clean next time
+                with self._lock:
+                    if not g.busy:
+                        self._kill_group(g)
+        return results
+
+    # ------------------------------------------------------------------------------ interface
+    def map(self, model_dir: str, op: str, payloads: Sequence[dict[str, Any]], *, head_dir: str | None = None,
+            skip: set[int] = frozenset(), on_result: Callable[[int, Any], None] | None = None,
+            desc: str = "") -> list[Any]:
+        """Run ``op`` on every payload not in ``skip``; ``on_result(i, result)`` in the driver as
+        each finishes (in completion order).
+
+        Returns:
+            results in payload order (``None`` for skipped shards).
+        Raises:
+            RuntimeError: a shard failed (the message names the shard index, op and model dir).
+        """
+        todo = [i for i in range(len(payloads)) if i not in skip]
+        if not todo:
+            return [None] * len(payloads)
+        g = self._acquire(self._key(model_dir, head_dir, self.batch_size))
+        try:
+            return self._run_shards(g, op, payloads, todo, on_result, desc)
+        finally:
+            with self._lock:
+                self._trim_idle(keep=g.key)
+
+    def text_model(self, name: str, model_dir: str, head_dir: str | None = None,
+                   batch_size: int | None = None) -> "RayTextModel":
+        """A :class:`RayTextModel` proxy over ``num_actors`` actors of this model (head attached
+        when ``head_dir``); close it to release the actors."""
+        return RayTextModel(self, name, str(model_dir), str(head_dir) if head_dir else None,
+                            batch_size or self.batch_size)
+
+    def close(self) -> None:
+        """Kill every actor; shut Ray down if this executor started (or connected) it."""
+        with self._lock:
+            for g in list(self._groups.values()):
+                self._kill_group(g)
+            self._closed = True
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        self._owns_ray = False
+
+    def __enter__(self) -> "RayExecutor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _cause(e: BaseException) -> str:
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}"
+    msg = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {msg[0] if msg else ''}"
+
+
+class RayTextModel:
+    """:class:`darts_bench.api.TextModel` whose calls run on a :class:`RayExecutor`'s actors.
+
+    Prompts are cut into contiguous chunks of ``chunk_size`` (``ray.shard_size`` rounded up to a
+    multiple of ``batch_size``), chunk ``s`` sampled with seed ``seed + s``; results are
+    concatenated in prompt order, equal to :class:`~darts_bench.evaluate.hf_model.HFTextModel`'s.
+    ``format_chat`` uses the tokenizer loaded in the driver.
+    """
+
+    def __init__(self, executor: RayExecutor, name: str, model_dir: str, head_dir: str | None, batch_size: int):
+        self.name, self.model_dir, self.head_dir, self.batch_size = name, model_dir, head_dir, batch_size
+        self._ex = executor
+        shard = executor.rcfg.shard_size
+        self.chunk_size = max(batch_size, -(-shard // batch_size) * batch_size)
+        self._tokenizer = None
+        self._closed = False
+        self._key = executor._key(model_dir, head_dir, batch_size)
+        with executor._lock:
+            executor._users[self._key] += 1
+        try:
+            executor._acquire(self._key, name=name)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.model_dir)
+            tok.padding_side = tok.truncation_side = "left"
+            if tok.pad_token is None:
+                tok.pad_token = tok.eos_token
+            self._tokenizer = tok
+        return self._tokenizer
+
+    def _run(self, op: str, payloads: list[dict[str, Any]], desc: str) -> list[Any]:
+        if self._closed:
+            raise RuntimeError(f"text model {self.name!r} is closed")
+        if not payloads:
+            return []
+        g = self._ex._acquire(self._key, name=self.name)
+        return self._ex._run_shards(g, op, payloads, list(range(len(payloads))), None, desc)
+
+    def _chunks(self, n: int) -> list[int]:
+        return list(range(0, n, self.chunk_size))
+
+    # ------------------------------------------------------------------ TextModel
+    def generate_ids(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
+                     num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[list[int]]]:
+        """Generated token ids, ``[prompt][sample][token]`` (see ``HFTextModel.generate_ids``)."""
+        return self._generate("generate_ids", prompts, max_new_tokens, stop, num_samples, temperature, seed)
+
+    def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
+                 num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
+        """Continuations, ``[prompt][sample]`` strings cut before the first stop sequence."""
+        return self._generate("generate", prompts, max_new_tokens, stop, num_samples, temperature, seed)
+
+    def _generate(self, op, prompts, max_new_tokens, stop, num_samples, temperature, seed) -> list:
+        if temperature == 0.0 and num_samples != 1:
+            raise ValueError("greedy decoding (temperature 0) gives one sample; set temperature > 0")
+        prompts = list(prompts)
+        kw = dict(max_new_tokens=max_new_tokens, stop=list(stop), num_samples=num_samples, temperature=temperature)
+        payloads = [{"prompts": prompts[s:s + self.chunk_size], "kwargs": {**kw, "seed": seed + s}}
+                    for s in self._chunks(len(prompts))]
+        return [row for shard in self._run(op, payloads, f"{op} {self.name}") for row in shard]
+
+    def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:
+        """Per-pair log-likelihood of ``continuation`` given ``context``."""
+        if len(contexts) != len(continuations):
+            raise ValueError(f"{len(contexts)} contexts vs {len(continuations)} continuations")
+        contexts, continuations = list(contexts), list(continuations)
+        payloads = [{"contexts": contexts[s:s + self.chunk_size], "continuations": continuations[s:s + self.chunk_size]}
+                    for s in self._chunks(len(contexts))]
+        return [r for shard in self._run("score", payloads, f"score {self.name}") for r in shard]
+
+    def format_chat(self, user_message: str) -> str:
+        from darts_bench.evaluate.hf_model import format_chat
+
+        return format_chat(self.tokenizer, user_message)
+
+    def close(self) -> None:
+        """Release this proxy's actors (killed when no other open proxy uses the same model)."""
+        if self._closed:
+            return
+        self._closed = True
+        ex = self._ex
+        with ex._lock:
+            ex._users[self._key] -= 1
+            if ex._users[self._key] <= 0:
+                del ex._users[self._key]
+                g = ex._groups.get(self._key)
+                if g is not None and not g.busy:
+                    ex._kill_group(g)
+
+    def __enter__(self) -> "RayTextModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,90 @@
+"""Pipeline: feature cache reuse/rebuild, corrupt artifacts, and the end-to-end micro run."""
+
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from darts_bench.cli import main
+from darts_bench.config import load_config
+from darts_bench.pipeline import Pipeline
+from darts_bench.report.tables import contract_columns
+
+
+def test_feature_cache_reused_then_rebuilt_on_input_change(micro_pipeline, micro_cfg_path, monkeypatch):
+    col = micro_pipeline.collect()
+    n_feats = len(col["features"])
+    assert n_feats == 2 * 3 * 3  # merges x tasks x (2 splits + reference)
+    # a second pipeline over the same config finds everything cached: no model work at all
+    again = Pipeline(load_config(str(micro_cfg_path)))
+
+    def boom(*a, **k):
+        raise AssertionError("executor used although the features are cached")
+
+    monkeypatch.setattr(again.executor, "map", boom)
+    col2 = again.collect()
+    assert {k: v.root for k, v in col2["features"].items()} == {k: v.root for k, v in col["features"].items()}
+    monkeypatch.undo()
+    # changing an input of the calibration set (more continuation tokens) gives new artifacts
+    changed = Pipeline(load_config(str(micro_cfg_path), ["calibration.max_new_tokens=9"]))
+    col3 = changed.collect()
+    k = ("ties", "gsm8k", "transductive")
+    assert col3["features"][k].root != col["features"][k].root
+    assert col3["calibration"][("gsm8k", "transductive")].root != col["calibration"][("gsm8k", "transductive")].root
+
+
+def test_corrupt_feature_shard_is_detected_and_rebuilt(micro_pipeline, micro_cfg_path):
+    col = micro_pipeline.collect()
+    fs = col["features"][("task_arithmetic", "humaneval", "transductive")]
+    shard = fs.root / json.loads((fs.root / "index.json").read_text())["shards"][0]
+    good = shard.read_bytes()
+    shard.write_bytes(good[:-16] + b"\0" * 16)  # same size, different content
+    again = Pipeline(load_config(str(micro_cfg_path)))
+    col2 = again.collect()
+    assert col2["features"][("task_arithmetic", "humaneval", "transductive")].root == fs.root
+    assert shard.read_bytes() == good  # rebuilt bitwise identical
+
+
+def test_heads_lower_heldout_l1(micro_pipeline):
+    """Surgery and DARTS both lower the held-out representation L1 of every micro merge."""
+    diags = micro_pipeline.train()["diagnostics"]
+    for key, d in diags.items():
+        for method in ("surgery", "darts"):
+            assert d[method]["rep_l1"] < d["none"]["rep_l1"], (key, method)
+
+
+def test_end_to_end_micro_run(micro_dir, micro_pipeline, capsys):
+    out = micro_dir / "e2e"
+    rc = main(["run", "--config", str(micro_dir / "micro.yaml"), "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["schema_version"] == 1
+    df = pd.read_csv(out / "table.csv")
+    cols = contract_columns(["humaneval", "gsm8k", "alpacaeval"])
+    assert list(df.columns) == cols
+    names = list(df["model"])
+    assert names[:4] == ["base", "expert:code", "expert:math", "expert:instruction"]
+    for m in ("ties", "task_arithmetic"):
+        for suffix in ("", "+surgery", "+darts", "+surgery@inductive", "+darts@inductive"):
+            assert m + suffix in names
+    always = ["humaneval_pass@1", "gsm8k_em_strict", "gsm8k_em_flexible", "alpacaeval_win_rate",
+              "alpacaeval_judge_consistency", "humaneval_ref_nll", "gsm8k_ref_nll", "alpacaeval_ref_nll",
+              "n_humaneval", "n_gsm8k", "n_alpacaeval", "params_added"]
+    merged_only = [f"{t}_{m}" for t in ("humaneval", "gsm8k", "alpacaeval")
+                   for m in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_expert_ref", "agree_top1_ref")]
+    for _, r in df.iterrows():
+        for c in always:
+            assert not pd.isna(r[c]), (r["model"], c)
+        for c in merged_only:
+            assert pd.isna(r[c]) == (r["merge"] is None or pd.isna(r["merge"])), (r["model"], c)
+        if r["correction"] in ("surgery", "darts"):
+            assert r["params_added"] > 0
+            for t in ("humaneval", "gsm8k", "alpacaeval"):
+                assert not pd.isna(r[f"{t}_gap_closed"]) and math.isfinite(r[f"{t}_gap_closed"])
+    assert (df["n_humaneval"] == 4).all() and (df["n_gsm8k"] == 4).all()
+    md = (out / "table.md").read_text()
+    assert "| base |" in md and "ties+darts - ties+surgery" in md
+    assert (out / "plots" / "gsm8k_l1_by_position.png").is_file()
+    # the table was printed
+    assert "| model | merge |" in capsys.readouterr().out
