@@ -75,6 +75,8 @@ def build_rows(pipe, results: dict) -> list[dict[str, Any]]:
                                "calibration": row.calibration, "params_added": 0, "params_added_pct": 0.0}
         for tname, res in results[row.model].items():
             rec.update(res.metrics)
+            if tname == "alpacaeval":
+                rec["alpacaeval_win_rate_kind"] = res.meta.get("win_rate_kind")
             if row.merge:
                 split = row.calibration or splits[0]
                 d = diags[(row.merge, tname, split)]
@@ -88,6 +90,11 @@ def build_rows(pipe, results: dict) -> list[dict[str, Any]]:
                 rec[f"{tname}_kl_floor"] = d["none"]["kl_floor"]
                 rec[f"{tname}_gap_closed"] = dd.get("gap_closed")
                 rec[f"{tname}_gap_closed_ref"] = dd["reference"].get("gap_closed")
+                sl = dd["slope"]
+                rec[f"{tname}_pos_slope"] = sl["slope"]
+                rec[f"{tname}_pos_slope_ci"] = f"[{sl['ci_low']:.3g}, {sl['ci_high']:.3g}]"
+                # the DARTS premise: representation bias grows with position (CI above zero)
+                rec[f"{tname}_bias_grows"] = bool(sl["ci_low"] > 0)
         if row.heads:
             from darts_bench.surgery.heads import load_head
 
@@ -114,9 +121,10 @@ def contract_columns(task_names: list[str]) -> list[str]:
     for t in task_names:
         cols += HEADLINE[t]
         if t == "alpacaeval":
-            cols += ["alpacaeval_judge_consistency", "alpacaeval_win_rate_flag"]
+            cols += ["alpacaeval_win_rate_kind", "alpacaeval_judge_consistency", "alpacaeval_win_rate_flag"]
         cols += [f"{t}_ref_nll", f"{t}_rep_l1", f"{t}_rep_l1_ew", f"{t}_kl_expert", f"{t}_agree_top1",
-                 f"{t}_gap_closed", f"{t}_kl_expert_ref", f"{t}_agree_top1_ref", f"n_{t}"]
+                 f"{t}_gap_closed", f"{t}_kl_expert_ref", f"{t}_agree_top1_ref", f"{t}_pos_slope",
+                 f"{t}_pos_slope_ci", f"{t}_bias_grows", f"n_{t}"]
     return cols + ["params_added", "params_added_pct"]
 
 

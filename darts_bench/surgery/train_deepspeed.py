@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -272,7 +273,9 @@ def _ray_loop(config: dict) -> None:
     from darts_bench.config import SurgeryConfig
 
     arrays = ray.get(config["data"])
-    tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
+    with warnings.catch_warnings():  # object-store arrays are read-only; the features are only read
+        warnings.simplefilter("ignore", UserWarning)
+        tensors = {k: torch.from_numpy(v) for k, v in arrays.items()}
     train, val = _unpack(tensors, "train"), _unpack(tensors, "val")
     scfg = SurgeryConfig.model_validate(config["scfg"])
     try:
