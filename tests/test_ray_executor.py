@@ -300,22 +300,27 @@ def test_ray_job_submit_on_loopback_head(tmp_path):
     temp_dir = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # short: Ray's socket paths must fit
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: keep 127.0.0.1 as the node IP (else Ray swaps in the
     # routable address and listens on every interface)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}",
-           "RAY_USAGE_STATS_ENABLED": "0"}
-    dash = _free_port()
-    cmd = [str(ray_bin), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(_free_port()),
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}", "RAY_USAGE_STATS_ENABLED": "0"}
+    dash, gcs_port = _free_port(), _free_port()
+    gcs = f"127.0.0.1:{gcs_port}"
+    cmd = [str(ray_bin), "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
            "--include-dashboard=true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash),
            "--dashboard-agent-listen-port", str(_free_port()), "--ray-client-server-port", str(_free_port()),
            "--num-cpus", "1", "--temp-dir", str(temp_dir), "--disable-usage-stats"]
     before = {p.pid for p in psutil.process_iter()}
     ours: set[int] = set()
 
-    def collect() -> None:  # the head's daemons (their command lines name our temp dir) and their trees
+    def mine(cmdline) -> bool:  # the head's daemons name our temp dir or our GCS address
+        line = " ".join(cmdline or [])
+        return str(temp_dir) in line or gcs in line
+
+    def collect() -> None:  # the head's daemons and their process trees
         for p in psutil.process_iter(["pid", "cmdline"]):
             if p.pid in before:
                 continue
             try:
-                if str(temp_dir) in " ".join(p.info["cmdline"] or []):
+                if mine(p.info["cmdline"]):
                     ours.add(p.pid)
                     ours.update(c.pid for c in p.children(recursive=True))
             except psutil.Error:
@@ -353,6 +358,6 @@ def test_ray_job_submit_on_loopback_head(tmp_path):
         collect()  # anything that appeared meanwhile
         left |= _wait_gone(ours, timeout=5)
         shutil.rmtree(temp_dir, ignore_errors=True)
-    still = [p.pid for p in psutil.process_iter(["cmdline"]) if str(temp_dir) in " ".join(p.info["cmdline"] or [])]
+    still = [p.pid for p in psutil.process_iter(["cmdline"]) if mine(p.info["cmdline"])]
     assert not still, f"head processes still running: {still}"
     assert ours, "the head should have started processes"

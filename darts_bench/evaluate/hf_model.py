@@ -19,18 +19,49 @@ from darts_bench.surgery.heads import CorrectionHead
 DEFAULT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 
 
+def check_checkpoint(path: str | Path) -> None:
+    """Fail early, naming the file, if a local checkpoint dir lacks its config or weights, or if a
+    safetensors file is truncated or corrupt (its header and tensor byte ranges are checked).
+
+    Raises:
+        FileNotFoundError: no config.json / no weights; ValueError: a corrupt safetensors file.
+    """
+    from safetensors import safe_open
+
+    p = Path(path)
+    if not p.exists():
+        return  # a hub id: transformers resolves it
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"not a model checkpoint (no config.json): {p}")
+    files = sorted(p.glob("*.safetensors"))
+    if not files and not any(p.glob("*.bin")):
+        raise FileNotFoundError(f"no weights (*.safetensors) in checkpoint dir {p}")
+    for f in files:
+        try:
+            with safe_open(str(f), "pt") as st:
+                for k in st.keys():
+                    st.get_slice(k)
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                import json as _json
+
+                header = _json.loads(fh.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+            if 8 + n + end != size:
+                raise ValueError(f"expected {8 + n + end} bytes, found {size}")
+        except Exception as e:  # noqa: BLE001 - any failure here means the file is unusable
+            raise ValueError(f"corrupt safetensors file {f}: {e}; re-download or rebuild it "
+                             "(darts-bench rebuilds artifacts in its work dir when their manifest check fails)") from None
+
+
 def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """Load ``(model, tokenizer)`` from a checkpoint dir; the tokenizer pads on the left.
 
     Raises:
-        FileNotFoundError: ``path`` is missing or has no config/weights.
+        FileNotFoundError: ``path`` is missing or has no config/weights; ValueError: corrupt weights.
     """
-    p = Path(path)
-    if p.exists():
-        if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"not a model checkpoint (no config.json): {p}")
-        if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
-            raise FileNotFoundError(f"no weights (*.safetensors) in checkpoint dir {p}")
+    check_checkpoint(path)
     tok = AutoTokenizer.from_pretrained(str(path))
     tok.padding_side = "left"
     if tok.pad_token is None:

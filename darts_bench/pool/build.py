@@ -58,9 +58,14 @@ def check_compatible(base: Path | str, experts: dict[str, Path | str]) -> None:
 
     Raises:
         PoolMismatchError: naming the expert, the field, and both values.
+        FileNotFoundError / ValueError: a checkpoint dir without config or weights, or corrupt weights.
     """
     from transformers import AutoTokenizer
 
+    from darts_bench.evaluate.hf_model import check_checkpoint
+
+    for p in (base, *experts.values()):
+        check_checkpoint(p)
     keys = ("architectures", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")
     bcfg = _read_json(Path(base) / "config.json")

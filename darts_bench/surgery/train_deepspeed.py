@@ -18,10 +18,12 @@ optimizer ``train_head`` uses, so the trained head matches it within float toler
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -221,8 +223,7 @@ def _run_torchrun(method: str, train: TokenData, val: TokenData, scfg, seed: int
         raise RuntimeError(f"DeepSpeed training ({' '.join(cmd)}) failed with exit code {rc}; "
                            f"log {log_path}:\n{tail}")
     res = _read_result(run_dir / "out")
-    for p in (run_dir / "data.safetensors",):
-        p.unlink(missing_ok=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # kept only when the run failed, for its log
     return res
 
 
@@ -298,34 +299,39 @@ def _run_ray(method: str, train: TokenData, val: TokenData, scfg, seed: int, ds_
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    env = _worker_env(cuda)
-    if not ray.is_initialized():
-        if ray_address:
-            ray.init(address=ray_address)
-        else:
-            ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1",
-                     runtime_env={"env_vars": env})
-    work_dir.mkdir(parents=True, exist_ok=True)
-    data = ray.put({k: v.numpy() for k, v in _pack(train, val).items()})
-    config = {"method": method, "scfg": scfg.model_dump(mode="json"), "seed": seed, "env": env,
-              "ds_config": deepspeed_config(scfg, ds_cfg, ds_cfg.num_procs), "backend": "nccl" if cuda else "gloo",
-              "data": data}
-    name = f"ds-{method}-{seed}-{os.getpid()}-{time.time_ns()}"
-    trainer = TorchTrainer(_ray_loop, train_loop_config=config,
-                           torch_config=TorchConfig(backend="nccl" if cuda else "gloo"),
-                           scaling_config=ScalingConfig(num_workers=ds_cfg.num_procs, use_gpu=cuda),
-                           run_config=RunConfig(name=name, storage_path=str(work_dir.resolve() / "ray_train")))
-    t0 = time.perf_counter()
-    result = trainer.fit()
-    log.info("DeepSpeed %s head (%d procs, ZeRO %d, Ray Train): %.1f s", method, ds_cfg.num_procs,
-             ds_cfg.zero_stage, time.perf_counter() - t0)
-    metrics = result.metrics or {}
-    if "error" in metrics:
-        raise FloatingPointError(metrics["error"])
-    if result.checkpoint is None:
-        raise RuntimeError(f"Ray Train run {name} returned no checkpoint (metrics {metrics})")
-    with result.checkpoint.as_directory() as d:
-        return _read_result(Path(d))
+    from darts_bench.executors.ray_executor import init_ray
+
+    owns = init_ray(ray_address)  # no-op when this process is already connected (e.g. the Ray executor's)
+    try:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        data = ray.put({k: v.numpy() for k, v in _pack(train, val).items()})
+        config = {"method": method, "scfg": scfg.model_dump(mode="json"), "seed": seed, "env": _worker_env(cuda),
+                  "ds_config": deepspeed_config(scfg, ds_cfg, ds_cfg.num_procs),
+                  "backend": "nccl" if cuda else "gloo", "data": data}
+        name = f"ds-{method}-{seed}-{os.getpid()}-{time.time_ns()}"
+        storage = work_dir.resolve() / "ray_train"
+        trainer = TorchTrainer(_ray_loop, train_loop_config=config,
+                               torch_config=TorchConfig(backend="nccl" if cuda else "gloo"),
+                               scaling_config=ScalingConfig(num_workers=ds_cfg.num_procs, use_gpu=cuda),
+                               run_config=RunConfig(name=name, storage_path=str(storage)))
+        t0 = time.perf_counter()
+        result = trainer.fit()
+        log.info("DeepSpeed %s head (%d procs, ZeRO %d, Ray Train): %.1f s", method, ds_cfg.num_procs,
+                 ds_cfg.zero_stage, time.perf_counter() - t0)
+        metrics = result.metrics or {}
+        if "error" in metrics:
+            raise FloatingPointError(metrics["error"])
+        if result.checkpoint is None:
+            raise RuntimeError(f"Ray Train run {name} returned no checkpoint (metrics {metrics})")
+        with result.checkpoint.as_directory() as d:
+            res = _read_result(Path(d))
+        shutil.rmtree(storage / name, ignore_errors=True)  # the checkpoint is read; keep nothing behind
+        with contextlib.suppress(OSError):
+            storage.rmdir()
+        return res
+    finally:
+        if owns:
+            ray.shutdown()
 
 
 # ------------------------------------------------------------------------------ public API
@@ -339,7 +345,9 @@ def train_head_deepspeed(method: str, train: TokenData, val: TokenData, scfg, se
         ds_cfg: :class:`darts_bench.config.DeepSpeedConfig` (num_procs, zero_stage, launcher, extra).
         work_dir: scratch dir for the launcher (features as safetensors, logs, Ray Train storage).
         ray_address: Ray cluster to join for ``launcher: ray`` when Ray is not initialised yet
-            (None: a local instance on 127.0.0.1).
+            (None: a local instance on 127.0.0.1, shut down again afterwards). On a multi-node
+            cluster ``work_dir`` must be on storage every node sees (Ray Train writes the trained
+            head there as a checkpoint).
     Returns:
         the trained head (eval mode, CPU) and its history (per-epoch train loss, validation L1 /
         entropy-weighted L1 before training and after each epoch, world size, ZeRO stage).

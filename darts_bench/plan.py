@@ -1,0 +1,399 @@
+"""The run plan behind ``darts-bench run --dry-run``: what each stage runs, where, and rough sizes.
+
+Everything comes from the config alone: no model is loaded and the hub is never contacted. The
+architecture comes from ``config.json`` of a local model dir when there is one, from
+``pool.tiny`` for the tiny tier, else from a table of known architectures (SmolLM2-135M,
+Llama-2-7B) matched on the model id. Prompt and reference lengths are not known before the
+tokenizer runs, so token counts use per-task typical lengths (Llama-style BPE, listed in
+:data:`TYPICAL_TOKENS`) capped by the configured limits; treat them as order-of-magnitude estimates.
+
+``make_plan(cfg, suite, limit) -> dict`` returns the plan; ``print_plan`` prints it as a table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+from darts_bench.config import EXPERT_NAMES, TASK_NAMES, Config
+
+# Examples per benchmark when no limit applies (HumanEval, GSM8K test split, AlpacaEval set).
+TASK_SIZES = {"humaneval": 164, "gsm8k": 1319, "alpacaeval": 805}
+# Typical token lengths (Llama-style BPE): prompt, reference answer; gsm8k few-shot adds per shot.
+TYPICAL_TOKENS = {
+    "humaneval": {"prompt": 130, "reference": 60},
+    "gsm8k": {"prompt": 70, "reference": 110, "per_shot": 180},
+    "alpacaeval": {"prompt": 50, "reference": 350},
+    "training_prompt": 120,  # inductive calibration prompts from the experts' training data
+    "judge_template": 200,  # AlpacaEval judge instructions around the two outputs
+}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Architectures of the packaged tiers' models when no local config.json is there.
+KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152, "intermediate_size": 1536,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True},
+    "llama-2-7b": {"hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 32000, "intermediate_size": 11008,
+                   "num_attention_heads": 32, "num_key_value_heads": 32, "tie_word_embeddings": False},
+}
+_ARCH_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "num_attention_heads",
+              "num_key_value_heads", "tie_word_embeddings")
+# Which methods carry a position-bias table (as darts_bench.surgery.heads.METHODS; kept here so the
+# dry run does not import torch).
+POSITION_BIAS = {"surgery": False, "darts": True, "darts_ew_only": False, "darts_pos_only": True}
+STAGE_ORDER = ("pool", "merge", "collect", "train", "evaluate", "report")
+
+
+# ------------------------------------------------------------------------------ architecture
+def _known(name: str | None) -> str | None:
+    n = (name or "").lower().replace("_", "-")
+    if "smollm2" in n and "135m" in n:
+        return "smollm2-135m"
+    if "llama-2-7b" in n or "llama2-7b" in n:
+        return "llama-2-7b"
+    return None
+
+
+def _from_dir(path: str | None) -> dict[str, Any] | None:
+    if not path:
+        return None
+    f = Path(path).expanduser() / "config.json"
+    if not f.is_file():
+        return None
+    raw = json.loads(f.read_text())
+    raw = raw.get("text_config", raw)
+    if not all(k in raw for k in _ARCH_KEYS[:5]):
+        return None
+    arch = {k: raw.get(k) for k in _ARCH_KEYS}
+    arch["num_key_value_heads"] = arch["num_key_value_heads"] or arch["num_attention_heads"]
+    arch["tie_word_embeddings"] = bool(arch["tie_word_embeddings"])
+    return arch
+
+
+def architecture(cfg: Config) -> tuple[dict[str, Any] | None, str]:
+    """``(arch, source)``: the pool's architecture and where it came from (None if unknown)."""
+    pool = cfg.pool
+    if pool.kind == "tiny":
+        t = pool.tiny
+        return ({"hidden_size": t.hidden_size, "num_hidden_layers": t.num_hidden_layers, "vocab_size": t.vocab_size,
+                 "intermediate_size": t.intermediate_size, "num_attention_heads": t.num_attention_heads,
+                 "num_key_value_heads": t.num_key_value_heads, "tie_word_embeddings": False}, "pool.tiny")
+    arch = _from_dir(pool.base)
+    if arch:
+        return arch, f"{Path(pool.base).expanduser() / 'config.json'}"
+    for cand in (pool.base, pool.gguf_file if pool.kind == "gguf" else None,
+                 pool.gguf_wheel if pool.kind == "gguf" else None, cfg.name):
+        k = _known(cand)
+        if k:
+            return dict(KNOWN_ARCHITECTURES[k]), f"known architecture {k} (from {cand!r})"
+    return None, "unknown (no local config.json and not a known model id)"
+
+
+def param_count(arch: dict[str, Any]) -> dict[str, int]:
+    """Parameters of a Llama-style decoder: total and the largest single tensor."""
+    d, L, V, I = arch["hidden_size"], arch["num_hidden_layers"], arch["vocab_size"], arch["intermediate_size"]
+    kv = d // arch["num_attention_heads"] * arch["num_key_value_heads"]
+    layer = 2 * d * d + 2 * d * kv + 3 * d * I + 2 * d  # q, o; k, v; gate, up, down; two norms
+    embed = V * d
+    total = embed * (1 if arch["tie_word_embeddings"] else 2) + L * layer + d
+    return {"total": total, "largest_tensor": max(embed, d * I, d * d)}
+
+
+# ------------------------------------------------------------------------------ helpers
+def _gb(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, f in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= f:
+            return f"{n / f:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def _num(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, f in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= f:
+            return f"{n / f:.1f}{unit}"
+    return str(int(n))
+
+
+def _where_executor(cfg: Config) -> str:
+    if cfg.executor == "ray":
+        r = cfg.ray
+        res = f"CPU {r.num_cpus_per_actor:g}" + (f", GPU {r.num_gpus_per_actor:g}" if r.num_gpus_per_actor else "")
+        return (f"Ray ({r.address or 'local instance'}): {r.num_actors} actors x {{{res}}}, "
+                f"shards of {r.shard_size} prompts, device {cfg.device}")
+    return f"local, in-process (device {cfg.device}, {cfg.torch_threads or 'default'} torch threads)"
+
+
+def _head_params(method: str, d: int, rank: int, max_len: int, overflow: str) -> int:
+    n = 2 * d * rank  # W_down [r, d] + W_up [d, r]
+    if POSITION_BIAS[method]:  # b [max_len (+16 buckets), d]
+        n += (max_len + (16 if overflow == "bucket" else 0)) * d
+    return n
+
+
+# ------------------------------------------------------------------------------ the plan
+def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict[str, Any]:
+    """The run plan of ``cfg`` as a dict (see the module docstring; sizes in bytes, counts in tokens).
+
+    Raises:
+        ValueError: unknown suite or no enabled task in it.
+    """
+    if suite != "all" and suite not in TASK_NAMES:
+        raise ValueError(f"unknown suite {suite!r}; choose all or one of {TASK_NAMES}")
+    names = [t for t in (TASK_NAMES if suite == "all" else (suite,)) if getattr(cfg.tasks, t).enabled]
+    if not names:
+        raise ValueError(f"no enabled task in suite {suite!r}")
+    arch, arch_src = architecture(cfg)
+    pc = param_count(arch) if arch else None
+    d = arch["hidden_size"] if arch else None
+    pool_bytes = DTYPE_BYTES[cfg.pool.dtype]
+    weights = pc["total"] * pool_bytes if pc else None
+    E, M = len(EXPERT_NAMES), len(cfg.merges)
+    cal, scfg, ds = cfg.calibration, cfg.surgery, cfg.deepspeed
+    notes: list[str] = []
+
+    # ---------------------------------------------------------------- tasks
+    tasks: dict[str, dict[str, Any]] = {}
+    for t in names:
+        tc = getattr(cfg.tasks, t)
+        lim = limit if limit is not None else tc.limit
+        n = min(lim, TASK_SIZES[t]) if lim is not None else TASK_SIZES[t]
+        typ = TYPICAL_TOKENS[t]
+        prompt = typ["prompt"] + (typ.get("per_shot", 0) * getattr(tc, "num_fewshot", 0))
+        tasks[t] = {"n_examples": n, "of": TASK_SIZES[t], "max_new_tokens": tc.max_new_tokens,
+                    "n_samples": getattr(tc, "n_samples", 1), "prompt_tokens_est": prompt,
+                    "reference_tokens_est": typ["reference"]}
+
+    # ---------------------------------------------------------------- rows
+    n_rows = 1 + E + M + M * len(cal.splits) * len(scfg.methods)
+
+    # ---------------------------------------------------------------- calibration + features
+    calib: dict[str, dict[str, Any]] = {}
+    gen_tokens = feat_seq_tokens = 0  # expert generation; tokens per feature set (one forward each)
+    for t, ti in tasks.items():
+        for split in cal.splits:
+            n = min(cal.n_prompts, ti["n_examples"]) if split == "transductive" else cal.n_prompts
+            p = min(ti["prompt_tokens_est"] if split == "transductive" else TYPICAL_TOKENS["training_prompt"],
+                    cal.max_prompt_tokens)
+            seq = n * (p + cal.max_new_tokens)
+            calib[f"{t}/{split}"] = {"sequences": n, "tokens": seq, "train_tokens": round(seq * (1 - cal.held_out_fraction))}
+            gen_tokens += seq
+            feat_seq_tokens += seq
+        ref = ti["n_examples"] * (min(ti["prompt_tokens_est"], cal.max_prompt_tokens)
+                                  + min(ti["reference_tokens_est"], cal.max_prompt_tokens))
+        calib[f"{t}/reference"] = {"sequences": ti["n_examples"], "tokens": ref, "train_tokens": 0}
+        feat_seq_tokens += ref
+    feature_forward_tokens = feat_seq_tokens * (1 + M)  # expert once, every merge once
+    for c in calib.values():
+        c["disk_bytes_per_merge"] = c["tokens"] * d * 4 * 2 if d else None  # expert + merged h, fp32
+    feature_disk = feat_seq_tokens * d * 4 * (1 + M) if d else None  # expert features shared by merges
+
+    # ---------------------------------------------------------------- evaluation
+    eval_gen = eval_nll = judge = 0
+    for t, ti in tasks.items():
+        per_row_gen = ti["n_examples"] * ti["n_samples"] * (ti["prompt_tokens_est"] + ti["max_new_tokens"])
+        per_row_nll = ti["n_examples"] * (ti["prompt_tokens_est"] + ti["reference_tokens_est"])
+        eval_gen += n_rows * per_row_gen
+        eval_nll += n_rows * per_row_nll
+        ti["eval_forward_tokens_per_row"] = per_row_gen + per_row_nll
+        if t == "alpacaeval":
+            j = cfg.tasks.alpacaeval.judge
+            per_pair = (TYPICAL_TOKENS["judge_template"] + ti["prompt_tokens_est"] + ti["max_new_tokens"]
+                        + ti["reference_tokens_est"] + j.max_new_tokens)
+            judge += n_rows * ti["n_examples"] * (2 if j.both_orders else 1) * per_pair
+    forward_tokens = gen_tokens + feature_forward_tokens + eval_gen + eval_nll + judge
+
+    # ---------------------------------------------------------------- memory
+    def activations(batch: int, seq: int, dtype_b: int) -> int | None:
+        if not arch:
+            return None
+        V, I, H = arch["vocab_size"], arch["intermediate_size"], arch["num_attention_heads"]
+        logits = batch * seq * V * (dtype_b + 8)  # logits + fp32 log-softmax and probs for the entropy
+        attn = batch * H * seq * seq * dtype_b  # eager attention scores of one layer
+        mlp = batch * seq * (3 * I + 4 * d) * dtype_b  # one layer's working set (no grad kept)
+        return logits + attn + mlp
+
+    def kv_cache(batch: int, seq: int, dtype_b: int) -> int | None:
+        if not arch:
+            return None
+        kv = d // arch["num_attention_heads"] * arch["num_key_value_heads"]
+        return 2 * arch["num_hidden_layers"] * batch * seq * kv * dtype_b
+
+    cal_seq = cal.max_prompt_tokens + cal.max_new_tokens
+    max_merge_b = max([DTYPE_BYTES[m.dtype] for m in cfg.merges] or [pool_bytes])
+    collect_act = activations(cal.batch_size, cal_seq, max(pool_bytes, max_merge_b))
+    collect_kv = kv_cache(cal.batch_size, cal_seq, pool_bytes)
+    eval_seq = max((ti["prompt_tokens_est"] + ti["max_new_tokens"] for ti in tasks.values()), default=0)
+    eval_kv = kv_cache(cfg.tasks.batch_size, eval_seq, max(pool_bytes, max_merge_b))
+    eval_act = activations(cfg.tasks.batch_size, max((ti["prompt_tokens_est"] for ti in tasks.values()), default=0),
+                           max(pool_bytes, max_merge_b))
+
+    # ---------------------------------------------------------------- stages
+    stages: dict[str, dict[str, Any]] = {}
+    pool = cfg.pool
+    if pool.kind == "tiny":
+        t = pool.tiny
+        train_tok = t.pretrain_steps * t.batch_size * t.seq_len + E * t.finetune_steps * t.batch_size * t.seq_len
+        what = (f"train a BPE tokenizer (vocab {t.vocab_size}), pretrain a {_num(pc['total'])}-param Llama "
+                f"({t.pretrain_steps} steps of {t.batch_size}x{t.seq_len}), fine-tune {E} experts "
+                f"({t.finetune_steps} steps each)")
+        pool_mem = pc["total"] * 16 + activations(t.batch_size, t.seq_len, 4) * 3  # fp32 w, grad, Adam m, v
+    elif pool.kind == "gguf":
+        ft = pool.finetune
+        train_tok = E * ft.steps * ft.batch_size * ft.seq_len
+        what = (f"dequantize the base from {pool.gguf_file} in the wheel {pool.gguf_wheel}, fine-tune {E} experts "
+                f"({ft.mode}, {ft.steps} steps of {ft.batch_size}x{ft.seq_len})")
+        pool_mem = (pc["total"] * (16 if ft.mode == "full" else 4) + activations(ft.batch_size, ft.seq_len, 4) * 3
+                    if pc else None)
+    else:
+        train_tok = 0
+        srcs = [pool.base, *[pool.experts[e] for e in EXPERT_NAMES]]
+        local = [s for s in srcs if s and Path(s).expanduser().is_dir()]
+        what = (f"use base {pool.base} and experts " + ", ".join(f"{e}={pool.experts[e]}" for e in EXPERT_NAMES)
+                + f" ({len(local)} local dirs, {len(srcs) - len(local)} from the hub); check architectures and tokenizers")
+        pool_mem = weights
+    stages["pool"] = {"what": what, "where": "local" + (f" (device {cfg.device})" if train_tok else ""),
+                      "memory_bytes": pool_mem, "disk_bytes": (1 + E) * weights if weights else None,
+                      "train_tokens": train_tok}
+
+    merge_peak = ((E + 2) * pc["largest_tensor"] * 4 + pool_bytes * pc["largest_tensor"]) if pc else None
+    stages["merge"] = {"what": f"{M} mergekit merges: " + ", ".join(f"{m.name} ({m.method}, {m.dtype})" for m in cfg.merges),
+                       "where": "local, mergekit (tensor by tensor)",
+                       "memory_bytes": merge_peak,
+                       "memory_note": "peak: base + experts + output of the largest tensor in fp32",
+                       "disk_bytes": sum(pc["total"] * DTYPE_BYTES[m.dtype] for m in cfg.merges) if pc else None}
+
+    stages["collect"] = {
+        "what": (f"{len(names)} tasks x {len(cal.splits)} splits ({', '.join(cal.splits)}) + reference answers: "
+                 f"expert greedy continuations ({cal.max_new_tokens} new tokens), then final hidden states and "
+                 f"entropies of the expert and {M} merges"),
+        "where": _where_executor(cfg),
+        "memory_bytes": (weights + collect_act + collect_kv) if weights else None,
+        "memory_note": (f"per worker: weights {_gb(weights)} + activations {_gb(collect_act)} "
+                        f"(batch {cal.batch_size} x {cal_seq} tokens, logits dominate) + KV cache {_gb(collect_kv)}"),
+        "disk_bytes": feature_disk,
+        "calibration": calib,
+        "generation_tokens": gen_tokens, "feature_forward_tokens": feature_forward_tokens}
+
+    n_heads = M * len(names) * len(cal.splits) * len(scfg.methods)
+    head_params = {m: _head_params(m, d, scfg.rank, scfg.max_len, scfg.overflow) for m in scfg.methods} if d else {}
+    max_hp = max(head_params.values(), default=0)
+    nprocs = ds.num_procs if ds.enabled else 1
+    stage_ = ds.zero_stage if ds.enabled else 0
+    # fp32 params + grads + Adam (m, v); ZeRO 1 shards optimizer state, 2 also grads, 3 also params
+    opt_b = max_hp * 8 / (nprocs if stage_ >= 1 else 1)
+    grad_b = max_hp * 4 / (nprocs if stage_ >= 2 else 1)
+    par_b = max_hp * 4 / (nprocs if stage_ >= 3 else 1)
+    max_train_tok = max((c["tokens"] for k, c in calib.items() if not k.endswith("/reference")), default=0)
+    data_b = max_train_tok * d * 4 * 2 if d else None
+    steps = sum(scfg.epochs * math.ceil(max(c["train_tokens"], 1) / scfg.batch_size)
+                for k, c in calib.items() if not k.endswith("/reference")) * M * len(scfg.methods)
+    if ds.enabled:
+        where_train = (f"DeepSpeed, {ds.num_procs} procs via {ds.launcher}, ZeRO stage {ds.zero_stage}, "
+                       f"{'nccl' if cfg.device.startswith('cuda') else 'gloo'}; micro batch "
+                       f"{max(1, scfg.batch_size // ds.num_procs)} tokens per proc")
+    else:
+        where_train = "local, in-process (torch Adam on cached features)"
+    stages["train"] = {
+        "what": (f"{n_heads} heads ({M} merges x {len(names)} tasks x {len(cal.splits)} splits x methods "
+                 f"{', '.join(scfg.methods)}), rank {scfg.rank}, {scfg.epochs} epochs of {scfg.batch_size}-token "
+                 f"batches ({steps} steps in all)"),
+        "where": where_train,
+        "head_params": head_params,
+        "params_overhead": {m: p / pc["total"] for m, p in head_params.items()} if pc else {},
+        "optimizer_state_bytes_per_proc": opt_b,
+        "head_train_tokens": steps * scfg.batch_size,
+        "disk_bytes": (M * len(names) * len(cal.splits) * sum(head_params.values()) * 4) if d else None,
+        "memory_bytes": (par_b + grad_b + opt_b + data_b) if data_b is not None else None,
+        "memory_note": (f"per proc: head {_gb(par_b)} + grads {_gb(grad_b)} + Adam state {_gb(opt_b)} "
+                        f"+ features {_gb(data_b)}"),
+        "steps": steps}
+
+    n_loaded = 2 if "alpacaeval" in tasks else 1  # the AlpacaEval judge is loaded beside the judged model
+    stages["evaluate"] = {
+        "what": (f"{n_rows} rows (base, {E} experts, {M} merges, {M * len(cal.splits) * len(scfg.methods)} corrected) x "
+                 + ", ".join(f"{t} ({ti['n_examples']}/{ti['of']}, {ti['max_new_tokens']} new tokens)" for t, ti in tasks.items())
+                 + "; reference-answer NLL" + ("; AlpacaEval judge " + cfg.tasks.alpacaeval.judge.model
+                                               if "alpacaeval" in tasks else "")),
+        "where": _where_executor(cfg) + ("; HumanEval in a sandbox, "
+                                         f"{cfg.tasks.humaneval.workers} workers" if "humaneval" in tasks else ""),
+        "memory_bytes": (weights * n_loaded + eval_kv + eval_act) if weights else None,
+        "memory_note": (f"per worker: weights x {n_loaded}{' (model + judge)' if n_loaded > 1 else ''} + KV cache "
+                        f"{_gb(eval_kv)} (batch {cfg.tasks.batch_size}) + prefill {_gb(eval_act)}"),
+        "generation_tokens": eval_gen, "nll_tokens": eval_nll, "judge_tokens": judge}
+
+    stages["report"] = {"what": f"results.json, table.csv, table.md, plots in {cfg.resolved_out_dir()}",
+                        "where": "local", "memory_bytes": None, "disk_bytes": None}
+
+    if arch is None:
+        notes.append("architecture unknown: memory and disk estimates are missing")
+    notes.append("token counts use typical prompt/reference lengths (TYPICAL_TOKENS) and max_new_tokens as upper bounds")
+    return {
+        "config": cfg.name, "suite": suite, "limit": limit, "device": cfg.device, "executor": cfg.executor,
+        "model": {"architecture": arch, "source": arch_src, "params": pc["total"] if pc else None,
+                  "dtype": cfg.pool.dtype, "weights_bytes": weights},
+        "tasks": tasks, "rows": n_rows, "stages": stages,
+        "totals": {"forward_tokens": forward_tokens, "calibration_generation_tokens": gen_tokens,
+                   "feature_forward_tokens": feature_forward_tokens, "evaluation_generation_tokens": eval_gen,
+                   "evaluation_nll_tokens": eval_nll, "judge_tokens": judge, "train_tokens": train_tok,
+                   "disk_bytes": sum(s.get("disk_bytes") or 0 for s in stages.values()) if weights else None},
+        "notes": notes,
+    }
+
+
+def _tokens(s: dict[str, Any]) -> int | None:
+    keys = ("train_tokens", "head_train_tokens", "generation_tokens", "feature_forward_tokens", "nll_tokens", "judge_tokens")
+    vals = [s[k] for k in keys if s.get(k)]
+    return sum(vals) if vals else None
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    """The plan as plain text: a header, one table row per stage, and the details under it."""
+    m = plan["model"]
+    lines = [f"darts-bench plan: config {plan['config']}, suite {plan['suite']}, limit {plan['limit']}, "
+             f"device {plan['device']}, executor {plan['executor']}",
+             f"model: {_num(m['params'])} params, {m['dtype']}, {_gb(m['weights_bytes'])} per model "
+             f"(architecture: {m['source']})",
+             "tasks: " + ", ".join(f"{t} {ti['n_examples']}/{ti['of']}" for t, ti in plan["tasks"].items())
+             + f"; {plan['rows']} evaluated rows", ""]
+    header = ("stage", "memory (peak)", "disk", "tokens", "where")
+    rows = [(name, _gb(s.get("memory_bytes")), _gb(s.get("disk_bytes")), _num(_tokens(s)), s["where"])
+            for name, s in ((n, plan["stages"][n]) for n in STAGE_ORDER)]
+    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(4)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
+    lines.append(fmt.format(*header))
+    lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 5)
+    lines += [fmt.format(*r) for r in rows]
+    lines.append("")
+    for name in STAGE_ORDER:
+        s = plan["stages"][name]
+        lines.append(f"[{name}] {s['what']}")
+        if s.get("memory_note"):
+            lines.append(f"    memory: {s['memory_note']}")
+        if name == "collect":
+            for k, c in s["calibration"].items():
+                lines.append(f"    {k}: {c['sequences']} sequences, ~{_num(c['tokens'])} tokens, "
+                             f"features {_gb(c['disk_bytes_per_merge'])} per merge (expert + merged, fp32)")
+        if name == "train" and s["head_params"]:
+            lines.append("    head params: " + ", ".join(
+                f"{k} {_num(v)} ({100 * s['params_overhead'].get(k, 0):.3f}% of the model)" for k, v in s["head_params"].items()))
+    t = plan["totals"]
+    lines += ["", f"forward tokens: {_num(t['forward_tokens'])} in all (calibration generation "
+              f"{_num(t['calibration_generation_tokens'])}, feature forwards {_num(t['feature_forward_tokens'])}, "
+              f"evaluation generation {_num(t['evaluation_generation_tokens'])}, reference NLL "
+              f"{_num(t['evaluation_nll_tokens'])}, judge {_num(t['judge_tokens'])}); "
+              f"pool training tokens {_num(t['train_tokens'])}; disk {_gb(t['disk_bytes'])}"]
+    lines += [f"note: {n}" for n in plan["notes"]]
+    return "\n".join(lines)
+
+
+def print_plan(cfg: Config, suite: str = "all", limit: int | None = None, file: TextIO | None = None) -> dict[str, Any]:
+    """Print the plan of ``cfg`` (``darts-bench run --dry-run``) and return it as a dict."""
+    plan = make_plan(cfg, suite, limit)
+    print(format_plan(plan), file=file or sys.stdout)
+    return plan
