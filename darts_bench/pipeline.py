@@ -250,7 +250,16 @@ class Pipeline:
         diags = {"none": diag(None), "n_train_tokens": len(train), "n_val_tokens": len(val),
                  "n_reference_tokens": len(ref_ans), "train_sequences": tr_seq, "held_out_sequences": va_seq}
         for method in scfg.methods:
-            res = train_head(method, train, val, scfg, derive_seed(self.cfg.seed, m, name, split, method))
+            hseed = derive_seed(self.cfg.seed, m, name, split, method)
+            if self.cfg.deepspeed.enabled:
+                from darts_bench.surgery.train_deepspeed import train_head_deepspeed
+
+                if self.cfg.executor == "ray" and self.cfg.deepspeed.launcher == "ray":
+                    self.close()  # free the collection actors' CPUs/GPUs for Ray Train's workers
+                res = train_head_deepspeed(method, train, val, scfg, hseed, self.cfg.deepspeed,
+                                           self.work_dir / "deepspeed", ray_address=self.cfg.ray.address)
+            else:
+                res = train_head(method, train, val, scfg, hseed)
             save_head(res.head, out / method, extra={"merge": m, "task": name, "split": split,
                                                      "history": res.history})
             diags[method] = diag(res.head)
