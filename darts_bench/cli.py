@@ -78,25 +78,22 @@ def _load(args) -> "Config":
 
 
 def cmd_score(args) -> int:
+    from darts_bench.api import get_task
+
     cfg = _load(args)
-    if args.task != "humaneval":
-        from darts_bench.api import get_task
-
-        task = get_task(args.task)
-        fn = getattr(task, "score_samples", None)
-        if fn is None:
-            print(f"darts-bench score {args.task}: not supported for this task", file=sys.stderr)
-            return 2
-        res = fn(args.samples, cfg=cfg)
-    else:
-        from darts_bench.api import get_task
-
-        get_task("humaneval")
-        from darts_bench_tasks.humaneval import score_samples
-
+    get_task(args.task)  # imports the task folder
+    module = sys.modules[f"darts_bench_tasks.{args.task}"]
+    fn = getattr(module, "score_samples", None)
+    if fn is None:
+        log.error("darts-bench score %s: this task has no offline scorer (its protocol needs a judge model; "
+                  "run `darts-bench evaluate` instead)", args.task)
+        return 2
+    if args.task == "humaneval":
         hc = cfg.tasks.humaneval
-        res = score_samples(args.samples, data_dir=cfg.resolved_data_dir(), timeout_s=hc.timeout_s,
-                            memory_mb=hc.memory_mb, workers=hc.workers, k=tuple(hc.k))
+        res = fn(args.samples, data_dir=cfg.resolved_data_dir(), timeout_s=hc.timeout_s,
+                 memory_mb=hc.memory_mb, workers=hc.workers, k=tuple(hc.k))
+    else:
+        res = fn(args.samples, data_dir=cfg.resolved_data_dir())
     text = json.dumps(res, indent=1, default=str)
     if args.out:
         from pathlib import Path
@@ -136,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
             print(to_markdown(res))
             log.info("results written to %s (%.0f s)", pipe.out_dir, time.perf_counter() - t0)
         return 0
-    except (ConfigError, FileNotFoundError, PermissionError, ValueError, KeyError, FloatingPointError) as e:
+    except (ConfigError, OSError, ValueError, KeyError, FloatingPointError) as e:
         log.error("%s: %s", type(e).__name__, e)
         return 2
 

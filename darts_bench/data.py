@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -85,6 +86,11 @@ def alpaca_text(rec: dict[str, Any]) -> str:
     """An Alpaca-format record's user message: instruction, plus the input when non-empty."""
     inp = (rec.get("input") or "").strip()
     return rec["instruction"].strip() + (f"\n\n{inp}" if inp else "")
+
+
+def strip_calculator(answer: str) -> str:
+    """A GSM8K answer without its calculator annotations (``<<48/2=24>>``)."""
+    return re.sub(r"<<[^<>]*>>", "", answer)
 
 
 # Expert training sets in the data dir (shared/data layout): expert -> (relative path, format).

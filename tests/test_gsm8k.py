@@ -272,3 +272,25 @@ def test_lm_eval_tiny_hf_llama(tmp_path):
                                                               {"batch_size": 2, "device": "cpu"})
     req = Instance("generate_until", {}, ("Question: 2+2?\nAnswer:", {"until": ["\n"], "max_gen_toks": 4}), 0)
     assert by_name.generate_until([req]) == lm.generate_until([req])
+
+
+def test_score_cli_on_external_samples(tmp_path, capsys):
+    from darts_bench.cli import main
+
+    data = Path("/work/shared/data") if Path("/work/shared/data").is_dir() else None
+    if data is None:
+        pytest.skip("no data dir")
+    import json as _json
+
+    recs = [_json.loads(l) for l in (data / "gsm8k" / "test.jsonl").read_text().splitlines()[:3]]
+    gold = [r["answer"].split("####")[-1].strip() for r in recs]
+    lines = [{"doc_id": 0, "response": f"so\n#### {gold[0]}"},
+             {"question": recs[1]["question"], "response": f"the answer is {gold[1]}"},
+             {"doc_id": 2, "response": "#### 123456789"}]
+    f = tmp_path / "s.jsonl"
+    f.write_text("\n".join(_json.dumps(l) for l in lines) + "\n")
+    assert main(["score", "gsm8k", str(f), "--data-dir", str(data), "--out", str(tmp_path / "m.json")]) == 0
+    m = _json.loads((tmp_path / "m.json").read_text())
+    assert m["gsm8k_em_strict"] == pytest.approx(1 / 3) and m["gsm8k_em_flexible"] == pytest.approx(2 / 3)
+    f.write_text('{"doc_id": 99999, "response": "x"}\n')
+    assert main(["score", "gsm8k", str(f), "--data-dir", str(data)]) == 2

@@ -8,14 +8,8 @@ import random
 import torch
 from tqdm.auto import tqdm
 
+from darts_bench.data import strip_calculator
 from darts_bench.evaluate.hf_model import DEFAULT_TEMPLATE
-
-
-def strip_calculator(answer: str) -> str:
-    """GSM8K answers without the ``<<48/2=24>>`` calculator annotations."""
-    import re
-
-    return re.sub(r"<<[^>]*>>", "", answer)
 
 
 def expert_texts(records: list[dict], fmt: str, eos: str, chat) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task
-from darts_bench.data import DataError, read_jsonl, require_file
+from darts_bench.data import DataError, read_jsonl, require_file, strip_calculator
 from darts_bench.evaluate.nll import reference_nll
 
 TEMPLATE_PATH = Path(__file__).resolve().parent / "gsm8k_local.yaml"
@@ -38,7 +38,6 @@ _IGNORE_CASE = bool(_EM.get("ignore_case", False))
 INVALID = "[invalid]"  # lm-eval's RegexFilter fallback
 
 PROMPT = "Question: {question}\nAnswer:"
-_CALC = re.compile(r"<<[^<>]*>>")
 
 
 # ------------------------------------------------------------------------------ pure scoring
@@ -84,12 +83,6 @@ def final_answer(answer: str) -> str:
     return answer.split("####")[-1].strip()
 
 
-def strip_calculator(answer: str) -> str:
-    """The solution without GSM8K's calculator annotations (``<<48/2=24>>``)."""
-    return _CALC.sub("", answer)
-
-
-# ----------------------------------------------------------------------------------- data
 def _load_split(data_dir: Path | None, split: str) -> list[dict[str, Any]]:
     """GSM8K records of ``split`` (``test``/``train``): ``<data_dir>/gsm8k/<split>.jsonl``, or the hub's
     ``openai/gsm8k`` (config ``main``) when no data dir is given.
@@ -107,6 +100,40 @@ def _load_split(data_dir: Path | None, split: str) -> list[dict[str, Any]]:
         raise DataError(f"no data dir given and the hub dataset openai/gsm8k ({split}) could not be loaded: "
                         f"{type(e).__name__}: {e}. Pass --data-dir or set DARTS_BENCH_DATA.") from None
     return [{"question": r["question"], "answer": r["answer"]} for r in ds]
+
+
+def score_samples(samples_path: str | Path, data_dir: Path | None = None) -> dict[str, Any]:
+    """Score GSM8K responses made elsewhere (``darts-bench score gsm8k FILE``) with this task's
+    strict and flexible exact match.
+
+    ``FILE`` is JSON lines with ``response`` and either ``doc_id`` (index into the test split) or
+    ``question`` (its exact text).
+
+    Raises:
+        DataError: bad JSON, a missing field, an unknown question or doc_id (naming the line).
+    """
+    path = Path(samples_path)
+    test = _load_split(data_dir, "test")
+    by_q = {r["question"]: i for i, r in enumerate(test)}
+    recs = read_jsonl(path, required=("response",))
+    strict, flexible, ids = [], [], []
+    for lineno, r in enumerate(recs, 1):
+        if "doc_id" in r:
+            i = r["doc_id"]
+            if not isinstance(i, int) or not 0 <= i < len(test):
+                raise DataError(f"{path}: record {lineno}: doc_id {i!r} is not in 0..{len(test) - 1}")
+        elif "question" in r:
+            if r["question"] not in by_q:
+                raise DataError(f"{path}: record {lineno}: question not found in the GSM8K test split")
+            i = by_q[r["question"]]
+        else:
+            raise DataError(f"{path}: record {lineno}: needs doc_id or question")
+        gold = test[i]["answer"]
+        strict.append(float(is_correct(extract_strict(r["response"]), gold)))
+        flexible.append(float(is_correct(extract_flexible(r["response"]), gold)))
+        ids.append(i)
+    return {"gsm8k_em_strict": sum(strict) / len(strict), "gsm8k_em_flexible": sum(flexible) / len(flexible),
+            "n_gsm8k": len(strict), "doc_ids": ids, "em_strict": strict, "em_flexible": flexible}
 
 
 @register_task
