@@ -190,7 +190,7 @@ def ray_session():
 
 @pytest.fixture(scope="module")
 def ray_ex(ray_session):
-    ex = RayExecutor(make_cfg())
+    ex = RayExecutor(make_cfg(), keep_idle=True)
     yield ex
     ex.close()
 
@@ -228,7 +228,8 @@ def test_features_identical_to_local(ckpt, ray_ex):
     got = ray_ex.map(str(ckpt), "features", payloads, on_result=lambda i, r: seen.append(i))
     assert sorted(seen) == [0, 1, 2]
     assert_same_features(got, want)
-    assert len(ray_ex._groups[(str(ckpt), None, BATCH)].actors) == 2
+    assert all(v.flags.writeable for r in got for v in r.values())  # copied out of the object store
+    assert len(ray_ex._groups[(str(ckpt), None, BATCH)].actors) == 2  # kept loaded (keep_idle)
 
     # skipped shards (already persisted by a previous run) are not recomputed and come back as None
     seen.clear()
@@ -262,6 +263,45 @@ def test_generation_identical_to_local(ckpt, ray_ex):
         tm.close()
     with pytest.raises(RuntimeError, match="closed"):
         tm.generate(PROMPTS, max_new_tokens=1)
+    assert not ray_ex._groups  # closing the last proxy of a model kills its actors
+
+
+def test_two_open_models_on_a_full_instance_take_turns(ckpt, ray_session):
+    """Two open proxies whose actors cannot both fit (one actor of 2 CPUs each, on 2 CPUs): each
+    call evicts the other's idle group instead of waiting forever (a model and its AlpacaEval judge)."""
+    model, tok = load_causal_lm(ckpt)
+    ex = RayExecutor(make_cfg(num_actors=1, num_cpus_per_actor=2))
+    try:
+        a, b = ex.text_model("a", str(ckpt), batch_size=1), ex.text_model("b", str(ckpt), batch_size=2)
+        for tm in (a, b, a):
+            want = HFTextModel("m", model, tok, batch_size=tm.batch_size).generate_ids(PROMPTS[:3], max_new_tokens=3)
+            assert tm.generate_ids(PROMPTS[:3], max_new_tokens=3) == want
+            assert list(ex._groups) == [tm._key]  # the other group was released to make room
+        a.close()
+        b.close()
+        assert not ex._groups
+    finally:
+        ex.close()
+
+
+def test_ray_config_files():
+    """ray_configs/: local.yaml is a valid darts-bench config, cluster.yaml passes the cluster
+    launcher's schema, runtime_env.yaml is a valid runtime env that leaves out the heavy dirs."""
+    import yaml
+    from ray.autoscaler._private.util import validate_config
+    from ray.runtime_env import RuntimeEnv
+
+    from darts_bench.config import load_config
+
+    cfg = load_config(str(REPO / "ray_configs" / "local.yaml"))
+    assert cfg.executor == "ray" and cfg.ray.address is None
+    cluster = yaml.safe_load((REPO / "ray_configs" / "cluster.yaml").read_text())
+    validate_config(cluster)
+    assert cluster["head_node_type"] in cluster["available_node_types"]
+    env = yaml.safe_load((REPO / "ray_configs" / "runtime_env.yaml").read_text())
+    RuntimeEnv(**env)
+    assert env["working_dir"] == "." and {".venv/", "work/"} <= set(env["excludes"])
+    assert {"DARTS_BENCH_DATA", "HF_HOME"} <= set(env["env_vars"])
 
 
 @pytest.mark.parametrize("max_restarts", [1, 0], ids=["ray-restarts-actor", "driver-resubmits"])
@@ -274,6 +314,7 @@ def test_actor_killed_mid_collection_is_retried(ckpt, ray_session, tmp_path, max
     ex = RayExecutor(make_cfg(max_restarts=max_restarts, max_task_retries=1), worker_cls=crash_once_worker())
     try:
         got = ex.map(str(ckpt), "features", crashy)
+        assert not ex._groups  # map released its actors (keep_idle False)
     finally:
         ex.close()
     assert marker.is_file(), "the worker should have died once"

@@ -29,13 +29,16 @@ fails raises :class:`RuntimeError` naming the shard index, the op and the model 
 raised *by the op* (bad payload, NaN check ...) is deterministic and is not retried: it is raised
 at once as a :class:`RuntimeError` naming the shard, chained to the original error.
 
-Resources. Actor groups (``num_actors`` actors of one model, optionally with a head) are kept in
-an LRU pool keyed by ``(model_dir, head_dir, batch_size)``: consecutive ``map`` calls on the same
-model (expert generation, then expert features) reuse the loaded actors; at most one group that no
-open proxy uses is kept; a group that would not fit next to the resident ones (in the cluster's
-total CPUs/GPUs) evicts the least recently used idle groups first, and a proxy whose group was
-evicted recreates it on its next call. On a local instance the number of actors per model is capped
-at what the machine can hold (a warning says so) instead of waiting forever for resources.
+Resources. Actor groups (``num_actors`` actors of one model, optionally with a head) live in an
+LRU pool keyed by ``(model_dir, head_dir, batch_size)``. A :class:`RayTextModel` holds its group
+until closed (proxies of the same model share one). ``map`` releases its group when done, like the
+local executor drops its worker, so no actor holds CPUs/GPUs between calls (other Ray work of the
+run, e.g. DeepSpeed through Ray Train in ``train``, shares the instance); ``keep_idle=True`` keeps
+the most recent such group loaded for the next call instead (expert generation, then expert
+features). A group that would not fit next to the resident ones (in the cluster's total CPUs/GPUs)
+first evicts the least recently used groups that have no call in flight; a proxy whose group was
+evicted recreates it on its next call. On a local instance the number of actors per model is
+capped at what the machine can hold (a warning says so) instead of waiting forever for resources.
 """
 
 from __future__ import annotations
@@ -146,17 +149,19 @@ class RayExecutor:
             ``device``, ``torch_threads``).
         worker_cls: the worker class each actor holds (a :class:`ModelWorker` subclass; tests pass
             one that fails on purpose).
+        keep_idle: keep the actors of the last ``map`` call loaded for the next call (see the
+            module docstring); :meth:`release_idle` frees them.
     """
 
     name = "ray"
 
-    def __init__(self, cfg, worker_cls: type = ModelWorker):
+    def __init__(self, cfg, worker_cls: type = ModelWorker, keep_idle: bool = False):
         self.cfg, self.rcfg = cfg, cfg.ray
         self.batch_size = cfg.calibration.batch_size
         self.device = cfg.device
         # one torch thread per reserved CPU unless the config says otherwise
         self.torch_threads = cfg.torch_threads or max(1, int(self.rcfg.num_cpus_per_actor))
-        self.worker_cls = worker_cls
+        self.worker_cls, self.keep_idle = worker_cls, keep_idle
         self._owns_ray = init_ray(self.rcfg.address)
         self._local = self.rcfg.address is None
         self._groups: OrderedDict[tuple, _Group] = OrderedDict()
@@ -225,12 +230,17 @@ class RayExecutor:
             resident -= len(g.actors)
             self._kill_group(g)
 
-    def _trim_idle(self, keep: tuple) -> None:
-        """Keep at most one group that no proxy uses (the most recent one)."""
+    def _trim_idle(self, keep: tuple | None) -> None:
+        """Kill the groups that no open proxy uses and that have no call in flight, except ``keep``."""
         for key in list(self._groups):
             g = self._groups[key]
             if key != keep and not self._users[key] and not g.busy:
                 self._kill_group(g)
+
+    def release_idle(self) -> None:
+        """Kill every actor group that no open :class:`RayTextModel` uses (frees their CPUs/GPUs)."""
+        with self._lock:
+            self._trim_idle(keep=None)
 
     @staticmethod
     def _key(model_dir: str, head_dir: str | None, batch_size: int) -> tuple:
@@ -307,7 +317,7 @@ class RayExecutor:
                         raise RuntimeError(f"shard {i} of op {op!r} on model {model_dir} failed: "
                                            f"{_cause(e)}") from e
                     free.append(slot)
-                    results[i] = res
+                    results[i] = res = _own(res)
                     if on_result is not None:
                         on_result(i, res)
                     bar.update(1)
@@ -341,7 +351,7 @@ class RayExecutor:
             return self._run_shards(g, op, payloads, todo, on_result, desc)
         finally:
             with self._lock:
-                self._trim_idle(keep=g.key)
+                self._trim_idle(keep=g.key if self.keep_idle else None)
 
     def text_model(self, name: str, model_dir: str, head_dir: str | None = None,
                    batch_size: int | None = None) -> "RayTextModel":
@@ -365,6 +375,21 @@ class RayExecutor:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _own(obj: Any) -> Any:
+    """``obj`` with every read-only numpy array (a zero-copy view into Ray's object store) copied
+    into ordinary memory: callers get writable arrays, as from the local executor, and the store
+    does not stay pinned by results the driver keeps."""
+    import numpy as np
+
+    if isinstance(obj, np.ndarray):
+        return obj.copy() if not obj.flags.writeable else obj
+    if isinstance(obj, dict):
+        return {k: _own(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_own(v) for v in obj]
+    return obj
 
 
 def _cause(e: BaseException) -> str:
