@@ -21,12 +21,25 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM  # noqa
 
 from darts_bench.evaluate.hf_model import HFTextModel  # noqa: E402
 from darts_bench.executors.worker import hidden_state_features  # noqa: E402
-from darts_bench.pool.tiny import train_tokenizer  # noqa: E402
 from darts_bench.surgery.corrected import corrected  # noqa: E402
 from darts_bench.surgery.heads import build_head  # noqa: E402
 
 PROMPTS = ["def fib(n):", "Question: Tom has 3 apples and buys 5 more. How many?\nAnswer:", "Hi",
            "Write a short story about a robot who learns to paint, in three sentences."]
+
+
+def train_tokenizer(texts, vocab_size):
+    """Byte-level BPE as the tiny pool's (inlined: darts_bench.pool needs pydantic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|pad|>"],
+                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                      show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<|endoftext|>", pad_token="<|pad|>")
 
 
 def model_and_tok(hidden: int, layers: int, device: str, dtype=torch.float32):
