@@ -57,7 +57,7 @@ def main() -> None:
     args = ap.parse_args()
     t = common.tier(args)
     n, length = args.n_seqs or t["collect_n"], args.seq_len or t["collect_len"]
-    repeats = args.repeats or 5
+    repeats = args.repeats or common.tier(args)["collect_repeats"]
     threads = common.set_threads(args.threads)
 
     model, tok = common.load(common.model_dir(args))
@@ -68,7 +68,9 @@ def main() -> None:
     n_tok = sum(len(s) for s in seqs)
     n_padded = sum(ids.numel() for ids, _, _ in batches)
     P_all = sum(p.numel() for p in model.parameters())
-    P = P_all - model.get_input_embeddings().weight.numel()
+    emb, head_w = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    # matmul parameters: everything but the input embedding (a lookup), plus lm_head even when it is tied to it
+    P = P_all - emb.numel() + (head_w.numel() if head_w is emb else 0)
 
     sink: dict[str, dict] = {"ours": {}, "plain+entropy": {}}
     bs = args.batch_size
@@ -107,7 +109,7 @@ def main() -> None:
 
     gf = {k: n_mm / common.med(tm.per_unit("matmul 1024^3", k)) / 1e9 for k in ("wall", "cpu")}
     print(f"\nworkload: {n} sequences, {n_tok} real tokens ({n_padded} with padding), {len(batches)} batches of {bs}; "
-          f"model {P_all / 1e6:.2f}M params ({P / 1e6:.2f}M excluding the input embedding), vocab {model.config.vocab_size}; "
+          f"model {P_all / 1e6:.2f}M params ({P / 1e6:.2f}M in matmuls: all but the input embedding, lm_head counted), vocab {model.config.vocab_size}; "
           f"{threads} thread(s); {repeats} rounds, every batch of every path back to back (rotating order)")
     print("s/pass = per-round total (median [min-max]); ratios = median over (round, batch) pairs of the two paths' "
           "times on the same batch; MFU = 2 x P x real tokens / median s/pass / matmul GFLOP/s")

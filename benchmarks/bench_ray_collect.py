@@ -7,8 +7,8 @@ tokens in shards of 8 sequences (batch 8). Every configuration uses one torch th
 itself (scheduling, serialization, the object store) and the 2-actor one shows the scaling.
 
 For each: ``cold`` = the first ``map`` call (workers start and load the model), ``warm`` = a second
-call on the same workers (Ray keeps them; the local executor reloads its in-process model, about
-0.1 s here). Ray's own start-up (``ray.init``) is timed separately. All results are checked to be
+call on the same workers (``RayExecutor(keep_idle=True)`` keeps the actors and their models; the
+local executor reloads its in-process model, about 0.1 s here). Ray's own start-up (``ray.init``) is timed separately. All results are checked to be
 bitwise equal to the local ones.
 
     .venv/bin/python benchmarks/bench_ray_collect.py [--n-seqs 64] [--seq-len 256]
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -84,7 +85,13 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-ray-"))
-    ckpt = tmp / "model"
+    try:
+        run(args, tmp / "model")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(args, ckpt: Path) -> None:
     n_tok = build_checkpoint(ckpt)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(2, n_tok, (args.seq_len,), generator=g).tolist() for _ in range(args.n_seqs)]
@@ -109,7 +116,7 @@ def main() -> None:
         for n in (1, 2):
             cfg = Config(calibration=CalibrationConfig(batch_size=args.batch_size), torch_threads=1,
                          ray=RayConfig(num_actors=n, num_cpus_per_actor=1, shard_size=args.shard_size))
-            ex = RayExecutor(cfg)
+            ex = RayExecutor(cfg, keep_idle=True)  # warm = the same actors, models loaded
             try:
                 t_cold, got = timed(lambda: ex.map(str(ckpt), "features", payloads))
                 t_warm, got2 = timed(lambda: ex.map(str(ckpt), "features", payloads))

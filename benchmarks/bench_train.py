@@ -104,7 +104,7 @@ def main() -> None:
     t = common.tier(args)
     n, length = args.n_seqs or t["train_n"], args.seq_len or t["train_len"]
     epochs = args.epochs or t["train_epochs"]
-    repeats = args.repeats or 5
+    repeats = args.repeats or common.tier(args)["train_repeats"]
     threads = common.set_threads(args.threads)
     bs, seed = 8, 0
 

@@ -48,10 +48,12 @@ CACHE_ENV = "DARTS_BENCH_BENCH_CACHE"
 # Default workload sizes per tier: the tiny Llama is fast enough for the full sizes; SmolLM2-135M
 # (about 100x the compute per token) gets smaller workloads so each script stays near 2 minutes.
 TIERS: dict[str, dict] = {
-    "tiny": {"collect_n": 64, "collect_len": 256, "train_n": 16, "train_len": 128, "train_epochs": 2,
-             "gen_prompts": 32, "gen_tokens": 64, "gen_repeats": 5},
-    "smollm2-135m": {"collect_n": 16, "collect_len": 256, "train_n": 8, "train_len": 64, "train_epochs": 1,
-                     "gen_prompts": 16, "gen_tokens": 32, "gen_repeats": 3},
+    "tiny": {"collect_n": 64, "collect_len": 256, "collect_repeats": 5, "train_n": 16, "train_len": 128,
+             "train_epochs": 2, "train_repeats": 5, "gen_prompts": 32, "gen_tokens": 64, "gen_repeats": 5,
+             "merge_repeats": 2},
+    "smollm2-135m": {"collect_n": 16, "collect_len": 256, "collect_repeats": 3, "train_n": 8, "train_len": 64,
+                     "train_epochs": 1, "train_repeats": 3, "gen_prompts": 16, "gen_tokens": 32, "gen_repeats": 3,
+                     "merge_repeats": 1},
 }
 TINY_ARCH = {"hidden_size": 128, "num_hidden_layers": 4, "intermediate_size": 344, "num_attention_heads": 4,
              "vocab_size": 4096}
@@ -123,6 +125,12 @@ class Timings:
     def ratio(self, a: str, b: str, kind: str = "wall") -> float:
         """Median over all (round, unit) pairs of ``a / b`` measured back to back."""
         return med([x / y for x, y in zip(self.per_unit(a, kind), self.per_unit(b, kind))])
+
+    def best_ratio(self, a: str, b: str, kind: str = "cpu") -> float:
+        """Median over units of ``min over rounds(a) / min over rounds(b)``: on a shared machine the
+        noise is mostly added time, so each path's best time is the steadiest estimate of its cost."""
+        A, B = getattr(self, kind)[a], getattr(self, kind)[b]
+        return med([min(r[u] for r in A) / min(r[u] for r in B) for u in range(len(A[0]))])
 
     def total_ratio(self, a: str, b: str, kind: str = "wall") -> float:
         """``sum(a) / sum(b)`` over every timed call."""

@@ -14,12 +14,14 @@ class LocalExecutor:
 
     name = "local"
 
-    def __init__(self, batch_size: int = 8, device: str = "cpu", torch_threads: int | None = None):
-        self.batch_size, self.device, self.torch_threads = batch_size, device, torch_threads
+    def __init__(self, batch_size: int = 8, device: str = "cpu", torch_threads: int | None = None,
+                 dtype: str = "float32"):
+        self.batch_size, self.device, self.torch_threads, self.dtype = batch_size, device, torch_threads, dtype
 
     def worker(self, model_dir: str, head_dir: str | None = None, name: str = "model") -> ModelWorker:
         return ModelWorker(str(model_dir), head_dir=str(head_dir) if head_dir else None, name=name,
-                           device=self.device, batch_size=self.batch_size, torch_threads=self.torch_threads)
+                           device=self.device, batch_size=self.batch_size, torch_threads=self.torch_threads,
+                           dtype=self.dtype)
 
     def map(self, model_dir: str, op: str, payloads: Sequence[dict[str, Any]], *, head_dir: str | None = None,
             skip: set[int] = frozenset(), on_result: Callable[[int, Any], None] | None = None,
@@ -43,7 +45,7 @@ class LocalExecutor:
     def text_model(self, name: str, model_dir: str, head_dir: str | None = None, batch_size: int | None = None):
         """An in-process :class:`HFTextModel` (with the head attached when ``head_dir``)."""
         w = ModelWorker(str(model_dir), head_dir=head_dir, name=name, device=self.device,
-                        batch_size=batch_size or self.batch_size, torch_threads=self.torch_threads)
+                        batch_size=batch_size or self.batch_size, torch_threads=self.torch_threads, dtype=self.dtype)
         return w.text_model
 
     def close(self) -> None:
@@ -56,4 +58,5 @@ def make_executor(cfg) -> Any:
         from darts_bench.executors.ray_executor import RayExecutor
 
         return RayExecutor(cfg)
-    return LocalExecutor(batch_size=cfg.calibration.batch_size, device=cfg.device, torch_threads=cfg.torch_threads)
+    return LocalExecutor(batch_size=cfg.calibration.batch_size, device=cfg.device, torch_threads=cfg.torch_threads,
+                         dtype=cfg.pool.dtype)

@@ -26,8 +26,10 @@ Fault tolerance. Actors are created with ``max_restarts`` / ``max_task_retries``
 retries the shard. When Ray gives up (restarts exhausted), the driver replaces the actor with a
 fresh one and resubmits the shard, at most ``max_task_retries`` more times; a shard that still
 fails raises :class:`RuntimeError` naming the shard index, the op and the model dir. An exception
-raised *by the op* (bad payload, NaN check ...) is deterministic and is not retried: it is raised
-at once as a :class:`RuntimeError` naming the shard, chained to the original error.
+raised *by the op* (bad payload, unknown op, broken checkpoint ...) is deterministic and is not
+retried: it is raised at once as a :class:`RuntimeError` naming the shard, chained to the original
+error. Exceptions from ``on_result`` (e.g. the NaN check when persisting) propagate unchanged.
+Numpy results are copied out of the object store (writable, as from the local executor).
 
 Resources. Actor groups (``num_actors`` actors of one model, optionally with a head) live in an
 LRU pool keyed by ``(model_dir, head_dir, batch_size)``. A :class:`RayTextModel` holds its group
@@ -39,6 +41,10 @@ features). A group that would not fit next to the resident ones (in the cluster'
 first evicts the least recently used groups that have no call in flight; a proxy whose group was
 evicted recreates it on its next call. On a local instance the number of actors per model is
 capped at what the machine can hold (a warning says so) instead of waiting forever for resources.
+
+``python -m darts_bench.executors.ray_executor stop-head --temp-dir DIR --port PORT`` stops one
+head node started with ``ray start --head --temp-dir DIR`` by pid (the alternative to ``ray stop``,
+which stops every Ray process on the machine); see ``ray_configs/README.md``.
 """
 
 from __future__ import annotations
@@ -99,8 +105,9 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> bool:
     """Start (``address`` None) or join (``"auto"``, ``ray://...``, ``host:port``) a Ray instance.
 
     A local instance has node IP 127.0.0.1 and listens on loopback only (see :func:`_loopback_only`),
-    runs without dashboard, with ``num_cpus`` (default: the CPUs this process may use). Returns whether this call initialised Ray (False when this process was
-    already connected, in which case the caller must not shut it down).
+    runs without dashboard, with ``num_cpus`` (default: the CPUs this process may use). Returns
+    whether this call initialised Ray (False when this process was already connected, in which
+    case the caller must not shut it down).
     """
     if ray.is_initialized():
         return False
@@ -161,6 +168,7 @@ class RayExecutor:
         self.device = cfg.device
         # one torch thread per reserved CPU unless the config says otherwise
         self.torch_threads = cfg.torch_threads or max(1, int(self.rcfg.num_cpus_per_actor))
+        self.dtype = cfg.pool.dtype
         self.worker_cls, self.keep_idle = worker_cls, keep_idle
         self._owns_ray = init_ray(self.rcfg.address)
         self._local = self.rcfg.address is None
@@ -258,7 +266,7 @@ class RayExecutor:
             n = self._n_actors()
             self._make_room(n, keep=key)
             kwargs = dict(model_dir=key[0], head_dir=key[1], name=name, device=self.device,
-                          batch_size=key[2], torch_threads=self.torch_threads)
+                          batch_size=key[2], torch_threads=self.torch_threads, dtype=self.dtype)
             g = _Group(key=key, kwargs=kwargs, actors=[self._new_actor(kwargs) for _ in range(n)])
             self._groups[key] = g
         try:  # wait for the models to load so a broken checkpoint is reported as such
@@ -502,3 +510,76 @@ class RayTextModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# --------------------------------------------------------------------- stopping a head by pid
+def head_processes(temp_dir: str, port: int, host: str = "127.0.0.1") -> list:
+    """The processes of a head started with ``ray start --head --temp-dir TEMP_DIR --port PORT``:
+    its daemons (their command lines name the temp dir or the GCS address) and all their
+    descendants (agents and workers, whose command lines Ray rewrites), as ``psutil.Process``es."""
+    import re
+
+    import psutil
+
+    pat = re.compile(re.escape(str(temp_dir).rstrip("/")) + r"(/|\s|$)|" + re.escape(f"{host}:{port}") + r"(?!\d)")
+    found: dict[int, Any] = {}
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if p.pid != os.getpid() and pat.search(" ".join(p.info["cmdline"] or [])):
+                found[p.pid] = p
+                for c in p.children(recursive=True):
+                    found[c.pid] = c
+        except psutil.Error:
+            continue
+    return [p for pid, p in sorted(found.items()) if pid != os.getpid()]
+
+
+def stop_head(temp_dir: str, port: int, host: str = "127.0.0.1", timeout: float = 10.0) -> list[int]:
+    """Stop one head node (and its workers) by pid: SIGTERM, then SIGKILL after ``timeout`` s.
+
+    The alternative to ``ray stop``, which stops every Ray process on the machine, other users'
+    included. Returns the pids that were signalled.
+    """
+    import psutil
+
+    signalled: set[int] = set()
+    for _ in range(3):  # agents orphaned by a dying raylet are found on the next pass
+        procs = [p for p in head_processes(temp_dir, port, host) if p.pid not in signalled]
+        if not procs:
+            break
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+            signalled.add(p.pid)
+        _, alive = psutil.wait_procs(procs, timeout=timeout)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(alive, timeout=5)
+    return sorted(signalled)
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m darts_bench.executors.ray_executor",
+                                 description="Stop one Ray head (started with its own --temp-dir) by pid.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("stop-head", help="SIGTERM, then SIGKILL, the head's processes and their workers")
+    s.add_argument("--temp-dir", required=True, help="the head's --temp-dir")
+    s.add_argument("--port", type=int, required=True, help="the head's GCS --port")
+    s.add_argument("--host", default="127.0.0.1", help="the head's --node-ip-address")
+    s.add_argument("--dry-run", action="store_true", help="list the processes, stop nothing")
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        for p in head_processes(args.temp_dir, args.port, args.host):
+            with contextlib.suppress(Exception):
+                print(p.pid, " ".join(p.cmdline())[:120] or p.name())
+        return 0
+    pids = stop_head(args.temp_dir, args.port, args.host)
+    print(f"stopped {len(pids)} processes: {' '.join(map(str, pids))}" if pids else "no process of that head found")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

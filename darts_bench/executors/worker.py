@@ -48,16 +48,18 @@ def hidden_state_features(model, sequences: list[list[int]], pad_id: int, batch_
 
 
 class ModelWorker:
-    """Holds one model; ``run(op, payload)`` serves ``generate``, ``score`` and ``features``.
+    """Holds one model (loaded in ``dtype``: ``float32`` | ``bfloat16`` | ``float16``); ``run(op, payload)``
+    serves ``generate``, ``score`` and ``features``.
 
     Used in-process by the local executor and as the body of a Ray actor.
     """
 
     def __init__(self, model_dir: str, head_dir: str | None = None, name: str = "model",
-                 device: str = "cpu", batch_size: int = 8, torch_threads: int | None = None):
+                 device: str = "cpu", batch_size: int = 8, torch_threads: int | None = None,
+                 dtype: str = "float32"):
         if torch_threads:
             torch.set_num_threads(torch_threads)
-        model, tok = load_causal_lm(model_dir, device=device)
+        model, tok = load_causal_lm(model_dir, dtype=getattr(torch, dtype), device=device)
         head = load_head(head_dir) if head_dir else None
         self.text_model = HFTextModel(name, model, tok, head=head, batch_size=batch_size)
 
