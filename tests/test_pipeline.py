@@ -88,3 +88,22 @@ def test_end_to_end_micro_run(micro_dir, micro_pipeline, capsys):
     assert (out / "plots" / "gsm8k_l1_by_position.png").is_file()
     # the table was printed
     assert "| model | merge |" in capsys.readouterr().out
+
+
+def test_ray_executor_gives_the_local_table(tmp_path, data_dir):
+    """The same micro run with executor=ray (2 actors) and executor=local: identical tables."""
+    from conftest import micro_config_file
+
+    tables = {}
+    for ex in ("local", "ray"):
+        d = tmp_path / ex
+        d.mkdir()
+        cfg = micro_config_file(d, torch_threads=1, executor=ex,
+                                merges=[{"name": "ties", "method": "ties", "density": 0.5, "normalize": True}],
+                                ray={"num_actors": 2, "num_cpus_per_actor": 1, "shard_size": 4},
+                                calibration={"splits": ["transductive"], "n_prompts": 6, "max_new_tokens": 8,
+                                             "batch_size": 4})
+        assert main(["run", "--config", str(cfg), "--suite", "gsm8k", "--limit", "3"]) == 0
+        res = json.loads((d / "results" / "results.json").read_text())
+        tables[ex] = (res["rows"], (d / "results" / "table.csv").read_text())
+    assert tables["ray"] == tables["local"]
