@@ -11,9 +11,10 @@ it start any) and wall time:
   baseline   imports (torch, safetensors, transformers, mergekit, darts_bench.merge) and nothing else
   mergekit   ``darts_bench.merge.mergekit_merge.run_one_merge`` with ``merge_config_dict`` for
              TIES (density 0.2, weight 1.0, normalize), the pipeline's own merge path
-  naive      ``safetensors.torch.load_file`` of all 4 checkpoints at once, then TIES in torch
-             (top-20% magnitude trim per expert and tensor, sign election by summed mass, disjoint
-             mean) and ``save_file``: what one writes without mergekit
+  naive      all 4 checkpoints read into process memory at once (``safetensors.torch.load`` of
+             the file bytes; ``load_file`` would mmap lazily), then TIES in torch (top-20%
+             magnitude trim per expert and tensor, sign election by summed mass, disjoint mean)
+             and ``save_file``: what one writes without mergekit
 Peaks are reported as multiples of one model's weight bytes, raw and with the baseline
 subtracted. Both merges' outputs are compared (max |diff|) as a check that the naive TIES is
 the same algorithm.
@@ -67,9 +68,14 @@ def naive_ties(work: Path, out: Path) -> None:
         deltas = torch.stack([e[k] - b for e in experts])  # [3, ...]
         flat = deltas.reshape(len(experts), -1)
         keep = max(1, int(DENSITY * flat.shape[1]))
-        thr = flat.abs().topk(keep, dim=1).values[:, -1:]  # per expert: the keep-th largest |delta|
-        trimmed = torch.where(flat.abs() >= thr, flat, torch.zeros((), dtype=flat.dtype)) * WEIGHT
-        sign = torch.sign(trimmed.sum(0))  # elected sign (summed mass)
+        # trim: exactly the `keep` largest |delta| per expert, ties broken by argsort order as mergekit
+        # does (fp32 deltas are quantised to the base weight's ulp, so equal magnitudes at the cut are
+        # common: a `>= k-th value` rule keeps a few more and the outputs differ in a few dozen elements)
+        mask = torch.zeros_like(flat)
+        for i in range(flat.shape[0]):
+            mask[i, torch.argsort(flat[i].abs(), descending=True)[:keep]] = 1
+        trimmed = flat * mask * WEIGHT
+        sign = torch.where(trimmed.sum(0) >= 0, 1.0, -1.0)  # elected sign (summed mass; an exact 0 elects +)
         agree = (torch.sign(trimmed) == sign) & (trimmed != 0)
         num = (trimmed * agree).sum(0)
         den = (agree.to(flat.dtype) * WEIGHT).sum(0).clamp_min(1e-8)  # normalize by agreeing weights

@@ -51,8 +51,8 @@ TIERS: dict[str, dict] = {
     "tiny": {"collect_n": 64, "collect_len": 256, "collect_repeats": 5, "train_n": 16, "train_len": 128,
              "train_epochs": 2, "train_repeats": 5, "gen_prompts": 32, "gen_tokens": 64, "gen_repeats": 5,
              "merge_repeats": 2},
-    "smollm2-135m": {"collect_n": 16, "collect_len": 256, "collect_repeats": 3, "train_n": 8, "train_len": 64,
-                     "train_epochs": 1, "train_repeats": 3, "gen_prompts": 16, "gen_tokens": 32, "gen_repeats": 3,
+    "smollm2-135m": {"collect_n": 8, "collect_len": 192, "collect_repeats": 3, "train_n": 8, "train_len": 64,
+                     "train_epochs": 1, "train_repeats": 3, "gen_prompts": 8, "gen_tokens": 32, "gen_repeats": 3,
                      "merge_repeats": 1},
 }
 TINY_ARCH = {"hidden_size": 128, "num_hidden_layers": 4, "intermediate_size": 344, "num_attention_heads": 4,

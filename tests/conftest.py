@@ -18,6 +18,7 @@ DATA_DIR = Path(os.environ.get("DARTS_BENCH_DATA", REPO.parent / "shared" / "dat
 
 MICRO = {
     "name": "micro",
+    "torch_threads": 1,
     "data_dir": str(DATA_DIR),
     "pool": {"tiny": {"pretrain_steps": 60, "finetune_steps": 40, "max_train_examples": 400,
                       "tokenizer_train_examples": 400, "vocab_size": 768, "hidden_size": 48,
@@ -70,7 +71,6 @@ def micro_pipeline(micro_cfg_path):
     from darts_bench.config import load_config
     from darts_bench.pipeline import Pipeline
 
-    torch.set_num_threads(2)
     pipe = Pipeline(load_config(str(micro_cfg_path)))
     pipe.merge()
     yield pipe
