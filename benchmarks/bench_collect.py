@@ -26,7 +26,6 @@ in the same rounds at the same thread count.
 
 from __future__ import annotations
 
-import time
 
 import common  # noqa: F401  (sets sys.path and env first)
 import torch

@@ -23,7 +23,6 @@ cumsum + head on ``[8, 1, d]``) against the plain per-step time cross-checks it.
 
 from __future__ import annotations
 
-import time
 
 import common  # noqa: F401  (sets sys.path and env first)
 import torch

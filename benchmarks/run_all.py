@@ -102,7 +102,7 @@ def main() -> int:
     print("| benchmark | summary (ratios measured side by side in one run) | script s | status |")
     print("|---|---|---:|---|")
     for name, summary, secs, status in results:
-        print(f"| {name} | {summary.replace('|', '/')} | {secs:.0f} | {status} |")
+        print(f"| {name} | {summary.replace('|', chr(92) + '|')} | {secs:.0f} | {status} |")
     return 0 if all(r[3] == "ok" for r in results) else 1
 
 

@@ -54,6 +54,8 @@ class HeadAttachment:
         B, T = h.shape[:2]
         mask = self._state.get("attention_mask")
         if mask is not None and mask.dim() == 2:
+            if T == 1:  # a decoding step: the new token's position is the count of earlier real tokens
+                return (mask.long().sum(-1, keepdim=True) - 1).clamp_min(0).to(h.device)
             return positions_from_mask(mask)[:, -T:].to(h.device)
         pos = self._state.get("position_ids")
         if pos is not None:

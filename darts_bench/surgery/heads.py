@@ -114,7 +114,10 @@ class CorrectionHead(nn.Module):
             if positions is None:
                 raise ValueError("a DARTS head with a position bias needs positions")
             idx, keep = self.bias_index(positions)
-            out = out + self.pos_bias[idx] * keep.unsqueeze(-1).to(out.dtype)
+            bias = self.pos_bias[idx]
+            if self.cfg.overflow == "zero":
+                bias = bias * keep.unsqueeze(-1).to(bias.dtype)
+            out = out + bias
         return out.to(dt)
 
     def num_parameters(self) -> int:
