@@ -34,8 +34,10 @@ run: install
 test: install-dev
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
+# make bench BENCH_ARGS="--tier smollm2-135m --model-dir DIR" for a real SmolLM2 checkpoint dir
+BENCH_ARGS ?=
 bench: install
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf work .cache
