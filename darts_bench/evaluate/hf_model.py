@@ -108,11 +108,13 @@ class HFTextModel:
         model, tokenizer: loaded HF objects (tokenizer padding side is forced to ``left``).
         head: optional correction head, attached for the lifetime of this wrapper.
         batch_size: prompts per ``generate`` / forward call.
-        max_length: prompts longer than this many tokens are truncated from the left.
+        max_length: prompts (and scored context + continuation) longer than this many tokens are
+            truncated from the left; default ``min(1024, config.max_position_embeddings)``, so a
+            model never sees positions it was not trained on.
     """
 
     def __init__(self, name: str, model: PreTrainedModel, tokenizer, head: CorrectionHead | None = None,
-                 batch_size: int = 8, max_length: int = 1024):
+                 batch_size: int = 8, max_length: int | None = None):
         self.name, self.model, self.tokenizer = name, model, tokenizer
         self.tokenizer.padding_side = "left"
         self.tokenizer.truncation_side = "left"  # keep the end of an over-long prompt
@@ -120,6 +122,8 @@ class HFTextModel:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.head = head
         self._attachment = attach_head(model, head) if head is not None else None
+        if max_length is None:
+            max_length = min(1024, getattr(model.config, "max_position_embeddings", None) or 1024)
         self.batch_size, self.max_length = batch_size, max_length
         self.device = next(model.parameters()).device
 
