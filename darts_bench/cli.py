@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from darts_bench.config import TASK_NAMES, ConfigError, load_config
+from darts_bench.config import TASK_NAMES, Config, ConfigError, load_config
 
 log = logging.getLogger("darts_bench")
 STAGE_HELP = {
@@ -70,7 +70,7 @@ def _setup_logging(verbose: bool) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 
-def _load(args) -> "Config":
+def _load(args) -> Config:
     overrides = list(args.overrides)
     if getattr(args, "data_dir", None):
         overrides.append(f"data_dir={args.data_dir}")

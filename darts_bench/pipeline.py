@@ -19,14 +19,14 @@ import torch
 from safetensors import safe_open
 
 from darts_bench.api import EvalContext, Example, Task, TaskResult, get_task
-from darts_bench.artifacts import atomic_write_text, cached, clean_stale_temps, stable_hash, verify
+from darts_bench.artifacts import cached, clean_stale_temps, stable_hash
 from darts_bench.collect.features import (CalibrationSet, FeatureSet, calibration_prompts, collect_calibration,
                                           collect_merged)
 from darts_bench.config import TASK_NAMES, Config
 from darts_bench.executors.local import make_executor
 from darts_bench.surgery.diagnostics import diagnose, gap_closed, position_slope
-from darts_bench.surgery.heads import load_head, save_head
-from darts_bench.surgery.train import TokenData, make_token_data, split_by_sequence, train_head, weight_source
+from darts_bench.surgery.heads import save_head
+from darts_bench.surgery.train import make_token_data, split_by_sequence, train_head, weight_source
 
 log = logging.getLogger("darts_bench")
 STAGES = ("pool", "merge", "collect", "train", "evaluate", "report")

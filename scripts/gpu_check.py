@@ -110,7 +110,7 @@ def main() -> None:
             with ctx:
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                ids = plain_tm.generate_ids(prompts, **gen_kw)
+                plain_tm.generate_ids(prompts, **gen_kw)
                 torch.cuda.synchronize()
                 times[name].append(time.perf_counter() - t0)
     ntok = 32 * 128

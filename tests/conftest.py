@@ -6,7 +6,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -4,7 +4,6 @@ import json
 import math
 
 import pandas as pd
-import pytest
 
 from darts_bench.cli import main
 from darts_bench.config import load_config

@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from darts_bench.api import get_task
 from darts_bench.cli import main
-from darts_bench.config import load_config
 from darts_bench.data import DataError
 from darts_bench.evaluate.hf_model import load_causal_lm
 

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from darts_bench.api import Task
-from darts_bench.artifacts import atomic_dir, cached, stable_hash, verify
+from darts_bench.artifacts import cached, stable_hash
 
 log = logging.getLogger("darts_bench")
 

@@ -68,7 +68,7 @@ def build_rows(pipe, results: dict) -> list[dict[str, Any]]:
     train = pipe.train()
     diags = train["diagnostics"]
     splits = pipe.cfg.calibration.splits
-    d_model = n_params = None
+    n_params = None
     rows = []
     for row in pipe.rows():
         rec: dict[str, Any] = {"model": row.model, "merge": row.merge, "correction": row.correction,
@@ -100,9 +100,6 @@ def build_rows(pipe, results: dict) -> list[dict[str, Any]]:
 
             head = load_head(next(iter(row.heads.values())))
             if n_params is None:
-                from transformers import AutoConfig
-
-                import torch
                 from safetensors import safe_open
 
                 n_params = 0
