@@ -36,15 +36,12 @@ from darts_bench.surgery.losses import next_token_entropy
 
 def padded_batches(seqs: list[list[int]], pad_id: int, bs: int) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
     """Left-padded ``(ids, mask, lengths)`` batches, built exactly as ``hidden_state_features`` does."""
+    from darts_bench.evaluate.hf_model import left_pad
+
     out = []
     for s0 in range(0, len(seqs), bs):
         chunk = seqs[s0:s0 + bs]
-        L = max(len(s) for s in chunk)
-        ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), L), dtype=torch.long)
-        for i, s in enumerate(chunk):
-            ids[i, L - len(s):] = torch.tensor(s)
-            mask[i, L - len(s):] = 1
+        ids, mask = left_pad(chunk, pad_id)
         out.append((ids, mask, [len(s) for s in chunk]))
     return out
 

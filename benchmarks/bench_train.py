@@ -44,15 +44,12 @@ from darts_bench.surgery.train import batch_order, make_token_data, split_by_seq
 
 def chunks_of(seqs: list[list[int]], pad: int, bs: int):
     """Left-padded batches exactly as ``hidden_state_features`` builds them: (ids, mask, first seq, lens)."""
+    from darts_bench.evaluate.hf_model import left_pad
+
     out = []
     for s0 in range(0, len(seqs), bs):
         chunk = seqs[s0:s0 + bs]
-        L = max(len(s) for s in chunk)
-        ids = torch.full((len(chunk), L), pad, dtype=torch.long)
-        mask = torch.zeros((len(chunk), L), dtype=torch.long)
-        for i, s in enumerate(chunk):
-            ids[i, L - len(s):] = torch.tensor(s)
-            mask[i, L - len(s):] = 1
+        ids, mask = left_pad(chunk, pad)
         out.append((ids, mask, s0, [len(s) for s in chunk]))
     return out
 

@@ -7,7 +7,7 @@ import gzip
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 
 class DataError(ValueError):
@@ -28,11 +28,14 @@ def require_file(data_dir: Path | None, rel: str) -> Path:
     return p
 
 
-def read_jsonl(path: Path, required: Iterable[str] = ()) -> list[dict[str, Any]]:
-    """Records of a JSON-lines file (``.gz`` allowed); blank lines are skipped.
+def read_jsonl(path: Path, required: Iterable[str] = (),
+               check: Callable[[dict[str, Any]], str | None] | None = None) -> list[dict[str, Any]]:
+    """Records of a JSON-lines file (``.gz`` allowed); blank lines are skipped. ``check(record)``
+    may return a problem description, reported with the file and line.
 
     Raises:
-        DataError: unreadable file, bad JSON on a line, a record missing a required field, or no records.
+        DataError: unreadable file, bad JSON on a line, a record missing a required field or failing
+            ``check``, or no records.
     """
     required = tuple(required)
     opener = gzip.open if str(path).endswith(".gz") else open
@@ -51,6 +54,9 @@ def read_jsonl(path: Path, required: Iterable[str] = ()) -> list[dict[str, Any]]
                 missing = [k for k in required if k not in rec]
                 if missing:
                     raise DataError(f"{path}:{lineno}: missing field(s) {missing}")
+                problem = check(rec) if check else None
+                if problem:
+                    raise DataError(f"{path}:{lineno}: {problem}")
                 out.append(rec)
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise DataError(f"cannot read {path}: {e}") from None

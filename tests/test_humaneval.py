@@ -167,7 +167,7 @@ def test_score_samples_errors(tmp_path):
     with pytest.raises(DataError, match="completion must be a string"):
         he.score_samples(write_samples(tmp_path / "t.jsonl", [{"task_id": "HumanEval/0", "completion": 3}]))
     (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(DataError, match="no samples"):
+    with pytest.raises(DataError, match=r"no records \(empty file\)"):
         he.score_samples(tmp_path / "empty.jsonl")
     with pytest.raises(DataError, match="cannot read"):
         he.score_samples(tmp_path / "missing.jsonl")

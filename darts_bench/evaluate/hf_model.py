@@ -70,6 +70,17 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype = torch.float32, device:
     return model, tok
 
 
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``input_ids`` and ``attention_mask``, both ``[batch, max_len]`` int64."""
+    L = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), L), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, L - len(s):] = torch.tensor(list(s), dtype=torch.long)
+        mask[i, L - len(s):] = 1
+    return ids, mask
+
+
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:
     """``text`` up to (excluding) the earliest occurrence of any stop sequence."""
     cut = len(text)
@@ -204,12 +215,8 @@ class HFTextModel:
         pad = self.tokenizer.pad_token_id
         for start in range(0, len(pairs), self.batch_size):
             chunk = pairs[start:start + self.batch_size]
-            L = max(len(ids) for ids, _ in chunk)
-            input_ids = torch.full((len(chunk), L), pad, dtype=torch.long)
-            mask = torch.zeros((len(chunk), L), dtype=torch.long)
-            for i, (ids, _) in enumerate(chunk):  # left padding, like generation
-                input_ids[i, L - len(ids):] = torch.tensor(ids)
-                mask[i, L - len(ids):] = 1
+            input_ids, mask = left_pad([ids for ids, _ in chunk], pad)  # left padding, like generation
+            L = input_ids.shape[1]
             logits = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).logits
             logp = torch.log_softmax(logits.float(), dim=-1)  # [batch, seq, vocab]
             for i, (ids, n) in enumerate(chunk):

@@ -36,27 +36,18 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any
 
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from darts_bench.api import TextModel
+from darts_bench.evaluate.hf_model import cut_at_stop
 
 log = logging.getLogger(__name__)
 
 # Generation kwargs that do not change greedy decoding and are therefore accepted and ignored.
 _IGNORED_UNDER_GREEDY = {"top_p", "top_k", "min_p", "typical_p"}
-
-
-def _cut_at_stop(text: str, stop: Sequence[str]) -> str:
-    cut = len(text)
-    for s in stop:
-        if s:
-            i = text.find(s)
-            if i != -1:
-                cut = min(cut, i)
-    return text[:cut]
 
 
 @register_model("darts-bench")
@@ -219,7 +210,7 @@ class DartsBenchLM(LM):
             if len(texts) != len(idxs):
                 raise RuntimeError(f"{type(self.model).__name__}.generate returned {len(texts)} rows for {len(idxs)} prompts")
             for i, row in zip(idxs, texts):
-                text = _cut_at_stop(row[0], until)
+                text = cut_at_stop(row[0], until)
                 out[i] = text
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return out  # type: ignore[return-value]

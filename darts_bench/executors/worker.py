@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm
+from darts_bench.evaluate.hf_model import HFTextModel, left_pad, load_causal_lm
 from darts_bench.surgery.heads import load_head
 from darts_bench.surgery.losses import next_token_entropy
 
@@ -26,12 +26,8 @@ def hidden_state_features(model, sequences: list[list[int]], pad_id: int, batch_
     hs, ents, poss, sids = [], [], [], []
     for start in range(0, len(sequences), batch_size):
         chunk = sequences[start:start + batch_size]
-        L = max(len(s) for s in chunk)
-        ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(chunk), L), dtype=torch.long)
-        for i, s in enumerate(chunk):
-            ids[i, L - len(s):] = torch.tensor(s)
-            mask[i, L - len(s):] = 1
+        ids, mask = left_pad(chunk, pad_id)
+        L = ids.shape[1]
         dev = next(model.parameters()).device
         out = model.model(input_ids=ids.to(dev), attention_mask=mask.to(dev))
         h = out.last_hidden_state  # [batch, seq, d_model], after the final norm

@@ -120,31 +120,17 @@ def score_samples(
     samples_path = Path(samples_path)
     if problems is None:
         problems = load_problems(data_dir)
-    rows: list[tuple[str, str]] = []
-    try:
-        with open(samples_path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{samples_path}:{lineno}: bad JSON ({e.msg})") from None
-                if not isinstance(rec, dict):
-                    raise DataError(f"{samples_path}:{lineno}: expected a JSON object with task_id and completion")
-                missing = [key for key in ("task_id", "completion") if key not in rec]
-                if missing:
-                    raise DataError(f"{samples_path}:{lineno}: missing field(s) {missing}")
-                if not isinstance(rec["completion"], str):
-                    raise DataError(f"{samples_path}:{lineno}: completion must be a string")
-                if rec["task_id"] not in problems:
-                    raise DataError(f"{samples_path}:{lineno}: unknown task_id {rec['task_id']!r} "
-                                    f"(expected e.g. {next(iter(problems), 'HumanEval/0')!r})")
-                rows.append((rec["task_id"], rec["completion"]))
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"cannot read {samples_path}: {e}") from None
-    if not rows:
-        raise DataError(f"{samples_path}: no samples (empty file)")
+
+    def check(rec: dict[str, Any]) -> str | None:
+        if not isinstance(rec["completion"], str):
+            return "completion must be a string"
+        if rec["task_id"] not in problems:
+            return (f"unknown task_id {rec['task_id']!r} "
+                    f"(expected e.g. {next(iter(problems), 'HumanEval/0')!r})")
+        return None
+
+    recs = read_jsonl(samples_path, required=("task_id", "completion"), check=check)
+    rows = [(r["task_id"], r["completion"]) for r in recs]
 
     programs = []
     for task_id, completion in rows:
