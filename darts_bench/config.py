@@ -89,6 +89,9 @@ class PoolConfig(_Strict):
     experts: dict[str, str] = Field(default_factory=dict, description="hf kind: expert name -> dir or hub id")
     finetune: FinetuneConfig = FinetuneConfig()
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    vocab_alignment: Literal["error", "base"] = Field(
+        "error", description="'base': accept experts that only append tokens to the base vocabulary and "
+        "merge on the base's (mergekit tokenizer_source: base); 'error': any difference fails")
 
     @model_validator(mode="after")
     def _hf_needs_paths(self) -> "PoolConfig":
@@ -111,7 +114,7 @@ class MergeSpec(_Strict):
     task arithmetic lambda 0.3 (Ilharco et al. 2023), TIES density 0.2 lambda 1.0 (Yadav et al. 2023),
     DARE drop rate 0.9 -> density 0.1 with rescaling (Yu et al. 2024)."""
 
-    name: str
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="row name: letters, digits, _ . -")
     method: MergeMethod
     weight: float = Field(1.0, gt=0)
     density: float | None = Field(None, gt=0, le=1)
@@ -271,9 +274,15 @@ class Config(_Strict):
     @field_validator("merges")
     @classmethod
     def _unique(cls, v: list[MergeSpec]) -> list[MergeSpec]:
+        if not v:
+            raise ValueError("at least one merge is needed")
         names = [m.name for m in v]
         if len(set(names)) != len(names):
             raise ValueError(f"merge names must be unique, got {names}")
+        reserved = {"base", "expert"}
+        clash = [n for n in names if n in reserved]
+        if clash:
+            raise ValueError(f"merge names {clash} are reserved for other rows; rename them")
         return v
 
     # ------------------------------------------------------------------ helpers

@@ -109,7 +109,7 @@ class Pipeline:
         for d in (self.out_dir, self.work_dir):
             try:
                 d.mkdir(parents=True, exist_ok=True)
-                probe = d / f".darts-tmp-probe-{os.getpid()}"
+                probe = d / f".darts-tmp-{os.getpid()}-probe"
                 probe.write_text("ok")
                 probe.unlink()
             except OSError as e:
@@ -200,7 +200,8 @@ class Pipeline:
                     continue
                 task = self.tasks()[name][0]
                 calib = fs.calib
-                key = stable_hash({"features": fs.key, "surgery": scfg.model_dump(mode="json"),
+                key = stable_hash({"features": fs.key, "reference": col["features"][(m, name, "reference")].key,
+                                   "surgery": scfg.model_dump(mode="json"),
                                    "held_out": self.cfg.calibration.held_out_fraction, "seed": self.cfg.seed})
                 final = self.work_dir / "heads" / f"{m}-{name}-{split}-{key}"
 
@@ -222,6 +223,7 @@ class Pipeline:
         scfg = self.cfg.surgery
         exp, mer = calib.expert_features(), fs.merged_features()
         W_e, W_m = lm_head_weight(expert_dir), lm_head_weight(merge_dir)
+        W_e = W_e[: W_m.shape[0]]  # pool.vocab_alignment=base: the expert's appended tokens are dropped
         wsrc = weight_source(scfg.entropy_source, exp, mer, W_e, W_m)
         data = make_token_data(exp, mer, wsrc)
         n_seq = calib.meta and len(calib.meta["sequences"])
@@ -281,7 +283,7 @@ class Pipeline:
             rows.append(Row(m, merge=m, model_dir=mdir, model_key=mdir.name))
             for split in splits:
                 for method in self.cfg.surgery.methods:
-                    suffix = "" if split == splits[0] else f"@{split}"
+                    suffix = "" if split == "transductive" else f"@{split}"
                     hd = {t: heads[(m, t, method, split)] for t in self.task_names}
                     rows.append(Row(f"{m}+{method}{suffix}", merge=m, correction=method, calibration=split,
                                     model_dir=mdir, model_key=mdir.name + "+" + stable_hash([str(p) for p in hd.values()]),
@@ -315,7 +317,7 @@ class Pipeline:
             judge_key = judge.model_key if judge else tcfg.judge.model
         key = stable_hash({"model": row.model_key, "task": task.name, "version": task.version,
                            "cfg": tcfg.model_dump(mode="json"), "n": len(examples), "seed": self.cfg.seed,
-                           "judge": judge_key, "ex": stable_hash([e.id for e in examples])})
+                           "judge": judge_key, "ex": stable_hash([(e.id, e.prompt, e.reference) for e in examples])})
         final = self.work_dir / "eval" / f"{row.model.replace(':', '_')}-{task.name}-{key}"
 
         def build(tmp: Path) -> None:

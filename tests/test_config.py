@@ -60,3 +60,21 @@ def test_yaml_syntax_error(tmp_path):
 def test_digest_changes_with_content():
     a, b = Config(), Config(seed=1)
     assert a.digest() != b.digest() and a.digest("pool") == b.digest("pool")
+
+
+def test_merge_names_checked():
+    with pytest.raises(ConfigError, match="reserved"):
+        load_config("tiny", ["merges=[{name: base, method: linear}]"])
+    with pytest.raises(ConfigError, match="merges.0.name"):
+        load_config("tiny", ["merges=[{name: a/b, method: linear}]"])
+    with pytest.raises(ConfigError, match="at least one merge"):
+        load_config("tiny", ["merges=[]"])
+
+
+def test_cli_rejects_non_positive_limit(capsys):
+    from darts_bench.cli import main
+
+    for bad in ("0", "-3", "x"):
+        with pytest.raises(SystemExit):
+            main(["run", "--dry-run", "--limit", bad])
+        assert "positive integer" in capsys.readouterr().err

@@ -135,3 +135,47 @@ def test_merged_checkpoint_reloads_generates_and_keeps_eos(toy):
     tm = HFTextModel("m", model, tok)
     outs = tm.generate(["hello", "def f"], max_new_tokens=5)
     assert len(outs) == 2 and all(isinstance(o[0], str) for o in outs)
+
+
+@pytest.fixture(scope="module")
+def padded_toy(toy, tmp_path_factory):
+    """The toy pool with one expert that appends a [PAD] token (vocab + 1), as WizardMath does."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    pool, base, deltas, root = toy
+    padded = tmp_path_factory.mktemp("padded") / "instruction"
+    shutil.copytree(pool.experts["instruction"], padded)
+    tok = AutoTokenizer.from_pretrained(str(padded))
+    tok.add_special_tokens({"additional_special_tokens": ["[PAD2]"]})
+    model = LlamaForCausalLM.from_pretrained(str(padded))
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(padded)
+    tok.save_pretrained(padded)
+    return Pool(base=pool.base, experts={**pool.experts, "instruction": padded}, key="padded"), base, deltas, root
+
+
+def test_appended_vocab_is_an_error_by_default(padded_toy):
+    from darts_bench.pool.build import PoolMismatchError, check_compatible
+
+    pool = padded_toy[0]
+    with pytest.raises(PoolMismatchError, match="vocab_alignment: base"):
+        check_compatible(pool.base, pool.experts)
+
+
+@pytest.mark.parametrize("method", ["ties", "linear"])
+def test_appended_vocab_merges_on_the_base_vocab(padded_toy, method):
+    from darts_bench.pool.build import check_compatible
+
+    pool, base, deltas, root = padded_toy
+    check_compatible(pool.base, pool.experts, vocab_alignment="base")
+    spec = MergeSpec(name=f"pad-{method}", method=method, weight=1.0, normalize=True,
+                     density=0.5 if method == "ties" else None)
+    out = root / f"out-padded-{method}"
+    run_one_merge(merge_config_dict(spec, pool, vocab_alignment="base"), out, 0, pool.base)
+    merged = load_file(str(out / "model.safetensors"))
+    assert merged["model.embed_tokens.weight"].shape == base["model.embed_tokens.weight"].shape
+    assert merged[T2].shape == base[T2].shape
+    if method == "ties":  # embeddings equal the base's in every model: unchanged by the merge
+        torch.testing.assert_close(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])

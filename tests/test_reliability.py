@@ -199,3 +199,15 @@ def test_unwritable_output_dir_fails_before_work(tmp_path, data_dir):
 def test_config_typo_is_rejected_by_cli(tmp_path, capsys):
     rc = main(["pool", "--set", "surgery.rnak=3"])
     assert rc == 2
+
+
+def test_stale_temp_cleanup_spares_live_writers(tmp_path):
+    from darts_bench.artifacts import clean_stale_temps
+
+    live = tmp_path / f".darts-tmp-{os.getppid()}-abcd1234-x"  # the parent process is alive
+    dead_pid = 2 ** 22 + 12345  # above the default pid_max: never a live process
+    dead = tmp_path / f".darts-tmp-{dead_pid}-abcd1234-y"
+    live.mkdir()
+    dead.mkdir()
+    assert clean_stale_temps(tmp_path) == 1
+    assert live.exists() and not dead.exists()

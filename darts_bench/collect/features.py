@@ -155,11 +155,10 @@ def collect_calibration(cfg, task: Task, split: str, prompts: list[str], expert_
         if references is not None:
             gen_ids = [tokenizer(r, add_special_tokens=False)["input_ids"][:cal.max_prompt_tokens]
                        for r in references]
-        else:  # the expert's greedy continuation of the (truncated) prompt text
-            texts = [tokenizer.decode(ids) for ids in prompt_ids]
-            gen_payloads = [{"prompts": texts[i:i + cfg.ray.shard_size],
+        else:  # the expert's greedy continuation of exactly these (truncated) prompt tokens
+            gen_payloads = [{"prompts": prompt_ids[i:i + cfg.ray.shard_size],
                              "kwargs": {"max_new_tokens": cal.max_new_tokens}}
-                            for i in range(0, len(texts), cfg.ray.shard_size)]
+                            for i in range(0, len(prompt_ids), cfg.ray.shard_size)]
             gens = executor.map(str(expert_dir), "generate_ids", gen_payloads,
                                 desc=f"calibrate {task.name}/{split}")
             gen_ids = [s[0] for shard in gens for s in shard]

@@ -154,9 +154,11 @@ class HFTextModel:
 
     # --------------------------------------------------------------- generation
     @torch.inference_mode()
-    def generate_ids(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
-                     num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[list[int]]]:
-        """Generated token ids (prompt excluded, padding/eos stripped), ``[prompt][sample][token]``."""
+    def generate_ids(self, prompts: Sequence[str] | Sequence[Sequence[int]], *, max_new_tokens: int,
+                     stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
+                     seed: int = 0) -> list[list[list[int]]]:
+        """Generated token ids (prompt excluded, padding/eos stripped), ``[prompt][sample][token]``.
+        ``prompts`` are strings (tokenized here) or token-id lists (used as they are)."""
         if temperature == 0.0 and num_samples != 1:
             raise ValueError("greedy decoding (temperature 0) gives one sample; set temperature > 0")
         out: list[list[list[int]]] = []
@@ -165,7 +167,11 @@ class HFTextModel:
         pad = self.tokenizer.pad_token_id
         for start in range(0, len(prompts), self.batch_size):
             batch = prompts[start:start + self.batch_size]
-            enc = self._encode(batch)
+            if batch and not isinstance(batch[0], str):
+                ids, mask = left_pad(batch, pad)
+                enc = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
+            else:
+                enc = self._encode(batch)
             gen_cfg = GenerationConfig(
                 max_new_tokens=max_new_tokens, do_sample=temperature > 0,
                 temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,

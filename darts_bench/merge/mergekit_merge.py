@@ -20,8 +20,9 @@ from darts_bench.pool.build import Pool
 log = logging.getLogger("darts_bench")
 
 
-def merge_config_dict(spec: MergeSpec, pool: Pool) -> dict:
-    """The mergekit ``MergeConfiguration`` (as a dict) for ``spec`` over all experts of ``pool``."""
+def merge_config_dict(spec: MergeSpec, pool: Pool, vocab_alignment: str = "error") -> dict:
+    """The mergekit ``MergeConfiguration`` (as a dict) for ``spec`` over all experts of ``pool``;
+    ``vocab_alignment="base"`` merges on the base's tokenizer (``tokenizer_source: base``)."""
     params: dict = {"weight": spec.weight}
     if spec.density is not None:
         params["density"] = spec.density
@@ -29,6 +30,8 @@ def merge_config_dict(spec: MergeSpec, pool: Pool) -> dict:
     cfg: dict = {"merge_method": spec.method, "models": models, "dtype": spec.dtype}
     if spec.method != "linear":
         cfg["base_model"] = str(pool.base)
+    if vocab_alignment == "base":  # the base's tokenizer, by path (linear has no base_model)
+        cfg["tokenizer_source"] = str(pool.base)
     glob: dict = {}
     if spec.normalize is not None:
         glob["normalize"] = spec.normalize
@@ -71,7 +74,7 @@ def build_merges(cfg: Config, pool: Pool, work_dir: Path) -> dict[str, Path]:
     """Every configured merge, cached by (pool key, merge spec, seed): name -> checkpoint dir."""
     out: dict[str, Path] = {}
     for spec in cfg.merges:
-        cd = merge_config_dict(spec, pool)
+        cd = merge_config_dict(spec, pool, cfg.pool.vocab_alignment)
         key = stable_hash({"pool": pool.key, "spec": spec.model_dump(mode="json"), "seed": cfg.seed})
         final = work_dir / "merges" / f"{spec.name}-{key}"
         cached(final, lambda tmp, cd=cd: run_one_merge(cd, tmp, cfg.seed, pool.base),

@@ -48,13 +48,17 @@ def _read_json(p: Path) -> dict:
     return json.loads(p.read_text())
 
 
-def check_compatible(base: Path | str, experts: dict[str, Path | str]) -> None:
+def check_compatible(base: Path | str, experts: dict[str, Path | str], vocab_alignment: str = "error") -> None:
     """Fail early unless every expert shares the base's architecture, shapes and vocabulary.
 
     Compared: ``architectures``, ``model_type``, ``hidden_size``, ``num_hidden_layers``,
     ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``, ``vocab_size``,
     ``tie_word_embeddings`` from ``config.json``, and the tokenizer vocabularies (token -> id).
-    Vocabulary padding differences are not silently aligned: they are reported with the fix.
+    Vocabulary padding differences are not silently aligned: with ``vocab_alignment="error"`` they
+    are reported with the fix; with ``"base"`` an expert whose tokenizer equals the base's plus
+    tokens appended after it (e.g. a ``[PAD]`` added for fine-tuning, as WizardMath's) is accepted,
+    the merge keeps the base's vocabulary (mergekit ``tokenizer_source: base``) and the expert's
+    extra output rows are ignored in the diagnostics. Anything else still fails.
 
     Raises:
         PoolMismatchError: naming the expert, the field, and both values.
@@ -72,21 +76,40 @@ def check_compatible(base: Path | str, experts: dict[str, Path | str]) -> None:
     btok = AutoTokenizer.from_pretrained(str(base)).get_vocab()
     for name, path in experts.items():
         ecfg = _read_json(Path(path) / "config.json")
+        etok = AutoTokenizer.from_pretrained(str(path)).get_vocab()
+        appended = _appended_tokens(btok, etok)
+        aligned = vocab_alignment == "base" and appended is not None
         for k in keys:
+            if k == "vocab_size" and aligned and ecfg.get(k, 0) >= bcfg.get(k, 0):
+                continue
             if bcfg.get(k) != ecfg.get(k):
                 hint = ""
                 if k == "vocab_size":
                     hint = (" (embedding rows differ: re-save the expert with the base's padded vocabulary, "
-                            "or resize both to one size; darts-bench does not align vocabularies silently)")
+                            "or set pool.vocab_alignment: base if the expert only appends tokens to the "
+                            "base's; darts-bench does not align vocabularies silently)")
                 raise PoolMismatchError(
                     f"expert {name!r} ({path}) does not match the base ({base}): {k} = "
                     f"{ecfg.get(k)!r} vs base {bcfg.get(k)!r}{hint}")
-        etok = AutoTokenizer.from_pretrained(str(path)).get_vocab()
-        if etok != btok:
+        if aligned and appended:
+            log.warning("expert %r appends %d token(s) to the base vocabulary %s; merging on the base "
+                        "vocabulary (pool.vocab_alignment: base)", name, len(appended), appended[:5])
+        elif etok != btok:
             diff = sorted(set(etok.items()) ^ set(btok.items()))[:3]
             raise PoolMismatchError(
                 f"expert {name!r} ({path}) has a different tokenizer vocabulary from the base ({base}): "
                 f"{len(etok)} vs {len(btok)} tokens, first differences {diff}")
+
+
+def _appended_tokens(base_vocab: dict[str, int], expert_vocab: dict[str, int]) -> list[str] | None:
+    """Tokens the expert appends after the base's ids, or None if it changes any base token's id."""
+    if any(expert_vocab.get(t) != i for t, i in base_vocab.items()):
+        return None
+    n = len(base_vocab)
+    extra = sorted((i, t) for t, i in expert_vocab.items() if t not in base_vocab)
+    if any(i < n for i, _ in extra):
+        return None
+    return [t for _, t in extra]
 
 
 def build_pool(cfg: Config, work_dir: Path) -> Pool:
@@ -100,7 +123,7 @@ def build_pool(cfg: Config, work_dir: Path) -> Pool:
     if pc.kind == "hf":
         experts = {e: Path(pc.experts[e]) if Path(pc.experts[e]).exists() else pc.experts[e]
                    for e in EXPERT_NAMES}
-        check_compatible(pc.base, experts)
+        check_compatible(pc.base, experts, pc.vocab_alignment)
         return Pool(base=Path(pc.base), experts={e: Path(p) for e, p in experts.items()},
                     key=stable_hash([pc.base, pc.experts]))
     key = stable_hash({"pool": pc.model_dump(mode="json"), "data": data_fingerprint(data_dir)})
@@ -117,5 +140,5 @@ def build_pool(cfg: Config, work_dir: Path) -> Pool:
                meta={"kind": "pool", "config": pc.model_dump(mode="json")})
     pool = Pool(base=root / "base", experts={e: root / e for e in EXPERT_NAMES}, key=key,
                 report=json.loads((root / "build_report.json").read_text()))
-    check_compatible(pool.base, pool.experts)
+    check_compatible(pool.base, pool.experts, pc.vocab_alignment)
     return pool

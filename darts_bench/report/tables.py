@@ -235,7 +235,9 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
         "suite": pipe.suite,
         "limits": {t: len(ex) for t, (_, ex) in tasks.items()},
         "task_versions": {t: task.version for t, (task, _) in tasks.items()},
-        "task_meta": {t: results[rows[0]["model"]][t].meta for t in pipe.task_names},
+        # protocol details (prompts, few-shot, judge, reference set) as recorded for the base row;
+        # per-row numbers in it (e.g. judge consistency) describe that row only
+        "task_meta_base_row": {t: results[rows[0]["model"]][t].meta for t in pipe.task_names},
         "packages": _versions(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
