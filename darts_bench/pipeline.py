@@ -226,7 +226,7 @@ class Pipeline:
         W_e = W_e[: W_m.shape[0]]  # pool.vocab_alignment=base: the expert's appended tokens are dropped
         wsrc = weight_source(scfg.entropy_source, exp, mer, W_e, W_m)
         data = make_token_data(exp, mer, wsrc)
-        n_seq = calib.meta and len(calib.meta["sequences"])
+        n_seq = len(calib.meta["sequences"])
         seed = derive_seed(self.cfg.seed, "split", name, split)
         tr_seq, va_seq = split_by_sequence(n_seq, self.cfg.calibration.held_out_fraction, seed)
         tr_mask = torch.isin(data.seq_index, torch.tensor(tr_seq))

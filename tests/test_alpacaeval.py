@@ -190,8 +190,8 @@ def test_length_judge_score_mode(task, three):
     assert res.per_example["ref_nll"] == pytest.approx([0.1] * 3)
 
 
-def test_length_judge_generate_mode(task, three, tmp_path):
-    examples, model, refs, instr = three
+def _task_in_generate_mode(tmp_path):
+    """An AlpacaEvalTask whose annotator config (a copy of the repo's) uses the generate judge mode."""
     cfg_dir = tmp_path / "local_judge"
     shutil.copytree(ANNOTATOR_DIR, cfg_dir)
     conf = yaml.safe_load((cfg_dir / "configs.yaml").read_text())
@@ -199,6 +199,12 @@ def test_length_judge_generate_mode(task, three, tmp_path):
     (cfg_dir / "configs.yaml").write_text(yaml.safe_dump(conf))
     t = AlpacaEvalTask()
     t.annotators_config = cfg_dir
+    return t
+
+
+def test_length_judge_generate_mode(task, three, tmp_path):
+    examples, model, refs, instr = three
+    t = _task_in_generate_mode(tmp_path)
     judge = LengthJudge()
     res = t.evaluate(model, examples, _ctx(AlpacaEvalConfig(limit=3), judge))
     _check_length_judge_result(res)
@@ -315,13 +321,7 @@ class GarbageJudge(LengthJudge):
 
 def test_unparseable_verdicts_are_draws(three, tmp_path):
     examples, model, refs, instr = three
-    cfg_dir = tmp_path / "local_judge"
-    shutil.copytree(ANNOTATOR_DIR, cfg_dir)
-    conf = yaml.safe_load((cfg_dir / "configs.yaml").read_text())
-    next(iter(conf.values()))["completions_kwargs"]["mode"] = "generate"
-    (cfg_dir / "configs.yaml").write_text(yaml.safe_dump(conf))
-    t = AlpacaEvalTask()
-    t.annotators_config = cfg_dir
+    t = _task_in_generate_mode(tmp_path)
     res = t.evaluate(model, examples, _ctx(AlpacaEvalConfig(limit=3), GarbageJudge()))
     assert res.meta["n_no_verdict"] == 6
     assert res.metrics["alpacaeval_judge_consistency"] == 0.0

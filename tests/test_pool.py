@@ -53,24 +53,27 @@ def test_experts_beat_base_and_each_other_on_own_task(micro_pipeline):
         assert all(own < v for v in others.values()), (task_name, nll)
 
 
+def _expert_copy_with_config(pool, name, tmp_path, **changes):
+    """A copy of expert ``name`` whose config.json fields are mapped by ``changes`` (key -> fn)."""
+    bad = tmp_path / "bad_expert"
+    shutil.copytree(pool.path(name), bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    for k, fn in changes.items():
+        cfg[k] = fn(cfg[k])
+    (bad / "config.json").write_text(json.dumps(cfg))
+    return bad
+
+
 def test_mismatched_vocab_is_a_clear_error(micro_pipeline, tmp_path):
     pool = micro_pipeline.pool()
-    bad = tmp_path / "bad_expert"
-    shutil.copytree(pool.path("math"), bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["vocab_size"] += 8
-    (bad / "config.json").write_text(json.dumps(cfg))
+    bad = _expert_copy_with_config(pool, "math", tmp_path, vocab_size=lambda v: v + 8)
     with pytest.raises(PoolMismatchError, match=r"expert 'math'.*vocab_size = \d+ vs base"):
         check_compatible(pool.base, {"math": bad})
 
 
 def test_mismatched_hidden_size_is_a_clear_error(micro_pipeline, tmp_path):
     pool = micro_pipeline.pool()
-    bad = tmp_path / "bad_expert"
-    shutil.copytree(pool.path("code"), bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["hidden_size"] *= 2
-    (bad / "config.json").write_text(json.dumps(cfg))
+    bad = _expert_copy_with_config(pool, "code", tmp_path, hidden_size=lambda v: v * 2)
     with pytest.raises(PoolMismatchError, match="hidden_size"):
         check_compatible(pool.base, {"code": bad})
 

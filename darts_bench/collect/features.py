@@ -22,6 +22,7 @@ import json
 import logging
 import shutil
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -99,8 +100,9 @@ class CalibrationSet:
     root: Path
     key: str
 
-    @property
+    @cached_property
     def meta(self) -> dict:
+        """``sequences.json``: prompts, prompt lengths and token sequences (read once)."""
         return json.loads((self.root / "sequences.json").read_text())
 
     def expert_features(self) -> dict[str, torch.Tensor]:

@@ -74,6 +74,8 @@ class CorrectionHead(nn.Module):
     """Surgery / DARTS head. ``forward(h, positions)`` maps ``[..., d]`` float hidden states and
     ``[...]`` int64 absolute positions to corrected ``[..., d]`` hidden states (same dtype)."""
 
+    N_BUCKETS = 16  # overflow=bucket: log2-spaced rows after the max_len position rows
+
     def __init__(self, cfg: HeadConfig):
         super().__init__()
         self.cfg = cfg
@@ -81,13 +83,10 @@ class CorrectionHead(nn.Module):
         self.up = nn.Linear(cfg.rank, cfg.d_model, bias=False)  # W_up: [d, r], zero-init
         nn.init.zeros_(self.up.weight)
         if cfg.position_bias:
-            n_rows = cfg.max_len + (self._n_buckets() if cfg.overflow == "bucket" else 0)
+            n_rows = cfg.max_len + (self.N_BUCKETS if cfg.overflow == "bucket" else 0)
             self.pos_bias = nn.Parameter(torch.zeros(n_rows, cfg.d_model))  # b: [max_len(+buckets), d]
         else:
             self.register_parameter("pos_bias", None)
-
-    def _n_buckets(self) -> int:
-        return 16
 
     def bias_index(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Row of the bias table for each position and a {0,1} float mask (0 = no bias)."""
@@ -101,7 +100,7 @@ class CorrectionHead(nn.Module):
             keep = (~over).float()
         else:  # bucket: log-spaced buckets for positions >= L, rows L .. L+15
             rel = (positions - L).clamp_min(0).float() + 1.0
-            b = torch.floor(torch.log2(rel)).long().clamp(max=self._n_buckets() - 1)
+            b = torch.floor(torch.log2(rel)).long().clamp(max=self.N_BUCKETS - 1)
             idx = torch.where(over, L + b, positions)
         return idx, keep
 
