@@ -16,7 +16,9 @@ from darts_bench.config import AlpacaEvalConfig, JudgeConfig
 from darts_bench.data import DataError
 
 REPO = Path(__file__).resolve().parent.parent
-DATA = Path("/work/shared/data")
+from conftest import DATA_DIR
+
+DATA = DATA_DIR  # $DARTS_BENCH_DATA, else ../shared/data
 GPT4 = "alpaca_eval/gpt4_1106_preview_model_outputs.json"
 DAVINCI = "alpaca_eval/text_davinci_003_model_outputs.json"
 

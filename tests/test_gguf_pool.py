@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import DATA_DIR  # $DARTS_BENCH_DATA, else ../shared/data
 
 from darts_bench.config import ConfigError, load_config
 from darts_bench.pool.gguf import GGUFError, build_gguf_pool, fetch_gguf, load_gguf_checkpoint
 
 gguf = pytest.importorskip("gguf")
 
-DATA_DIR = Path("/work/shared/data")
 N_HEAD, N_KV = 4, 2
 
 
@@ -278,6 +278,27 @@ def test_build_gguf_pool_from_base_dir(tiny_base_dir, tmp_path, mode):
     if mode == "lora":
         assert rep["lora_trainable_params"] > 0
         assert all(any(t in k for t in ("q_proj", "k_proj", "v_proj", "o_proj")) for k in changed)
+
+
+@pytest.mark.skipif(not DATA_DIR.is_dir(), reason="needs the shared data dir")
+def test_build_gguf_pool_is_bitwise_reproducible(tiny_base_dir, tmp_path):
+    """Same config and seed, same thread count: every expert's weights are bitwise equal (the
+    committed smollm2-135m table relies on this to be reproducible from a fresh clone)."""
+    from safetensors.torch import load_file
+
+    cfg = _pool_cfg(tmp_path, tiny_base_dir, "full")
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"pool{i}"
+        out.mkdir()
+        build_gguf_pool(cfg, cfg.resolved_data_dir(), out, tmp_path / f"work{i}")
+        outs.append(out)
+    for e in ("code", "math", "instruction"):
+        a, b = (load_file(str(o / e / "model.safetensors")) for o in outs)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), e
+    base, code = (load_file(str(outs[0] / n / "model.safetensors")) for n in ("base", "code"))
+    assert any(not torch.equal(base[k], code[k]) for k in base)  # fine-tuning did change the weights
 
 
 @pytest.mark.skipif(not DATA_DIR.is_dir(), reason="needs the shared data dir")

@@ -14,7 +14,9 @@ from darts_bench.api import EvalContext, ScoreContinuation, get_task
 from darts_bench.config import GSM8KConfig
 from darts_bench.data import DataError
 
-DATA = Path("/work/shared/data")
+from conftest import DATA_DIR
+
+DATA = DATA_DIR  # $DARTS_BENCH_DATA, else ../shared/data
 needs_data = pytest.mark.skipif(not (DATA / "gsm8k" / "test.jsonl").is_file(), reason="shared GSM8K data not present")
 
 gsm8k = get_task("gsm8k")
@@ -277,7 +279,7 @@ def test_lm_eval_tiny_hf_llama(tmp_path):
 def test_score_cli_on_external_samples(tmp_path, capsys):
     from darts_bench.cli import main
 
-    data = Path("/work/shared/data") if Path("/work/shared/data").is_dir() else None
+    data = DATA if DATA.is_dir() else None
     if data is None:
         pytest.skip("no data dir")
     import json as _json
