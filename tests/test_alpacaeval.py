@@ -10,15 +10,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import DATA_DIR as DATA  # $DARTS_BENCH_DATA, else ../shared/data
 
 from darts_bench.api import EvalContext, ScoreContinuation, _import_task_folder, get_task
 from darts_bench.config import AlpacaEvalConfig, JudgeConfig
 from darts_bench.data import DataError
 
 REPO = Path(__file__).resolve().parent.parent
-from conftest import DATA_DIR
-
-DATA = DATA_DIR  # $DARTS_BENCH_DATA, else ../shared/data
 GPT4 = "alpaca_eval/gpt4_1106_preview_model_outputs.json"
 DAVINCI = "alpaca_eval/text_davinci_003_model_outputs.json"
 

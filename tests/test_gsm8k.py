@@ -9,14 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import DATA_DIR as DATA  # $DARTS_BENCH_DATA, else ../shared/data
 
 from darts_bench.api import EvalContext, ScoreContinuation, get_task
 from darts_bench.config import GSM8KConfig
 from darts_bench.data import DataError
 
-from conftest import DATA_DIR
-
-DATA = DATA_DIR  # $DARTS_BENCH_DATA, else ../shared/data
 needs_data = pytest.mark.skipif(not (DATA / "gsm8k" / "test.jsonl").is_file(), reason="shared GSM8K data not present")
 
 gsm8k = get_task("gsm8k")
@@ -276,23 +274,21 @@ def test_lm_eval_tiny_hf_llama(tmp_path):
     assert by_name.generate_until([req]) == lm.generate_until([req])
 
 
+@needs_data
 def test_score_cli_on_external_samples(tmp_path, capsys):
     from darts_bench.cli import main
 
-    data = DATA if DATA.is_dir() else None
-    if data is None:
-        pytest.skip("no data dir")
     import json as _json
 
-    recs = [_json.loads(l) for l in (data / "gsm8k" / "test.jsonl").read_text().splitlines()[:3]]
+    recs = [_json.loads(l) for l in (DATA / "gsm8k" / "test.jsonl").read_text().splitlines()[:3]]
     gold = [r["answer"].split("####")[-1].strip() for r in recs]
     lines = [{"doc_id": 0, "response": f"so\n#### {gold[0]}"},
              {"question": recs[1]["question"], "response": f"the answer is {gold[1]}"},
              {"doc_id": 2, "response": "#### 123456789"}]
     f = tmp_path / "s.jsonl"
     f.write_text("\n".join(_json.dumps(l) for l in lines) + "\n")
-    assert main(["score", "gsm8k", str(f), "--data-dir", str(data), "--out", str(tmp_path / "m.json")]) == 0
+    assert main(["score", "gsm8k", str(f), "--data-dir", str(DATA), "--out", str(tmp_path / "m.json")]) == 0
     m = _json.loads((tmp_path / "m.json").read_text())
     assert m["gsm8k_em_strict"] == pytest.approx(1 / 3) and m["gsm8k_em_flexible"] == pytest.approx(2 / 3)
     f.write_text('{"doc_id": 99999, "response": "x"}\n')
-    assert main(["score", "gsm8k", str(f), "--data-dir", str(data)]) == 2
+    assert main(["score", "gsm8k", str(f), "--data-dir", str(DATA)]) == 2
