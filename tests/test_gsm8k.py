@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 import pytest
 from conftest import DATA_DIR as DATA  # $DARTS_BENCH_DATA, else ../shared/data
