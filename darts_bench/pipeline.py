@@ -18,11 +18,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from darts_bench.api import EvalContext, Example, Task, TaskResult, get_task
+from darts_bench.api import EvalContext, Example, Task, TaskResult, get_task, resolve_suite
 from darts_bench.artifacts import cached, clean_stale_temps, stable_hash
 from darts_bench.collect.features import (CalibrationSet, FeatureSet, calibration_prompts, collect_calibration,
                                           collect_merged)
-from darts_bench.config import TASK_NAMES, Config
+from darts_bench.config import Config
 from darts_bench.executors.local import make_executor
 from darts_bench.surgery.diagnostics import diagnose, gap_closed, position_slope
 from darts_bench.surgery.heads import save_head
@@ -50,6 +50,14 @@ class Row:
     heads: dict[str, Path] = field(default_factory=dict)  # task -> head dir
 
 
+def pool_expert_names(cfg: Config) -> list[str]:
+    """The experts every pool kind builds or loads (``EXPERT_NAMES``), the names a task's
+    ``expert`` may take."""
+    from darts_bench.config import EXPERT_NAMES
+
+    return list(EXPERT_NAMES)
+
+
 def lm_head_weight(model_dir: Path) -> torch.Tensor:
     """``lm_head.weight`` ``[vocab, d_model]`` (or tied embeddings) read lazily from safetensors."""
     for f in sorted(model_dir.glob("*.safetensors")):
@@ -62,19 +70,25 @@ def lm_head_weight(model_dir: Path) -> torch.Tensor:
 
 
 class Pipeline:
-    """Runs the stages for one config. ``suite``: ``all`` or one task name; ``limit`` caps examples
-    per benchmark (overrides each task's configured limit)."""
+    """Runs the stages for one config. ``suite``: ``all`` (every enabled installed task), one task
+    name or a comma-separated list (:func:`darts_bench.api.resolve_suite`); ``limit`` caps examples
+    per benchmark (overrides each task's configured limit).
+
+    Raises:
+        ValueError: unknown or empty suite, or a task mapped to an expert the pool does not have.
+    """
 
     def __init__(self, cfg: Config, suite: str = "all", limit: int | None = None, out_dir: str | None = None):
-        if suite != "all" and suite not in TASK_NAMES:
-            raise ValueError(f"unknown suite {suite!r}; choose all or one of {TASK_NAMES}")
         self.cfg, self.suite, self.limit = cfg, suite, limit
         self.out_dir = Path(out_dir) if out_dir else cfg.resolved_out_dir()
         self.work_dir = Path(cfg.work_dir)
-        names = TASK_NAMES if suite == "all" else (suite,)
-        self.task_names = [t for t in names if getattr(cfg.tasks, t).enabled]
-        if not self.task_names:
-            raise ValueError(f"no enabled task in suite {suite!r}")
+        self.task_names = resolve_suite(suite, cfg.tasks)
+        experts = pool_expert_names(cfg)
+        for t in self.task_names:
+            e = get_task(t).expert
+            if e is not None and e not in experts:
+                raise ValueError(f"task {t} maps to expert {e!r}, which the pool does not have (experts: "
+                                 f"{experts}); set the task's `expert` to one of them or to None (no heads)")
         self._cache: dict[str, Any] = {}
         self.timings: dict[str, float] = {}
         self._executor = None
@@ -169,6 +183,8 @@ class Pipeline:
             calib: dict[tuple[str, str], CalibrationSet] = {}
             feats: dict[tuple[str, str, str], FeatureSet] = {}
             for name, (task, examples) in tasks.items():
+                if task.expert is None:
+                    continue  # no expert, no calibration: the task gets no heads
                 expert_dir = pool.path(task.expert)
                 expert_key = stable_hash([pool.key, task.expert])
                 for split in self.cfg.calibration.splits:
@@ -284,7 +300,8 @@ class Pipeline:
             for split in splits:
                 for method in self.cfg.surgery.methods:
                     suffix = "" if split == "transductive" else f"@{split}"
-                    hd = {t: heads[(m, t, method, split)] for t in self.task_names}
+                    hd = {t: heads[(m, t, method, split)] for t in self.task_names
+                          if (m, t, method, split) in heads}  # tasks with no expert get no head
                     rows.append(Row(f"{m}+{method}{suffix}", merge=m, correction=method, calibration=split,
                                     model_dir=mdir, model_key=mdir.name + "+" + stable_hash([str(p) for p in hd.values()]),
                                     heads=hd))
@@ -315,7 +332,10 @@ class Pipeline:
         if task.name == "alpacaeval":
             judge = by_name.get(tcfg.judge.model)
             judge_key = judge.model_key if judge else tcfg.judge.model
-        key = stable_hash({"model": row.model_key, "task": task.name, "version": task.version,
+        model_key = row.model_key
+        if row.correction != "none" and task.name not in row.heads:
+            model_key = by_name[row.merge].model_key  # no head for this task: the row is its merge here
+        key = stable_hash({"model": model_key, "task": task.name, "version": task.version,
                            "cfg": tcfg.model_dump(mode="json"), "n": len(examples), "seed": self.cfg.seed,
                            "judge": judge_key, "ex": stable_hash([(e.id, e.prompt, e.reference) for e in examples])})
         final = self.work_dir / "eval" / f"{row.model.replace(':', '_')}-{task.name}-{key}"

@@ -4,8 +4,10 @@ Everything comes from the config alone: no model is loaded and the hub is never 
 architecture comes from ``config.json`` of a local model dir when there is one, from
 ``pool.tiny`` for the tiny tier, else from a table of known architectures (SmolLM2-135M,
 Llama-2-7B) matched on the model id. Prompt and reference lengths are not known before the
-tokenizer runs, so token counts use per-task typical lengths (Llama-style BPE, listed in
-:data:`TYPICAL_TOKENS`) capped by the configured limits; treat them as order-of-magnitude estimates.
+tokenizer runs, so token counts use per-task typical lengths (Llama-style BPE, each task's
+``Task.typical_tokens``; :data:`TYPICAL_TOKENS` for the shared parts) and example counts
+(``Task.official_size``) capped by the configured limits; treat them as order-of-magnitude
+estimates. Tasks come from the registry (``--suite``), so an added task is planned like a built-in one.
 
 ``make_plan(cfg, suite, limit) -> dict`` returns the plan; ``print_plan`` prints it as a table.
 """
@@ -18,17 +20,12 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
-from darts_bench.config import EXPERT_NAMES, TASK_NAMES, Config
+from darts_bench.api import get_task, resolve_suite
+from darts_bench.config import EXPERT_NAMES, Config
 
-# Examples per benchmark when no limit applies (HumanEval, GSM8K test split, AlpacaEval set).
-TASK_SIZES = {"humaneval": 164, "gsm8k": 1319, "alpacaeval": 805}
-# Typical token lengths (Llama-style BPE): prompt, reference answer; gsm8k few-shot adds per shot.
+# Typical token lengths (Llama-style BPE) shared by all tasks; per-task ones are Task.typical_tokens.
 TYPICAL_TOKENS = {
-    "humaneval": {"prompt": 130, "reference": 60},
-    "gsm8k": {"prompt": 70, "reference": 110, "per_shot": 180},
-    "alpacaeval": {"prompt": 50, "reference": 350},
     "training_prompt": 120,  # inductive calibration prompts from the experts' training data
-    "judge_template": 200,  # AlpacaEval judge instructions around the two outputs
 }
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Architectures of the packaged tiers' models when no local config.json is there.
@@ -143,11 +140,7 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
     Raises:
         ValueError: unknown suite or no enabled task in it.
     """
-    if suite != "all" and suite not in TASK_NAMES:
-        raise ValueError(f"unknown suite {suite!r}; choose all or one of {TASK_NAMES}")
-    names = [t for t in (TASK_NAMES if suite == "all" else (suite,)) if getattr(cfg.tasks, t).enabled]
-    if not names:
-        raise ValueError(f"no enabled task in suite {suite!r}")
+    names = resolve_suite(suite, cfg.tasks)
     arch, arch_src = architecture(cfg)
     pc = param_count(arch) if arch else None
     d = arch["hidden_size"] if arch else None
@@ -159,15 +152,22 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
 
     # ---------------------------------------------------------------- tasks
     tasks: dict[str, dict[str, Any]] = {}
+    hints: dict[str, dict[str, Any]] = {}
     for t in names:
         tc = getattr(cfg.tasks, t)
+        task = get_task(t)
+        size = task.official_size
         lim = limit if limit is not None else tc.limit
-        n = min(lim, TASK_SIZES[t]) if lim is not None else TASK_SIZES[t]
-        typ = TYPICAL_TOKENS[t]
+        if size is None and lim is None:
+            raise ValueError(f"task {t} declares no official_size: give --limit or tasks.{t}.limit to plan it")
+        n = min(lim, size) if lim is not None and size is not None else (lim if lim is not None else size)
+        typ = task.typical_tokens
         prompt = typ["prompt"] + (typ.get("per_shot", 0) * getattr(tc, "num_fewshot", 0))
-        tasks[t] = {"n_examples": n, "of": TASK_SIZES[t], "max_new_tokens": tc.max_new_tokens,
+        tasks[t] = {"n_examples": n, "of": size, "max_new_tokens": getattr(tc, "max_new_tokens", 0),
                     "n_samples": getattr(tc, "n_samples", 1), "prompt_tokens_est": prompt,
-                    "reference_tokens_est": typ["reference"]}
+                    "reference_tokens_est": typ["reference"], "expert": task.expert}
+        hints[t] = task.plan(tc, n)
+    head_tasks = [t for t in names if tasks[t]["expert"] is not None]  # tasks without an expert get no heads
 
     # ---------------------------------------------------------------- rows
     n_rows = 1 + E + M + M * len(cal.splits) * len(scfg.methods)
@@ -176,6 +176,8 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
     calib: dict[str, dict[str, Any]] = {}
     gen_tokens = feat_seq_tokens = 0  # expert generation; tokens per feature set (one forward each)
     for t, ti in tasks.items():
+        if ti["expert"] is None:
+            continue
         for split in cal.splits:
             n = min(cal.n_prompts, ti["n_examples"]) if split == "transductive" else cal.n_prompts
             p = min(ti["prompt_tokens_est"] if split == "transductive" else TYPICAL_TOKENS["training_prompt"],
@@ -201,11 +203,7 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
         eval_gen += n_rows * per_row_gen
         eval_nll += n_rows * per_row_nll
         ti["eval_forward_tokens_per_row"] = per_row_gen + per_row_nll
-        if t == "alpacaeval":
-            j = cfg.tasks.alpacaeval.judge
-            per_pair = (TYPICAL_TOKENS["judge_template"] + ti["prompt_tokens_est"] + ti["max_new_tokens"]
-                        + ti["reference_tokens_est"] + j.max_new_tokens)
-            judge += n_rows * ti["n_examples"] * (2 if j.both_orders else 1) * per_pair
+        judge += n_rows * hints[t].get("judge_tokens_per_row", 0)
     forward_tokens = gen_tokens + feature_forward_tokens + eval_gen + eval_nll + judge
 
     # ---------------------------------------------------------------- memory
@@ -269,7 +267,7 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
                        "disk_bytes": sum(pc["total"] * DTYPE_BYTES[m.dtype] for m in cfg.merges) if pc else None}
 
     stages["collect"] = {
-        "what": (f"{len(names)} tasks x {len(cal.splits)} splits ({', '.join(cal.splits)}) + reference answers: "
+        "what": (f"{len(head_tasks)} tasks x {len(cal.splits)} splits ({', '.join(cal.splits)}) + reference answers: "
                  f"expert greedy continuations ({cal.max_new_tokens} new tokens), then final hidden states and "
                  f"entropies of the expert and {M} merges"),
         "where": _where_executor(cfg),
@@ -280,7 +278,7 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
         "calibration": calib,
         "generation_tokens": gen_tokens, "feature_forward_tokens": feature_forward_tokens}
 
-    n_heads = M * len(names) * len(cal.splits) * len(scfg.methods)
+    n_heads = M * len(head_tasks) * len(cal.splits) * len(scfg.methods)
     head_params = {m: _head_params(m, d, scfg.rank, scfg.max_len, scfg.overflow) for m in scfg.methods} if d else {}
     max_hp = max(head_params.values(), default=0)
     nprocs = ds.num_procs if ds.enabled else 1
@@ -300,7 +298,7 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
     else:
         where_train = "local, in-process (torch Adam on cached features)"
     stages["train"] = {
-        "what": (f"{n_heads} heads ({M} merges x {len(names)} tasks x {len(cal.splits)} splits x methods "
+        "what": (f"{n_heads} heads ({M} merges x {len(head_tasks)} tasks x {len(cal.splits)} splits x methods "
                  f"{', '.join(scfg.methods)}), rank {scfg.rank}, {scfg.epochs} epochs of {scfg.batch_size}-token "
                  f"batches ({steps} steps in all)"),
         "where": where_train,
@@ -308,20 +306,21 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
         "params_overhead": {m: p / pc["total"] for m, p in head_params.items()} if pc else {},
         "optimizer_state_bytes_per_proc": opt_b,
         "head_train_tokens": steps * scfg.batch_size,
-        "disk_bytes": (M * len(names) * len(cal.splits) * sum(head_params.values()) * 4) if d else None,
+        "disk_bytes": (M * len(head_tasks) * len(cal.splits) * sum(head_params.values()) * 4) if d else None,
         "memory_bytes": (par_b + grad_b + opt_b + data_b) if data_b is not None else None,
         "memory_note": (f"per proc: head {_gb(par_b)} + grads {_gb(grad_b)} + Adam state {_gb(opt_b)} "
                         f"+ features {_gb(data_b)}"),
         "steps": steps}
 
-    n_loaded = 2 if "alpacaeval" in tasks else 1  # the AlpacaEval judge is loaded beside the judged model
+    n_loaded = max([h.get("models_loaded", 1) for h in hints.values()] or [1])  # e.g. a judge beside the model
+    extra_what = "".join(f"; {h['what']}" for h in hints.values() if h.get("what"))
+    extra_where = "".join(f"; {h['where']}" for h in hints.values() if h.get("where"))
     stages["evaluate"] = {
         "what": (f"{n_rows} rows (base, {E} experts, {M} merges, {M * len(cal.splits) * len(scfg.methods)} corrected) x "
-                 + ", ".join(f"{t} ({ti['n_examples']}/{ti['of']}, {ti['max_new_tokens']} new tokens)" for t, ti in tasks.items())
-                 + "; reference-answer NLL" + ("; AlpacaEval judge " + cfg.tasks.alpacaeval.judge.model
-                                               if "alpacaeval" in tasks else "")),
-        "where": _where_executor(cfg) + ("; HumanEval in a sandbox, "
-                                         f"{cfg.tasks.humaneval.workers} workers" if "humaneval" in tasks else ""),
+                 + ", ".join(f"{t} ({ti['n_examples']}/{ti['of'] or '?'}, {ti['max_new_tokens']} new tokens)"
+                             for t, ti in tasks.items())
+                 + "; reference-answer NLL" + extra_what),
+        "where": _where_executor(cfg) + extra_where,
         "memory_bytes": (weights * n_loaded + eval_kv + eval_act) if weights else None,
         "memory_note": (f"per worker: weights x {n_loaded}{' (model + judge)' if n_loaded > 1 else ''} + KV cache "
                         f"{_gb(eval_kv)} (batch {cfg.tasks.batch_size}) + prefill {_gb(eval_act)}"),
@@ -332,7 +331,7 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
 
     if arch is None:
         notes.append("architecture unknown: memory and disk estimates are missing")
-    notes.append("token counts use typical prompt/reference lengths (TYPICAL_TOKENS) and max_new_tokens as upper bounds")
+    notes.append("token counts use typical prompt/reference lengths (Task.typical_tokens, TYPICAL_TOKENS) and max_new_tokens as upper bounds")
     return {
         "config": cfg.name, "suite": suite, "limit": limit, "device": cfg.device, "executor": cfg.executor,
         "model": {"architecture": arch, "source": arch_src, "params": pc["total"] if pc else None,

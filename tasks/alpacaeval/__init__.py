@@ -15,6 +15,7 @@ from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, r
 from darts_bench.data import DataError, alpaca_text, load_expert_records, read_json_list, require_file
 from darts_bench.evaluate.nll import reference_nll
 
+from .config import AlpacaEvalConfig, JudgeConfig  # noqa: F401 - public: tasks.alpacaeval config section
 from .judge import (ANNOTATOR_DIR, alpaca_eval_version, judge_consistency, judge_pairs, load_annotator_config,
                     win_rate)
 
@@ -123,7 +124,26 @@ class AlpacaEvalTask(Task):
     expert = "instruction"
     version = "1"
     primary_metrics = ("alpacaeval_win_rate",)
+    config_model = AlpacaEvalConfig
+    per_example_keys = {"alpacaeval_win_rate": "win"}
+    metric_scale = {"alpacaeval_win_rate": 100.0}  # per-example wins are 0 / 0.5 / 1, the win rate in %
+    extra_columns = ("alpacaeval_win_rate_kind", "alpacaeval_judge_consistency", "alpacaeval_win_rate_flag")
+    official_size = OFFICIAL_SIZE
+    typical_tokens = {"prompt": 50, "reference": 350}
+    judge_template_tokens = 200  # judge instructions around the two outputs (dry-run estimate)
+    order = 3
     annotators_config: Path = ANNOTATOR_DIR  # the alpaca_eval annotator config folder of the local judge
+
+    def report_columns(self, result: TaskResult) -> dict[str, Any]:
+        return {"alpacaeval_win_rate_kind": result.meta.get("win_rate_kind")}
+
+    def plan(self, config: AlpacaEvalConfig, n_examples: int) -> dict[str, Any]:
+        """The judge reads the template, the instruction and both outputs, once per order."""
+        j = config.judge
+        per_pair = (self.judge_template_tokens + self.typical_tokens["prompt"] + config.max_new_tokens
+                    + self.typical_tokens["reference"] + j.max_new_tokens)
+        return {"judge_tokens_per_row": n_examples * (2 if j.both_orders else 1) * per_pair,
+                "models_loaded": 2, "what": f"AlpacaEval judge {j.model}"}
 
     # ------------------------------------------------------------------------------ data
     def examples(self, data_dir: Path | None, model: TextModel | None, limit: int | None) -> list[Example]:

@@ -20,6 +20,8 @@ from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, r
 from darts_bench.data import DataError, read_jsonl, require_file, strip_calculator
 from darts_bench.evaluate.nll import reference_nll
 
+from .config import GSM8KConfig
+
 TEMPLATE_PATH = Path(__file__).resolve().parent / "gsm8k_local.yaml"
 TEMPLATE_TEXT = TEMPLATE_PATH.read_text(encoding="utf-8")
 TEMPLATE_SHA256 = hashlib.sha256(TEMPLATE_TEXT.encode("utf-8")).hexdigest()
@@ -142,6 +144,15 @@ class GSM8KTask(Task):
     expert = "math"
     version = "1"
     primary_metrics = ("gsm8k_em_strict", "gsm8k_em_flexible")
+    config_model = GSM8KConfig
+    official_size = 1319  # test split
+    typical_tokens = {"prompt": 70, "reference": 110, "per_shot": 180}
+    order = 2
+
+    def score_samples(self, samples_path: str | Path, config: GSM8KConfig | None = None,
+                      data_dir: Path | None = None) -> dict[str, Any]:
+        """``darts-bench score gsm8k FILE``: :func:`score_samples` (the config has no scoring knobs)."""
+        return score_samples(samples_path, data_dir=data_dir)
 
     def examples(self, data_dir: Path | None, model: TextModel | None, limit: int | None) -> list[Example]:
         """Test questions in file order, raw lm-eval prompt format (the chat template, when on, is
@@ -206,7 +217,6 @@ class GSM8KTask(Task):
         import lm_eval
         from lm_eval.tasks import TaskManager
 
-        from darts_bench.config import GSM8KConfig
         from darts_bench.evaluate.lm_eval_adapter import DartsBenchLM
 
         if not examples:

