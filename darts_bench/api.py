@@ -96,7 +96,12 @@ class TaskResult:
 class EvalContext:
     """Everything a task's ``evaluate`` may need besides the model: the task's config section,
     the data dir, a seed, a work dir for its own artifacts, and a lookup of other models
-    (``get_model(row_name)``, e.g. the judge or an expert used as AlpacaEval reference)."""
+    (``get_model(row_name)``, e.g. the judge or an expert used as AlpacaEval reference).
+
+    ``work_dir`` is scratch (deleted after the evaluation); ``out_dir`` is the evaluation
+    artifact's folder, kept with ``result.json``: files a task writes there (its samples file,
+    re-scorable with ``darts-bench score``) survive. :meth:`artifact_dir` is ``out_dir``, or
+    ``work_dir`` when a task is called by hand without one."""
 
     config: Any
     data_dir: Path | None
@@ -104,6 +109,10 @@ class EvalContext:
     work_dir: Path
     get_model: Callable[[str], TextModel] | None = None
     get_outputs: Callable[[str], list[str]] | None = None
+    out_dir: Path | None = None
+
+    def artifact_dir(self) -> Path | None:
+        return self.out_dir if self.out_dir is not None else self.work_dir
 
 
 class TaskConfig(BaseModel):

