@@ -237,7 +237,15 @@ def _import_task_folder(folder: Path) -> None:
         sys.modules[TASKS_PACKAGE] = parent
     name = f"{TASKS_PACKAGE}.{folder.name}"
     if name in sys.modules:
-        return
+        old = getattr(sys.modules[name], "__file__", None)
+        if old is None or Path(old).resolve().parent == folder.resolve():
+            return
+        # a folder of the same name from a task dir no longer searched: the one on the path now wins
+        for n, cls in list(_REGISTRY.items()):
+            if cls.__module__ == name or cls.__module__.startswith(name + "."):
+                del _REGISTRY[n]
+        for m in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[m]
     spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
                                                   submodule_search_locations=[str(folder)])
     module = importlib.util.module_from_spec(spec)
@@ -250,9 +258,11 @@ def _import_task_folder(folder: Path) -> None:
 
 
 def _discover() -> None:
+    seen: set[str] = set()  # a folder name found in two task dirs: the first dir wins
     for d in task_dirs():
         for folder in sorted(d.iterdir()):
-            if (folder / "__init__.py").is_file():
+            if (folder / "__init__.py").is_file() and folder.name not in seen:
+                seen.add(folder.name)
                 _import_task_folder(folder)
 
 

@@ -87,6 +87,17 @@ def test_end_to_end_micro_run(micro_dir, micro_pipeline, capsys):
     assert (out / "plots" / "gsm8k_l1_by_position.png").is_file()
     # the table was printed
     assert "| model | merge |" in capsys.readouterr().out
+    # each row's HumanEval samples file is kept in its evaluation artifact, and `score` re-scores it
+    # to the table's value (it was written to the scratch dir and deleted with it before)
+    work = micro_pipeline.work_dir
+    (art,) = [p for p in (work / "eval").glob("ties+darts-humaneval-*") if (p / "result.json").is_file()]
+    samples = art / "humaneval_samples.jsonl"
+    assert len(samples.read_text().splitlines()) == 4
+    assert main(["score", "humaneval", str(samples), "--config", str(micro_dir / "micro.yaml"),
+                 "--out", str(out / "rescored.json")]) == 0
+    rescored = json.loads((out / "rescored.json").read_text())
+    assert rescored["n_problems"] == 4
+    assert rescored["pass@1"] == df.set_index("model").loc["ties+darts", "humaneval_pass@1"]
 
 
 def test_ray_executor_gives_the_local_table(tmp_path, data_dir):
