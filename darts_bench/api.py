@@ -199,6 +199,11 @@ class Task(ABC):
         """Extra per-row report cells taken from a result beyond its ``metrics`` (e.g. from ``meta``)."""
         return {}
 
+    def models_used(self, config: TaskConfig) -> list[str]:
+        """Other models the protocol calls through ``EvalContext.get_model`` (row names or
+        checkpoint dirs, e.g. a judge); their identity goes into the evaluation's cache key."""
+        return []
+
     def plan(self, config: TaskConfig, n_examples: int) -> dict[str, Any]:
         """Dry-run hints beyond generation and NLL: optional ``judge_tokens_per_row`` (forward
         tokens of a judge model per evaluated row), ``models_loaded`` (models held at once while

@@ -328,10 +328,8 @@ class Pipeline:
     def _evaluate_one(self, row: Row, task: Task, examples: list[Example], by_name: dict[str, Row],
                       results: dict) -> TaskResult:
         tcfg = getattr(self.cfg.tasks, task.name)
-        judge_key = ""
-        if task.name == "alpacaeval":
-            judge = by_name.get(tcfg.judge.model)
-            judge_key = judge.model_key if judge else tcfg.judge.model
+        # other models the protocol uses (e.g. a judge): their identity is part of the cache key
+        judge_key = "|".join(by_name[d].model_key if d in by_name else d for d in task.models_used(tcfg))
         model_key = row.model_key
         if row.correction != "none" and task.name not in row.heads:
             model_key = by_name[row.merge].model_key  # no head for this task: the row is its merge here

@@ -137,6 +137,9 @@ class AlpacaEvalTask(Task):
     def report_columns(self, result: TaskResult) -> dict[str, Any]:
         return {"alpacaeval_win_rate_kind": result.meta.get("win_rate_kind")}
 
+    def models_used(self, config: AlpacaEvalConfig) -> list[str]:
+        return [config.judge.model]
+
     def plan(self, config: AlpacaEvalConfig, n_examples: int) -> dict[str, Any]:
         """The judge reads the template, the instruction and both outputs, once per order."""
         j = config.judge
