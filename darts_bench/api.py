@@ -110,6 +110,9 @@ class Task(ABC):
     expert: str
     version: str
     primary_metrics: tuple[str, ...] = ()
+    #: the named protocol (``tasks.<name>.protocol``) :meth:`examples` formats prompts with; the
+    #: runner sets it from the config before calling :meth:`examples` (``None``: the task has one).
+    protocol: str | None = None
 
     @abstractmethod
     def examples(self, data_dir: Path | None, model: TextModel | None, limit: int | None) -> list[Example]:

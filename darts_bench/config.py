@@ -183,6 +183,8 @@ class SurgeryConfig(_Strict):
 # ---------------------------------------------------------------------------------------- tasks
 class HumanEvalConfig(_Strict):
     enabled: bool = True
+    protocol: Literal["codex", "instruct", "chat"] = Field(
+        "codex", description="prompt + extraction protocol (tasks/humaneval/README.md); `stop` applies to codex only")
     limit: int | None = Field(None, ge=1)
     max_new_tokens: int = Field(128, ge=1)
     n_samples: int = Field(1, ge=1, description="samples per problem; 1 = greedy")
@@ -202,6 +204,9 @@ class HumanEvalConfig(_Strict):
 
 class GSM8KConfig(_Strict):
     enabled: bool = True
+    protocol: Literal["lm-eval", "alpaca-cot", "chat-cot"] = Field(
+        "lm-eval", description="prompt + filters protocol (tasks/gsm8k/README.md); num_fewshot and "
+        "apply_chat_template apply to lm-eval only")
     limit: int | None = Field(None, ge=1)
     num_fewshot: int = Field(0, ge=0)
     apply_chat_template: bool = False
@@ -219,6 +224,8 @@ class JudgeConfig(_Strict):
 
 class AlpacaEvalConfig(_Strict):
     enabled: bool = True
+    protocol: Literal["chat_template", "vicuna", "alpaca"] = Field(
+        "chat_template", description="how the instruction is formatted (tasks/alpacaeval/README.md)")
     limit: int | None = Field(None, ge=1)
     reference: str = Field("gpt4_turbo", description="gpt4_turbo | text_davinci_003 | model:<row name>")
     max_new_tokens: int = Field(128, ge=1)

@@ -150,6 +150,9 @@ class Pipeline:
             out = {}
             for name in self.task_names:
                 task = get_task(name)
+                proto = getattr(getattr(self.cfg.tasks, name, None), "protocol", None)
+                if proto is not None:
+                    task.protocol = proto  # every row gets the prompts of this one protocol
                 ex = task.examples(self.cfg.resolved_data_dir(), fmt, self.task_limit(name))
                 if not ex:
                     raise ValueError(f"task {name}: no examples")
