@@ -217,6 +217,11 @@ class JudgeConfig(_Strict):
     """AlpacaEval judge. ``model``: ``expert:instruction``, ``base``, or a checkpoint dir."""
 
     model: str = "expert:instruction"
+    annotator: str | None = Field(
+        None, description="an alpaca_eval annotator config name or path (e.g. weighted_alpaca_eval_gpt4_turbo, "
+        "chatgpt_fn) run by alpaca_eval itself instead of the local judge `model`")
+    max_unparsed: float = Field(0.5, ge=0, le=1, description="flag the win rate when more than this share of "
+                                "judge answers cannot be parsed")
     max_new_tokens: int = Field(8, ge=1)
     both_orders: bool = True
     min_consistency: float = Field(0.6, ge=0, le=1)
