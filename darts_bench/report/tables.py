@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from darts_bench.artifacts import atomic_write_text
+from darts_bench.report.protocols import protocol_header, protocol_summary
 
 log = logging.getLogger("darts_bench")
 SCHEMA_VERSION = 1
@@ -113,10 +114,16 @@ def build_rows(pipe, results: dict) -> list[dict[str, Any]]:
     return rows
 
 
+#: per-task columns that show a protocol mismatch (no code, no answer, no verdict)
+MISMATCH_COLUMNS = {"humaneval": ["humaneval_empty_rate"], "gsm8k": ["gsm8k_no_answer_rate"],
+                    "alpacaeval": ["alpacaeval_unparsed"]}
+
+
 def contract_columns(task_names: list[str]) -> list[str]:
     cols = ["model", "merge", "correction", "calibration"]
     for t in task_names:
         cols += HEADLINE[t]
+        cols += MISMATCH_COLUMNS.get(t, [])
         if t == "alpacaeval":
             cols += ["alpacaeval_win_rate_kind", "alpacaeval_judge_consistency", "alpacaeval_win_rate_flag"]
         cols += [f"{t}_ref_nll", f"{t}_rep_l1", f"{t}_rep_l1_ew", f"{t}_kl_expert", f"{t}_agree_top1",
@@ -238,6 +245,8 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
         # protocol details (prompts, few-shot, judge, reference set) as recorded for the base row;
         # per-row numbers in it (e.g. judge consistency) describe that row only
         "task_meta_base_row": {t: results[rows[0]["model"]][t].meta for t in pipe.task_names},
+        # the protocol on record per task (name, version, template, stops; AlpacaEval annotator, reference)
+        "protocols": protocol_summary({t: results[rows[0]["model"]][t].meta for t in pipe.task_names}),
         "packages": _versions(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -258,7 +267,8 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
                                for (m, t, s), d in diags.items()}}
     atomic_write_text(out / "results.json", json.dumps(payload, indent=1, default=str))
     atomic_write_text(out / "table.csv", df.to_csv(index=False))
-    md = [f"# darts-bench results: `{pipe.cfg.name}`\n", to_markdown(df)]
+    md = [f"# darts-bench results: `{pipe.cfg.name}`\n", "\n" + protocol_header(manifest["protocols"]) + "\n",
+          to_markdown(df)]
     for t, tdf in per_benchmark_tables(pipe, results, rows).items():
         md.append(f"\n## {t} (95% bootstrap CI; `a - b` rows: paired bootstrap of DARTS minus surgery)\n")
         md.append(to_markdown(tdf))
