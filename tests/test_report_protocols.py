@@ -28,3 +28,30 @@ def test_mismatch_columns_follow_the_headline():
     assert cols.index("humaneval_empty_rate") == cols.index("humaneval_pass@1") + 1
     assert cols.index("gsm8k_no_answer_rate") == cols.index("gsm8k_em_flexible") + 1
     assert cols.index("alpacaeval_unparsed") == cols.index("alpacaeval_win_rate") + 1
+
+
+def test_presets_and_dry_run_name_the_protocols():
+    import io
+
+    from darts_bench.config import load_config
+    from darts_bench.plan import print_plan
+
+    buf = io.StringIO()
+    plan = print_plan(load_config("llama2-7b"), file=buf)
+    assert "protocols: humaneval instruct, gsm8k alpaca-cot, alpacaeval vicuna" in buf.getvalue()
+    assert plan["tasks"]["gsm8k"]["protocol"] == "alpaca-cot"
+    smol = load_config("smollm2-135m").tasks
+    assert (smol.humaneval.protocol, smol.gsm8k.protocol, smol.alpacaeval.protocol) == ("chat", "chat-cot", "chat_template")
+    tiny = load_config("tiny").tasks
+    assert (tiny.humaneval.protocol, tiny.gsm8k.protocol, tiny.alpacaeval.protocol) == ("chat", "lm-eval", "chat_template")
+
+
+def test_unknown_protocol_is_a_config_error():
+    import pytest
+
+    from darts_bench.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="tasks.humaneval.protocol"):
+        load_config("tiny", ["tasks.humaneval.protocol=wizard"])
+    with pytest.raises(ConfigError, match="tasks.alpacaeval.judge.max_unparsed"):
+        load_config("tiny", ["tasks.alpacaeval.judge.max_unparsed=2"])
