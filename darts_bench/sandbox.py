@@ -174,6 +174,7 @@ try:
                         setattr(_mod, _a, _no_network)
             iso["net"] = "socket-patch"
 
+    os.chdir(job["workdir"])
     # imports after the uid drop: an interpreter under a directory the sandbox uid cannot traverse
     # (pyenv under /root, 0700) is exposed read-only in a private mount namespace (module
     # docstring): a tmpfs hides the blocking directory, only the import directories are
@@ -215,18 +216,18 @@ try:
                         _n += 1
                         os.mkdir(_s, 0o700)
                         _mount(_p, _s, None, MS_BIND | MS_REC)
-                        _staged.append((_p, _s))
+                        # held open: the stage dir itself may lie under the directory the tmpfs hides
+                        _staged.append((_p, _s, os.open(_s, os.O_PATH | os.O_DIRECTORY)))
                     _mount("tmpfs", _b, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
-                    for _p, _s in _staged:
+                    for _p, _s, _fd in _staged:
                         os.makedirs(_p, 0o755, exist_ok=True)
-                        _mount(_s, _p, None, MS_BIND | MS_REC)
+                        _mount(f"/proc/self/fd/{_fd}", _p, None, MS_BIND | MS_REC)
                         _mount(None, _p, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-                        libc.umount2(_s.encode(), 2)  # MNT_DETACH
+                        os.close(_fd)
+                        libc.umount2(_s.encode(), 2)  # MNT_DETACH (fails harmlessly when hidden)
                         _shown.append(_p)
                     _mount(None, _b, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "mode=755,size=1m")
                 iso["imports"] = "exposed read-only: " + ", ".join(_shown)
-
-    os.chdir(job["workdir"])
 
     def lim(res, soft, hard=None):
         hard = soft if hard is None else hard
