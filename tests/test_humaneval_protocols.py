@@ -252,10 +252,11 @@ def test_score_cli_human_eval_example_files(tmp_path, capsys):
     samples = tmp_path / "example_samples.jsonl"
     samples.write_text("".join(json.dumps(r) + "\n" for r in EXAMPLE_SAMPLES))
     out = tmp_path / "res.json"
+    # default config `tiny` presets protocol `chat`; score still defaults to human-eval's own (codex)
     rc = main(["score", "humaneval", str(samples), "--problems", str(problems), "--out", str(out),
                "--set", "tasks.humaneval.timeout_s=3"])
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["pass@1"] == pytest.approx(0.5) and res["n_samples"] == 6 and res["scored_task_ids"] == ["test/0"]
     assert [r["passed"] for r in res["per_problem"]["test/0"]["results"]] == [False, False, False, True, True, True]
-    assert json.loads(capsys.readouterr().out)["pass@1"] == pytest.approx(0.5)
+    assert json.loads(capsys.readouterr().out)["pass@1"] == pytest.approx(0.5) and res["protocol"] == "codex"
