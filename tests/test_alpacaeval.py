@@ -119,7 +119,7 @@ def three(task):
 # ---------------------------------------------------------------------------------- tests
 def test_registered_and_examples(task, three):
     examples, model, refs, instr = three
-    assert (task.name, task.expert, task.version) == ("alpacaeval", "instruction", "1")
+    assert (task.name, task.expert, task.version) == ("alpacaeval", "instruction", "2")
     records = json.loads((DATA / GPT4).read_text())
     assert len(examples) == 3
     for i, e in enumerate(examples):
@@ -326,7 +326,9 @@ def test_unparseable_verdicts_are_draws(three, tmp_path):
     assert res.meta["n_no_verdict"] == 6
     assert res.metrics["alpacaeval_judge_consistency"] == 0.0
     assert res.metrics["alpacaeval_win_rate"] == pytest.approx(50.0)
-    assert res.metrics["alpacaeval_win_rate_flag"] == "uninformative_judge"
+    # every answer unparsable: the 50.0 is draws by default, flagged as such (version 2)
+    assert res.metrics["alpacaeval_win_rate_flag"] == "unparsed_verdicts"
+    assert res.metrics["alpacaeval_unparsed"] == 6 and res.meta["unparsed_share"] == 1.0
     assert res.samples[0]["verdict_model_second"] is None
     assert res.samples[0]["judge_completion_model_second"] == "the the the"  # kept for inspection
 
@@ -348,3 +350,77 @@ def test_annotator_config_guards(tmp_path):
     (cfg_dir / "configs.yaml").write_text(yaml.safe_dump(conf))
     with pytest.raises(FileNotFoundError, match="prompt template"):
         load_annotator_config(cfg_dir)
+
+
+def test_single_order_unparsable_judge_is_counted_and_flagged(three, tmp_path):
+    """dcca732: both_orders false + a judge that never parses gave 50.0 with no flag."""
+    examples, model, refs, instr = three
+    t = _task_in_generate_mode(tmp_path)
+    cfg = AlpacaEvalConfig(limit=3, judge=JudgeConfig(both_orders=False))
+    res = t.evaluate(model, examples, _ctx(cfg, GarbageJudge()))
+    assert res.metrics["alpacaeval_unparsed"] == 3
+    assert res.metrics["alpacaeval_win_rate_flag"] == "unparsed_verdicts"
+    assert res.meta["unparsed_share"] == 1.0
+
+
+def test_win_rate_uses_alpaca_eval_encoding():
+    from alpaca_eval.metrics import get_winrate
+
+    from darts_bench_tasks.alpacaeval.judge import win_rate
+
+    got = win_rate([2, 0, 0, 1, 2])
+    assert got["win_rate"] == pytest.approx(60.0) and got["n_total"] == 5 and got["n_draws"] == 2
+    assert got["win_rate"] == pytest.approx(float(get_winrate([{"preference": p} for p in [2, 0, 0, 1, 2]])["win_rate"]))
+    assert win_rate([2, 1.5, None, 1])["win_rate"] == pytest.approx(50.0)  # None dropped, 1.5 a draw
+    with pytest.raises(ValueError, match="preferences"):
+        win_rate([3, 1])
+
+
+class VicunaStub(StubModel):
+    """Answers by instruction for any prompt format that ends in the instruction's protocol suffix."""
+
+    def generate(self, prompts, *, max_new_tokens, stop=(), num_samples=1, temperature=0.0, seed=0):
+        self.prompts = list(prompts)
+        return [[" " + next(v for k, v in self.outputs.items() if k in p)] for p in prompts]
+
+
+@pytest.mark.parametrize("protocol, head, tail", [
+    ("vicuna", "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+               "detailed, and polite answers to the user's questions. USER: ", " ASSISTANT:"),
+    ("alpaca", "Below is an instruction that describes a task. Write a response that appropriately completes the "
+               "request.\n\n### Instruction:\n", "\n\n### Response:"),
+    ("chat_template", "<user>", "<assistant>"),
+])
+def test_formatting_protocols(three, protocol, head, tail):
+    examples, model, refs, instr = three
+    t = AlpacaEvalTask()
+    t.protocol = protocol
+    ex = t.examples(DATA, StubModel({}), limit=3)
+    assert [e.prompt for e in ex] == [head + i + tail for i in instr]
+    stub = VicunaStub(model.outputs)
+    cfg = AlpacaEvalConfig(limit=3, protocol=protocol)
+    res = t.evaluate(stub, ex, _ctx(cfg, LengthJudge()))
+    assert stub.prompts == [e.prompt for e in ex]
+    assert res.meta["protocol"] == protocol and res.meta["example_prompt"] == ex[0].prompt
+    assert res.metrics["alpacaeval_win_rate"] == pytest.approx(100 / 3)
+    with pytest.raises(ValueError, match="built under protocol"):
+        t.evaluate(stub, ex, _ctx(AlpacaEvalConfig(limit=3, protocol="vicuna" if protocol != "vicuna" else "alpaca"),
+                                  LengthJudge()))
+
+
+@pytest.mark.parametrize("name, var", [("weighted_alpaca_eval_gpt4_turbo", "OPENAI_API_KEY"),
+                                       ("chatgpt_fn", "OPENAI_API_KEY"), ("alpaca_eval_gpt4", "OPENAI_API_KEY"),
+                                       ("claude", "ANTHROPIC_API_KEY")])
+def test_named_annotator_without_key_fails_before_generation(three, monkeypatch, name, var):
+    for v in ("OPENAI_API_KEY", "OPENAI_API_KEYS", "OPENAI_CLIENT_CONFIG_PATH", "ANTHROPIC_API_KEY"):
+        monkeypatch.delenv(v, raising=False)
+    examples, model, refs, instr = three
+    stub = StubModel(model.outputs)
+    cfg = AlpacaEvalConfig(limit=3, judge=JudgeConfig(annotator=name))
+    with pytest.raises(ValueError, match=var):
+        AlpacaEvalTask().evaluate(stub, examples, _ctx(cfg, LengthJudge()))
+    assert stub.generate_calls == 0
+    with pytest.raises(ValueError, match=var):
+        AlpacaEvalTask().preflight(cfg)  # what the runner calls before any stage generates
+    with pytest.raises(ValueError, match="no alpaca_eval annotator config"):
+        AlpacaEvalTask().preflight(AlpacaEvalConfig(judge=JudgeConfig(annotator="no_such_annotator")))

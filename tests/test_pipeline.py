@@ -69,7 +69,8 @@ def test_end_to_end_micro_run(micro_dir, micro_pipeline, capsys):
             assert m + suffix in names
     always = ["humaneval_pass@1", "gsm8k_em_strict", "gsm8k_em_flexible", "alpacaeval_win_rate",
               "alpacaeval_judge_consistency", "humaneval_ref_nll", "gsm8k_ref_nll", "alpacaeval_ref_nll",
-              "n_humaneval", "n_gsm8k", "n_alpacaeval", "params_added"]
+              "n_humaneval", "n_gsm8k", "n_alpacaeval", "params_added",
+              "humaneval_empty_rate", "gsm8k_no_answer_rate", "alpacaeval_unparsed"]
     merged_only = [f"{t}_{m}" for t in ("humaneval", "gsm8k", "alpacaeval")
                    for m in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_expert_ref", "agree_top1_ref")]
     for _, r in df.iterrows():
@@ -84,6 +85,12 @@ def test_end_to_end_micro_run(micro_dir, micro_pipeline, capsys):
     assert (df["n_humaneval"] == 4).all() and (df["n_gsm8k"] == 4).all()
     md = (out / "table.md").read_text()
     assert "| base |" in md and "ties+darts - ties+surgery" in md
+    # the protocol on record: manifest and table header (defaults: codex, lm-eval, chat_template)
+    protos = res["manifest"]["protocols"]
+    assert protos["humaneval"]["protocol"] == "codex" and protos["humaneval"]["stop"] == ["\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#"]
+    assert protos["gsm8k"]["protocol"] == "lm-eval" and protos["gsm8k"]["template"] == "Question: {{question}}\nAnswer:"
+    assert protos["alpacaeval"]["protocol"] == "chat_template" and protos["alpacaeval"]["annotator"] == "darts_local_judge"
+    assert "- **humaneval**: protocol `codex` v1 (task v2)" in md and "annotator `darts_local_judge`" in md
     assert (out / "plots" / "gsm8k_l1_by_position.png").is_file()
     # the table was printed
     assert "| model | merge |" in capsys.readouterr().out

@@ -213,3 +213,69 @@ def test_run_programs_keeps_order():
     res = run_programs(progs, timeout_s=2, memory_mb=256, workers=2)
     assert [r.status for r in res] == ["passed", "failed", "passed", "failed"]
     assert res[3].reason == "ValueError: x"
+
+
+# ----------------------------------------------------------------- imports after the uid drop
+NOT_PRELOADED = ("base64", "csv", "difflib", "xml.etree.ElementTree", "calendar", "tomllib", "yaml")
+
+
+def test_stdlib_and_site_packages_import_after_uid_drop():
+    """A correct completion importing modules the runner does not import itself passes (the
+    interpreter may live under a 0700 /root, as with pyenv)."""
+    from darts_bench.sandbox import DEFAULT_PRELOAD
+
+    assert not set(NOT_PRELOADED) & set(DEFAULT_PRELOAD)
+    program = (
+        "import sys\n"
+        f"mods = {NOT_PRELOADED!r}\n"
+        "already = [m for m in mods if m in sys.modules]\n"
+        "assert not already, already\n"
+        "import base64, calendar, csv, difflib, io, xml.etree.ElementTree as ET, tomllib, yaml\n"
+        "def check(f):\n"
+        "    assert f() == 'aGk=,ok,1.0,1,hi,2,1'\n"
+        "def solution():\n"
+        "    row = next(csv.reader(io.StringIO('ok,x')))[0]\n"
+        "    ratio = difflib.SequenceMatcher(None, 'ab', 'ab').ratio()\n"
+        "    tag = ET.fromstring('<a>1</a>').text\n"
+        "    z = 'hi' if calendar.isleap(2024) else 'no'\n"
+        "    return ','.join([base64.b64encode(b'hi').decode(), row, str(ratio), tag, z,\n"
+        "                     str(tomllib.loads('a = 2')['a']), str(yaml.safe_load('b: 1')['b'])])\n"
+        "check(solution)\n")
+    res = run(program, memory_mb=512)
+    assert res.passed, res
+    if IS_ROOT:
+        assert res.isolation["uid"] not in (None, 0)
+        assert not res.isolation["imports"].startswith("preloaded only"), res.isolation
+    assert_no_leftovers(res)
+
+
+@needs_root
+def test_exposed_interpreter_is_read_only_and_hides_the_rest():
+    import sysconfig
+
+    stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
+    probe = (
+        "import os, sys\n"
+        f"stdlib = {stdlib!r}\n"
+        "try:\n"
+        "    open(os.path.join(stdlib, 'darts_probe.py'), 'w')\n"
+        "    raise AssertionError('stdlib is writable')\n"
+        "except OSError as e:\n"
+        "    print('write', e.errno)\n"
+        "print('base64' not in sys.modules)\n"
+        "import base64\n"
+        "print(os.path.dirname(base64.__file__) == stdlib)\n")
+    res = run(probe, memory_mb=256)
+    assert res.passed, res
+    lines = res.stdout_tail.split()
+    assert lines[-2:] == ["True", "True"]
+    if res.isolation["imports"].startswith("exposed"):
+        import errno
+        assert f"write {errno.EROFS}" in res.stdout_tail
+        blocked_top = "/" + stdlib.split("/")[1]
+        listing = run(f"import os\nprint(sorted(os.listdir({blocked_top!r})))", memory_mb=256)
+        assert listing.passed, listing
+        # only the path to the interpreter is visible under the blocking directory
+        assert eval(listing.stdout_tail.strip()) == [stdlib.split("/")[2]]
+        assert not os.path.ismount(blocked_top), "the sandbox's mounts leaked into the host namespace"
+    assert not os.path.exists(os.path.join(stdlib, "darts_probe.py"))

@@ -26,6 +26,7 @@ import pandas as pd
 
 from darts_bench.api import available_tasks, get_task
 from darts_bench.artifacts import atomic_write_text
+from darts_bench.report.protocols import protocol_header, protocol_summary
 
 log = logging.getLogger("darts_bench")
 SCHEMA_VERSION = 1
@@ -251,6 +252,8 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
         # protocol details (prompts, few-shot, judge, reference set) as recorded for the base row;
         # per-row numbers in it (e.g. judge consistency) describe that row only
         "task_meta_base_row": {t: results[rows[0]["model"]][t].meta for t in pipe.task_names},
+        # the protocol on record per task (name, version, template, stops; AlpacaEval annotator, reference)
+        "protocols": protocol_summary({t: results[rows[0]["model"]][t].meta for t in pipe.task_names}),
         "packages": _versions(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -271,7 +274,8 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
                                for (m, t, s), d in diags.items()}}
     atomic_write_text(out / "results.json", json.dumps(payload, indent=1, default=str))
     atomic_write_text(out / "table.csv", df.to_csv(index=False))
-    md = [f"# darts-bench results: `{pipe.cfg.name}`\n", to_markdown(df)]
+    md = [f"# darts-bench results: `{pipe.cfg.name}`\n", "\n" + protocol_header(manifest["protocols"]) + "\n",
+          to_markdown(df)]
     for t, tdf in per_benchmark_tables(pipe, results, rows).items():
         md.append(f"\n## {t} (95% bootstrap CI; `a - b` rows: paired bootstrap of DARTS minus surgery)\n")
         if tasks[t][0].expert is None:

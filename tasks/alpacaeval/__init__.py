@@ -16,8 +16,10 @@ from darts_bench.data import DataError, alpaca_text, load_expert_records, read_j
 from darts_bench.evaluate.nll import reference_nll
 
 from .config import AlpacaEvalConfig, JudgeConfig  # noqa: F401 - public: tasks.alpacaeval config section
+from .annotators import annotate_named, check_annotator
 from .judge import (ANNOTATOR_DIR, alpaca_eval_version, judge_consistency, judge_pairs, load_annotator_config,
                     win_rate)
+from .protocols import PROTOCOLS, format_instruction, protocol_meta
 
 # The evaluation set and the reference (baseline) outputs, in the data dir (shared/data layout).
 EVAL_SET = "gpt4_turbo"
@@ -34,6 +36,7 @@ HUB_SETS = {
 FIELDS = ("instruction", "output", "dataset", "generator")
 OFFICIAL_SIZE = 805
 FLAG_UNINFORMATIVE = "uninformative_judge"
+FLAG_UNPARSED = "unparsed_verdicts"
 
 
 def _validate(records: list[Any], source: str) -> list[dict[str, Any]]:
@@ -122,12 +125,13 @@ class AlpacaEvalTask(Task):
 
     name = "alpacaeval"
     expert = "instruction"
-    version = "1"
+    version = "2"
+    protocol = "chat_template"  # tasks.alpacaeval.protocol; set by the runner before examples()
     primary_metrics = ("alpacaeval_win_rate",)
     config_model = AlpacaEvalConfig
     per_example_keys = {"alpacaeval_win_rate": "win"}
     metric_scale = {"alpacaeval_win_rate": 100.0}  # per-example wins are 0 / 0.5 / 1, the win rate in %
-    extra_columns = ("alpacaeval_win_rate_kind", "alpacaeval_judge_consistency", "alpacaeval_win_rate_flag")
+    extra_columns = ("alpacaeval_unparsed", "alpacaeval_win_rate_kind", "alpacaeval_judge_consistency", "alpacaeval_win_rate_flag")
     official_size = OFFICIAL_SIZE
     typical_tokens = {"prompt": 50, "reference": 350}
     judge_template_tokens = 200  # judge instructions around the two outputs (dry-run estimate)
@@ -153,11 +157,21 @@ class AlpacaEvalTask(Task):
         records, _ = load_reference_set(data_dir, EVAL_SET)
         chosen = records if limit is None else records[:limit]
         return [Example(id=f"alpaca_eval/{i}",
-                        prompt=model.format_chat(r["instruction"]) if model is not None else r["instruction"],
+                        prompt=format_instruction(self.protocol, r["instruction"], model),
                         reference=r["output"],
                         meta={"instruction": r["instruction"], "dataset": r["dataset"], "index": i,
-                              "set_size": len(records)})
+                              "set_size": len(records), "protocol": self.protocol})
                 for i, r in enumerate(chosen)]
+
+    def preflight(self, cfg: Any) -> None:
+        """Checks that need no model, run by the runner before anything is generated: a named
+        alpaca_eval annotator must resolve and have its API key / server variable set.
+
+        Raises:
+            ValueError: naming the annotator and the environment variable to set.
+        """
+        if cfg is not None and getattr(cfg.judge, "annotator", None):
+            check_annotator(cfg.judge.annotator)
 
     def training_prompts(self, data_dir: Path | None, model: TextModel | None, n: int, seed: int) -> list[str]:
         records = load_expert_records(data_dir, self.expert)
@@ -207,11 +221,18 @@ class AlpacaEvalTask(Task):
         if not examples:
             raise ValueError("alpacaeval: no examples")
         n = len(examples)
+        protocol = getattr(cfg, "protocol", "chat_template")
+        built = {e.meta.get("protocol", "chat_template") for e in examples}
+        if built != {protocol}:
+            raise ValueError(f"alpacaeval: examples were built under protocol(s) {sorted(built)} but "
+                             f"tasks.alpacaeval.protocol is {protocol!r}")
         instructions = [e.meta["instruction"] for e in examples]
-        # 1. references first: a misaligned set fails before any generation or judging
+        # 1. references and the judge first: a misaligned set or a missing key fails before any generation
         refs, ref_meta = self.reference_outputs(examples, cfg.reference, ctx)
+        named = getattr(jcfg, "annotator", None)
+        named_meta = check_annotator(named) if named else None
         cfg_path, annotator_name, ann_cfg = load_annotator_config(self.annotators_config)
-        if ctx.get_model is None:
+        if named is None and ctx.get_model is None:
             raise ValueError("alpacaeval needs ctx.get_model to load the judge "
                              f"(tasks.alpacaeval.judge.model={jcfg.model!r})")
 
@@ -220,14 +241,18 @@ class AlpacaEvalTask(Task):
         outputs = [g[0].strip() for g in gens]
 
         # 3. judge: reference as output_1 / model as output_2 ("ab"), and swapped ("ba")
-        judge = ctx.get_model(jcfg.model)
+        both_orders = jcfg.both_orders and named is None  # a named annotator: alpaca_eval's own single pass
+        judge = ctx.get_model(jcfg.model) if named is None else None
         pairs = [(i, r, o) for i, r, o in zip(instructions, refs, outputs)]
-        if jcfg.both_orders:
+        if both_orders:
             pairs += [(i, o, r) for i, r, o in zip(instructions, refs, outputs)]
-        judged = judge_pairs(judge, pairs, max_new_tokens=jcfg.max_new_tokens,
-                             annotators_config=cfg_path, seed=ctx.seed)
+        if named is None:
+            judged = judge_pairs(judge, pairs, max_new_tokens=jcfg.max_new_tokens,
+                                 annotators_config=cfg_path, seed=ctx.seed)
+        else:
+            judged = annotate_named(named, pairs, seed=ctx.seed)
         v_ab, raw_ab = [v for v, _ in judged[:n]], [c for _, c in judged[:n]]
-        if jcfg.both_orders:
+        if both_orders:
             v_ba, raw_ba = [v for v, _ in judged[n:]], [c for _, c in judged[n:]]
             _, prefs = judge_consistency(v_ab, v_ba)
             # identical outputs get a draw from alpaca_eval without asking the judge: not a test of it
@@ -235,15 +260,20 @@ class AlpacaEvalTask(Task):
             consistency, _ = judge_consistency([v_ab[k] for k in asked], [v_ba[k] for k in asked])
         else:
             v_ba, raw_ba = [None] * n, [None] * n
-            prefs = [v if v is not None else 1.5 for v in v_ab]
+            prefs = [1.5 if v is None or v == 0.0 else v for v in v_ab]  # alpaca_eval's 0 is a draw
             asked = [k for k in range(n) if refs[k] != outputs[k]]
             consistency = None
-        n_no_verdict = sum(v is None for v in v_ab) + (sum(v is None for v in v_ba) if jcfg.both_orders else 0)
+        n_no_verdict = sum(v is None for v in v_ab) + (sum(v is None for v in v_ba) if both_orders else 0)
+        # unparsable answers among the pairs the judge was actually asked about (identical outputs are not)
+        n_asked = len(asked) * (2 if both_orders else 1)
+        unparsed_share = n_no_verdict / n_asked if n_asked else 0.0
 
         wr = win_rate(prefs)
         wr_second = win_rate(v_ab)  # model as output_2 only
-        wr_first = win_rate([3.0 - v for v in v_ba if v is not None]) if jcfg.both_orders else None
+        wr_first = win_rate([3.0 - v for v in v_ba if v is not None]) if both_orders else None
         flag = FLAG_UNINFORMATIVE if consistency is not None and consistency < jcfg.min_consistency else None
+        if unparsed_share > getattr(jcfg, "max_unparsed", 0.5):
+            flag = FLAG_UNPARSED  # most verdicts are draws by default, not by judgement
 
         # 4. length-controlled only on the full official set in order, and only if it computes offline
         lc, lc_note = None, None
@@ -282,6 +312,7 @@ class AlpacaEvalTask(Task):
             "alpacaeval_win_rate_raw": wr["win_rate"],
             "alpacaeval_judge_consistency": consistency,
             "alpacaeval_win_rate_flag": flag,
+            "alpacaeval_unparsed": n_no_verdict,
             "alpacaeval_ref_nll": ref_nll,
             "n_alpacaeval": n,
         }
@@ -289,12 +320,18 @@ class AlpacaEvalTask(Task):
             "win_rate_kind": kind,
             "length_controlled_note": lc_note,
             "reference": cfg.reference, **ref_meta,
-            "judge": jcfg.model, "judge_name": getattr(judge, "name", None),
-            "judge_mode": (ann_cfg.get("completions_kwargs") or {}).get("mode", "score"),
-            "judge_both_orders": jcfg.both_orders, "judge_max_new_tokens": jcfg.max_new_tokens,
+            **protocol_meta(protocol), "example_prompt": examples[0].prompt,
+            "judge": jcfg.model if named is None else f"alpaca_eval:{named}",
+            "judge_name": getattr(judge, "name", None) if named is None else named_meta["annotator_model"],
+            "judge_mode": (ann_cfg.get("completions_kwargs") or {}).get("mode", "score") if named is None
+            else named_meta["annotator_decoder"],
+            "judge_both_orders": both_orders, "judge_max_new_tokens": jcfg.max_new_tokens,
+            "n_unparsed": n_no_verdict, "unparsed_share": unparsed_share, "max_unparsed": getattr(jcfg, "max_unparsed", 0.5),
             "judge_consistency": consistency, "min_consistency": jcfg.min_consistency, "judge_flag": flag,
-            "annotator": annotator_name, "annotators_config": str(cfg_path),
-            "prompt_template_sha256": hashlib.sha256(template.read_bytes()).hexdigest(),
+            "annotator": annotator_name if named is None else named_meta["annotator"],
+            "annotators_config": str(cfg_path) if named is None else named_meta["annotator_config"],
+            "prompt_template_sha256": hashlib.sha256(template.read_bytes()).hexdigest() if named is None
+            else named_meta["annotator_config_sha256"],
             "alpaca_eval_version": alpaca_eval_version(),
             "n_judged_pairs": len(asked), "n_identical_outputs": n - len(asked), "n_no_verdict": n_no_verdict,
             "win_rate_standard_error": wr.get("standard_error"),

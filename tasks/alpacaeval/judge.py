@@ -223,10 +223,28 @@ def judge_consistency(verdicts_ab: Sequence[float | None], verdicts_ba: Sequence
     return (n_consistent / len(prefs) if prefs else None), prefs
 
 
+def _is_preference(v: Any) -> bool:
+    """alpaca_eval's preference encoding: 1 = output_1 wins, 2 = output_2 wins, 0 or 1.5 = draw,
+    values in between from weighted annotators; ``None``/NaN = missing."""
+    try:
+        return v is not None and not math.isnan(float(v)) and (float(v) == 0.0 or 1.0 <= float(v) <= 2.0)
+    except (TypeError, ValueError):
+        return False
+
+
 def win_rate(preferences: Sequence[float | None]) -> dict[str, float] | None:
-    """alpaca_eval's ``metrics.get_winrate`` on preferences (1 = reference wins, 2 = model wins,
-    1.5 = draw); missing ones are dropped as alpaca_eval does. ``None`` if none is left."""
-    prefs = [float(p) for p in preferences if _is_verdict(p)]
+    """alpaca_eval's ``metrics.get_winrate`` on preferences in alpaca_eval's encoding (1 = reference
+    wins, 2 = model wins, 0 or 1.5 = draw): ``win_rate([2, 0, 0, 1, 2])`` is 60.0 over 5. Missing
+    ones (``None``/NaN) are dropped as alpaca_eval does. ``None`` if none is left.
+
+    Raises:
+        ValueError: a value outside alpaca_eval's encoding (e.g. 3 or -1).
+    """
+    bad = [p for p in preferences if p is not None and not (isinstance(p, float) and math.isnan(p))
+           and not _is_preference(p)]
+    if bad:
+        raise ValueError(f"win_rate: preferences must be 0, 1.5 (draws) or in [1, 2]; got {bad[:5]}")
+    prefs = [float(p) for p in preferences if _is_preference(p)]
     if not prefs:
         return None
     _, metrics = _import_alpaca_eval()

@@ -22,6 +22,8 @@ from darts_bench.scoring import reference_nll, regex_extract, write_samples
 
 from .config import GSM8KConfig
 
+from .protocols import PROTOCOLS, get_protocol
+
 TEMPLATE_PATH = Path(__file__).resolve().parent / "gsm8k_local.yaml"
 TEMPLATE_TEXT = TEMPLATE_PATH.read_text(encoding="utf-8")
 TEMPLATE_SHA256 = hashlib.sha256(TEMPLATE_TEXT.encode("utf-8")).hexdigest()
@@ -97,9 +99,10 @@ def _load_split(data_dir: Path | None, split: str) -> list[dict[str, Any]]:
     return [{"question": r["question"], "answer": r["answer"]} for r in ds]
 
 
-def score_samples(samples_path: str | Path, data_dir: Path | None = None) -> dict[str, Any]:
-    """Score GSM8K responses made elsewhere (``darts-bench score gsm8k FILE``) with this task's
-    strict and flexible exact match.
+def score_samples(samples_path: str | Path, data_dir: Path | None = None, protocol: str = "lm-eval") -> dict[str, Any]:
+    """Score GSM8K responses made elsewhere (``darts-bench score gsm8k FILE``) with the strict and
+    flexible exact match of ``protocol`` (protocols.py: ``lm-eval`` ``#### N``; ``alpaca-cot`` /
+    ``chat-cot`` ``The answer is: N``; flexible: the last number).
 
     ``FILE`` is JSON lines with ``response`` and either ``doc_id`` (index into the test split) or
     ``question`` (its exact text).
@@ -108,10 +111,11 @@ def score_samples(samples_path: str | Path, data_dir: Path | None = None) -> dic
         DataError: bad JSON, a missing field, an unknown question or doc_id (naming the line).
     """
     path = Path(samples_path)
+    proto = get_protocol(protocol)
     test = _load_split(data_dir, "test")
     by_q = {r["question"]: i for i, r in enumerate(test)}
     recs = read_jsonl(path, required=("response",))
-    strict, flexible, ids = [], [], []
+    strict, flexible, ids, no_answer = [], [], [], []
     for lineno, r in enumerate(recs, 1):
         if "doc_id" in r:
             i = r["doc_id"]
@@ -124,39 +128,52 @@ def score_samples(samples_path: str | Path, data_dir: Path | None = None) -> dic
         else:
             raise DataError(f"{path}: record {lineno}: needs doc_id or question")
         gold = test[i]["answer"]
-        strict.append(float(is_correct(extract_strict(r["response"]), gold)))
-        flexible.append(float(is_correct(extract_flexible(r["response"]), gold)))
+        st = proto.extract_strict(r["response"])
+        strict.append(float(proto.is_correct(st, gold)))
+        flexible.append(float(proto.is_correct(proto.extract_flexible(r["response"]), gold)))
+        no_answer.append(float(st is None))
         ids.append(i)
-    return {"gsm8k_em_strict": sum(strict) / len(strict), "gsm8k_em_flexible": sum(flexible) / len(flexible),
-            "n_gsm8k": len(strict), "doc_ids": ids, "em_strict": strict, "em_flexible": flexible}
+    return {"protocol": proto.name, "gsm8k_em_strict": sum(strict) / len(strict),
+            "gsm8k_em_flexible": sum(flexible) / len(flexible), "gsm8k_no_answer_rate": sum(no_answer) / len(no_answer),
+            "n_gsm8k": len(strict), "doc_ids": ids, "em_strict": strict, "em_flexible": flexible,
+            "no_answer": no_answer}
 
 
 @register_task
 class GSM8KTask(Task):
     name = "gsm8k"
     expert = "math"
-    version = "1"
+    version = "2"
     primary_metrics = ("gsm8k_em_strict", "gsm8k_em_flexible")
+    extra_columns = ("gsm8k_no_answer_rate",)  # no extractable answer under the strict filter
+    protocol = "lm-eval"  # tasks.gsm8k.protocol; set by the runner before examples()
     config_model = GSM8KConfig
     official_size = 1319  # test split
     typical_tokens = {"prompt": 70, "reference": 110, "per_shot": 180}
     order = 2
 
     def score_samples(self, samples_path: str | Path, config: GSM8KConfig | None = None,
-                      data_dir: Path | None = None) -> dict[str, Any]:
-        """``darts-bench score gsm8k FILE``: :func:`score_samples` (the config has no scoring knobs)."""
-        return score_samples(samples_path, data_dir=data_dir)
+                      data_dir: Path | None = None, protocol: str | None = None) -> dict[str, Any]:
+        """``darts-bench score gsm8k FILE [--protocol P]``: :func:`score_samples` under ``protocol``
+        (default ``lm-eval``, the samples format's own; the config has no other scoring knobs)."""
+        return score_samples(samples_path, data_dir=data_dir, protocol=protocol or type(self).protocol)
 
     def examples(self, data_dir: Path | None, model: TextModel | None, limit: int | None) -> list[Example]:
-        """Test questions in file order, raw lm-eval prompt format (the chat template, when on, is
-        applied by lm-eval at evaluation time, not here)."""
+        """Test questions in file order, the zero-shot prompt of ``self.protocol`` (protocols.py;
+        ``lm-eval``: the raw lm-eval format, its chat template, when on, is applied by lm-eval at
+        evaluation time; ``chat-cot``: rendered here with ``model``'s chat template, the pool's
+        base formatter in a run, so every row gets the same prompt)."""
+        proto = get_protocol(self.protocol)
         recs = _load_split(data_dir, "test")
         if limit is not None:
             recs = recs[:limit]
-        return [Example(id=f"gsm8k/{i}", prompt=PROMPT.format(question=r["question"]),
-                        reference=" " + strip_calculator(r["answer"]),
-                        meta={"gold": final_answer(r["answer"]), "question": r["question"], "answer": r["answer"]})
-                for i, r in enumerate(recs)]
+        out = []
+        for i, r in enumerate(recs):
+            prompt = proto.prompt(r["question"], model)
+            out.append(Example(id=f"gsm8k/{i}", prompt=prompt, reference=" " + strip_calculator(r["answer"]),
+                               meta={"gold": final_answer(r["answer"]), "question": r["question"],
+                                     "answer": r["answer"], "protocol": proto.name, "prompt": prompt}))
+        return out
 
     def training_prompts(self, data_dir: Path | None, model: TextModel | None, n: int, seed: int) -> list[str]:
         """``n`` train-split questions drawn with ``random.Random(seed)``, formatted as :meth:`examples`.
@@ -168,23 +185,30 @@ class GSM8KTask(Task):
         if n > len(recs):
             raise ValueError(f"gsm8k: asked for {n} training prompts, the train split has {len(recs)}")
         idx = random.Random(seed).sample(range(len(recs)), n)
-        return [PROMPT.format(question=recs[i]["question"]) for i in idx]
+        proto = get_protocol(self.protocol)
+        return [proto.prompt(recs[i]["question"], model) for i in idx]
 
     # ------------------------------------------------------------------------------ evaluate
     def write_lm_eval_task(self, examples: list[Example], out_dir: Path, *, data_dir: Path | None,
-                           num_fewshot: int, max_new_tokens: int) -> Path:
+                           num_fewshot: int, max_new_tokens: int, protocol: str = "lm-eval") -> Path:
         """Write the runtime lm-eval task into ``out_dir``: the docs of ``examples`` (in order) as
         ``test.jsonl``, and ``darts_gsm8k.yaml`` = the template with absolute data paths, the
         few-shot split (``<data_dir>/gsm8k/train.jsonl``, or a copy of the hub's train split) when
-        ``num_fewshot > 0``, and ``max_gen_toks``. Returns the YAML path."""
+        ``num_fewshot > 0``, and ``max_gen_toks``; ``protocol`` picks the template (docs also
+        carry each example's rendered ``prompt``, which ``chat-cot`` uses as ``doc_to_text``).
+        Returns the YAML path."""
+        proto = get_protocol(protocol)
         out_dir.mkdir(parents=True, exist_ok=True)
         test_path = out_dir / "test.jsonl"
         with open(test_path, "w", encoding="utf-8") as f:
             for e in examples:
                 if "question" not in e.meta or "answer" not in e.meta:
                     raise ValueError(f"gsm8k: example {e.id} lacks meta question/answer (not from GSM8KTask.examples)")
-                f.write(json.dumps({"question": e.meta["question"], "answer": e.meta["answer"]}) + "\n")
-        cfg = json.loads(json.dumps(_TEMPLATE))  # deep copy
+                doc = {"question": e.meta["question"], "answer": e.meta["answer"]}
+                if proto.uses_chat_template:
+                    doc["prompt"] = e.meta.get("prompt", e.prompt)
+                f.write(json.dumps(doc) + "\n")
+        cfg = json.loads(json.dumps(proto.config))  # deep copy
         files = {"test": str(test_path.resolve())}
         if num_fewshot > 0:
             if data_dir is not None:
@@ -200,7 +224,7 @@ class GSM8KTask(Task):
         cfg["dataset_kwargs"]["data_files"] = files
         cfg["num_fewshot"] = num_fewshot
         cfg["generation_kwargs"]["max_gen_toks"] = max_new_tokens
-        yaml_path = out_dir / f"{LM_EVAL_TASK}.yaml"
+        yaml_path = out_dir / f"{proto.lm_eval_task}.yaml"
         yaml_path.write_text(yaml.safe_dump(cfg, sort_keys=False, allow_unicode=True), encoding="utf-8")
         return yaml_path
 
@@ -215,19 +239,28 @@ class GSM8KTask(Task):
         if not examples:
             raise ValueError("gsm8k.evaluate: no examples")
         cfg = ctx.config if ctx.config is not None else GSM8KConfig()
+        proto = get_protocol(getattr(cfg, "protocol", "lm-eval"))
+        built = {e.meta.get("protocol", "lm-eval") for e in examples}
+        if built != {proto.name}:
+            raise ValueError(f"gsm8k: examples were built under protocol(s) {sorted(built)} but "
+                             f"tasks.gsm8k.protocol is {proto.name!r}")
+        if proto.zero_shot_only and (cfg.num_fewshot or cfg.apply_chat_template):
+            raise ValueError(f"gsm8k protocol {proto.name!r} is zero-shot with its own prompt format: "
+                             f"tasks.gsm8k.num_fewshot must be 0 and apply_chat_template false "
+                             f"(got {cfg.num_fewshot}, {cfg.apply_chat_template})")
         task_dir = Path(ctx.work_dir) / "lm_eval_gsm8k"
-        self.write_lm_eval_task(examples, task_dir, data_dir=ctx.data_dir,
-                                num_fewshot=cfg.num_fewshot, max_new_tokens=cfg.max_new_tokens)
+        self.write_lm_eval_task(examples, task_dir, data_dir=ctx.data_dir, num_fewshot=cfg.num_fewshot,
+                                max_new_tokens=cfg.max_new_tokens, protocol=proto.name)
         lm = DartsBenchLM(model, max_gen_toks=cfg.max_new_tokens)
         tm = TaskManager(include_path=str(task_dir), include_defaults=False)
         out = lm_eval.simple_evaluate(
-            model=lm, tasks=[LM_EVAL_TASK], task_manager=tm, num_fewshot=cfg.num_fewshot,
+            model=lm, tasks=[proto.lm_eval_task], task_manager=tm, num_fewshot=cfg.num_fewshot,
             limit=len(examples), apply_chat_template=cfg.apply_chat_template,
             fewshot_as_multiturn=bool(cfg.apply_chat_template), log_samples=True,
             device=str(getattr(model, "device", "cpu")), bootstrap_iters=0,
             random_seed=ctx.seed, numpy_random_seed=ctx.seed, torch_random_seed=ctx.seed,
             fewshot_random_seed=ctx.seed)
-        res = self._to_result(model, examples, out, cfg)
+        res = self._to_result(model, examples, out, cfg, proto)
         # re-scorable with `darts-bench score gsm8k FILE` (doc_id = index in the test split)
         path = write_samples(ctx.artifact_dir(), self.name,
                              [{"doc_id": int(e.id.split("/")[-1]), "response": s["response"]}
@@ -235,9 +268,12 @@ class GSM8KTask(Task):
         res.meta["samples_file"] = path.name if path else None
         return res
 
-    def _to_result(self, model: TextModel, examples: list[Example], out: dict[str, Any], cfg: Any) -> TaskResult:
+    def _to_result(self, model: TextModel, examples: list[Example], out: dict[str, Any], cfg: Any,
+                   proto: Any = None) -> TaskResult:
+        proto = proto if proto is not None else get_protocol("lm-eval")
+        lm_task = proto.lm_eval_task
         by_filter: dict[str, dict[int, dict[str, Any]]] = {}
-        for s in out["samples"][LM_EVAL_TASK]:
+        for s in out["samples"][lm_task]:
             by_filter.setdefault(s["filter"], {})[int(s["doc_id"])] = s
         n = len(examples)
         for f in ("strict-match", "flexible-extract"):
@@ -249,7 +285,8 @@ class GSM8KTask(Task):
         em_strict = [float(s["exact_match"]) for s in strict]
         em_flex = [float(s["exact_match"]) for s in flex]
         ref_nll, ref_nll_each = reference_nll(model, examples)
-        res = out["results"][LM_EVAL_TASK]
+        res = out["results"][lm_task]
+        no_answer = [float(s["filtered_resps"][0] == INVALID) for s in strict]
         samples = []
         for e, s, fl in zip(examples, strict, flex):
             response = s["resps"][0][0]
@@ -266,14 +303,18 @@ class GSM8KTask(Task):
         return TaskResult(
             metrics={"gsm8k_em_strict": float(res["exact_match,strict-match"]),
                      "gsm8k_em_flexible": float(res["exact_match,flexible-extract"]),
+                     "gsm8k_no_answer_rate": sum(no_answer) / n,
                      "gsm8k_ref_nll": ref_nll, "n_gsm8k": n},
-            per_example={"em_strict": em_strict, "em_flexible": em_flex, "ref_nll": ref_nll_each},
+            per_example={"em_strict": em_strict, "em_flexible": em_flex, "no_answer": no_answer,
+                         "ref_nll": ref_nll_each},
             samples=samples,
-            meta={"task_version": self.version, "lm_eval_task": LM_EVAL_TASK,
+            meta={"task_version": self.version, "lm_eval_task": lm_task,
+                  "protocol": proto.name, "protocol_version": proto.version, "protocol_source": proto.source,
+                  "template": proto.template, "stop": proto.stop, "example_prompt": strict[0]["arguments"][0][0],
                   "num_fewshot": cfg.num_fewshot, "apply_chat_template": cfg.apply_chat_template,
                   "fewshot_as_multiturn": bool(cfg.apply_chat_template), "max_new_tokens": cfg.max_new_tokens,
                   "decoding": "greedy", "lm_eval_version": lm_eval_version,
-                  "task_yaml_sha256": TEMPLATE_SHA256,
+                  "task_yaml_sha256": proto.sha256,
                   "docs_sha256": hashlib.sha256("".join(
                       json.dumps({"question": e.meta["question"], "answer": e.meta["answer"]}) + "\n"
                       for e in examples).encode("utf-8")).hexdigest()},

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from darts_bench.api import TaskConfig
 
 
 class GSM8KConfig(TaskConfig):
+    protocol: Literal["lm-eval", "alpaca-cot", "chat-cot"] = Field(
+        "lm-eval", description="prompt + filters protocol (tasks/gsm8k/README.md); num_fewshot and "
+        "apply_chat_template apply to lm-eval only")
     num_fewshot: int = Field(0, ge=0)
     apply_chat_template: bool = False
     max_new_tokens: int = Field(192, ge=1)

