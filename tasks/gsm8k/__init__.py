@@ -18,7 +18,7 @@ import yaml
 
 from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task
 from darts_bench.data import DataError, read_jsonl, require_file, strip_calculator
-from darts_bench.evaluate.nll import reference_nll
+from darts_bench.evaluate.nll import reference_nll_detail
 
 TEMPLATE_PATH = Path(__file__).resolve().parent / "gsm8k_local.yaml"
 TEMPLATE_TEXT = TEMPLATE_PATH.read_text(encoding="utf-8")
@@ -239,7 +239,8 @@ class GSM8KTask(Task):
         flex = [by_filter["flexible-extract"][i] for i in range(n)]
         em_strict = [float(s["exact_match"]) for s in strict]
         em_flex = [float(s["exact_match"]) for s in flex]
-        ref_nll, ref_nll_each = reference_nll(model, examples)
+        ref = reference_nll_detail(model, examples)
+        ref_nll, ref_nll_each = ref.overall, ref.per_example
         res = out["results"][LM_EVAL_TASK]
         samples = []
         for e, s, fl in zip(examples, strict, flex):
@@ -258,7 +259,9 @@ class GSM8KTask(Task):
             metrics={"gsm8k_em_strict": float(res["exact_match,strict-match"]),
                      "gsm8k_em_flexible": float(res["exact_match,flexible-extract"]),
                      "gsm8k_ref_nll": ref_nll, "n_gsm8k": n},
-            per_example={"em_strict": em_strict, "em_flexible": em_flex, "ref_nll": ref_nll_each},
+            per_example={"em_strict": em_strict, "em_flexible": em_flex, "ref_nll": ref_nll_each,
+                         # per-example NLL sums (nats) and token counts for the token-weighted CI
+                         "ref_nll_sum": ref.nll_sum, "ref_nll_tokens": [float(t) for t in ref.n_tokens]},
             samples=samples,
             meta={"task_version": self.version, "lm_eval_task": LM_EVAL_TASK,
                   "num_fewshot": cfg.num_fewshot, "apply_chat_template": cfg.apply_chat_template,

