@@ -91,3 +91,20 @@ def test_tolerance_rules():
 
 def test_not_a_results_dir_fails_with_status_2(tmp_path):
     assert main(["compare", str(TINY), str(tmp_path)]) == 2
+
+
+def test_run_into_a_committed_baseline_stops_unless_refresh_is_asked(tmp_path, monkeypatch):
+    from darts_bench.config import load_config
+    from darts_bench.pipeline import Pipeline
+
+    out = tmp_path / "baseline"
+    out.mkdir()
+    (out / "BASELINE.md").write_text("baseline\n")
+    (out / "results.json").write_text("{}")
+    cfg = load_config("micro", [f"out_dir={out}", f"work_dir={tmp_path / 'work'}"])
+    monkeypatch.delenv("DARTS_BENCH_REFRESH_BASELINE", raising=False)
+    with pytest.raises(PermissionError, match="committed regression baseline"):
+        Pipeline(cfg).check_writable()
+    assert (out / "results.json").read_text() == "{}"
+    monkeypatch.setenv("DARTS_BENCH_REFRESH_BASELINE", "1")
+    Pipeline(cfg).check_writable()

@@ -349,3 +349,23 @@ def run_compare(baseline_dir: str, new_dir: str, out: str | None = None) -> int:
         with open(summary, "a", encoding="utf-8") as f:
             f.write(text)
     return 1 if any(c.status == "regression" for c in cells) else 0
+
+
+# ------------------------------------------------------------------------------------------------
+# committed baselines: a results dir holding BASELINE_MARKER is never overwritten by a run unless asked
+BASELINE_MARKER = "BASELINE.md"
+REFRESH_ENV = "DARTS_BENCH_REFRESH_BASELINE"
+
+
+def check_not_baseline(out_dir: Path) -> None:
+    """Refuse to write a run's results into a committed baseline dir (one holding ``BASELINE.md``),
+    unless ``$DARTS_BENCH_REFRESH_BASELINE=1`` says the refresh is on purpose.
+
+    Raises:
+        PermissionError: ``out_dir`` is a baseline and the refresh was not asked for.
+    """
+    marker = Path(out_dir) / BASELINE_MARKER
+    if marker.is_file() and os.environ.get(REFRESH_ENV) != "1":
+        raise PermissionError(f"{out_dir} is a committed regression baseline ({marker}); write the run elsewhere "
+                              f"(--out DIR) and compare it with `darts-bench compare {out_dir} DIR`, or refresh the "
+                              f"baseline on purpose with {REFRESH_ENV}=1")
