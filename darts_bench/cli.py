@@ -3,6 +3,7 @@
     darts-bench run --suite all|TASK|TASK,TASK... [--config NAME|PATH] [--limit N] [--out DIR] [--set K=V ...]
     darts-bench pool | merge | collect | train | evaluate | report   (each stage alone, same options)
     darts-bench score TASK SAMPLES.jsonl [--protocol NAME] [--problems FILE] [--out FILE]
+    darts-bench compare BASELINE_DIR NEW_DIR [--out FILE]   (exit 1 on a regression)
 
 Task names come from the registry (:func:`darts_bench.api.available_tasks`: the folders under
 ``tasks/`` and those in ``DARTS_BENCH_TASKS_PATH``), read when the parser is built.
@@ -91,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default="tiny", help="config whose task settings (timeouts, k) apply")
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config entry (e.g. tasks.humaneval.timeout_s=10)")
+    c = sub.add_parser("compare", help="list the table cells of NEW_DIR that moved beyond tolerance from BASELINE_DIR; "
+                       "exit 1 on a regression")
+    c.add_argument("baseline", help="baseline results dir (results.json + table_<task>.csv)")
+    c.add_argument("new", help="results dir of the new run")
+    c.add_argument("--out", default=None, help="also write the markdown report here (e.g. a CI job summary)")
     return ap
 
 
@@ -151,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "score":
             return cmd_score(args)
+        if args.command == "compare":
+            from darts_bench.report.compare import run_compare
+
+            return run_compare(args.baseline, args.new, args.out)
         cfg = _load(args)
         if args.command == "run" and args.dry_run:
             from darts_bench.plan import print_plan

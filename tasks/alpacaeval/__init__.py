@@ -13,7 +13,7 @@ from typing import Any
 
 from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task
 from darts_bench.data import DataError, alpaca_text, load_expert_records, read_json_list, require_file
-from darts_bench.evaluate.nll import reference_nll
+from darts_bench.evaluate.nll import reference_nll_detail
 
 from .config import AlpacaEvalConfig, JudgeConfig  # noqa: F401 - public: tasks.alpacaeval config section
 from .annotators import annotate_named, check_annotator
@@ -294,10 +294,13 @@ class AlpacaEvalTask(Task):
         ex_ref = [replace(e, reference=r) for e, r in zip(examples, refs)]
         scored = [k for k, e in enumerate(ex_ref) if e.reference.strip()]
         ref_nll, per_nll = None, [math.nan] * n
+        # per-example NLL sums (nats) and token counts for the token-weighted CI; NaN where skipped
+        nll_sum, nll_tokens = [math.nan] * n, [math.nan] * n
         if scored:
-            ref_nll, per = reference_nll(model, [ex_ref[k] for k in scored])
-            for k, v in zip(scored, per):
-                per_nll[k] = v
+            ref = reference_nll_detail(model, [ex_ref[k] for k in scored])
+            ref_nll = ref.overall
+            for k, v, s, t in zip(scored, ref.per_example, ref.nll_sum, ref.n_tokens):
+                per_nll[k], nll_sum[k], nll_tokens[k] = v, s, float(t)
 
         wins = [p - 1.0 for p in prefs]
         samples = [{"id": e.id, "instruction": instructions[k], "dataset": e.meta.get("dataset"),
@@ -342,7 +345,8 @@ class AlpacaEvalTask(Task):
             "ref_nll_n_skipped_empty": n - len(scored),
             "comparable_to_leaderboard": False,
         }
-        return TaskResult(metrics=metrics, per_example={"win": wins, "ref_nll": per_nll}, samples=samples, meta=meta)
+        return TaskResult(metrics=metrics, per_example={"win": wins, "ref_nll": per_nll, "ref_nll_sum": nll_sum,
+                                                         "ref_nll_tokens": nll_tokens}, samples=samples, meta=meta)
 
 
 def _length_controlled(instructions: list[str], refs: list[str], outputs: list[str], prefs: list[float], *,

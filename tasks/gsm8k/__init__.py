@@ -18,7 +18,7 @@ import yaml
 
 from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task
 from darts_bench.data import DataError, read_jsonl, require_file, strip_calculator
-from darts_bench.scoring import reference_nll, regex_extract, write_samples
+from darts_bench.scoring import reference_nll_detail, regex_extract, write_samples
 
 from .config import GSM8KConfig
 
@@ -284,7 +284,8 @@ class GSM8KTask(Task):
         flex = [by_filter["flexible-extract"][i] for i in range(n)]
         em_strict = [float(s["exact_match"]) for s in strict]
         em_flex = [float(s["exact_match"]) for s in flex]
-        ref_nll, ref_nll_each = reference_nll(model, examples)
+        ref = reference_nll_detail(model, examples)
+        ref_nll, ref_nll_each = ref.overall, ref.per_example
         res = out["results"][lm_task]
         no_answer = [float(s["filtered_resps"][0] == INVALID) for s in strict]
         samples = []
@@ -306,7 +307,9 @@ class GSM8KTask(Task):
                      "gsm8k_no_answer_rate": sum(no_answer) / n,
                      "gsm8k_ref_nll": ref_nll, "n_gsm8k": n},
             per_example={"em_strict": em_strict, "em_flexible": em_flex, "no_answer": no_answer,
-                         "ref_nll": ref_nll_each},
+                         "ref_nll": ref_nll_each,
+                         # per-example NLL sums (nats) and token counts for the token-weighted CI
+                         "ref_nll_sum": ref.nll_sum, "ref_nll_tokens": [float(t) for t in ref.n_tokens]},
             samples=samples,
             meta={"task_version": self.version, "lm_eval_task": lm_task,
                   "protocol": proto.name, "protocol_version": proto.version, "protocol_source": proto.source,

@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping
 
 from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task
 from darts_bench.data import DataError, alpaca_text, load_expert_records, read_jsonl
-from darts_bench.scoring import (build_program, check_programs, pass_at_k, reference_nll, score_code_samples,
+from darts_bench.scoring import (build_program, check_programs, pass_at_k, reference_nll_detail, score_code_samples,
                                  write_code_samples)
 
 from .protocols import PROTOCOLS, get_protocol
@@ -207,9 +207,11 @@ class HumanEvalTask(Task):
             mean, per = pass_at_k([n] * len(examples), n_correct, k)
             metrics[f"humaneval_pass@{k}"] = mean
             per_example[f"pass@{k}"] = per
-        ref, ref_per = reference_nll(model, examples)
-        metrics["humaneval_ref_nll"] = ref
-        per_example["ref_nll"] = ref_per
+        ref = reference_nll_detail(model, examples)
+        metrics["humaneval_ref_nll"] = ref.overall
+        per_example["ref_nll"] = ref.per_example
+        # per-example NLL sums (nats) and token counts: the token-weighted ref-NLL CI resamples these
+        per_example["ref_nll_sum"], per_example["ref_nll_tokens"] = ref.nll_sum, [float(t) for t in ref.n_tokens]
         empty = [float(sum(not c.strip() for c in outs)) / n for outs in outputs]
         metrics["humaneval_empty_rate"] = sum(empty) / len(empty)
         per_example["empty"] = empty

