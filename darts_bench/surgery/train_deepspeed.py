@@ -77,6 +77,12 @@ def deepspeed_config(scfg, ds_cfg, world_size: int) -> dict[str, Any]:
     return _merge(cfg, dict(ds_cfg.extra or {}))
 
 
+def deepspeed_key(ds_cfg) -> dict[str, Any]:
+    """What of the DeepSpeed settings enters a head's cache key: all of ``deepspeed`` (processes,
+    ZeRO stage, launcher, extra JSON) and the accelerator the run would use (``cuda``/``cpu``)."""
+    return {**ds_cfg.model_dump(mode="json"), "accelerator": "cuda" if _use_cuda() else "cpu"}
+
+
 def _use_cuda() -> bool:
     return os.environ.get("DS_ACCELERATOR", "") not in ("cpu",) and torch.cuda.is_available()
 
