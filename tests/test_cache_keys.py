@@ -205,3 +205,26 @@ def test_device_is_in_feature_and_evaluation_keys(micro_pipeline, micro_cfg_path
     assert Pipeline(cpu).eval_key(row, task, examples) != Pipeline(cuda).eval_key(row, task, examples)
     assert Pipeline(cpu).eval_key(row, task, examples) == Pipeline(load_config(str(micro_cfg_path))).eval_key(
         row, task, examples)
+
+
+def test_torch_threads_change_no_feature_and_stay_out_of_the_keys(micro_pipeline, micro_cfg_path):
+    """``torch_threads`` is not in the keys because it does not change the numbers: features of
+    the same batches with 1 and 2 intra-op threads are bitwise equal (checked here on the micro
+    model; the Ray executor's actors use other thread counts and give the local features too,
+    tests/test_ray_executor.py)."""
+    from darts_bench.evaluate.hf_model import load_causal_lm
+
+    model, tok = load_causal_lm(str(micro_pipeline.pool().base), dtype=torch.float32, device="cpu")
+    seqs = [tok("def add(a, b):\n    return a + b" * 4)["input_ids"], tok("x = 1")["input_ids"]]
+    before = torch.get_num_threads()
+    try:
+        feats = {}
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            feats[n] = hidden_state_features(model, seqs, tok.pad_token_id or 0, batch_size=2)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(feats[1][k], feats[2][k]) for k in feats[1])
+    c1, c2 = (load_config(str(micro_cfg_path), [f"torch_threads={n}"]) for n in (1, 2))
+    task = micro_pipeline.tasks()["gsm8k"][0]
+    assert calibration_key(c1, task, "transductive", ["p"], "k") == calibration_key(c2, task, "transductive", ["p"], "k")
