@@ -228,3 +228,30 @@ def test_torch_threads_change_no_feature_and_stay_out_of_the_keys(micro_pipeline
     c1, c2 = (load_config(str(micro_cfg_path), [f"torch_threads={n}"]) for n in (1, 2))
     task = micro_pipeline.tasks()["gsm8k"][0]
     assert calibration_key(c1, task, "transductive", ["p"], "k") == calibration_key(c2, task, "transductive", ["p"], "k")
+
+
+def test_sharded_bf16_checkpoint_fingerprint_covers_index_and_every_shard(micro_pipeline, tmp_path):
+    """A sharded bf16 checkpoint (``save_pretrained`` with a small ``max_shard_size``): the index
+    and each shard are hashed; retraining the tensors of one shard changes the key and re-reads
+    only that shard."""
+    from safetensors.torch import load_file, save_file
+
+    from darts_bench.evaluate.hf_model import load_causal_lm
+
+    model, tok = load_causal_lm(str(micro_pipeline.pool().base), dtype=torch.bfloat16, device="cpu")
+    ck = tmp_path / "sharded"
+    model.save_pretrained(ck, max_shard_size="100KB")
+    tok.save_pretrained(ck)
+    shards = sorted(ck.glob("model-*.safetensors"))
+    assert len(shards) >= 2 and (ck / "model.safetensors.index.json").is_file()
+    memo = HashMemo(tmp_path / "memo.json")
+    fp = checkpoint_fingerprint(ck, memo)
+    assert {s.name for s in shards} | {"model.safetensors.index.json", "config.json"} <= set(fp["files"])
+    memo.save()
+    t = load_file(str(shards[-1]))
+    save_file({k: v + 1 for k, v in t.items()}, str(shards[-1]), metadata={"format": "pt"})
+    memo = HashMemo(tmp_path / "memo.json")
+    fp2 = checkpoint_fingerprint(ck, memo)
+    assert memo.hashed == [str(shards[-1].resolve())] and fp2["key"] != fp["key"]
+    assert {k: v for k, v in fp2["files"].items() if k != shards[-1].name} == \
+        {k: v for k, v in fp["files"].items() if k != shards[-1].name}
