@@ -70,7 +70,7 @@ class HashMemo:
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    """Files of a checkpoint dir that enter its fingerprint (sorted, relative order by name)."""
+    """Files of a checkpoint dir that enter its fingerprint, sorted by path."""
     model_dir = Path(model_dir)
     out = []
     for p in sorted(model_dir.rglob("*")):
