@@ -190,3 +190,25 @@ def test_deepspeed_then_in_process_heads_are_both_kept(micro_pipeline, micro_cfg
 
     monkeypatch.setattr(train_deepspeed, "train_head_deepspeed", boom)
     assert Pipeline(load_config(str(micro_cfg_path), ds_over), suite="gsm8k").train()["heads"][k] == h_ds
+
+
+def test_op_compile_is_announced_before_it_starts(tmp_path, monkeypatch, caplog):
+    """Without a built ``deepspeed_shm_comm`` under TORCH_EXTENSIONS_DIR the launcher warns that
+    the first start compiles it; with one there, it only logs the start."""
+    import logging
+
+    from darts_bench.surgery import train_deepspeed as tds
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    ds = DeepSpeedConfig(enabled=True, num_procs=2)
+    with caplog.at_level(logging.INFO, logger="darts_bench"):
+        tds._log_start(ds, cuda=False)
+    assert any(r.levelno == logging.WARNING and "compiles its C++ op deepspeed_shm_comm" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
+    with caplog.at_level(logging.INFO, logger="darts_bench"):
+        tds._log_start(ds, cuda=False)
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "starting 2 process(es), ZeRO 2, torchrun launcher" in caplog.records[0].getMessage()
