@@ -83,13 +83,16 @@ class TaskResult:
     ``metrics``: column name -> value (``None`` where not applicable, never NaN for a failure);
     ``per_example``: metric name -> one value per example, in example order (for bootstrap CIs);
     ``samples``: per-example records (prompt, output, score, reason) for inspection;
-    ``meta``: protocol details for the manifest (few-shot count, judge, reference set ...).
+    ``meta``: protocol details for the manifest (few-shot count, judge, reference set ...);
+    ``example_ids``: the ``Example.id`` of each per-example position (set by the pipeline from the
+    examples it evaluated; paired intervals match two results by these ids).
     """
 
     metrics: dict[str, float | None]
     per_example: dict[str, list[float]] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    example_ids: list[str] = field(default_factory=list)
 
 
 @dataclass

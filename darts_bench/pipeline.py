@@ -195,7 +195,7 @@ class Pipeline:
                 if task.expert is None:
                     continue  # no expert, no calibration: the task gets no heads
                 expert_dir = pool.path(task.expert)
-                expert_key = stable_hash([pool.key, task.expert])
+                expert_key = pool.model_key(task.expert)
                 for split in self.cfg.calibration.splits:
                     prompts = calibration_prompts(task, split, self.cfg, fmt, examples)
                     calib[(name, split)] = collect_calibration(self.cfg, task, split, prompts, expert_dir,
@@ -225,9 +225,7 @@ class Pipeline:
                     continue
                 task = self.tasks()[name][0]
                 calib = fs.calib
-                key = stable_hash({"features": fs.key, "reference": col["features"][(m, name, "reference")].key,
-                                   "surgery": scfg.model_dump(mode="json"),
-                                   "held_out": self.cfg.calibration.held_out_fraction, "seed": self.cfg.seed})
+                key = self.head_key(fs.key, col["features"][(m, name, "reference")].key)
                 final = self.work_dir / "heads" / f"{m}-{name}-{split}-{key}"
 
                 def build(tmp: Path, fs=fs, calib=calib, m=m, name=name, split=split, task=task) -> None:
@@ -242,6 +240,19 @@ class Pipeline:
             return {"heads": heads, "diagnostics": diags}
 
         return self._stage("train", run)
+
+    def head_key(self, features_key: str, reference_key: str) -> str:
+        """Cache key of one (merge, task, split)'s heads: features, surgery config, held-out
+        fraction, seed and, when DeepSpeed trains them, the DeepSpeed settings and accelerator
+        (DeepSpeed heads differ from in-process ones by float summation order; see README)."""
+        parts = {"features": features_key, "reference": reference_key,
+                 "surgery": self.cfg.surgery.model_dump(mode="json"),
+                 "held_out": self.cfg.calibration.held_out_fraction, "seed": self.cfg.seed}
+        if self.cfg.deepspeed.enabled:
+            from darts_bench.surgery.train_deepspeed import deepspeed_key
+
+            parts["deepspeed"] = deepspeed_key(self.cfg.deepspeed)
+        return stable_hash(parts)
 
     def _train_and_diagnose(self, out: Path, fs: FeatureSet, calib: CalibrationSet, merge_dir: Path,
                             expert_dir: Path, ref_fs: FeatureSet, m: str, name: str, split: str) -> None:
@@ -299,9 +310,9 @@ class Pipeline:
     # -------------------------------------------------------------- evaluation
     def rows(self) -> list[Row]:
         pool, merges = self.pool(), self.merge()
-        rows = [Row("base", model_dir=pool.base, model_key=stable_hash([pool.key, "base"]))]
+        rows = [Row("base", model_dir=pool.base, model_key=pool.model_key("base"))]
         for e in pool.experts:
-            rows.append(Row(f"expert:{e}", model_dir=pool.experts[e], model_key=stable_hash([pool.key, e])))
+            rows.append(Row(f"expert:{e}", model_dir=pool.experts[e], model_key=pool.model_key(e)))
         heads = self.train()["heads"]
         splits = self.cfg.calibration.splits
         for m, mdir in merges.items():
@@ -334,6 +345,18 @@ class Pipeline:
         return self.executor.text_model(row.model, str(row.model_dir), str(head_dir) if head_dir else None,
                                         batch_size=self.cfg.tasks.batch_size)
 
+    def eval_key(self, row: Row, task: Task, examples: list[Example], judge_key: str = "",
+                 model_key: str | None = None) -> str:
+        """Cache key of one (row, task) evaluation: the row's model key (``model_key`` overrides it,
+        e.g. a corrected row on a task without heads is its merge), task name/version/config,
+        examples, seed, judge, and the device and ``tasks.batch_size`` (both change generations:
+        left padding and kernels; sampled generations draw per batch)."""
+        tcfg = getattr(self.cfg.tasks, task.name)
+        return stable_hash({"model": model_key if model_key is not None else row.model_key, "task": task.name, "version": task.version,
+                            "cfg": tcfg.model_dump(mode="json"), "n": len(examples), "seed": self.cfg.seed,
+                            "judge": judge_key, "ex": stable_hash([(e.id, e.prompt, e.reference) for e in examples]),
+                            "numerics": {"device": self.cfg.device, "batch_size": self.cfg.tasks.batch_size}})
+
     def _evaluate_one(self, row: Row, task: Task, examples: list[Example], by_name: dict[str, Row],
                       results: dict) -> TaskResult:
         tcfg = getattr(self.cfg.tasks, task.name)
@@ -342,9 +365,7 @@ class Pipeline:
         model_key = row.model_key
         if row.correction != "none" and task.name not in row.heads:
             model_key = by_name[row.merge].model_key  # no head for this task: the row is its merge here
-        key = stable_hash({"model": model_key, "task": task.name, "version": task.version,
-                           "cfg": tcfg.model_dump(mode="json"), "n": len(examples), "seed": self.cfg.seed,
-                           "judge": judge_key, "ex": stable_hash([(e.id, e.prompt, e.reference) for e in examples])})
+        key = self.eval_key(row, task, examples, judge_key, model_key=model_key)
         final = self.work_dir / "eval" / f"{row.model.replace(':', '_')}-{task.name}-{key}"
 
         def build(tmp: Path) -> None:
@@ -381,13 +402,16 @@ class Pipeline:
             import shutil
 
             shutil.rmtree(tmp / "scratch", ignore_errors=True)
+            # per_example lists are in example order (the Task contract): record which example each is
             (tmp / "result.json").write_text(json.dumps({"metrics": res.metrics, "per_example": res.per_example,
-                                                         "samples": res.samples, "meta": res.meta}, default=str))
+                                                         "samples": res.samples, "meta": res.meta,
+                                                         "example_ids": [e.id for e in examples]}, default=str))
 
         cached(final, build, what=f"evaluate {row.model} on {task.name}",
                meta={"kind": "eval", "row": row.model, "task": task.name})
         d = json.loads((final / "result.json").read_text())
-        return TaskResult(metrics=d["metrics"], per_example=d["per_example"], samples=d["samples"], meta=d["meta"])
+        return TaskResult(metrics=d["metrics"], per_example=d["per_example"], samples=d["samples"], meta=d["meta"],
+                          example_ids=d.get("example_ids", []))
 
     def report(self):
         from darts_bench.report.tables import write_report

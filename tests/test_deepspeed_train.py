@@ -6,6 +6,7 @@ The first DeepSpeed start on a machine compiles a C++ comm op (about a minute); 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -19,7 +20,7 @@ pytest.importorskip("deepspeed")
 
 from darts_bench.config import DeepSpeedConfig, SurgeryConfig  # noqa: E402
 from darts_bench.surgery.heads import METHODS, build_head  # noqa: E402
-from darts_bench.surgery.train import TokenData, batch_order, head_loss, train_head  # noqa: E402
+from darts_bench.surgery.train import TokenData, batch_order, evaluate_losses, head_loss, train_head  # noqa: E402
 from darts_bench.surgery.train_deepspeed import deepspeed_config, slice_loss, train_head_deepspeed  # noqa: E402
 
 SCFG = SurgeryConfig(methods=["darts"], rank=4, max_len=32, epochs=3, batch_size=64, lr=1e-3)
@@ -41,6 +42,7 @@ def assert_same(ref, got, atol=1e-5):
     for k in want:
         assert torch.allclose(want[k], have[k], atol=atol, rtol=0), (k, (want[k] - have[k]).abs().max().item())
     assert got.head.cfg == ref.head.cfg and not got.head.training
+    assert got.history["rank_max_abs_diff"] == 0.0  # every rank ended with the head rank 0 saved
     assert got.history["train_loss"] == pytest.approx(ref.history["train_loss"], abs=1e-6)
     assert len(got.history["val"]) == len(ref.history["val"]) == SCFG.epochs + 1
     for a, b in zip(ref.history["val"], got.history["val"]):
@@ -94,6 +96,53 @@ def test_torchrun_matches_in_process(tmp_path, procs, stage, n_train):
     assert not any(tmp_path.iterdir()), "the launcher's scratch dir is removed after a successful run"
 
 
+def split_arithmetic(method: str, train: TokenData, scfg, seed: int, world: int):
+    """DeepSpeed's arithmetic without DeepSpeed: every global batch split as the ranks split it,
+    each slice's gradient of ``slice_loss`` taken on its own, averaged, then torch's Adam step."""
+    head = build_head(method, train.h_merged.shape[1], rank=scfg.rank, max_len=scfg.max_len,
+                      overflow=scfg.overflow, seed=seed)
+    mean_h = float(train.weight_source.float().mean())
+    opt = torch.optim.Adam(head.parameters(), lr=scfg.lr, weight_decay=scfg.weight_decay)
+    params = list(head.parameters())
+    head.train()
+    for idx in batch_order(len(train), scfg.batch_size, scfg.epochs, seed):
+        grads = [torch.zeros_like(p) for p in params]
+        for mine in torch.tensor_split(idx, world):
+            loss = slice_loss(head, method, train.select(mine), mean_h, scfg.w_max, len(idx), world)
+            for g, x in zip(grads, torch.autograd.grad(loss, params, allow_unused=True)):
+                if x is not None:
+                    g += x
+        for p, g in zip(params, grads):
+            p.grad = g / world
+        opt.step()
+    return head.eval()
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_torchrun_at_the_configs_epoch_count(tmp_path, procs):
+    """At the configs' 40 epochs. One process: bitwise the in-process head. Two processes:
+    bitwise the same split arithmetic done in one process (so DeepSpeed adds nothing of its own:
+    same Adam, eps, ZeRO partitioning, averaging), while the in-process head, which sums each
+    batch's gradient in one piece, is only equal within the stated bound (README, "Guarantees"):
+    float32 summation order decides where an L1 residual's sign flips and Adam amplifies that."""
+    scfg = SCFG.model_copy(update={"epochs": 40})
+    train, val = synthetic(512, seed=0), synthetic(128, seed=1)
+    ref = train_head("darts", train, val, scfg, SEED)
+    got = train_head_deepspeed("darts", train, val, scfg, SEED,
+                               DeepSpeedConfig(enabled=True, num_procs=procs, zero_stage=2), tmp_path)
+    assert got.history["rank_max_abs_diff"] == 0.0 and got.history["world_size"] == procs
+    emu = split_arithmetic("darts", train, scfg, SEED, procs)
+    for k, v in emu.state_dict().items():
+        assert torch.equal(got.head.state_dict()[k], v), (k, (got.head.state_dict()[k] - v).abs().max().item())
+    for k, v in ref.head.state_dict().items():
+        d = (got.head.state_dict()[k] - v).abs().max().item()
+        assert d == 0.0 if procs == 1 else d <= 5e-2, (k, d)
+    mean_h = float(train.weight_source.mean())
+    l_ref = evaluate_losses(ref.head, val, mean_h, scfg.w_max)["l1_ew"]
+    l_got = evaluate_losses(got.head, val, mean_h, scfg.w_max)["l1_ew"]
+    assert abs(l_got - l_ref) <= 1e-4 * l_ref
+
+
 def test_nan_loss_raises_floating_point_error(tmp_path):
     train, val = synthetic(128), synthetic(32, seed=1)
     train.h_merged[5, 3] = float("nan")
@@ -114,3 +163,52 @@ def test_ray_train_launcher_matches_in_process(tmp_path):
     assert not any(tmp_path.iterdir()), "the Ray Train run dir is removed once the head is read"
     assert_same(ref, got)
     assert got.history["world_size"] == 2
+
+
+def test_deepspeed_then_in_process_heads_are_both_kept(micro_pipeline, micro_cfg_path, monkeypatch):
+    """DeepSpeed settings are in the head key: a DeepSpeed run and an in-process run in one work
+    dir give two head artifacts, both kept and each served to its own kind of run."""
+    from darts_bench.artifacts import verify
+    from darts_bench.config import load_config
+    from darts_bench.pipeline import Pipeline
+    from darts_bench.surgery import train_deepspeed
+
+    over = ["merges=[{name: ties, method: ties, density: 0.5, normalize: true}]",
+            "calibration.splits=[transductive]", "surgery.methods=[darts]"]
+    ds_over = [*over, "deepspeed.enabled=true", "deepspeed.num_procs=2"]
+    k = ("ties", "gsm8k", "darts", "transductive")
+    h_ds = Pipeline(load_config(str(micro_cfg_path), ds_over), suite="gsm8k").train()["heads"][k]
+    h_in = Pipeline(load_config(str(micro_cfg_path), over), suite="gsm8k").train()["heads"][k]
+    assert h_ds.parent != h_in.parent
+    assert verify(h_ds.parent) is None and verify(h_in.parent) is None
+    hist_ds = json.loads((h_ds / "head_config.json").read_text())["history"]
+    hist_in = json.loads((h_in / "head_config.json").read_text())["history"]
+    assert hist_ds["world_size"] == 2 and hist_ds["rank_max_abs_diff"] == 0.0 and "world_size" not in hist_in
+
+    def boom(*a, **kw):
+        raise AssertionError("DeepSpeed launched although its head is cached")
+
+    monkeypatch.setattr(train_deepspeed, "train_head_deepspeed", boom)
+    assert Pipeline(load_config(str(micro_cfg_path), ds_over), suite="gsm8k").train()["heads"][k] == h_ds
+
+
+def test_op_compile_is_announced_before_it_starts(tmp_path, monkeypatch, caplog):
+    """Without a built ``deepspeed_shm_comm`` under TORCH_EXTENSIONS_DIR the launcher warns that
+    the first start compiles it; with one there, it only logs the start."""
+    import logging
+
+    from darts_bench.surgery import train_deepspeed as tds
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    ds = DeepSpeedConfig(enabled=True, num_procs=2)
+    with caplog.at_level(logging.INFO, logger="darts_bench"):
+        tds._log_start(ds, cuda=False)
+    assert any(r.levelno == logging.WARNING and "compiles its C++ op deepspeed_shm_comm" in r.getMessage()
+               for r in caplog.records)
+    caplog.clear()
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
+    with caplog.at_level(logging.INFO, logger="darts_bench"):
+        tds._log_start(ds, cuda=False)
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "starting 2 process(es), ZeRO 2, torchrun launcher" in caplog.records[0].getMessage()

@@ -135,6 +135,31 @@ def calibration_prompts(task: Task, split: str, cfg, text_model, examples) -> li
     return prompts
 
 
+def numerics_key(cfg) -> dict[str, Any]:
+    """The settings besides the model and the tokens that change feature values: the device (CPU
+    and GPU kernels round differently) and the batch size (sequences are left-padded to the
+    longest in their batch, and batched kernels reduce in a shape-dependent order). The model's
+    dtype is in the pool's key. ``ray.shard_size`` is in the calibration key (shards are batched
+    separately)."""
+    return {"device": cfg.device, "batch_size": cfg.calibration.batch_size}
+
+
+def calibration_key(cfg, task: Task, split: str, prompts: list[str], expert_key: str,
+                    references: list[str] | None = None) -> str:
+    """Cache key of a calibration set: expert model key, task (name, version), split, prompts,
+    references, token caps, shard size and :func:`numerics_key`."""
+    cal = cfg.calibration
+    return stable_hash({"expert": expert_key, "task": task.name, "version": task.version, "split": split,
+                        "prompts": stable_hash(prompts), "refs": stable_hash(references), "max_new": cal.max_new_tokens,
+                        "max_prompt": cal.max_prompt_tokens, "shard": cfg.ray.shard_size,
+                        "numerics": numerics_key(cfg)})
+
+
+def merged_key(cfg, merge_key: str, calib_key: str) -> str:
+    """Cache key of a merged model's features on a calibration set (includes :func:`numerics_key`)."""
+    return stable_hash({"merge": merge_key, "calib": calib_key, "numerics": numerics_key(cfg)})
+
+
 def collect_calibration(cfg, task: Task, split: str, prompts: list[str], expert_dir: Path, executor,
                         tokenizer, work_dir: Path, expert_key: str,
                         references: list[str] | None = None) -> CalibrationSet:
@@ -145,9 +170,7 @@ def collect_calibration(cfg, task: Task, split: str, prompts: list[str], expert_
     are for evaluation signals only, never for training.
     """
     cal = cfg.calibration
-    key = stable_hash({"expert": expert_key, "task": task.name, "version": task.version, "split": split,
-                       "prompts": stable_hash(prompts), "refs": stable_hash(references), "max_new": cal.max_new_tokens,
-                       "max_prompt": cal.max_prompt_tokens, "shard": cfg.ray.shard_size})
+    key = calibration_key(cfg, task, split, prompts, expert_key, references)
     final = work_dir / "calibration" / f"{task.name}-{split}-{key}"
 
     def build(tmp: Path) -> None:
@@ -179,7 +202,7 @@ def collect_calibration(cfg, task: Task, split: str, prompts: list[str], expert_
 def collect_merged(cfg, merge: str, merge_dir: Path, merge_key: str, calib: CalibrationSet, executor,
                    work_dir: Path) -> FeatureSet:
     """The merged model's features on ``calib``'s sequences; cached per (merge, calibration set)."""
-    key = stable_hash({"merge": merge_key, "calib": calib.key})
+    key = merged_key(cfg, merge_key, calib.key)
     final = work_dir / "features" / f"{merge}-{calib.task}-{calib.split}-{key}"
 
     def build(tmp: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from darts_bench.artifacts import cached, file_sha256, stable_hash
 from darts_bench.config import EXPERT_NAMES, Config
 from darts_bench.data import EXPERT_DATA, require_file
+from darts_bench.pool.hashing import pool_fingerprints
 
 log = logging.getLogger("darts_bench")
 
@@ -20,12 +21,23 @@ class PoolMismatchError(ValueError):
 
 @dataclass(frozen=True)
 class Pool:
-    """Checkpoint dirs of the base and each expert, and the pool's cache key."""
+    """Checkpoint dirs of the base and each expert, and the pool's cache key.
+
+    ``members``: per-model cache keys (``base`` and each expert name) where the pool knows them
+    from the checkpoints' content (``hf`` pools); see :meth:`model_key`."""
 
     base: Path
     experts: dict[str, Path]
     key: str
     report: dict = field(default_factory=dict, compare=False)
+    members: dict[str, str] = field(default_factory=dict)
+
+    def model_key(self, name: str) -> str:
+        """Cache key of one pool model (``base``, ``<expert>`` or ``expert:<expert>``): its content
+        key in an ``hf`` pool (so retraining one expert leaves the others' artifacts valid), else
+        derived from the pool key (built pools are rebuilt as a whole)."""
+        n = name.split(":", 1)[1] if name.startswith("expert:") else name
+        return self.members.get(n) or stable_hash([self.key, n])
 
     def path(self, name: str) -> Path:
         """``base`` or ``expert:<name>`` / ``<name>`` -> checkpoint dir."""
@@ -112,8 +124,24 @@ def _appended_tokens(base_vocab: dict[str, int], expert_vocab: dict[str, int]) -
     return [t for _, t in extra]
 
 
+def _local_dir(model: str | Path) -> Path:
+    """A local checkpoint dir as is; a hub id -> its snapshot dir (downloaded unless
+    ``HF_HUB_OFFLINE=1``, where it must already be in the hub cache)."""
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(repo_id=str(model)))
+
+
 def build_pool(cfg: Config, work_dir: Path) -> Pool:
     """Build (or reuse) the configured pool and check it.
+
+    The pool key covers the pool's content: for ``hf`` the sha256 of every checkpoint file
+    (weights, safetensors index, config, tokenizer; :mod:`darts_bench.pool.hashing`, remembered by
+    size + mtime in ``<work_dir>/pool/hash-memo.json``), the hub revision of hub snapshots,
+    ``pool.dtype`` and ``pool.vocab_alignment``; for built pools their config and training data.
+    ``report["weights"]`` holds each model's file hashes (written to the results manifest).
 
     Raises:
         DataError: training data missing; PoolMismatchError: incompatible experts.
@@ -124,8 +152,12 @@ def build_pool(cfg: Config, work_dir: Path) -> Pool:
         experts = {e: Path(pc.experts[e]) if Path(pc.experts[e]).exists() else pc.experts[e]
                    for e in EXPERT_NAMES}
         check_compatible(pc.base, experts, pc.vocab_alignment)
+        fps = pool_fingerprints({"base": _local_dir(pc.base), **{e: _local_dir(p) for e, p in experts.items()}},
+                                work_dir)
+        members = {n: stable_hash({"weights": fp["key"], "dtype": pc.dtype}) for n, fp in fps.items()}
         return Pool(base=Path(pc.base), experts={e: Path(p) for e, p in experts.items()},
-                    key=stable_hash([pc.base, pc.experts]))
+                    key=stable_hash({"members": members, "vocab_alignment": pc.vocab_alignment}),
+                    report={"weights": fps}, members=members)
     key = stable_hash({"pool": pc.model_dump(mode="json"), "data": data_fingerprint(data_dir)})
     root = work_dir / "pool" / f"{pc.kind}-{key}"
     if pc.kind == "tiny":
@@ -138,7 +170,8 @@ def build_pool(cfg: Config, work_dir: Path) -> Pool:
 
         cached(root, lambda tmp: build_gguf_pool(cfg, data_dir, tmp, work_dir), what=f"pool ({pc.kind})",
                meta={"kind": "pool", "config": pc.model_dump(mode="json")})
-    pool = Pool(base=root / "base", experts={e: root / e for e in EXPERT_NAMES}, key=key,
-                report=json.loads((root / "build_report.json").read_text()))
+    report = json.loads((root / "build_report.json").read_text())
+    report["weights"] = pool_fingerprints({"base": root / "base", **{e: root / e for e in EXPERT_NAMES}}, work_dir)
+    pool = Pool(base=root / "base", experts={e: root / e for e in EXPERT_NAMES}, key=key, report=report)
     check_compatible(pool.base, pool.experts, pc.vocab_alignment)
     return pool

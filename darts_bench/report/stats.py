@@ -221,9 +221,12 @@ RATIO_KEYS = {"ref_nll": ("ref_nll_sum", "ref_nll_tokens")}
 
 
 def _fields(res) -> tuple[dict, list]:
+    """``(per_example, id records)``: the pipeline's ``example_ids`` when recorded, else the samples."""
     if isinstance(res, dict):
-        return res.get("per_example") or {}, res.get("samples") or []
-    return res.per_example or {}, res.samples or []
+        ids, per, samples = res.get("example_ids"), res.get("per_example") or {}, res.get("samples") or []
+    else:
+        ids, per, samples = getattr(res, "example_ids", None), res.per_example or {}, res.samples or []
+    return per, ([{"id": i} for i in ids] if ids else samples)
 
 
 def metric_interval(res, key: str, n_boot: int, seed: int, scale: float = 1.0) -> Interval | None:

@@ -12,7 +12,22 @@ is ``sum_i w_i l1_i / n`` (``w_i = 1`` for plain L1); rank ``r`` minimises
 ``sum_{i in slice_r} w_i l1_i * N / n``, and DeepSpeed averages the ranks' gradients, so the
 averaged gradient is exactly the in-process one (up to float summation order), whatever the slice
 sizes. The optimizer is torch's Adam (``"torch_adam": true, "adam_w_mode": false``), the
-optimizer ``train_head`` uses, so the trained head matches it within float tolerance.
+optimizer ``train_head`` uses.
+
+Measured (``benchmarks/deepspeed_parity.py``; ``tests/test_deepspeed_train.py``): with one
+process the head is bitwise the in-process head at any epoch count; with N processes it is
+bitwise the same split arithmetic done in one process (each slice's gradient taken separately,
+averaged, then Adam), so DeepSpeed itself (ZeRO partitioning, averaging, Adam, eps) changes
+nothing. The in-process trainer sums each batch's gradient in one piece, a different float32
+summation order. Because the loss is L1, its gradient holds ``sign(residual)``: once a residual
+within rounding of zero takes the other sign, Adam turns that into full-size steps and the two
+runs part. At the tiny tier's shapes (d_model 128, rank 16, 256 tokens a step, lr 1e-3) they
+agree within 1e-7 for 25 epochs and by epoch 30 differ by ~4e-3 in every tensor; at 40 epochs by
+7.3e-3 (max |parameter|) while the held-out entropy-weighted L1 differs by 1.5e-6 relative. The
+in-process trainer differs from itself as much when only the order of the tokens inside each
+batch is reversed (8.5e-3, 1.0e-5). A DeepSpeed head is therefore a different, equally valid
+head: the DeepSpeed settings are part of its cache key, and its metrics can differ from an
+in-process run's in the last digits.
 """
 
 from __future__ import annotations
@@ -75,6 +90,12 @@ def deepspeed_config(scfg, ds_cfg, world_size: int) -> dict[str, Any]:
         "wall_clock_breakdown": False,
     }
     return _merge(cfg, dict(ds_cfg.extra or {}))
+
+
+def deepspeed_key(ds_cfg) -> dict[str, Any]:
+    """What of the DeepSpeed settings enters a head's cache key: all of ``deepspeed`` (processes,
+    ZeRO stage, launcher, extra JSON) and the accelerator the run would use (``cuda``/``cpu``)."""
+    return {**ds_cfg.model_dump(mode="json"), "accelerator": "cuda" if _use_cuda() else "cpu"}
 
 
 def _use_cuda() -> bool:
@@ -175,7 +196,27 @@ def train_ranks(method: str, train: TokenData, val: TokenData, scfg, seed: int, 
             cur = _gathered_head(engine, head_cfg)
             hist["val"].append(evaluate_losses(cur, val, mean_h, scfg.w_max))
     final = _gathered_head(engine, head_cfg)
+    hist["rank_max_abs_diff"] = _ranks_disagree(final, rank)
     return (final, hist) if rank == 0 else None
+
+
+def _ranks_disagree(head: CorrectionHead, rank: int) -> float:
+    """Max |difference| between this rank's final head and rank 0's, reduced (max) over all ranks,
+    so every rank's copy is checked, not only the one rank 0 saves.
+
+    Raises:
+        RuntimeError: some rank holds different parameters (a broken data-parallel run).
+    """
+    import torch.distributed as dist
+
+    flat = torch.cat([v.detach().float().flatten() for v in head.state_dict().values()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    worst = (flat - ref).abs().max().reshape(1) if flat.numel() else torch.zeros(1)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if float(worst) != 0.0:
+        raise RuntimeError(f"DeepSpeed ranks ended with different heads (max |diff| {float(worst):.3e}, rank {rank})")
+    return float(worst)
 
 
 # ------------------------------------------------------------------------------ torchrun launcher
@@ -192,6 +233,20 @@ def _read_result(out_dir: Path) -> TrainResult:
     head = load_head(out_dir)
     hist = json.loads((out_dir / "head_config.json").read_text()).get("history", {})
     return TrainResult(head=head, history=hist)
+
+
+_OP = "deepspeed_shm_comm"  # the C++ op DeepSpeed's CPU accelerator builds on its first init_distributed
+
+
+def _log_start(ds_cfg, cuda: bool) -> None:
+    """Say, before DeepSpeed starts, whether its first start will compile a C++ op (1-4 minutes on
+    a small CPU machine, silent otherwise): built ops are cached in ``TORCH_EXTENSIONS_DIR``."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    if not cuda and not any(root.glob(f"**/{_OP}/*.so")):
+        log.warning("DeepSpeed: first start here compiles its C++ op %s (1-4 min, needs g++); it is cached in "
+                    "%s (TORCH_EXTENSIONS_DIR) for later runs", _OP, root)
+    log.info("DeepSpeed: starting %d process(es), ZeRO %d, %s launcher", ds_cfg.num_procs, ds_cfg.zero_stage,
+             ds_cfg.launcher)
 
 
 def _run_torchrun(method: str, train: TokenData, val: TokenData, scfg, seed: int, ds_cfg, work_dir: Path,
@@ -350,9 +405,11 @@ def train_head_deepspeed(method: str, train: TokenData, val: TokenData, scfg, se
             head there as a checkpoint).
     Returns:
         the trained head (eval mode, CPU) and its history (per-epoch train loss, validation L1 /
-        entropy-weighted L1 before training and after each epoch, world size, ZeRO stage).
+        entropy-weighted L1 before training and after each epoch, world size, ZeRO stage, and
+        ``rank_max_abs_diff``: 0.0, every rank's final head checked against rank 0's).
     Raises:
-        FloatingPointError: non-finite loss or calibration entropy; RuntimeError: the launch failed.
+        FloatingPointError: non-finite loss or calibration entropy; RuntimeError: the launch failed
+        or the ranks ended with different heads.
     """
     if method not in METHODS:
         raise ValueError(f"unknown correction method {method!r}; known: {sorted(METHODS)}")
@@ -361,6 +418,7 @@ def train_head_deepspeed(method: str, train: TokenData, val: TokenData, scfg, se
         raise FloatingPointError(f"mean entropy of the calibration set is {mean_h}; cannot weight tokens")
     cuda = _use_cuda()
     work_dir = Path(work_dir)
+    _log_start(ds_cfg, cuda)
     if ds_cfg.launcher == "ray":
         return _run_ray(method, train, val, scfg, seed, ds_cfg, work_dir, cuda, ray_address)
     return _run_torchrun(method, train, val, scfg, seed, ds_cfg, work_dir, cuda)
