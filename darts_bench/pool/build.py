@@ -121,11 +121,18 @@ def build_pool(cfg: Config, work_dir: Path) -> Pool:
     pc = cfg.pool
     data_dir = cfg.resolved_data_dir()
     if pc.kind == "hf":
-        experts = {e: Path(pc.experts[e]) if Path(pc.experts[e]).exists() else pc.experts[e]
-                   for e in EXPERT_NAMES}
-        check_compatible(pc.base, experts, pc.vocab_alignment)
-        return Pool(base=Path(pc.base), experts={e: Path(p) for e, p in experts.items()},
-                    key=stable_hash([pc.base, pc.experts]))
+        from darts_bench.pool.hub import resolve_model
+
+        # hub ids -> local snapshot dirs, once: every later stage gets the local paths
+        sources = {"base": pc.base, **{e: pc.experts[e] for e in EXPERT_NAMES}}
+        resolved = {n: resolve_model(ref) for n, ref in sources.items()}
+        experts = {e: resolved[e][0] for e in EXPERT_NAMES}
+        check_compatible(resolved["base"][0], experts, pc.vocab_alignment)
+        report = {"sources": {n: {"id": str(sources[n]), "path": str(p), "revision": rev}
+                              for n, (p, rev) in resolved.items()}}
+        return Pool(base=resolved["base"][0], experts=experts,
+                    key=stable_hash([pc.base, pc.experts, {n: rev for n, (_, rev) in resolved.items()}]),
+                    report=report)
     key = stable_hash({"pool": pc.model_dump(mode="json"), "data": data_fingerprint(data_dir)})
     root = work_dir / "pool" / f"{pc.kind}-{key}"
     if pc.kind == "tiny":
