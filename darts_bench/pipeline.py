@@ -122,10 +122,10 @@ class Pipeline:
 
     def surgery_config(self):
         """``cfg.surgery`` with ``max_len`` resolved (derived from the longest calibration and evaluation
-        sequence when unset: :mod:`darts_bench.surgery.positions`); warns when an explicit table is
+        sequence when unset: :mod:`darts_bench.positions`); warns when an explicit table is
         shorter than the sequences."""
         if "surgery_config" not in self._cache:
-            from darts_bench.surgery.positions import clamp_warning, resolve_max_len
+            from darts_bench.positions import clamp_warning, resolve_max_len
 
             max_pos = json.loads((Path(self.pool().base) / "config.json").read_text()).get("max_position_embeddings")
             enabled = [t for t in TASK_NAMES if getattr(self.cfg.tasks, t).enabled]  # not per suite: same heads

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from darts_bench.config import EXPERT_NAMES, TASK_NAMES, Config
-from darts_bench.surgery.positions import clamp_warning, resolve_max_len
+from darts_bench.positions import clamp_warning, resolve_max_len
 
 # Examples per benchmark when no limit applies (HumanEval, GSM8K test split, AlpacaEval set).
 TASK_SIZES = {"humaneval": 164, "gsm8k": 1319, "alpacaeval": 805}

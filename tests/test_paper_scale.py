@@ -182,7 +182,7 @@ def test_bf16_score_of_a_short_pair_batched_with_a_long_one_equals_it_alone(shar
 # -------------------------------------------------------------- 4. DARTS table length
 def test_darts_table_covers_the_longest_sequence_and_planner_warns_when_set_shorter():
     from darts_bench.plan import make_plan
-    from darts_bench.surgery.positions import required_max_len, sequence_lengths
+    from darts_bench.positions import required_max_len, sequence_lengths
 
     cfg = load_config("llama2-7b")
     tasks = ["humaneval", "gsm8k", "alpacaeval"]
@@ -201,7 +201,7 @@ def test_darts_table_covers_the_longest_sequence_and_planner_warns_when_set_shor
 
 
 def test_pipeline_trains_darts_heads_with_the_derived_table(micro_pipeline, caplog):
-    from darts_bench.surgery.positions import required_max_len
+    from darts_bench.positions import required_max_len
 
     scfg = micro_pipeline.surgery_config()
     max_pos = json.loads((micro_pipeline.pool().base / "config.json").read_text())["max_position_embeddings"]
