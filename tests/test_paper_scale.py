@@ -5,7 +5,6 @@ reference-answer positions, generation stripping. Each test here failed on dcca7
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import pytest
@@ -64,9 +63,9 @@ def test_sharded_untied_lm_head_is_read_from_its_shard(sharded_bf16, random_llam
 
 
 def test_tied_checkpoint_reads_the_embedding_and_untied_without_lm_head_fails(random_llama, tmp_path):
-    from safetensors.torch import load_file, save_file
-
     import shutil
+
+    from safetensors.torch import load_file, save_file
 
     tied = tmp_path / "tied"
     shutil.copytree(random_llama, tied)
@@ -264,4 +263,3 @@ def test_rehearsal_config_names_the_rehearsal_hub_ids():
     assert cfg.executor == paper.executor == "ray" and cfg.deepspeed.enabled and paper.deepspeed.enabled
     assert cfg.deepspeed.launcher == paper.deepspeed.launcher
     assert cfg.calibration.max_prompt_tokens == paper.calibration.max_prompt_tokens == 1024
-    logging.getLogger(__name__).info("rehearsal config ok")
