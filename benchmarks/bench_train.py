@@ -118,7 +118,8 @@ def main() -> None:
         ef = hidden_state_features(expert, seqs, pad, bs)
     del expert
     tr_ids, va_ids = split_by_sequence(n, 0.25, seed)
-    scfg = SurgeryConfig(methods=[args.method], epochs=epochs, batch_size=args.batch_tokens)
+    scfg = SurgeryConfig(methods=[args.method], epochs=epochs, batch_size=args.batch_tokens,
+                         max_len=max(len(s) for s in seqs))  # a table covering every position
 
     state: dict = {}
 

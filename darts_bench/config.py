@@ -171,7 +171,8 @@ class SurgeryConfig(_Strict):
 
     methods: list[CorrectionMethod] = ["surgery", "darts"]
     rank: int = Field(16, ge=1)
-    max_len: int = Field(512, ge=1, description="DARTS position-bias table length, positions")
+    max_len: int | None = Field(None, ge=1, description="DARTS position-bias table length, positions; null: "
+                                "derived from the longest calibration/evaluation sequence (darts_bench/positions.py)")
     overflow: Literal["clamp", "zero", "bucket"] = "clamp"
     w_max: float = Field(5.0, gt=0)
     entropy_source: Literal["expert", "merged", "kl"] = "expert"

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from darts_bench.api import EvalContext, Example, Task, TaskResult, get_task, resolve_suite
 from darts_bench.artifacts import cached, clean_stale_temps, stable_hash
@@ -24,6 +23,7 @@ from darts_bench.collect.features import (CalibrationSet, FeatureSet, calibratio
                                           collect_merged)
 from darts_bench.config import Config
 from darts_bench.executors.local import make_executor
+from darts_bench.pool.checkpoint import lm_head_weight
 from darts_bench.surgery.diagnostics import diagnose, gap_closed, position_slope
 from darts_bench.surgery.heads import save_head
 from darts_bench.surgery.train import make_token_data, split_by_sequence, train_head, weight_source
@@ -58,15 +58,13 @@ def pool_expert_names(cfg: Config) -> list[str]:
     return list(EXPERT_NAMES)
 
 
-def lm_head_weight(model_dir: Path) -> torch.Tensor:
-    """``lm_head.weight`` ``[vocab, d_model]`` (or tied embeddings) read lazily from safetensors."""
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            keys = set(st.keys())
-            for k in ("lm_head.weight", "model.embed_tokens.weight"):
-                if k in keys:
-                    return st.get_tensor(k).float()
-    raise FileNotFoundError(f"no lm_head.weight or embed_tokens in {model_dir}")
+def answer_prediction_mask(positions: torch.Tensor, seq_index: torch.Tensor, meta: dict) -> torch.Tensor:
+    """``[N]`` bool: the tokens whose next-token prediction is an answer token, i.e. positions
+    ``prompt_len - 1 .. len(sequence) - 2`` of each prompt + reference sequence (the hidden state at
+    position ``t`` predicts token ``t + 1``). ``meta``: ``sequences.json`` (``prompt_len``, ``sequences``)."""
+    plen = torch.tensor(meta["prompt_len"])[seq_index]
+    slen = torch.tensor([len(s) for s in meta["sequences"]])[seq_index]
+    return (positions >= plen - 1) & (positions <= slen - 2)
 
 
 class Pipeline:
@@ -138,6 +136,22 @@ class Pipeline:
 
     def task_limit(self, name: str) -> int | None:
         return self.limit if self.limit is not None else getattr(self.cfg.tasks, name).limit
+
+    def surgery_config(self):
+        """``cfg.surgery`` with ``max_len`` resolved (derived from the longest calibration and evaluation
+        sequence when unset: :mod:`darts_bench.positions`); warns when an explicit table is
+        shorter than the sequences."""
+        if "surgery_config" not in self._cache:
+            from darts_bench.positions import clamp_warning, resolve_max_len
+
+            max_pos = json.loads((Path(self.pool().base) / "config.json").read_text()).get("max_position_embeddings")
+            enabled = resolve_suite("all", self.cfg.tasks)  # not per suite: the same heads for every suite
+            warn = clamp_warning(self.cfg, enabled, max_pos)
+            if warn:
+                log.warning(warn)
+            self._cache["surgery_config"] = self.cfg.surgery.model_copy(
+                update={"max_len": resolve_max_len(self.cfg, enabled, max_pos)})
+        return self._cache["surgery_config"]
 
     # ------------------------------------------------------------------ stages
     def pool(self):
@@ -215,7 +229,7 @@ class Pipeline:
     def train(self) -> dict:
         """Heads per (merge, task, method, split) + diagnostics per (merge, task, split)."""
         col, merges, pool = self.collect(), self.merge(), self.pool()
-        scfg = self.cfg.surgery
+        scfg = self.surgery_config()
 
         def run():
             heads: dict[tuple[str, str, str, str], Path] = {}
@@ -246,7 +260,7 @@ class Pipeline:
         fraction, seed and, when DeepSpeed trains them, the DeepSpeed settings and accelerator
         (DeepSpeed heads differ from in-process ones by float summation order; see README)."""
         parts = {"features": features_key, "reference": reference_key,
-                 "surgery": self.cfg.surgery.model_dump(mode="json"),
+                 "surgery": self.surgery_config().model_dump(mode="json"),
                  "held_out": self.cfg.calibration.held_out_fraction, "seed": self.cfg.seed}
         if self.cfg.deepspeed.enabled:
             from darts_bench.surgery.train_deepspeed import deepspeed_key
@@ -256,7 +270,7 @@ class Pipeline:
 
     def _train_and_diagnose(self, out: Path, fs: FeatureSet, calib: CalibrationSet, merge_dir: Path,
                             expert_dir: Path, ref_fs: FeatureSet, m: str, name: str, split: str) -> None:
-        scfg = self.cfg.surgery
+        scfg = self.surgery_config()
         exp, mer = calib.expert_features(), fs.merged_features()
         W_e, W_m = lm_head_weight(expert_dir), lm_head_weight(merge_dir)
         W_e = W_e[: W_m.shape[0]]  # pool.vocab_alignment=base: the expert's appended tokens are dropped
@@ -272,8 +286,7 @@ class Pipeline:
         ref_exp, ref_mer = ref_fs.calib.expert_features(), ref_fs.merged_features()
         ref_wsrc = weight_source(scfg.entropy_source, ref_exp, ref_mer, W_e, W_m)
         ref = make_token_data(ref_exp, ref_mer, ref_wsrc)
-        plen = torch.tensor(ref_fs.calib.meta["prompt_len"])
-        ref_ans = ref.select((ref.positions >= plen[ref.seq_index]).nonzero()[:, 0])
+        ref_ans = ref.select(answer_prediction_mask(ref.positions, ref.seq_index, ref_fs.calib.meta).nonzero()[:, 0])
 
         def diag(head) -> dict:
             d = diagnose(head, val.h_merged, val.h_expert, val.positions, val.weight_source, mean_h, scfg.w_max,

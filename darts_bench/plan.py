@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from darts_bench.api import get_task, resolve_suite
 from darts_bench.config import EXPERT_NAMES, Config
+from darts_bench.positions import clamp_warning, resolve_max_len
 
 # Typical token lengths (Llama-style BPE) shared by all tasks; per-task ones are Task.typical_tokens.
 TYPICAL_TOKENS = {
@@ -31,9 +32,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Architectures of the packaged tiers' models when no local config.json is there.
 KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
     "smollm2-135m": {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152, "intermediate_size": 1536,
-                     "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True},
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True,
+                     "max_position_embeddings": 8192},
     "llama-2-7b": {"hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 32000, "intermediate_size": 11008,
-                   "num_attention_heads": 32, "num_key_value_heads": 32, "tie_word_embeddings": False},
+                   "num_attention_heads": 32, "num_key_value_heads": 32, "tie_word_embeddings": False,
+                   "max_position_embeddings": 4096},
 }
 _ARCH_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "num_attention_heads",
               "num_key_value_heads", "tie_word_embeddings")
@@ -66,6 +69,7 @@ def _from_dir(path: str | None) -> dict[str, Any] | None:
     arch = {k: raw.get(k) for k in _ARCH_KEYS}
     arch["num_key_value_heads"] = arch["num_key_value_heads"] or arch["num_attention_heads"]
     arch["tie_word_embeddings"] = bool(arch["tie_word_embeddings"])
+    arch["max_position_embeddings"] = raw.get("max_position_embeddings")
     return arch
 
 
@@ -76,7 +80,8 @@ def architecture(cfg: Config) -> tuple[dict[str, Any] | None, str]:
         t = pool.tiny
         return ({"hidden_size": t.hidden_size, "num_hidden_layers": t.num_hidden_layers, "vocab_size": t.vocab_size,
                  "intermediate_size": t.intermediate_size, "num_attention_heads": t.num_attention_heads,
-                 "num_key_value_heads": t.num_key_value_heads, "tie_word_embeddings": False}, "pool.tiny")
+                 "num_key_value_heads": t.num_key_value_heads, "tie_word_embeddings": False,
+                 "max_position_embeddings": t.max_position_embeddings}, "pool.tiny")
     arch = _from_dir(pool.base)
     if arch:
         return arch, f"{Path(pool.base).expanduser() / 'config.json'}"
@@ -282,7 +287,13 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
         "generation_tokens": gen_tokens, "feature_forward_tokens": feature_forward_tokens}
 
     n_heads = M * len(head_tasks) * len(cal.splits) * len(scfg.methods)
-    head_params = {m: _head_params(m, d, scfg.rank, scfg.max_len, scfg.overflow) for m in scfg.methods} if d else {}
+    max_pos = arch.get("max_position_embeddings") if arch else None
+    enabled = resolve_suite("all", cfg.tasks)  # as the pipeline: not per suite
+    max_len = resolve_max_len(cfg, enabled, max_pos)
+    clamp = clamp_warning(cfg, enabled, max_pos)
+    if clamp:
+        notes.append(f"WARNING: {clamp}")
+    head_params = {m: _head_params(m, d, scfg.rank, max_len, scfg.overflow) for m in scfg.methods} if d else {}
     max_hp = max(head_params.values(), default=0)
     nprocs = ds.num_procs if ds.enabled else 1
     stage_ = ds.zero_stage if ds.enabled else 0
@@ -302,7 +313,8 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
         where_train = "local, in-process (torch Adam on cached features)"
     stages["train"] = {
         "what": (f"{n_heads} heads ({M} merges x {len(head_tasks)} tasks x {len(cal.splits)} splits x methods "
-                 f"{', '.join(scfg.methods)}), rank {scfg.rank}, {scfg.epochs} epochs of {scfg.batch_size}-token "
+                 f"{', '.join(scfg.methods)}), rank {scfg.rank}, position table {max_len} rows, {scfg.epochs} epochs of "
+                 f"{scfg.batch_size}-token "
                  f"batches ({steps} steps in all)"),
         "where": where_train,
         "head_params": head_params,

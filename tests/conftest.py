@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,14 @@ import yaml
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Every Ray instance the tests start (the shared one below, and the few tests that start their own)
+# keeps its session files in a private dir, not beside other Ray instances in /tmp/ray; short, as
+# Ray's socket paths must fit in 107 bytes.
+_RAY_TMP = tempfile.mkdtemp(prefix="dbt-ray-", dir="/tmp")
+os.environ["RAY_TMPDIR"] = _RAY_TMP
+# Load-tolerant start-up: on a loaded 2-core machine workers register slowly (defaults: 60 s).
+os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
+os.environ.setdefault("RAY_gcs_server_request_timeout_seconds", "300")
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = Path(os.environ.get("DARTS_BENCH_DATA", REPO.parent / "shared" / "data")).resolve()
@@ -74,3 +86,79 @@ def micro_pipeline(micro_cfg_path):
     pipe.merge()
     yield pipe
     pipe.close()
+
+
+# ------------------------------------------------------------------------------ Ray, shared
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _kill_left(pids: set[int], timeout: float = 20.0) -> set[int]:
+    """Wait for ``pids`` to exit, SIGKILL (by pid) what is left, return the pids that were left."""
+    import psutil
+
+    deadline, alive = time.time() + timeout, set(pids)
+    while alive and time.time() < deadline:
+        time.sleep(0.25)
+        alive = {p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE}
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return alive
+
+
+@pytest.fixture(scope="session")
+def ray_instance():
+    """One local Ray instance (loopback, 2 CPUs, session files in a private temp dir) shared by every
+    test that asks for it; start-up is retried when Ray's fixed 30 s node start-up wait runs out
+    on a loaded machine. Everything it started is stopped by pid at the end of the run."""
+    ray = pytest.importorskip("ray")
+    from darts_bench.executors.ray_executor import init_ray
+
+    if ray.is_initialized():
+        pytest.skip("Ray already initialised in this process by a test that owns it")
+    auth = os.environ.get("RAY_AUTH_MODE")
+    before = _child_pids()
+    temp = tempfile.mkdtemp(prefix="s-", dir=_RAY_TMP)
+    for attempt in range(3):
+        try:
+            init_ray(None, num_cpus=2, temp_dir=temp)
+            break
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception on a start-up timeout
+            ray.shutdown()
+            _kill_left(_child_pids() - before, timeout=5)
+            if "timed out" not in str(e).lower() or attempt == 2:
+                raise
+            time.sleep(5)
+    started = _child_pids() - before
+    yield ray
+    started |= _child_pids() - before
+    ray.shutdown()
+    left = _kill_left(started)
+    if auth is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = auth
+    shutil.rmtree(temp, ignore_errors=True)
+    assert not left, f"Ray processes left after shutdown (killed): {left}"
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_RAY_TMP, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------ the rehearsal pool
+@pytest.fixture(scope="session")
+def rehearsal_hub(micro_pipeline, tmp_path_factory) -> Path:
+    """The 7B-shaped rehearsal pool (darts_bench/pool/rehearsal.py) converted from the micro pool
+    and laid out in a hub cache; returns its HF_HOME (the cache is ``HF_HOME/hub``)."""
+    from darts_bench.pool.rehearsal import build_rehearsal_hub
+
+    pool = micro_pipeline.pool()
+    home = tmp_path_factory.mktemp("rehearsal-hf")
+    build_rehearsal_hub({"base": pool.base, **pool.experts}, home / "hub")
+    return home

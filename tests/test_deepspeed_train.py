@@ -80,18 +80,33 @@ def test_deepspeed_config_uses_torch_adam_and_splits_the_batch():
     assert cfg["gradient_clipping"] == 1.0
 
 
+def assert_all_ranks(ranks_dir: Path, ref, procs: int) -> None:
+    """Every rank ended with the in-process head and history, not only rank 0."""
+    from darts_bench.surgery.train import TrainResult
+    from darts_bench.surgery.train_deepspeed import _read_result
+
+    found = sorted(p.name for p in ranks_dir.iterdir())
+    assert found == [f"rank-{r}" for r in range(procs)]
+    for r in range(procs):
+        res = _read_result(ranks_dir / f"rank-{r}")
+        assert_same(ref, TrainResult(head=res.head, history=res.history))
+
+
 @pytest.mark.parametrize("procs,stage,n_train", [
     (1, 2, 512),
     (2, 2, 501),  # 7 full batches + a short one of 53 tokens, split 27 / 26
     (2, 3, 512),
 ])
-def test_torchrun_matches_in_process(tmp_path, procs, stage, n_train):
+def test_torchrun_matches_in_process(tmp_path, procs, stage, n_train, monkeypatch):
     train, val = synthetic(n_train, seed=0), synthetic(128, seed=1)
     assert n_train % SCFG.batch_size == 0 or len(batch_order(n_train, 64, 1, SEED)[-1]) == 53
     ref = train_head("darts", train, val, SCFG, SEED)
+    ranks = tmp_path.parent / f"{tmp_path.name}-ranks"
+    monkeypatch.setenv("DARTS_BENCH_DS_RANKS_DIR", str(ranks))
     got = train_head_deepspeed("darts", train, val, SCFG, SEED,
                                DeepSpeedConfig(enabled=True, num_procs=procs, zero_stage=stage), tmp_path)
     assert_same(ref, got)
+    assert_all_ranks(ranks, ref, procs)
     assert got.history["world_size"] == procs and got.history["zero_stage"] == stage
     assert not any(tmp_path.iterdir()), "the launcher's scratch dir is removed after a successful run"
 
@@ -150,15 +165,18 @@ def test_nan_loss_raises_floating_point_error(tmp_path):
         train_head_deepspeed("darts", train, val, SCFG, SEED, DeepSpeedConfig(enabled=True, num_procs=1), tmp_path)
 
 
-def test_ray_train_launcher_matches_in_process(tmp_path):
+def test_ray_train_launcher_matches_in_process(tmp_path, monkeypatch):
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.train.torch")
     if ray.is_initialized():
         pytest.skip("Ray already initialised in this process")
     train, val = synthetic(512), synthetic(128, seed=1)
     ref = train_head("darts", train, val, SCFG, SEED)
+    ranks = tmp_path.parent / f"{tmp_path.name}-ranks"
+    monkeypatch.setenv("DARTS_BENCH_DS_RANKS_DIR", str(ranks))
     got = train_head_deepspeed("darts", train, val, SCFG, SEED,
                                DeepSpeedConfig(enabled=True, num_procs=2, zero_stage=2, launcher="ray"), tmp_path)
+    assert_all_ranks(ranks, ref, 2)
     assert not ray.is_initialized(), "a Ray instance the trainer started is shut down again"
     assert not any(tmp_path.iterdir()), "the Ray Train run dir is removed once the head is read"
     assert_same(ref, got)

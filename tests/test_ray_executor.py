@@ -172,22 +172,10 @@ def ckpt(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    """One local Ray instance on loopback for the module; everything it started is gone afterwards."""
-    if ray.is_initialized():
-        pytest.skip("Ray already initialised in this process")
-    before, auth = _children(), os.environ.get("RAY_AUTH_MODE")
-    assert init_ray(None, num_cpus=2)
-    started = _children() - before
-    yield
-    started |= _children() - before
-    ray.shutdown()
-    left = _wait_gone(started)
-    if auth is None:
-        os.environ.pop("RAY_AUTH_MODE", None)
-    else:
-        os.environ["RAY_AUTH_MODE"] = auth
-    assert not left, f"Ray processes left after shutdown (killed): {left}"
+def ray_session(ray_instance):
+    """The test run's shared local Ray instance (tests/conftest.py ``ray_instance``: loopback, private
+    temp dir, stopped by pid at the end of the run, asserting nothing is left)."""
+    yield ray_instance
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +186,8 @@ def ray_ex(ray_session):
 
 
 # ------------------------------------------------------------------------------------- tests
-# (f) runs first, before the module's shared Ray instance exists: the executor starts and stops its own.
+# (f) runs first, before the run's shared Ray instance exists (no earlier test file asks for it): the
+# executor starts and stops its own.
 def test_executor_owns_its_local_ray_and_leaves_no_process(ckpt):
     if ray.is_initialized():
         pytest.skip("Ray already initialised in this process")

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from darts_bench.api import ScoreContinuation
 from darts_bench.surgery.corrected import attach_head
-from darts_bench.surgery.heads import CorrectionHead
+from darts_bench.surgery.heads import CorrectionHead, positions_from_mask
 
 DEFAULT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 
@@ -79,6 +79,20 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Ten
         ids[i, L - len(s):] = torch.tensor(list(s), dtype=torch.long)
         mask[i, L - len(s):] = 1
     return ids, mask
+
+
+def strip_generated(ids: Sequence[int], eos_ids: set[int], pad_id: int | None) -> list[int]:
+    """Generated ids up to (excluding) the first eos, then without trailing ``pad_id`` (the padding
+    ``generate`` appends once a row has finished). A pad id inside the text is kept: when it is an
+    ordinary token (a model without a dedicated pad), generating it does not end the sequence."""
+    out = list(ids)
+    for j, t in enumerate(out):
+        if t in eos_ids:
+            out = out[:j]
+            break
+    while out and pad_id is not None and out[-1] == pad_id and pad_id not in eos_ids:
+        out.pop()
+    return out
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:
@@ -157,7 +171,8 @@ class HFTextModel:
     def generate_ids(self, prompts: Sequence[str] | Sequence[Sequence[int]], *, max_new_tokens: int,
                      stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
                      seed: int = 0) -> list[list[list[int]]]:
-        """Generated token ids (prompt excluded, padding/eos stripped), ``[prompt][sample][token]``.
+        """Generated token ids (prompt excluded, cut at the first eos, trailing padding stripped:
+        :func:`strip_generated`), ``[prompt][sample][token]``.
         ``prompts`` are strings (tokenized here) or token-id lists (used as they are)."""
         if temperature == 0.0 and num_samples != 1:
             raise ValueError("greedy decoding (temperature 0) gives one sample; set temperature > 0")
@@ -183,15 +198,7 @@ class HFTextModel:
                                        tokenizer=self.tokenizer if stop else None)
             new = seqs[:, enc["input_ids"].shape[1]:].tolist()
             for i in range(len(batch)):
-                samples = []
-                for s in new[i * num_samples:(i + 1) * num_samples]:
-                    ids = []
-                    for t in s:
-                        if t in eos_ids or t == pad:
-                            break
-                        ids.append(t)
-                    samples.append(ids)
-                out.append(samples)
+                out.append([strip_generated(s, eos_ids, pad) for s in new[i * num_samples:(i + 1) * num_samples]])
         return out
 
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
@@ -206,7 +213,8 @@ class HFTextModel:
     def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:
         """Per-pair NLL of the continuation tokens given the context (lm-eval's convention:
         context and continuation are tokenized separately and concatenated; the context is
-        truncated from the left to fit ``max_length``)."""
+        truncated from the left to fit ``max_length``). Batches are left-padded with ``position_ids``
+        from the attention mask, so a pair's NLL does not depend on the pairs batched with it."""
         if len(contexts) != len(continuations):
             raise ValueError(f"{len(contexts)} contexts vs {len(continuations)} continuations")
         pairs = []
@@ -223,7 +231,8 @@ class HFTextModel:
             chunk = pairs[start:start + self.batch_size]
             input_ids, mask = left_pad([ids for ids, _ in chunk], pad)  # left padding, like generation
             L = input_ids.shape[1]
-            logits = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device)).logits
+            logits = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                                position_ids=positions_from_mask(mask).to(self.device)).logits
             logp = torch.log_softmax(logits.float(), dim=-1)  # [batch, seq, vocab]
             for i, (ids, n) in enumerate(chunk):
                 tgt = input_ids[i, L - n:].to(self.device)  # [n]

@@ -101,11 +101,13 @@ def _local_cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def init_ray(address: str | None, num_cpus: int | None = None) -> bool:
+def init_ray(address: str | None, num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
     """Start (``address`` None) or join (``"auto"``, ``ray://...``, ``host:port``) a Ray instance.
 
     A local instance has node IP 127.0.0.1 and listens on loopback only (see :func:`_loopback_only`),
-    runs without dashboard, with ``num_cpus`` (default: the CPUs this process may use). Returns
+    runs without dashboard, with ``num_cpus`` (default: the CPUs this process may use) and its
+    session files under ``temp_dir`` (default Ray's, ``/tmp/ray``; keep it short: Ray's socket paths
+    must fit in 107 bytes). Returns
     whether this call initialised Ray (False when this process was already connected, in which
     case the caller must not shut it down).
     """
@@ -114,6 +116,8 @@ def init_ray(address: str | None, num_cpus: int | None = None) -> bool:
     if address is None:
         kwargs = dict(address="local", num_cpus=num_cpus or _local_cpu_count(), include_dashboard=False,
                       log_to_driver=False, _node_ip_address="127.0.0.1")
+        if temp_dir:
+            kwargs["_temp_dir"] = str(temp_dir)
         with _loopback_only():
             try:
                 ray.init(**kwargs)

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from darts_bench.evaluate.hf_model import HFTextModel, left_pad, load_causal_lm
-from darts_bench.surgery.heads import load_head
+from darts_bench.surgery.heads import load_head, positions_from_mask
 from darts_bench.surgery.losses import next_token_entropy
 
 
@@ -17,7 +17,9 @@ def hidden_state_features(model, sequences: list[list[int]], pad_id: int, batch_
     every real token of every sequence.
 
     Args:
-        sequences: token id lists (prompt + continuation), processed left-padded in batches.
+        sequences: token id lists (prompt + continuation), processed left-padded in batches with
+            ``position_ids`` from the attention mask, so a sequence's features do not depend on what
+            it is batched with (bitwise in bfloat16 too).
     Returns:
         ``h`` ``[N, d_model]`` float32, ``entropy`` ``[N]`` float32 (nats), ``positions`` ``[N]`` int64
         (absolute, from 0), ``seq_index`` ``[N]`` int64 (index into ``sequences``); N = total tokens,
@@ -29,7 +31,10 @@ def hidden_state_features(model, sequences: list[list[int]], pad_id: int, batch_
         ids, mask = left_pad(chunk, pad_id)
         L = ids.shape[1]
         dev = next(model.parameters()).device
-        out = model.model(input_ids=ids.to(dev), attention_mask=mask.to(dev))
+        # positions from the mask: each row's rotary positions start at 0 at its first real token,
+        # whatever its left padding (plain forward does not derive them; generate does)
+        out = model.model(input_ids=ids.to(dev), attention_mask=mask.to(dev),
+                          position_ids=positions_from_mask(mask).to(dev))
         h = out.last_hidden_state  # [batch, seq, d_model], after the final norm
         ent = next_token_entropy(model.lm_head(h))  # [batch, seq]
         for i, s in enumerate(chunk):

@@ -124,16 +124,6 @@ def _appended_tokens(base_vocab: dict[str, int], expert_vocab: dict[str, int]) -
     return [t for _, t in extra]
 
 
-def _local_dir(model: str | Path) -> Path:
-    """A local checkpoint dir as is; a hub id -> its snapshot dir (downloaded unless
-    ``HF_HUB_OFFLINE=1``, where it must already be in the hub cache)."""
-    if Path(model).is_dir():
-        return Path(model)
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(repo_id=str(model)))
-
-
 def build_pool(cfg: Config, work_dir: Path) -> Pool:
     """Build (or reuse) the configured pool and check it.
 
@@ -149,15 +139,22 @@ def build_pool(cfg: Config, work_dir: Path) -> Pool:
     pc = cfg.pool
     data_dir = cfg.resolved_data_dir()
     if pc.kind == "hf":
-        experts = {e: Path(pc.experts[e]) if Path(pc.experts[e]).exists() else pc.experts[e]
-                   for e in EXPERT_NAMES}
-        check_compatible(pc.base, experts, pc.vocab_alignment)
-        fps = pool_fingerprints({"base": _local_dir(pc.base), **{e: _local_dir(p) for e, p in experts.items()}},
-                                work_dir)
+        from darts_bench.pool.hub import resolve_model
+
+        # hub ids -> local snapshot dirs, once: every later stage gets the local paths
+        sources = {"base": pc.base, **{e: pc.experts[e] for e in EXPERT_NAMES}}
+        resolved = {n: resolve_model(ref) for n, ref in sources.items()}
+        experts = {e: resolved[e][0] for e in EXPERT_NAMES}
+        check_compatible(resolved["base"][0], experts, pc.vocab_alignment)
+        # the key hashes the checkpoints' content (and the snapshot revision), not the ids or paths
+        fps = pool_fingerprints({n: p for n, (p, _) in resolved.items()}, work_dir)
         members = {n: stable_hash({"weights": fp["key"], "dtype": pc.dtype}) for n, fp in fps.items()}
-        return Pool(base=Path(pc.base), experts={e: Path(p) for e, p in experts.items()},
+        report = {"sources": {n: {"id": str(sources[n]), "path": str(p), "revision": rev}
+                              for n, (p, rev) in resolved.items()},
+                  "weights": fps}
+        return Pool(base=resolved["base"][0], experts=experts,
                     key=stable_hash({"members": members, "vocab_alignment": pc.vocab_alignment}),
-                    report={"weights": fps}, members=members)
+                    report=report, members=members)
     key = stable_hash({"pool": pc.model_dump(mode="json"), "data": data_fingerprint(data_dir)})
     root = work_dir / "pool" / f"{pc.kind}-{key}"
     if pc.kind == "tiny":

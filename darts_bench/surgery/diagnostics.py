@@ -7,9 +7,13 @@ For a merged model, with and without a head, against the task expert:
   accumulates under the causal mask) and ``l1_by_entropy``: per expert-entropy quartile;
 * ``kl_expert``: mean ``KL(p_expert || p_model)`` over next-token distributions (nats) and
   ``agree_top1``: fraction of tokens whose argmax equals the expert's;
-* ``kl_floor``: the KL when the merged hidden state is replaced by the expert's own (only the
-  merged ``lm_head`` differs) — the best any head at this layer can do — and ``gap_closed`` =
-  ``(KL_merged - KL_row) / (KL_merged - KL_floor)``.
+* ``kl_floor`` (a reference, not a floor; the name is kept for the results columns): the KL when
+  the merged hidden state is replaced by the expert's own, so only the merged ``lm_head``
+  differs. A head that reproduces the expert's hidden state exactly reaches it, but an optimised
+  ``h'`` can go below it (it can compensate for the ``lm_head`` difference; ``gap_closed`` 1.26
+  was observed), so it is not the best a head can do. ``gap_closed`` =
+  ``(KL_merged - KL_row) / (KL_merged - KL_floor)``: 1 = as close to the expert as its own hidden
+  state is; above 1 possible.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ def agreement(logits_expert: torch.Tensor, logits_model: torch.Tensor) -> tuple[
 
 
 def gap_closed(kl_merged: float, kl_row: float, kl_floor: float) -> float | None:
-    """Share of the closable KL gap a correction closes; None when there is no gap to close."""
+    """``(kl_merged - kl_row) / (kl_merged - kl_floor)``: the KL reduction relative to the one the
+    expert's own hidden state would give (``kl_floor`` is a reference, so values above 1 occur);
+    None when the reference is not below ``kl_merged``."""
     gap = kl_merged - kl_floor
     if not math.isfinite(gap) or gap <= 1e-12:
         return None

@@ -47,6 +47,10 @@ class HeadConfig:
             raise ValueError(f"unknown correction method {self.method!r}; known: {sorted(METHODS)}")
         if self.overflow not in ("clamp", "zero", "bucket"):
             raise ValueError(f"unknown overflow policy {self.overflow!r} (clamp | zero | bucket)")
+        if self.position_bias and (self.max_len is None or self.max_len < 1):
+            raise ValueError(f"{self.method}: a position-bias head needs max_len >= 1, got {self.max_len!r} "
+                             "(surgery.max_len unset: resolve it with darts_bench.positions.resolve_max_len, "
+                             "as Pipeline.surgery_config does)")
 
     @property
     def position_bias(self) -> bool:

@@ -108,11 +108,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# When set (tests), every rank writes its own final head and history to <dir>/rank-<r>, so that
+# all ranks, not only rank 0, can be compared with the in-process trainer.
+RANKS_DIR_ENV = "DARTS_BENCH_DS_RANKS_DIR"
+
+
 def _worker_env(cuda: bool) -> dict[str, str]:
     env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     if not cuda:
         env["DS_ACCELERATOR"] = "cpu"
+    if os.environ.get(RANKS_DIR_ENV):
+        env[RANKS_DIR_ENV] = os.environ[RANKS_DIR_ENV]
     return env
+
+
+def _save_rank_copy(head: CorrectionHead, hist: dict) -> None:
+    """Every rank's final head under ``$DARTS_BENCH_DS_RANKS_DIR/rank-<r>`` when that is set."""
+    d = os.environ.get(RANKS_DIR_ENV)
+    if d:
+        import torch.distributed as dist
+
+        save_head(head, Path(d) / f"rank-{dist.get_rank()}", extra={"history": hist})
 
 
 # ------------------------------------------------------------------------------ the per-rank loop
@@ -197,6 +213,7 @@ def train_ranks(method: str, train: TokenData, val: TokenData, scfg, seed: int, 
             hist["val"].append(evaluate_losses(cur, val, mean_h, scfg.w_max))
     final = _gathered_head(engine, head_cfg)
     hist["rank_max_abs_diff"] = _ranks_disagree(final, rank)
+    _save_rank_copy(final, hist)
     return (final, hist) if rank == 0 else None
 
 
