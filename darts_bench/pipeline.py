@@ -24,9 +24,9 @@ from darts_bench.collect.features import (CalibrationSet, FeatureSet, calibratio
                                           collect_merged)
 from darts_bench.config import TASK_NAMES, Config
 from darts_bench.executors.local import make_executor
-from darts_bench.surgery.diagnostics import diagnose, gap_closed, position_slope
+from darts_bench.surgery.diagnostics import gap_closed, position_slope
 from darts_bench.surgery.heads import save_head
-from darts_bench.surgery.train import make_token_data, split_by_sequence, train_head, weight_source
+from darts_bench.surgery.train import split_by_sequence, train_head
 
 log = logging.getLogger("darts_bench")
 STAGES = ("pool", "merge", "collect", "train", "evaluate", "report")
@@ -220,37 +220,35 @@ class Pipeline:
 
     def _train_and_diagnose(self, out: Path, fs: FeatureSet, calib: CalibrationSet, merge_dir: Path,
                             expert_dir: Path, ref_fs: FeatureSet, m: str, name: str, split: str) -> None:
+        from darts_bench.surgery.data import load_split, reference_answer_batches
+        from darts_bench.surgery.diagnostics import Diagnostics
+
         scfg = self.cfg.surgery
-        exp, mer = calib.expert_features(), fs.merged_features()
         W_e, W_m = lm_head_weight(expert_dir), lm_head_weight(merge_dir)
         W_e = W_e[: W_m.shape[0]]  # pool.vocab_alignment=base: the expert's appended tokens are dropped
-        wsrc = weight_source(scfg.entropy_source, exp, mer, W_e, W_m)
-        data = make_token_data(exp, mer, wsrc)
         n_seq = len(calib.meta["sequences"])
         seed = derive_seed(self.cfg.seed, "split", name, split)
         tr_seq, va_seq = split_by_sequence(n_seq, self.cfg.calibration.held_out_fraction, seed)
-        tr_mask = torch.isin(data.seq_index, torch.tensor(tr_seq))
-        train, val = data.select(tr_mask.nonzero()[:, 0]), data.select((~tr_mask).nonzero()[:, 0])
+        # one [N, d] buffer per model in the stored dtype; train / val are index views of it
+        train, val = load_split(calib.expert_shards(), fs.merged_shards(), tr_seq, scfg.entropy_source, W_e, W_m)
         mean_h = float(train.weight_source.mean())
-        # reference-answer tokens: only the answer part of prompt + reference
-        ref_exp, ref_mer = ref_fs.calib.expert_features(), ref_fs.merged_features()
-        ref_wsrc = weight_source(scfg.entropy_source, ref_exp, ref_mer, W_e, W_m)
-        ref = make_token_data(ref_exp, ref_mer, ref_wsrc)
-        plen = torch.tensor(ref_fs.calib.meta["prompt_len"])
-        ref_ans = ref.select((ref.positions >= plen[ref.seq_index]).nonzero()[:, 0])
+        # reference-answer tokens (only the answer part of prompt + reference): streamed per shard
+        ref_stream = reference_answer_batches(ref_fs.calib.expert_shards(), ref_fs.merged_shards(),
+                                              ref_fs.calib.meta["prompt_len"], scfg.entropy_source, W_e, W_m)
+        val_pos, val_seq = val.positions, val.seq_index
+        diag_val = Diagnostics(lambda: val.batches(8192), mean_h, scfg.w_max, W_e, W_m, device=self.cfg.device)
+        diag_ref = Diagnostics(ref_stream, mean_h, scfg.w_max, W_e, W_m, device=self.cfg.device)
 
         def diag(head) -> dict:
-            d = diagnose(head, val.h_merged, val.h_expert, val.positions, val.weight_source, mean_h, scfg.w_max,
-                         W_e, W_m)
-            r = diagnose(head, ref_ans.h_merged, ref_ans.h_expert, ref_ans.positions, ref_ans.weight_source,
-                         mean_h, scfg.w_max, W_e, W_m)
-            d["slope"] = position_slope(val.positions.numpy(), d.pop("per_token_l1"), n_boot=200,
-                                        seed=seed, groups=val.seq_index.numpy())
+            d = diag_val(head)
+            r = diag_ref(head)
+            d["slope"] = position_slope(val_pos.numpy(), d.pop("per_token_l1"), n_boot=200,
+                                        seed=seed, groups=val_seq.numpy())
             d["reference"] = {k: r[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor")}
             return d
 
         diags = {"none": diag(None), "n_train_tokens": len(train), "n_val_tokens": len(val),
-                 "n_reference_tokens": len(ref_ans), "train_sequences": tr_seq, "held_out_sequences": va_seq}
+                 "n_reference_tokens": diag_ref.n_tokens, "train_sequences": tr_seq, "held_out_sequences": va_seq}
         for method in scfg.methods:
             hseed = derive_seed(self.cfg.seed, m, name, split, method)
             if self.cfg.deepspeed.enabled:
@@ -258,7 +256,7 @@ class Pipeline:
 
                 if self.cfg.executor == "ray" and self.cfg.deepspeed.launcher == "ray":
                     self.close()  # free the collection actors' CPUs/GPUs for Ray Train's workers
-                res = train_head_deepspeed(method, train, val, scfg, hseed, self.cfg.deepspeed,
+                res = train_head_deepspeed(method, train.materialize(), val.materialize(), scfg, hseed, self.cfg.deepspeed,
                                            self.work_dir / "deepspeed", ray_address=self.cfg.ray.address)
             else:
                 res = train_head(method, train, val, scfg, hseed)
