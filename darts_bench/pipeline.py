@@ -289,20 +289,31 @@ class Pipeline:
         return rows
 
     def evaluate(self) -> dict[str, dict[str, TaskResult]]:
+        from darts_bench.evaluate.loaded import ModelCache
+
         def run():
             results: dict[str, dict[str, TaskResult]] = {}
             rows = self.rows()
             by_name = {r.model: r for r in rows}
-            for row in rows:
-                results[row.model] = {}
-                for name, (task, examples) in self.tasks().items():
-                    results[row.model][name] = self._evaluate_one(row, task, examples, by_name, results)
+            # each checkpoint loaded once (rows of one model dir share it; the judge stays loaded)
+            self._models = ModelCache(self.executor, self.cfg.tasks.batch_size)
+            try:
+                for row in rows:
+                    results[row.model] = {}
+                    for name, (task, examples) in self.tasks().items():
+                        results[row.model][name] = self._evaluate_one(row, task, examples, by_name, results)
+            finally:
+                self._models.close()
+                self._models = None
             return results
 
         return self._stage("evaluate", run)
 
-    def _text_model(self, row: Row, task_name: str | None):
+    def _text_model(self, row: Row, task_name: str | None, pin: bool = False):
         head_dir = row.heads.get(task_name) if task_name else None
+        models = getattr(self, "_models", None)
+        if models is not None:
+            return models.get(row.model, row.model_dir, head_dir, pin=pin)
         return self.executor.text_model(row.model, str(row.model_dir), str(head_dir) if head_dir else None,
                                         batch_size=self.cfg.tasks.batch_size)
 
@@ -324,11 +335,12 @@ class Pipeline:
             def get_model(name: str):
                 if name not in by_name:
                     if Path(name).is_dir():
-                        tm = self.executor.text_model(name, name, None, batch_size=self.cfg.tasks.batch_size)
+                        tm = (self._models.get(name, name, None, pin=True) if getattr(self, "_models", None)
+                              else self.executor.text_model(name, name, None, batch_size=self.cfg.tasks.batch_size))
                         opened.append(tm)
                         return tm
                     raise KeyError(f"no model row {name!r} (rows: {sorted(by_name)})")
-                tm = self._text_model(by_name[name], task.name)
+                tm = self._text_model(by_name[name], task.name, pin=True)
                 opened.append(tm)
                 return tm
 

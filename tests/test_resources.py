@@ -161,3 +161,37 @@ def test_features_stored_in_the_model_dtype(micro_pipeline, tmp_path):
     ref = list(reference_answer_batches(sf, sf, [2] * len(seqs), "expert", batch_tokens=5)())
     assert sum(len(r) for r in ref) == sum(len(s) - 2 for s in seqs) and all(len(r) <= 5 for r in ref)
     assert math.isfinite(float(b.h_merged.sum()))
+
+
+def test_evaluate_loads_each_checkpoint_once(micro_cfg_path, micro_pipeline, tmp_path, monkeypatch):
+    """Evaluating 14 rows on AlpacaEval (judge: expert:instruction) loads each of the 6 model dirs
+    once (dcca732: one load per (row, task) plus one judge load per row, 28 here), with the same
+    samples, verdicts and metrics as one load per request."""
+    import darts_bench.executors.worker as worker
+    import darts_bench.pipeline as pipeline
+    from darts_bench.config import load_config
+    from darts_bench.evaluate.loaded import ModelCache
+
+    loads = []
+    real_load = worker.load_causal_lm
+    monkeypatch.setattr(worker, "load_causal_lm", lambda path, **kw: (loads.append(str(path)), real_load(path, **kw))[1])
+    results = {}
+    for label, shared in (("cached", True), ("per-request", False)):
+        monkeypatch.setattr(ModelCache, "shares_weights", property(lambda self, s=shared: s))
+        pipe = pipeline.Pipeline(load_config(str(micro_cfg_path)), suite="alpacaeval")
+        pipe.train()  # upstream artifacts from the shared work dir ...
+        pipe.work_dir = tmp_path / label  # ... every evaluation artifact built anew here
+        loads.clear()
+        try:
+            results[label] = pipe.evaluate()
+        finally:
+            pipe.close()
+        rows = pipe.rows()
+        if shared:
+            assert len(rows) == 14 and len(loads) == len({str(r.model_dir) for r in rows}) == 6, loads
+        else:
+            assert len(loads) == 2 * len(rows)  # the row and its judge, each loaded per request
+    for row, res in results["cached"].items():
+        other = results["per-request"][row]["alpacaeval"]
+        assert res["alpacaeval"].samples == other.samples, row
+        assert res["alpacaeval"].metrics == other.metrics, row
