@@ -94,13 +94,23 @@ class Pipeline:
             self._executor = None
 
     def _stage(self, name: str, fn):
+        """Run a stage once (cached in memory). ``timings[name]``: its exclusive wall time (s): the
+        time of stages it triggers lazily (``evaluate`` -> ``train`` -> ...) is subtracted."""
         if name in self._cache:
             return self._cache[name]
+        stack = self.__dict__.setdefault("_stage_stack", [])
         t0 = time.perf_counter()
         log.info("stage %s: start", name)
-        res = fn()
-        self.timings[name] = time.perf_counter() - t0
-        log.info("stage %s: done in %.1f s", name, self.timings[name])
+        stack.append(0.0)  # seconds spent in nested stages
+        try:
+            res = fn()
+        finally:
+            nested = stack.pop()
+            total = time.perf_counter() - t0
+            if stack:
+                stack[-1] += total
+        self.timings[name] = total - nested
+        log.info("stage %s: done in %.1f s (%.1f s in earlier stages it triggered)", name, self.timings[name], nested)
         self._cache[name] = res
         return res
 

@@ -195,3 +195,26 @@ def test_evaluate_loads_each_checkpoint_once(micro_cfg_path, micro_pipeline, tmp
         other = results["per-request"][row]["alpacaeval"]
         assert res["alpacaeval"].samples == other.samples, row
         assert res["alpacaeval"].metrics == other.metrics, row
+
+
+def test_stage_seconds_are_exclusive(micro_cfg_path, monkeypatch):
+    """A stage that triggers earlier stages lazily (evaluate -> train -> ...) reports only its own
+    time (dcca732: evaluate included every upstream stage)."""
+    import darts_bench.pipeline as pipeline
+    from darts_bench.config import load_config
+
+    clock = [0.0]
+    monkeypatch.setattr(pipeline.time, "perf_counter", lambda: clock[0])
+
+    def work(seconds, then=None):
+        def run():
+            if then:
+                then()
+            clock[0] += seconds
+        return run
+
+    pipe = pipeline.Pipeline(load_config(str(micro_cfg_path)))
+    collect = work(5.0)
+    train = work(3.0, then=lambda: pipe._stage("collect", collect))
+    pipe._stage("evaluate", work(2.0, then=lambda: pipe._stage("train", train)))
+    assert pipe.timings == {"collect": 5.0, "train": 3.0, "evaluate": 2.0}
