@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,16 +114,13 @@ class Pipeline:
         return res
 
     def check_writable(self) -> None:
-        """Fail before any work if the output or work dir cannot be written."""
-        for d in (self.out_dir, self.work_dir):
-            try:
-                d.mkdir(parents=True, exist_ok=True)
-                probe = d / f".darts-tmp-{os.getpid()}-probe"
-                probe.write_text("ok")
-                probe.unlink()
-            except OSError as e:
-                raise PermissionError(f"directory {d} is not writable ({e.strerror}); choose another with "
-                                      "--out / --set work_dir=...") from None
+        """Fail before any work if the output or work dir cannot be written or a given data dir
+        lacks a selected task's data (the same checks as ``--dry-run``: :mod:`darts_bench.checks`)."""
+        from darts_bench.checks import check_data_dir, check_output_dir
+
+        check_data_dir(self.cfg.resolved_data_dir(), self.task_names)
+        check_output_dir(self.out_dir, "output dir")
+        check_output_dir(self.work_dir, "work dir")
         n = clean_stale_temps(self.work_dir)
         if n:
             log.info("removed %d temp dirs left by an interrupted run", n)

@@ -26,9 +26,9 @@ def test_llama2_7b_plan_is_7b_scale():
     assert "8 actors" in st["collect"]["where"] and "GPU 1" in st["collect"]["where"]
     assert st["collect"]["memory_bytes"] > m["weights_bytes"]
     assert st["merge"]["disk_bytes"] == pytest.approx(3 * m["weights_bytes"], rel=1e-6)
-    # feature cache: tokens x d x 4 bytes x 2 (expert + merged) per split
+    # feature cache in the model's dtype (bf16): tokens x d x 2 bytes x 2 (expert + merged) per split
     for c in st["collect"]["calibration"].values():
-        assert c["disk_bytes_per_merge"] == c["tokens"] * 4096 * 4 * 2
+        assert c["disk_bytes_per_merge"] == c["tokens"] * 4096 * 2 * 2
     # ZeRO 2 over 8 procs shards the Adam state
     darts = st["train"]["head_params"]["darts"]
     assert st["train"]["optimizer_state_bytes_per_proc"] == pytest.approx(darts * 8 / 8)
