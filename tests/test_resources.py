@@ -218,3 +218,39 @@ def test_stage_seconds_are_exclusive(micro_cfg_path, monkeypatch):
     train = work(3.0, then=lambda: pipe._stage("collect", collect))
     pipe._stage("evaluate", work(2.0, then=lambda: pipe._stage("train", train)))
     assert pipe.timings == {"collect": 5.0, "train": 3.0, "evaluate": 2.0}
+
+
+@pytest.mark.slow
+def test_plan_memory_within_25_percent_of_measured_peaks(micro_pipeline, micro_cfg_path, tmp_path):
+    """The plan's per-stage memory (process peak) is within 25% of the peak RSS measured when each
+    stage runs in its own process. Default: the micro pool (suite gsm8k), its pool reused, merge /
+    collect / train / evaluate measured. ``DARTS_BENCH_PLAN_CHECK_CONFIG=path.yaml`` points it at
+    another config (e.g. the 7B-shaped rehearsal pool), every stage measured in a fresh work dir."""
+    import os
+    import shutil
+
+    import yaml
+
+    from darts_bench.config import load_config
+    from darts_bench.measure import stage_peaks
+    from darts_bench.plan import make_plan
+
+    other = os.environ.get("DARTS_BENCH_PLAN_CHECK_CONFIG")
+    raw = yaml.safe_load(open(other or micro_cfg_path))
+    raw["work_dir"], raw["out_dir"] = str(tmp_path / "work"), str(tmp_path / "results")
+    stages = ("pool", "merge", "collect", "train", "evaluate")
+    if not other:  # the session's micro pool is built already: reuse it, measure the rest
+        shutil.copytree(micro_pipeline.work_dir / "pool", tmp_path / "work" / "pool")
+        stages = stages[1:]
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(raw))
+    suite = "gsm8k"
+    plan = make_plan(load_config(str(cfg_path)), suite)
+    peaks = stage_peaks(str(cfg_path), stages, suite=suite)
+    report = {}
+    for s in stages:
+        est, got = plan["stages"][s]["memory_bytes"], max(peaks[s]["self"], peaks[s]["children"])
+        report[s] = (round(est / 1e6), round(got / 1e6))
+    print("plan vs measured MB:", report)
+    for s, (est, got) in report.items():
+        assert abs(est - got) <= 0.25 * got, (s, report)
