@@ -174,6 +174,8 @@ class Pipeline:
             tok, fmt = self._cache["tokenizer"], self._cache["formatter"]
             calib: dict[tuple[str, str], CalibrationSet] = {}
             feats: dict[tuple[str, str, str], FeatureSet] = {}
+            # model-major order: every artifact of one model in a row, so an executor that keeps
+            # the latest model loaded loads each expert and each merge once
             for name, (task, examples) in tasks.items():
                 expert_dir = pool.path(task.expert)
                 expert_key = stable_hash([pool.key, task.expert])
@@ -184,11 +186,14 @@ class Pipeline:
                 calib[(name, "reference")] = collect_calibration(
                     self.cfg, task, "reference", [e.prompt for e in examples], expert_dir, self.executor, tok,
                     self.work_dir, expert_key, references=[e.reference for e in examples])
-                for m, mdir in merges.items():
-                    mkey = mdir.name
+            for m, mdir in merges.items():
+                mkey = mdir.name
+                for name in tasks:
                     for split in (*self.cfg.calibration.splits, "reference"):
                         feats[(m, name, split)] = collect_merged(self.cfg, m, mdir, mkey, calib[(name, split)],
                                                                  self.executor, self.work_dir)
+            if hasattr(self.executor, "release_idle"):
+                self.executor.release_idle()  # no model stays loaded into train / evaluate
             return {"calibration": calib, "features": feats}
 
         return self._stage("collect", run)

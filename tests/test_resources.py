@@ -254,3 +254,31 @@ def test_plan_memory_within_25_percent_of_measured_peaks(micro_pipeline, micro_c
     print("plan vs measured MB:", report)
     for s, (est, got) in report.items():
         assert abs(est - got) <= 0.25 * got, (s, report)
+
+
+def test_collect_loads_each_model_once(micro_pipeline, tmp_path, monkeypatch):
+    """In-process collection for every split of a task loads its expert once and each merge once
+    (dcca732: one load per executor call, 11 here: expert generation + features per split,
+    reference features, and 3 feature sets per merge)."""
+    import shutil
+
+    import darts_bench.executors.worker as worker
+    from darts_bench.pipeline import Pipeline
+
+    loads = []
+    real_load = worker.load_causal_lm
+    monkeypatch.setattr(worker, "load_causal_lm", lambda path, **kw: (loads.append(str(path)), real_load(path, **kw))[1])
+    pipe = Pipeline(micro_pipeline.cfg, suite="gsm8k")
+    pipe.work_dir = tmp_path / "work"
+    for sub in ("pool", "merges"):  # the session's pool and merges; every feature artifact built anew
+        shutil.copytree(micro_pipeline.work_dir / sub, pipe.work_dir / sub)
+    try:
+        col = pipe.collect()
+        assert pipe.executor._last is None  # nothing stays loaded after the stage
+    finally:
+        pipe.close()
+    assert len(col["features"]) == 2 * 3 and len(loads) == 1 + 2, loads
+    again = micro_pipeline.collect()["features"]
+    for k, fs in col["features"].items():  # same artifacts as the session's (task-major) collection
+        assert fs.key == again[k].key
+        assert torch.equal(fs.merged_shards().read_h(), again[k].merged_shards().read_h())
