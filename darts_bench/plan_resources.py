@@ -103,8 +103,11 @@ def refine(plan: dict[str, Any], cfg, ctx: dict[str, Any]) -> None:
         c["memory_bytes"] = PROCESS_BASELINE["collect"] + W + work
     seq = sum(v["tokens"] for k, v in ctx["calib"].items() if not k.endswith("/reference"))  # prompt + new
     decode = sum(v["sequences"] * cal.max_new_tokens for k, v in ctx["calib"].items() if not k.endswith("/reference"))
-    n_calib = len(ctx["calib"])  # (task, split) calibration sets incl. reference, one expert group each
-    c["model_loads"] = n_calib * (1 + len(cfg.merges))  # one per artifact (expert, then each merge)
+    T, S, M = len(ctx["tasks"]), len(cal.splits), len(cfg.merges)
+    if cfg.executor == "ray":  # actors per executor call: expert generation + features per split, reference, merges
+        c["model_loads"] = T * (2 * S + 1) + M * T * (S + 1)
+    else:  # the local executor keeps the latest model; collection runs model-major
+        c["model_loads"] = T + M
     load_s = W / LOAD_BYTES_PER_S + (ACTOR_START_S if cfg.executor == "ray" else 0.0)
     c["load_seconds"] = c["model_loads"] * load_s
     c["seconds"] = (_fwd_seconds(seq - decode, P, kind) + _decode_seconds(decode, P, kind, cal.batch_size, W, L)
