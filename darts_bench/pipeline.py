@@ -250,16 +250,16 @@ class Pipeline:
         diag_val = Diagnostics(lambda: val.batches(8192), mean_h, scfg.w_max, W_e, W_m, device=self.cfg.device)
         diag_ref = Diagnostics(ref_stream, mean_h, scfg.w_max, W_e, W_m, device=self.cfg.device)
 
-        def diag(head) -> dict:
-            d = diag_val(head)
-            r = diag_ref(head)
-            d["slope"] = position_slope(val_pos.numpy(), d.pop("per_token_l1"), n_boot=200,
-                                        seed=seed, groups=val_seq.numpy())
-            d["reference"] = {k: r[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor")}
-            return d
+        def diag_all(heads: list) -> list[dict]:  # one pass over the held-out / reference tokens for all heads
+            res = []
+            for d, r in zip(diag_val.many(heads), diag_ref.many(heads)):
+                d["slope"] = position_slope(val_pos.numpy(), d.pop("per_token_l1"), n_boot=200,
+                                            seed=seed, groups=val_seq.numpy())
+                d["reference"] = {k: r[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor")}
+                res.append(d)
+            return res
 
-        diags = {"none": diag(None), "n_train_tokens": len(train), "n_val_tokens": len(val),
-                 "n_reference_tokens": diag_ref.n_tokens, "train_sequences": tr_seq, "held_out_sequences": va_seq}
+        trained = {}
         for method in scfg.methods:
             hseed = derive_seed(self.cfg.seed, m, name, split, method)
             if self.cfg.deepspeed.enabled:
@@ -273,7 +273,12 @@ class Pipeline:
                 res = train_head(method, train, val, scfg, hseed)
             save_head(res.head, out / method, extra={"merge": m, "task": name, "split": split,
                                                      "history": res.history})
-            diags[method] = diag(res.head)
+            trained[method] = res.head
+        rows = diag_all([None, *trained.values()])
+        diags = {"none": rows[0], "n_train_tokens": len(train), "n_val_tokens": len(val),
+                 "n_reference_tokens": diag_ref.n_tokens, "train_sequences": tr_seq, "held_out_sequences": va_seq}
+        for method, d in zip(trained, rows[1:]):
+            diags[method] = d
             for k in ("", "reference"):
                 src = diags[method] if not k else diags[method][k]
                 base_ = diags["none"] if not k else diags["none"][k]

@@ -103,11 +103,10 @@ def refine(plan: dict[str, Any], cfg, ctx: dict[str, Any]) -> None:
         c["memory_bytes"] = PROCESS_BASELINE["collect"] + W + work
     seq = sum(v["tokens"] for k, v in ctx["calib"].items() if not k.endswith("/reference"))  # prompt + new
     decode = sum(v["sequences"] * cal.max_new_tokens for k, v in ctx["calib"].items() if not k.endswith("/reference"))
-    T, S, M = len(ctx["tasks"]), len(cal.splits), len(cfg.merges)
-    if cfg.executor == "ray":  # actors per executor call: expert generation + features per split, reference, merges
-        c["model_loads"] = T * (2 * S + 1) + M * T * (S + 1)
-    else:  # the local executor keeps the latest model; collection runs model-major
-        c["model_loads"] = T + M
+    T, M = len(ctx["tasks"]), len(cfg.merges)
+    # both executors keep the latest model loaded between calls and collection runs model-major:
+    # one load (Ray: one actor group) per task expert and per merge
+    c["model_loads"] = T + M
     load_s = W / LOAD_BYTES_PER_S + (ACTOR_START_S if cfg.executor == "ray" else 0.0)
     c["load_seconds"] = c["model_loads"] * load_s
     c["seconds"] = (_fwd_seconds(seq - decode, P, kind) + _decode_seconds(decode, P, kind, cal.batch_size, W, L)
@@ -141,7 +140,6 @@ def refine(plan: dict[str, Any], cfg, ctx: dict[str, Any]) -> None:
                         f"{_gb(ref_b)} + diagnostics logits {_gb(diag_tmp)}{' (GPU)' if kind == 'cuda' else ''}"
                         + (f" + DeepSpeed float32 copy {_gb(ds_copy)}" if ds_copy else "")
                         + f" + head/Adam {_gb(head_b)} + process {_gb(PROCESS_BASELINE['train'])}")
-    groups = len(splits) * len(cfg.merges)
     ref_ans = sum(ti["n_examples"] * ti["reference_tokens_est"] for ti in ctx["tasks"].values())
     diag_tokens = sum(round(v["tokens"] * cal.held_out_fraction) for v in splits.values()) * len(cfg.merges)
     diag_tokens += ref_ans * len(cfg.merges) * len(cal.splits)

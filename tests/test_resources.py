@@ -135,6 +135,9 @@ def test_kl_floor_computed_once_across_heads(micro_pipeline):
     assert diag.floor_computations == 1 and len(calls) == 1 + len(scfg.methods)
     assert all(r["kl_floor"] == first["kl_floor"] for r in rows)
     assert diag.n_tokens == len(val)
+    calls.clear()  # all heads in one pass over the stream: the same values
+    one_pass = diag.many([None, *(load_head(heads[("ties", "gsm8k", m, "transductive")]) for m in scfg.methods)])
+    assert len(calls) == 1 and one_pass == [first, *rows]
 
 
 def test_features_stored_in_the_model_dtype(micro_pipeline, tmp_path):

@@ -72,6 +72,8 @@ def make_executor(cfg) -> Any:
     if cfg.executor == "ray":
         from darts_bench.executors.ray_executor import RayExecutor
 
-        return RayExecutor(cfg)
+        # keep the latest model's actors between calls: collection runs model-major, so each
+        # expert and each merge starts its actors once; Pipeline.collect releases them at the end
+        return RayExecutor(cfg, keep_idle=True)
     return LocalExecutor(batch_size=cfg.calibration.batch_size, device=cfg.device, torch_threads=cfg.torch_threads,
                          dtype=cfg.pool.dtype)

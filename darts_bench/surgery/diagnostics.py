@@ -88,7 +88,8 @@ class Diagnostics:
     (``batches()`` is called once per head; each batch is moved to ``device``), so neither the
     features nor the ``[tokens, vocab]`` logits are ever held whole. The ``lm_head`` weights are
     moved to ``device`` once. ``kl_floor`` does not depend on the head: it is computed on the first
-    call (per token) and reused by every later call.
+    call (per token) and reused by every later call. :meth:`many` diagnoses several heads in one
+    pass over the stream.
 
     Args:
         batches: re-iterable source of batches (``h_merged``, ``h_expert`` ``[n, d]`` float32,
@@ -124,23 +125,30 @@ class Diagnostics:
             return head
         return copy.deepcopy(head).to(self.device)
 
-    @torch.no_grad()
     def __call__(self, head: CorrectionHead | None) -> dict:
         """All diagnostics of ``head`` (None: the plain merged model); see :func:`diagnose`."""
-        head = self._on_device(head)
+        return self.many([head])[0]
+
+    @torch.no_grad()
+    def many(self, heads: list[CorrectionHead | None]) -> list[dict]:
+        """Diagnostics of several heads in one pass over the token stream (the features are read
+        once for all of them); same values as one call per head."""
+        heads = [self._on_device(h) for h in heads]
         need_floor = self._floor is None
-        l1s, kls, agrees, floors, poss, ents = [], [], [], [], [], []
+        per = [{"l1": [], "kl": [], "agree": []} for _ in heads]
+        floors, poss, ents = [], [], []
         for b in self.batches():
             for s in range(0, len(b), self.batch_tokens):
                 hm = b.h_merged[s:s + self.batch_tokens].to(self.device, torch.float32)
                 he = b.h_expert[s:s + self.batch_tokens].to(self.device, torch.float32)
                 pos = b.positions[s:s + self.batch_tokens]
-                out = hm if head is None else head(hm, pos.to(self.device))
-                l1s.append(token_l1(out, he).cpu())
                 le = he @ self.W_e.T
-                kl, ag = agreement(le, out.float() @ self.W_m.T)
-                kls.append(kl.cpu())
-                agrees.append(ag.cpu())
+                for head, acc in zip(heads, per):
+                    out = hm if head is None else head(hm, pos.to(self.device))
+                    acc["l1"].append(token_l1(out, he).cpu())
+                    kl, ag = agreement(le, out.float() @ self.W_m.T)
+                    acc["kl"].append(kl.cpu())
+                    acc["agree"].append(ag.cpu())
                 if need_floor:
                     floors.append(kl_divergence(le, he @ self.W_m.T).cpu())
                 poss.append(pos)
@@ -148,26 +156,28 @@ class Diagnostics:
         if need_floor:
             self._floor = torch.cat(floors)
             self.floor_computations += 1
-        l1, positions, entropy = torch.cat(l1s), torch.cat(poss), torch.cat(ents).float()
-        if self._floor.shape != l1.shape:
-            raise ValueError(f"token stream changed between calls: {l1.numel()} tokens vs {self._floor.numel()}")
+        positions, entropy = torch.cat(poss), torch.cat(ents).float()
+        if self._floor.shape != positions.shape:
+            raise ValueError(f"token stream changed between calls: {positions.numel()} tokens vs {self._floor.numel()}")
         w = entropy_weights(entropy, self.mean_h, self.w_max)
-        kl = torch.cat(kls)
         pos = positions.numpy()
-        by_pos = {int(p): float(l1[positions == p].mean()) for p in np.unique(pos)}
         qs = torch.quantile(entropy, torch.tensor([0.25, 0.5, 0.75]))
         bins = torch.bucketize(entropy, qs)
-        by_ent = {f"q{i + 1}": float(l1[bins == i].mean()) if (bins == i).any() else None for i in range(4)}
-        return {
-            "rep_l1": float(l1.mean()),
-            "rep_l1_ew": float((l1 * w).sum() / l1.numel()),
-            "kl_expert": float(kl.mean()),
-            "agree_top1": float(torch.cat(agrees).mean()),
-            "kl_floor": float(self._floor.mean()),
-            "l1_by_position": by_pos,
-            "l1_by_entropy": by_ent,
-            "per_token_l1": l1.tolist(),
-        }
+        out = []
+        for acc in per:
+            l1, kl = torch.cat(acc["l1"]), torch.cat(acc["kl"])
+            out.append({
+                "rep_l1": float(l1.mean()),
+                "rep_l1_ew": float((l1 * w).sum() / l1.numel()),
+                "kl_expert": float(kl.mean()),
+                "agree_top1": float(torch.cat(acc["agree"]).mean()),
+                "kl_floor": float(self._floor.mean()),
+                "l1_by_position": {int(p): float(l1[positions == p].mean()) for p in np.unique(pos)},
+                "l1_by_entropy": {f"q{i + 1}": float(l1[bins == i].mean()) if (bins == i).any() else None
+                                  for i in range(4)},
+                "per_token_l1": l1.tolist(),
+            })
+        return out
 
 
 @torch.no_grad()
