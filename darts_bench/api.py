@@ -162,6 +162,9 @@ class Task(ABC):
     official_size: ClassVar[int | None] = None
     typical_tokens: ClassVar[dict[str, int]] = {"prompt": 100, "reference": 100}
     order: ClassVar[int] = 100
+    #: folders of the data dir (shared/data's layout) the task cannot run without; checked before
+    #: any work when a data dir is given (:func:`darts_bench.checks.check_data_dir`)
+    data_folders: ClassVar[tuple[str, ...]] = ()
     #: ``score_samples(samples_path, config, data_dir) -> dict`` in a subclass makes
     #: ``darts-bench score <name> FILE`` work (offline scoring of outputs made elsewhere).
     score_samples: ClassVar[Callable[..., dict[str, Any]] | None] = None

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run" and args.dry_run:
             from darts_bench.plan import print_plan
 
-            print_plan(cfg, suite=args.suite, limit=args.limit)
+            print_plan(cfg, suite=args.suite, limit=args.limit, out_dir=args.out)
             return 0
         from darts_bench.pipeline import Pipeline
 

@@ -243,6 +243,8 @@ class RayConfig(_Strict):
     max_restarts: int = Field(2, ge=0)
     max_task_retries: int = Field(2, ge=0)
     shard_size: int = Field(8, ge=1, description="prompts per shard")
+    gpu_memory_gb: float | None = Field(None, gt=0, description="memory of one GPU (GB, 1e9 bytes); the plan "
+                                        "flags stages whose per-actor GPU memory exceeds it")
 
 
 class DeepSpeedConfig(_Strict):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +23,10 @@ from darts_bench.collect.features import (CalibrationSet, FeatureSet, calibratio
 from darts_bench.config import Config
 from darts_bench.executors.local import make_executor
 from darts_bench.pool.checkpoint import lm_head_weight
-from darts_bench.surgery.diagnostics import diagnose, gap_closed, position_slope
+from darts_bench.surgery.data import answer_prediction_mask  # noqa: F401 - public here since the rehearsal issue
+from darts_bench.surgery.diagnostics import gap_closed, position_slope
 from darts_bench.surgery.heads import save_head
-from darts_bench.surgery.train import make_token_data, split_by_sequence, train_head, weight_source
+from darts_bench.surgery.train import split_by_sequence, train_head
 
 log = logging.getLogger("darts_bench")
 STAGES = ("pool", "merge", "collect", "train", "evaluate", "report")
@@ -56,15 +56,6 @@ def pool_expert_names(cfg: Config) -> list[str]:
     from darts_bench.config import EXPERT_NAMES
 
     return list(EXPERT_NAMES)
-
-
-def answer_prediction_mask(positions: torch.Tensor, seq_index: torch.Tensor, meta: dict) -> torch.Tensor:
-    """``[N]`` bool: the tokens whose next-token prediction is an answer token, i.e. positions
-    ``prompt_len - 1 .. len(sequence) - 2`` of each prompt + reference sequence (the hidden state at
-    position ``t`` predicts token ``t + 1``). ``meta``: ``sequences.json`` (``prompt_len``, ``sequences``)."""
-    plen = torch.tensor(meta["prompt_len"])[seq_index]
-    slen = torch.tensor([len(s) for s in meta["sequences"]])[seq_index]
-    return (positions >= plen - 1) & (positions <= slen - 2)
 
 
 class Pipeline:
@@ -106,29 +97,36 @@ class Pipeline:
             self._executor = None
 
     def _stage(self, name: str, fn):
+        """Run a stage once (cached in memory). ``timings[name]``: its exclusive wall time (s): the
+        time of stages it triggers lazily (``evaluate`` -> ``train`` -> ...) is subtracted."""
         if name in self._cache:
             return self._cache[name]
+        stack = self.__dict__.setdefault("_stage_stack", [])
         t0 = time.perf_counter()
         log.info("stage %s: start", name)
-        res = fn()
-        self.timings[name] = time.perf_counter() - t0
-        log.info("stage %s: done in %.1f s", name, self.timings[name])
+        stack.append(0.0)  # seconds spent in nested stages
+        try:
+            res = fn()
+        finally:
+            nested = stack.pop()
+            total = time.perf_counter() - t0
+            if stack:
+                stack[-1] += total
+        self.timings[name] = total - nested
+        log.info("stage %s: done in %.1f s (%.1f s in earlier stages it triggered)", name, self.timings[name], nested)
         self._cache[name] = res
         return res
 
     def check_writable(self) -> None:
-        """Fail before any work if the output or work dir cannot be written."""
-        for d in (self.out_dir, self.work_dir):
-            try:
-                d.mkdir(parents=True, exist_ok=True)
-                probe = d / f".darts-tmp-{os.getpid()}-probe"
-                probe.write_text("ok")
-                probe.unlink()
-            except OSError as e:
-                raise PermissionError(f"directory {d} is not writable ({e.strerror}); choose another with "
-                                      "--out / --set work_dir=...") from None
+        """Fail before any work if the output or work dir cannot be written, a given data dir lacks
+        a selected task's data (the same checks as ``--dry-run``: :mod:`darts_bench.checks`), or the
+        output dir is a committed regression baseline."""
+        from darts_bench.checks import check_data_dir, check_output_dir
         from darts_bench.report.compare import check_not_baseline
 
+        check_data_dir(self.cfg.resolved_data_dir(), self.task_names)
+        check_output_dir(self.out_dir, "output dir")
+        check_output_dir(self.work_dir, "work dir")
         check_not_baseline(self.out_dir)  # a committed baseline is refreshed on purpose only
         n = clean_stale_temps(self.work_dir)
         if n:
@@ -205,6 +203,8 @@ class Pipeline:
             tok, fmt = self._cache["tokenizer"], self._cache["formatter"]
             calib: dict[tuple[str, str], CalibrationSet] = {}
             feats: dict[tuple[str, str, str], FeatureSet] = {}
+            # model-major order: every artifact of one model in a row, so an executor that keeps
+            # the latest model loaded loads each expert and each merge once
             for name, (task, examples) in tasks.items():
                 if task.expert is None:
                     continue  # no expert, no calibration: the task gets no heads
@@ -217,11 +217,16 @@ class Pipeline:
                 calib[(name, "reference")] = collect_calibration(
                     self.cfg, task, "reference", [e.prompt for e in examples], expert_dir, self.executor, tok,
                     self.work_dir, expert_key, references=[e.reference for e in examples])
-                for m, mdir in merges.items():
-                    mkey = mdir.name
+            for m, mdir in merges.items():
+                mkey = mdir.name
+                for name in tasks:
+                    if (name, "reference") not in calib:
+                        continue  # a task without an expert has no calibration sets
                     for split in (*self.cfg.calibration.splits, "reference"):
                         feats[(m, name, split)] = collect_merged(self.cfg, m, mdir, mkey, calib[(name, split)],
                                                                  self.executor, self.work_dir)
+            if hasattr(self.executor, "release_idle"):
+                self.executor.release_idle()  # no model stays loaded into train / evaluate
             return {"calibration": calib, "features": feats}
 
         return self._stage("collect", run)
@@ -270,36 +275,35 @@ class Pipeline:
 
     def _train_and_diagnose(self, out: Path, fs: FeatureSet, calib: CalibrationSet, merge_dir: Path,
                             expert_dir: Path, ref_fs: FeatureSet, m: str, name: str, split: str) -> None:
+        from darts_bench.surgery.data import load_split, reference_answer_batches
+        from darts_bench.surgery.diagnostics import Diagnostics
+
         scfg = self.surgery_config()
-        exp, mer = calib.expert_features(), fs.merged_features()
         W_e, W_m = lm_head_weight(expert_dir), lm_head_weight(merge_dir)
         W_e = W_e[: W_m.shape[0]]  # pool.vocab_alignment=base: the expert's appended tokens are dropped
-        wsrc = weight_source(scfg.entropy_source, exp, mer, W_e, W_m)
-        data = make_token_data(exp, mer, wsrc)
         n_seq = len(calib.meta["sequences"])
         seed = derive_seed(self.cfg.seed, "split", name, split)
         tr_seq, va_seq = split_by_sequence(n_seq, self.cfg.calibration.held_out_fraction, seed)
-        tr_mask = torch.isin(data.seq_index, torch.tensor(tr_seq))
-        train, val = data.select(tr_mask.nonzero()[:, 0]), data.select((~tr_mask).nonzero()[:, 0])
+        # one [N, d] buffer per model in the stored dtype; train / val are index views of it
+        train, val = load_split(calib.expert_shards(), fs.merged_shards(), tr_seq, scfg.entropy_source, W_e, W_m)
         mean_h = float(train.weight_source.mean())
-        # reference-answer tokens: only the answer part of prompt + reference
-        ref_exp, ref_mer = ref_fs.calib.expert_features(), ref_fs.merged_features()
-        ref_wsrc = weight_source(scfg.entropy_source, ref_exp, ref_mer, W_e, W_m)
-        ref = make_token_data(ref_exp, ref_mer, ref_wsrc)
-        ref_ans = ref.select(answer_prediction_mask(ref.positions, ref.seq_index, ref_fs.calib.meta).nonzero()[:, 0])
+        # reference-answer tokens (only the answer part of prompt + reference): streamed per shard
+        ref_stream = reference_answer_batches(ref_fs.calib.expert_shards(), ref_fs.merged_shards(),
+                                              ref_fs.calib.meta, scfg.entropy_source, W_e, W_m)
+        val_pos, val_seq = val.positions, val.seq_index
+        diag_val = Diagnostics(lambda: val.batches(8192), mean_h, scfg.w_max, W_e, W_m, device=self.cfg.device)
+        diag_ref = Diagnostics(ref_stream, mean_h, scfg.w_max, W_e, W_m, device=self.cfg.device)
 
-        def diag(head) -> dict:
-            d = diagnose(head, val.h_merged, val.h_expert, val.positions, val.weight_source, mean_h, scfg.w_max,
-                         W_e, W_m)
-            r = diagnose(head, ref_ans.h_merged, ref_ans.h_expert, ref_ans.positions, ref_ans.weight_source,
-                         mean_h, scfg.w_max, W_e, W_m)
-            d["slope"] = position_slope(val.positions.numpy(), d.pop("per_token_l1"), n_boot=200,
-                                        seed=seed, groups=val.seq_index.numpy())
-            d["reference"] = {k: r[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor")}
-            return d
+        def diag_all(heads: list) -> list[dict]:  # one pass over the held-out / reference tokens for all heads
+            res = []
+            for d, r in zip(diag_val.many(heads), diag_ref.many(heads)):
+                d["slope"] = position_slope(val_pos.numpy(), d.pop("per_token_l1"), n_boot=200,
+                                            seed=seed, groups=val_seq.numpy())
+                d["reference"] = {k: r[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor")}
+                res.append(d)
+            return res
 
-        diags = {"none": diag(None), "n_train_tokens": len(train), "n_val_tokens": len(val),
-                 "n_reference_tokens": len(ref_ans), "train_sequences": tr_seq, "held_out_sequences": va_seq}
+        trained = {}
         for method in scfg.methods:
             hseed = derive_seed(self.cfg.seed, m, name, split, method)
             if self.cfg.deepspeed.enabled:
@@ -307,13 +311,18 @@ class Pipeline:
 
                 if self.cfg.executor == "ray" and self.cfg.deepspeed.launcher == "ray":
                     self.close()  # free the collection actors' CPUs/GPUs for Ray Train's workers
-                res = train_head_deepspeed(method, train, val, scfg, hseed, self.cfg.deepspeed,
+                res = train_head_deepspeed(method, train.materialize(), val.materialize(), scfg, hseed, self.cfg.deepspeed,
                                            self.work_dir / "deepspeed", ray_address=self.cfg.ray.address)
             else:
                 res = train_head(method, train, val, scfg, hseed)
             save_head(res.head, out / method, extra={"merge": m, "task": name, "split": split,
                                                      "history": res.history})
-            diags[method] = diag(res.head)
+            trained[method] = res.head
+        rows = diag_all([None, *trained.values()])
+        diags = {"none": rows[0], "n_train_tokens": len(train), "n_val_tokens": len(val),
+                 "n_reference_tokens": diag_ref.n_tokens, "train_sequences": tr_seq, "held_out_sequences": va_seq}
+        for method, d in zip(trained, rows[1:]):
+            diags[method] = d
             for k in ("", "reference"):
                 src = diags[method] if not k else diags[method][k]
                 base_ = diags["none"] if not k else diags["none"][k]
@@ -341,20 +350,31 @@ class Pipeline:
         return rows
 
     def evaluate(self) -> dict[str, dict[str, TaskResult]]:
+        from darts_bench.evaluate.loaded import ModelCache
+
         def run():
             results: dict[str, dict[str, TaskResult]] = {}
             rows = self.rows()
             by_name = {r.model: r for r in rows}
-            for row in rows:
-                results[row.model] = {}
-                for name, (task, examples) in self.tasks().items():
-                    results[row.model][name] = self._evaluate_one(row, task, examples, by_name, results)
+            # each checkpoint loaded once (rows of one model dir share it; the judge stays loaded)
+            self._models = ModelCache(self.executor, self.cfg.tasks.batch_size)
+            try:
+                for row in rows:
+                    results[row.model] = {}
+                    for name, (task, examples) in self.tasks().items():
+                        results[row.model][name] = self._evaluate_one(row, task, examples, by_name, results)
+            finally:
+                self._models.close()
+                self._models = None
             return results
 
         return self._stage("evaluate", run)
 
-    def _text_model(self, row: Row, task_name: str | None):
+    def _text_model(self, row: Row, task_name: str | None, pin: bool = False):
         head_dir = row.heads.get(task_name) if task_name else None
+        models = getattr(self, "_models", None)
+        if models is not None:
+            return models.get(row.model, row.model_dir, head_dir, pin=pin)
         return self.executor.text_model(row.model, str(row.model_dir), str(head_dir) if head_dir else None,
                                         batch_size=self.cfg.tasks.batch_size)
 
@@ -387,11 +407,12 @@ class Pipeline:
             def get_model(name: str):
                 if name not in by_name:
                     if Path(name).is_dir():
-                        tm = self.executor.text_model(name, name, None, batch_size=self.cfg.tasks.batch_size)
+                        tm = (self._models.get(name, name, None, pin=True) if getattr(self, "_models", None)
+                              else self.executor.text_model(name, name, None, batch_size=self.cfg.tasks.batch_size))
                         opened.append(tm)
                         return tm
                     raise KeyError(f"no model row {name!r} (rows: {sorted(by_name)})")
-                tm = self._text_model(by_name[name], task.name)
+                tm = self._text_model(by_name[name], task.name, pin=True)
                 opened.append(tm)
                 return tm
 

@@ -199,9 +199,10 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
         calib[f"{t}/reference"] = {"sequences": ti["n_examples"], "tokens": ref, "train_tokens": 0}
         feat_seq_tokens += ref
     feature_forward_tokens = feat_seq_tokens * (1 + M)  # expert once, every merge once
+    feat_b = pool_bytes  # features are stored in the dtype the workers load every model in (pool.dtype)
     for c in calib.values():
-        c["disk_bytes_per_merge"] = c["tokens"] * d * 4 * 2 if d else None  # expert + merged h, fp32
-    feature_disk = feat_seq_tokens * d * 4 * (1 + M) if d else None  # expert features shared by merges
+        c["disk_bytes_per_merge"] = c["tokens"] * d * feat_b * 2 if d else None  # expert + merged h
+    feature_disk = feat_seq_tokens * d * feat_b * (1 + M) if d else None  # expert features shared by merges
 
     # ---------------------------------------------------------------- evaluation
     eval_gen = eval_nll = judge = 0
@@ -346,8 +347,8 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
 
     if arch is None:
         notes.append("architecture unknown: memory and disk estimates are missing")
-    notes.append("token counts use typical prompt/reference lengths (Task.typical_tokens, TYPICAL_TOKENS) and max_new_tokens as upper bounds")
-    return {
+    notes.append("token counts use typical prompt/reference lengths (Task.typical_tokens) and max_new_tokens as upper bounds")
+    plan = {
         "config": cfg.name, "suite": suite, "limit": limit, "device": cfg.device, "executor": cfg.executor,
         "model": {"architecture": arch, "source": arch_src, "params": pc["total"] if pc else None,
                   "dtype": cfg.pool.dtype, "weights_bytes": weights},
@@ -358,6 +359,14 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
                    "disk_bytes": sum(s.get("disk_bytes") or 0 for s in stages.values()) if weights else None},
         "notes": notes,
     }
+    from darts_bench.plan_resources import refine
+
+    refine(plan, cfg, {"arch": arch, "params": pc["total"] if pc else None, "weights": weights, "calib": calib,
+                       "tasks": tasks, "feature_bytes": feat_b, "feature_dtype": cfg.pool.dtype,
+                       "feature_forward_tokens": feature_forward_tokens, "collect_act": collect_act,
+                       "collect_kv": collect_kv, "eval_kv": eval_kv, "eval_act": eval_act,
+                       "head_params": head_params, "experts": EXPERT_NAMES})
+    return plan
 
 
 def _tokens(s: dict[str, Any]) -> int | None:
@@ -378,10 +387,13 @@ def format_plan(plan: dict[str, Any]) -> str:
              "protocols: " + ", ".join(f"{t} {ti.get('protocol')}" + (f" (annotator {ti['annotator']})"
                                                                       if ti.get("annotator") else "")
                                        for t, ti in plan["tasks"].items()), ""]
-    header = ("stage", "memory (peak)", "disk", "tokens", "where")
-    rows = [(name, _gb(s.get("memory_bytes")), _gb(s.get("disk_bytes")), _num(_tokens(s)), s["where"])
+    header = ("stage", "memory (peak)", "GPU/actor", "disk", "tokens", "time (wall)", "device-h", "where")
+    rows = [(name, _gb(s.get("memory_bytes")),
+             _gb(s.get("gpu_bytes")) + ("" if s.get("gpu_fits", True) else " (!)"), _gb(s.get("disk_bytes")),
+             _num(_tokens(s)), _dur(s.get("wall_seconds")),
+             f"{s['device_hours']:.2f}" if s.get("device_hours") is not None else "-", s["where"])
             for name, s in ((n, plan["stages"][n]) for n in STAGE_ORDER)]
-    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(4)]
+    widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(7)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
     lines.append(fmt.format(*header))
     lines.append("  ".join("-" * w for w in widths) + "  " + "-" * 5)
@@ -395,7 +407,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         if name == "collect":
             for k, c in s["calibration"].items():
                 lines.append(f"    {k}: {c['sequences']} sequences, ~{_num(c['tokens'])} tokens, "
-                             f"features {_gb(c['disk_bytes_per_merge'])} per merge (expert + merged, fp32)")
+                             f"features {_gb(c['disk_bytes_per_merge'])} per merge (expert + merged, "
+                             f"{plan['model']['dtype']})")
         if name == "train" and s["head_params"]:
             lines.append("    head params: " + ", ".join(
                 f"{k} {_num(v)} ({100 * s['params_overhead'].get(k, 0):.3f}% of the model)" for k, v in s["head_params"].items()))
@@ -405,12 +418,40 @@ def format_plan(plan: dict[str, Any]) -> str:
               f"evaluation generation {_num(t['evaluation_generation_tokens'])}, reference NLL "
               f"{_num(t['evaluation_nll_tokens'])}, judge {_num(t['judge_tokens'])}); "
               f"pool training tokens {_num(t['train_tokens'])}; disk {_gb(t['disk_bytes'])}"]
+    if t.get("device_hours") is not None:
+        lines.append(f"time: {t['device_hours']:.1f} {t['device_hours_unit']}, ~{_dur(t['wall_seconds'])} wall "
+                     f"(throughput: {plan.get('throughput')}); evaluate loads {plan['stages']['evaluate'].get('model_loads')} "
+                     f"checkpoints{' (one per model dir)' if plan['executor'] != 'ray' else ' (Ray: one actor group per row and task)'}"
+                     f", collect {plan['stages']['collect'].get('model_loads')}")
     lines += [f"note: {n}" for n in plan["notes"]]
     return "\n".join(lines)
 
 
-def print_plan(cfg: Config, suite: str = "all", limit: int | None = None, file: TextIO | None = None) -> dict[str, Any]:
-    """Print the plan of ``cfg`` (``darts-bench run --dry-run``) and return it as a dict."""
+def _dur(sec: float | None) -> str:
+    if sec is None:
+        return "-"
+    if sec >= 3600:
+        return f"{sec / 3600:.1f} h"
+    if sec >= 60:
+        return f"{sec / 60:.1f} min"
+    return f"{sec:.0f} s"
+
+
+def print_plan(cfg: Config, suite: str = "all", limit: int | None = None, file: TextIO | None = None,
+               out_dir: str | None = None) -> dict[str, Any]:
+    """Print the plan of ``cfg`` (``darts-bench run --dry-run``) and return it as a dict, after the
+    checks a real run makes first (:mod:`darts_bench.checks`; nothing is created).
+
+    Raises:
+        DataError: a given data dir, or a selected task's folder in it, is missing.
+        PermissionError: the output dir (``out_dir`` or the config's) or the work dir cannot be written.
+    """
+    from darts_bench.checks import check_data_dir, check_output_dir
+
+    names = resolve_suite(suite, cfg.tasks)
+    check_data_dir(cfg.resolved_data_dir(), names)
+    check_output_dir(Path(out_dir) if out_dir else cfg.resolved_out_dir(), "output dir", create=False)
+    check_output_dir(Path(cfg.work_dir), "work dir", create=False)
     plan = make_plan(cfg, suite, limit)
     print(format_plan(plan), file=file or sys.stdout)
     return plan

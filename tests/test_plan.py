@@ -26,9 +26,9 @@ def test_llama2_7b_plan_is_7b_scale():
     assert "8 actors" in st["collect"]["where"] and "GPU 1" in st["collect"]["where"]
     assert st["collect"]["memory_bytes"] > m["weights_bytes"]
     assert st["merge"]["disk_bytes"] == pytest.approx(3 * m["weights_bytes"], rel=1e-6)
-    # feature cache: tokens x d x 4 bytes x 2 (expert + merged) per split
+    # feature cache in the model's dtype (bf16): tokens x d x 2 bytes x 2 (expert + merged) per split
     for c in st["collect"]["calibration"].values():
-        assert c["disk_bytes_per_merge"] == c["tokens"] * 4096 * 4 * 2
+        assert c["disk_bytes_per_merge"] == c["tokens"] * 4096 * 2 * 2
     # ZeRO 2 over 8 procs shards the Adam state
     darts = st["train"]["head_params"]["darts"]
     assert st["train"]["optimizer_state_bytes_per_proc"] == pytest.approx(darts * 8 / 8)
@@ -94,3 +94,34 @@ def test_cli_dry_run_loads_no_torch():
     assert res.returncode == 0, res.stderr
     assert "13.5 GB per model" in res.stdout and "[evaluate]" in res.stdout and "humaneval 3/164" in res.stdout
 
+
+
+def test_dry_run_checks_data_and_output_dirs_like_a_run(tmp_path, capsys):
+    """``--dry-run`` refuses a data dir that does not exist and an ``--out`` that cannot be written
+    (dcca732 printed a plan for both), and creates nothing."""
+    from darts_bench.cli import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert main(["run", "--dry-run", "--config", "tiny", "--data-dir", str(tmp_path / "no-data")]) == 2
+    assert main(["run", "--dry-run", "--config", "tiny", "--out", str(blocker / "out")]) == 2
+    assert capsys.readouterr().out == ""  # no plan printed
+    out = tmp_path / "new" / "results"
+    assert main(["run", "--dry-run", "--config", "tiny", "--out", str(out)]) == 0
+    assert not (tmp_path / "new").exists()
+
+
+def test_dry_run_reports_time_and_gpu_memory():
+    plan = make_plan(load_config("llama2-7b"))
+    st, t = plan["stages"], plan["totals"]
+    assert t["device_hours_unit"] == "GPU-hours" and t["device_hours"] > 1
+    for s in ("collect", "train", "evaluate"):
+        assert st[s]["seconds"] > 0 and st[s]["gpu_bytes"] > 0 and st[s]["gpu_fits"] is True
+    # one actor group per (row, task) under Ray, plus a judge group per row for AlpacaEval
+    assert st["evaluate"]["model_loads"] == plan["rows"] * 3 + plan["rows"]
+    small_gpu = load_config("llama2-7b", ["ray.gpu_memory_gb=24"])
+    flagged = make_plan(small_gpu)
+    assert flagged["stages"]["evaluate"]["gpu_fits"] is False
+    assert any("evaluate: needs" in n and "24 GB" in n for n in flagged["notes"])
+    # the training RAM peak counts the stored-dtype split buffers, not float32 copies of everything
+    assert "bfloat16" in st["train"]["memory_note"] and st["train"]["memory_bytes"] < 40e9

@@ -101,7 +101,7 @@ def test_rehearsal_kl_columns_use_the_real_lm_heads(rehearsal_run):
         W_e = read_tensor(expert_dir, name).float()
         W_m = read_tensor(merge_dir, name).float()
         W_e = W_e[: W_m.shape[0]]  # the expert's appended [PAD] row
-        return float(kl_divergence(exp["h"][val] @ W_e.T, mer["h"][val] @ W_m.T).mean())
+        return float(kl_divergence(exp["h"][val].float() @ W_e.T, mer["h"][val].float() @ W_m.T).mean())
 
     assert read_tensor(expert_dir, "lm_head.weight").shape[0] == read_tensor(merge_dir, "lm_head.weight").shape[0] + 1
     table = float(df.set_index("model").loc["dare_ties", "gsm8k_kl_expert"])

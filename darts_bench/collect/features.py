@@ -6,14 +6,18 @@ Surgery paper; ``inductive``: prompts from the expert's training data):
 1. the prompts, formatted exactly as at evaluation (chat template where the task uses one), each
    continued by the task expert's greedy generation (``calibration.max_new_tokens`` at most), so
    the loss covers the positions where generation happens;
-2. the expert's final hidden state (after the last norm) and next-token entropy (nats, fp32) at
-   every token — one artifact per (task, split), shared by all merges;
+2. the expert's final hidden state (after the last norm, stored in the model's dtype: bf16 at
+   scale, float32 on the tiny tier; the dtype is recorded in ``index.json``) and next-token
+   entropy (nats, fp32) at every token — one artifact per (task, split), shared by all merges;
 3. each merged model's final hidden state and entropy on the same tokens — one artifact per
    (merge, task, split).
 
 Features are stored as safetensors shards (fixed-order shards of ``ray.shard_size`` sequences)
-with an ``index.json``; shards are persisted as they finish so a resumed run redoes only missing
-shards. NaN/inf features fail the run, naming the shard.
+with an ``index.json`` (shard names, tokens per shard, feature dtype); shards are persisted as they
+finish so a resumed run redoes only missing shards. NaN/inf features fail the run, naming the shard.
+Readers never concatenate a whole artifact: :class:`ShardedFeatures` reads it shard by shard
+through safetensors' memory-mapped ``safe_open`` (into one preallocated buffer, or as a stream of
+token batches).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from darts_bench.api import Task
@@ -65,7 +70,7 @@ def _run_sharded(executor, model_dir: Path, sequences: list[list[int]], shard_si
                 p.unlink()
 
     def persist(i: int, res: dict) -> None:
-        feats = {k: torch.from_numpy(np.asarray(v)) for k, v in res.items()}
+        feats = decode_features(res)
         feats["seq_index"] = feats["seq_index"] + i * shard_size
         _check_finite(feats, f"shard {i} of {desc}")
         tmp = partial / f".tmp-{prefix}-{i:05d}.safetensors"
@@ -75,20 +80,113 @@ def _run_sharded(executor, model_dir: Path, sequences: list[list[int]], shard_si
     if done:
         log.info("%s: resuming, %d/%d shards already done", desc, len(done), len(payloads))
     executor.map(str(model_dir), "features", payloads, skip=done, on_result=persist, desc=desc)
-    index = {"shards": [], "n_sequences": len(sequences)}
+    index = {"shards": [], "n_sequences": len(sequences), "n_tokens": [], "dtype": None}
     for i in range(len(payloads)):
         name = f"{prefix}-{i:05d}.safetensors"
         (partial / name).replace(out / name)
         index["shards"].append(name)
+        with safe_open(str(out / name), "pt") as st:
+            sl = st.get_slice("h")
+            index["n_tokens"].append(int(sl.get_shape()[0]))
+            index["dtype"] = _ST_DTYPES[sl.get_dtype()]
     (out / "index.json").write_text(json.dumps(index))
     shutil.rmtree(partial, ignore_errors=True)
 
 
+_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I64": "int64"}
+
+
+def encode_features(feats: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Features as numpy arrays for the trip from a worker (numpy has no bfloat16: a bf16 tensor
+    travels as its int16 bit pattern, its dtype named under ``"dtypes"``). Inverse:
+    :func:`decode_features`."""
+    out: dict[str, Any] = {"dtypes": {}}
+    for k, v in feats.items():
+        if v.dtype == torch.bfloat16:
+            out["dtypes"][k] = "bfloat16"
+            v = v.view(torch.int16)
+        out[k] = v.numpy()
+    return out
+
+
+def decode_features(res: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Tensors from :func:`encode_features`' output (bit-exact)."""
+    dtypes = res.get("dtypes", {})
+    out = {}
+    for k, v in res.items():
+        if k == "dtypes":
+            continue
+        t = torch.from_numpy(np.asarray(v))
+        out[k] = t.view(getattr(torch, dtypes[k])) if k in dtypes else t
+    return out
+
+
 def load_shards(root: Path) -> dict[str, torch.Tensor]:
-    """Concatenate the shards listed in ``root/index.json`` (tokens in sequence order)."""
+    """Concatenate the shards listed in ``root/index.json`` (tokens in sequence order).
+
+    Holds every shard and the concatenation at once (about twice the artifact): small artifacts
+    and tests only; the pipeline reads through :class:`ShardedFeatures`."""
     index = json.loads((root / "index.json").read_text())
     parts = [load_file(str(root / s)) for s in index["shards"]]
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+class ShardedFeatures:
+    """Read-only access to one feature artifact (``index.json`` + safetensors shards) without
+    concatenating it: each shard is opened memory-mapped with ``safetensors.safe_open``.
+
+    Columns: ``h`` ``[N, d]`` in the stored dtype (the model's), ``entropy`` ``[N]`` float32
+    (nats), ``positions`` / ``seq_index`` ``[N]`` int64; N = tokens over all shards, in sequence order.
+
+    Raises:
+        FileNotFoundError: no ``index.json`` or a listed shard is missing.
+    """
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        f = self.root / "index.json"
+        if not f.is_file():
+            raise FileNotFoundError(f"feature index missing: {f}")
+        index = json.loads(f.read_text())
+        self.files = [self.root / s for s in index["shards"]]
+        lengths, dtype, d = [], None, None
+        for p in self.files:
+            if not p.is_file():
+                raise FileNotFoundError(f"feature shard missing: {p} (listed in {f})")
+            with safe_open(str(p), "pt") as st:
+                sl = st.get_slice("h")
+                shape = sl.get_shape()
+                lengths.append(int(shape[0]))
+                dtype, d = _ST_DTYPES[sl.get_dtype()], int(shape[1])
+        self.lengths = lengths
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self.dtype, self.d = index.get("dtype") or dtype, d
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def column(self, key: str) -> torch.Tensor:
+        """A 1-D column (``entropy``, ``positions``, ``seq_index``) for all tokens (small: ``[N]``)."""
+        parts = []
+        for p in self.files:
+            with safe_open(str(p), "pt") as st:
+                parts.append(st.get_tensor(key))
+        return torch.cat(parts)
+
+    def read_h(self) -> torch.Tensor:
+        """``h`` for all tokens, ``[N, d]`` in the stored dtype, filled shard by shard into one
+        preallocated tensor (peak: the tensor + one shard)."""
+        out = torch.empty((len(self), self.d), dtype=getattr(torch, self.dtype))
+        for p, o, n in zip(self.files, self.offsets, self.lengths):
+            with safe_open(str(p), "pt") as st:
+                out[o:o + n] = st.get_tensor("h")
+        return out
+
+    def shards(self, keys: tuple[str, ...] = ("h", "entropy", "positions", "seq_index")):
+        """Yield ``(offset, {key: tensor})`` per shard, one shard in memory at a time."""
+        for p, o in zip(self.files, self.offsets):
+            with safe_open(str(p), "pt") as st:
+                yield int(o), {k: st.get_tensor(k) for k in keys}
 
 
 @dataclass
@@ -106,7 +204,12 @@ class CalibrationSet:
         return json.loads((self.root / "sequences.json").read_text())
 
     def expert_features(self) -> dict[str, torch.Tensor]:
+        """All expert features concatenated (see :func:`load_shards`; small sets only)."""
         return load_shards(self.root)
+
+    def expert_shards(self) -> "ShardedFeatures":
+        """The expert features, read shard by shard (:class:`ShardedFeatures`)."""
+        return ShardedFeatures(self.root)
 
 
 @dataclass
@@ -119,7 +222,12 @@ class FeatureSet:
     key: str
 
     def merged_features(self) -> dict[str, torch.Tensor]:
+        """All merged features concatenated (see :func:`load_shards`; small sets only)."""
         return load_shards(self.root)
+
+    def merged_shards(self) -> "ShardedFeatures":
+        """The merged features, read shard by shard (:class:`ShardedFeatures`)."""
+        return ShardedFeatures(self.root)
 
 
 def calibration_prompts(task: Task, split: str, cfg, text_model, examples) -> list[str]:
@@ -138,10 +246,11 @@ def calibration_prompts(task: Task, split: str, cfg, text_model, examples) -> li
 def numerics_key(cfg) -> dict[str, Any]:
     """The settings besides the model and the tokens that change feature values: the device (CPU
     and GPU kernels round differently) and the batch size (sequences are left-padded to the
-    longest in their batch, and batched kernels reduce in a shape-dependent order). The model's
-    dtype is in the pool's key. ``ray.shard_size`` is in the calibration key (shards are batched
-    separately)."""
-    return {"device": cfg.device, "batch_size": cfg.calibration.batch_size}
+    longest in their batch, and batched kernels reduce in a shape-dependent order), and
+    ``pool.dtype`` (features are computed and stored in the model's dtype; also in the pool key for
+    ``hf`` pools, here for every pool kind). ``ray.shard_size`` is in the calibration key (shards
+    are batched separately)."""
+    return {"device": cfg.device, "batch_size": cfg.calibration.batch_size, "dtype": cfg.pool.dtype}
 
 
 def calibration_key(cfg, task: Task, split: str, prompts: list[str], expert_key: str,

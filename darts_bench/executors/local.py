@@ -10,18 +10,29 @@ from darts_bench.executors.worker import ModelWorker
 
 
 class LocalExecutor:
-    """Runs every shard in this process, in order (the reference the Ray executor must match)."""
+    """Runs every shard in this process, in order (the reference the Ray executor must match).
+
+    The worker of the latest ``map`` call stays loaded, so consecutive calls on the same model
+    (expert generation then expert features, or every split of one merge) load it once; a call on
+    another model or :meth:`close` drops it."""
 
     name = "local"
 
     def __init__(self, batch_size: int = 8, device: str = "cpu", torch_threads: int | None = None,
                  dtype: str = "float32"):
         self.batch_size, self.device, self.torch_threads, self.dtype = batch_size, device, torch_threads, dtype
+        self._last: tuple[tuple, ModelWorker] | None = None
 
     def worker(self, model_dir: str, head_dir: str | None = None, name: str = "model") -> ModelWorker:
-        return ModelWorker(str(model_dir), head_dir=str(head_dir) if head_dir else None, name=name,
-                           device=self.device, batch_size=self.batch_size, torch_threads=self.torch_threads,
-                           dtype=self.dtype)
+        """The worker for ``(model_dir, head_dir)``: the one kept from the latest call, or a new one."""
+        key = (str(model_dir), str(head_dir) if head_dir else None)
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        self._last = None  # free the previous model before loading the next
+        w = ModelWorker(str(model_dir), head_dir=key[1], name=name, device=self.device, batch_size=self.batch_size,
+                        torch_threads=self.torch_threads, dtype=self.dtype)
+        self._last = (key, w)
+        return w
 
     def map(self, model_dir: str, op: str, payloads: Sequence[dict[str, Any]], *, head_dir: str | None = None,
             skip: set[int] = frozenset(), on_result: Callable[[int, Any], None] | None = None,
@@ -48,8 +59,12 @@ class LocalExecutor:
                         batch_size=batch_size or self.batch_size, torch_threads=self.torch_threads, dtype=self.dtype)
         return w.text_model
 
+    def release_idle(self) -> None:
+        """Drop the kept worker (frees its model)."""
+        self._last = None
+
     def close(self) -> None:
-        pass
+        self._last = None
 
 
 def make_executor(cfg) -> Any:
@@ -57,6 +72,8 @@ def make_executor(cfg) -> Any:
     if cfg.executor == "ray":
         from darts_bench.executors.ray_executor import RayExecutor
 
-        return RayExecutor(cfg)
+        # keep the latest model's actors between calls: collection runs model-major, so each
+        # expert and each merge starts its actors once; Pipeline.collect releases them at the end
+        return RayExecutor(cfg, keep_idle=True)
     return LocalExecutor(batch_size=cfg.calibration.batch_size, device=cfg.device, torch_threads=cfg.torch_threads,
                          dtype=cfg.pool.dtype)

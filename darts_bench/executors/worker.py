@@ -21,7 +21,7 @@ def hidden_state_features(model, sequences: list[list[int]], pad_id: int, batch_
             ``position_ids`` from the attention mask, so a sequence's features do not depend on what
             it is batched with (bitwise in bfloat16 too).
     Returns:
-        ``h`` ``[N, d_model]`` float32, ``entropy`` ``[N]`` float32 (nats), ``positions`` ``[N]`` int64
+        ``h`` ``[N, d_model]`` in the model's dtype (float32 on the tiny tier, bf16 at scale), ``entropy`` ``[N]`` float32 (nats), ``positions`` ``[N]`` int64
         (absolute, from 0), ``seq_index`` ``[N]`` int64 (index into ``sequences``); N = total tokens,
         sequences in order, tokens in order.
     """
@@ -39,7 +39,7 @@ def hidden_state_features(model, sequences: list[list[int]], pad_id: int, batch_
         ent = next_token_entropy(model.lm_head(h))  # [batch, seq]
         for i, s in enumerate(chunk):
             n = len(s)
-            hs.append(h[i, L - n:].float().cpu())
+            hs.append(h[i, L - n:].cpu())
             ents.append(ent[i, L - n:].float().cpu())
             poss.append(torch.arange(n, dtype=torch.long))
             sids.append(torch.full((n,), start + i, dtype=torch.long))
@@ -73,7 +73,9 @@ class ModelWorker:
             return tm.score(payload["contexts"], payload["continuations"])
         if op == "features":
             feats = hidden_state_features(tm.model, payload["sequences"], tm.tokenizer.pad_token_id, tm.batch_size)
-            return {k: v.numpy() for k, v in feats.items()}
+            from darts_bench.collect.features import encode_features
+
+            return encode_features(feats)
         if op == "ping":
             return "ok"
         raise ValueError(f"unknown worker op {op!r}")

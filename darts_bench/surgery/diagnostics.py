@@ -14,17 +14,23 @@ For a merged model, with and without a head, against the task expert:
   was observed), so it is not the best a head can do. ``gap_closed`` =
   ``(KL_merged - KL_row) / (KL_merged - KL_floor)``: 1 = as close to the expert as its own hidden
   state is; above 1 possible.
+
+:class:`Diagnostics` computes them on ``cfg.device``, batched over tokens, and computes
+``kl_floor`` once per token set for all heads.
 """
 
 from __future__ import annotations
 
+import copy
 import math
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
 
 from darts_bench.surgery.heads import CorrectionHead
 from darts_bench.surgery.losses import entropy_weights, kl_divergence, token_l1
+from darts_bench.surgery.train import TokenData
 
 
 @torch.no_grad()
@@ -80,44 +86,122 @@ def position_slope(positions: np.ndarray, values: np.ndarray, n_boot: int = 1000
     return {"slope": est, "ci_low": float(lo), "ci_high": float(hi)}
 
 
+class Diagnostics:
+    """Diagnostics of one token set (held-out calibration tokens, or reference answers) of one
+    merged model, for any number of heads.
+
+    The tokens come as a stream of float32 :class:`~darts_bench.surgery.train.TokenData` batches
+    (``batches()`` is called once per head; each batch is moved to ``device``), so neither the
+    features nor the ``[tokens, vocab]`` logits are ever held whole. The ``lm_head`` weights are
+    moved to ``device`` once. ``kl_floor`` does not depend on the head: it is computed on the first
+    call (per token) and reused by every later call. :meth:`many` diagnoses several heads in one
+    pass over the stream.
+
+    Args:
+        batches: re-iterable source of batches (``h_merged``, ``h_expert`` ``[n, d]`` float32,
+            ``positions`` ``[n]`` int64, ``weight_source`` ``[n]`` nats).
+        mean_h: the training tokens' mean weight source (nats); w_max: weight cap.
+        lm_head_expert, lm_head_merged: ``[V, d]`` output weights (cast to float32).
+        device: torch device of the matmuls (``cfg.device``).
+        batch_tokens: tokens per matmul (logits ``[batch_tokens, V]`` float32, three at a time).
+    """
+
+    def __init__(self, batches: Callable[[], Iterable], mean_h: float, w_max: float, lm_head_expert: torch.Tensor,
+                 lm_head_merged: torch.Tensor, device: str | torch.device = "cpu", batch_tokens: int = 2048):
+        self.batches, self.mean_h, self.w_max = batches, mean_h, w_max
+        self.device = torch.device(device)
+        self.W_e = lm_head_expert.to(self.device, torch.float32)
+        self.W_m = lm_head_merged.to(self.device, torch.float32)
+        self.batch_tokens = batch_tokens
+        self._floor: torch.Tensor | None = None  # [N] per-token KL floor (nats), cpu
+        self.floor_computations = 0  # how often the floor was computed (1 after any number of calls)
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in the stream (known after the first call)."""
+        if self._floor is None:
+            raise RuntimeError("n_tokens is known after the first call")
+        return int(self._floor.numel())
+
+    def _on_device(self, head: CorrectionHead | None):
+        if head is None:
+            return None
+        p = next(head.parameters(), None)
+        if p is None or p.device == self.device:
+            return head
+        return copy.deepcopy(head).to(self.device)
+
+    def __call__(self, head: CorrectionHead | None) -> dict:
+        """All diagnostics of ``head`` (None: the plain merged model); see :func:`diagnose`."""
+        return self.many([head])[0]
+
+    @torch.no_grad()
+    def many(self, heads: list[CorrectionHead | None]) -> list[dict]:
+        """Diagnostics of several heads in one pass over the token stream (the features are read
+        once for all of them); same values as one call per head."""
+        heads = [self._on_device(h) for h in heads]
+        need_floor = self._floor is None
+        per = [{"l1": [], "kl": [], "agree": []} for _ in heads]
+        floors, poss, ents = [], [], []
+        for b in self.batches():
+            for s in range(0, len(b), self.batch_tokens):
+                hm = b.h_merged[s:s + self.batch_tokens].to(self.device, torch.float32)
+                he = b.h_expert[s:s + self.batch_tokens].to(self.device, torch.float32)
+                pos = b.positions[s:s + self.batch_tokens]
+                le = he @ self.W_e.T
+                for head, acc in zip(heads, per):
+                    out = hm if head is None else head(hm, pos.to(self.device))
+                    acc["l1"].append(token_l1(out, he).cpu())
+                    kl, ag = agreement(le, out.float() @ self.W_m.T)
+                    acc["kl"].append(kl.cpu())
+                    acc["agree"].append(ag.cpu())
+                if need_floor:
+                    floors.append(kl_divergence(le, he @ self.W_m.T).cpu())
+                poss.append(pos)
+                ents.append(b.weight_source[s:s + self.batch_tokens])
+        if need_floor:
+            self._floor = torch.cat(floors)
+            self.floor_computations += 1
+        positions, entropy = torch.cat(poss), torch.cat(ents).float()
+        if self._floor.shape != positions.shape:
+            raise ValueError(f"token stream changed between calls: {positions.numel()} tokens vs {self._floor.numel()}")
+        w = entropy_weights(entropy, self.mean_h, self.w_max)
+        pos = positions.numpy()
+        qs = torch.quantile(entropy, torch.tensor([0.25, 0.5, 0.75]))
+        bins = torch.bucketize(entropy, qs)
+        out = []
+        for acc in per:
+            l1, kl = torch.cat(acc["l1"]), torch.cat(acc["kl"])
+            out.append({
+                "rep_l1": float(l1.mean()),
+                "rep_l1_ew": float((l1 * w).sum() / l1.numel()),
+                "kl_expert": float(kl.mean()),
+                "agree_top1": float(torch.cat(acc["agree"]).mean()),
+                "kl_floor": float(self._floor.mean()),
+                "l1_by_position": {int(p): float(l1[positions == p].mean()) for p in np.unique(pos)},
+                "l1_by_entropy": {f"q{i + 1}": float(l1[bins == i].mean()) if (bins == i).any() else None
+                                  for i in range(4)},
+                "per_token_l1": l1.tolist(),
+            })
+        return out
+
+
 @torch.no_grad()
 def diagnose(head: CorrectionHead | None, h_merged: torch.Tensor, h_expert: torch.Tensor,
              positions: torch.Tensor, entropy: torch.Tensor, mean_h: float, w_max: float,
-             lm_head_expert: torch.Tensor, lm_head_merged: torch.Tensor, chunk: int = 2048) -> dict:
-    """All diagnostics for one (merged model, head or None) on held-out tokens.
+             lm_head_expert: torch.Tensor, lm_head_merged: torch.Tensor, chunk: int = 2048,
+             device: str | torch.device = "cpu") -> dict:
+    """All diagnostics for one (merged model, head or None) on held-out tokens held in memory
+    (one call of :class:`Diagnostics`; use that class to reuse ``kl_floor`` across heads).
 
     Args:
         h_merged, h_expert: ``[N, d]`` float32; positions ``[N]`` int64; entropy ``[N]`` (nats,
-        the weight source); lm_head_*: ``[V, d]`` output weights.
+        the weight source); lm_head_*: ``[V, d]`` output weights; chunk: tokens per matmul.
     Returns:
         a dict with ``rep_l1``, ``rep_l1_ew``, ``kl_expert``, ``agree_top1``, ``kl_floor``,
         ``l1_by_position`` ({position: mean L1}), ``l1_by_entropy`` (quartile -> mean L1) and
         ``per_token_l1`` (list, for slopes).
     """
-    out = h_merged if head is None else head(h_merged, positions)
-    l1 = token_l1(out, h_expert)  # [N]
-    w = entropy_weights(entropy, mean_h, w_max)
-    kls, agrees, floors = [], [], []
-    for s in range(0, out.shape[0], chunk):
-        le = h_expert[s:s + chunk] @ lm_head_expert.T
-        lm = out[s:s + chunk].float() @ lm_head_merged.T
-        kl, ag = agreement(le, lm)
-        kls.append(kl)
-        agrees.append(ag)
-        floors.append(kl_divergence(le, h_expert[s:s + chunk] @ lm_head_merged.T))
-    kl = torch.cat(kls)
-    pos = positions.numpy()
-    by_pos = {int(p): float(l1[positions == p].mean()) for p in np.unique(pos)}
-    qs = torch.quantile(entropy.float(), torch.tensor([0.25, 0.5, 0.75]))
-    bins = torch.bucketize(entropy.float(), qs)
-    by_ent = {f"q{i + 1}": float(l1[bins == i].mean()) if (bins == i).any() else None for i in range(4)}
-    return {
-        "rep_l1": float(l1.mean()),
-        "rep_l1_ew": float((l1 * w).sum() / l1.numel()),
-        "kl_expert": float(kl.mean()),
-        "agree_top1": float(torch.cat(agrees).mean()),
-        "kl_floor": float(torch.cat(floors).mean()),
-        "l1_by_position": by_pos,
-        "l1_by_entropy": by_ent,
-        "per_token_l1": l1.tolist(),
-    }
+    data = TokenData(h_merged, h_expert, positions, positions, entropy)
+    return Diagnostics(lambda: [data], mean_h, w_max, lm_head_expert, lm_head_merged, device=device,
+                       batch_tokens=chunk)(head)

@@ -37,6 +37,15 @@ class TokenData:
     def __len__(self) -> int:
         return self.h_merged.shape[0]
 
+    @property
+    def dim(self) -> int:
+        """``d_model``."""
+        return int(self.h_merged.shape[1])
+
+    def materialize(self) -> "TokenData":
+        """Itself (a :class:`darts_bench.surgery.data.TokenView` gathers its tokens here)."""
+        return self
+
 
 def split_by_sequence(n_sequences: int, held_out_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """Deterministic (train, held-out) split of sequence indices; at least one of each."""
@@ -115,6 +124,7 @@ class TrainResult:
 @torch.no_grad()
 def evaluate_losses(head: CorrectionHead | None, data: TokenData, mean_h: float, w_max: float) -> dict[str, float]:
     """Plain L1 and entropy-weighted L1 of ``head`` (identity when None) on ``data``."""
+    data = data.materialize()
     out = data.h_merged if head is None else head(data.h_merged, data.positions)
     w = entropy_weights(data.weight_source, mean_h, w_max)
     return {"l1": float(l1_loss(out, data.h_expert)), "l1_ew": float(weighted_l1_loss(out, data.h_expert, w))}
@@ -125,14 +135,16 @@ def train_head(method: str, train: TokenData, val: TokenData, scfg, seed: int) -
 
     Args:
         method: ``surgery`` | ``darts`` | ``darts_ew_only`` | ``darts_pos_only``.
-        train, val: token features (val = held-out sequences, never trained on).
+        train, val: token features (val = held-out sequences, never trained on): :class:`TokenData`
+            or lazy :class:`darts_bench.surgery.data.TokenView` (batches gathered per step).
         scfg: :class:`darts_bench.config.SurgeryConfig` (rank, lr, epochs, batch_size, w_max, ...).
         seed: seeds the head init and the batch order.
     Returns:
         the trained head (eval mode) and a history with per-epoch train loss and validation
         L1 / entropy-weighted L1 (before training and after each epoch).
     """
-    d = train.h_merged.shape[1]
+    d = train.dim
+    val = val.materialize()  # held-out tokens, gathered once (evaluated after every epoch)
     head = build_head(method, d, rank=scfg.rank, max_len=scfg.max_len, overflow=scfg.overflow, seed=seed)
     mean_h = float(train.weight_source.float().mean())
     if not math.isfinite(mean_h) or mean_h <= 0:

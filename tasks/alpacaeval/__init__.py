@@ -132,6 +132,7 @@ class AlpacaEvalTask(Task):
     per_example_keys = {"alpacaeval_win_rate": "win"}
     metric_scale = {"alpacaeval_win_rate": 100.0}  # per-example wins are 0 / 0.5 / 1, the win rate in %
     extra_columns = ("alpacaeval_unparsed", "alpacaeval_win_rate_kind", "alpacaeval_judge_consistency", "alpacaeval_win_rate_flag")
+    data_folders = ("alpaca_eval",)
     official_size = OFFICIAL_SIZE
     typical_tokens = {"prompt": 50, "reference": 350}
     judge_template_tokens = 200  # judge instructions around the two outputs (dry-run estimate)

@@ -148,6 +148,7 @@ class GSM8KTask(Task):
     extra_columns = ("gsm8k_no_answer_rate",)  # no extractable answer under the strict filter
     protocol = "lm-eval"  # tasks.gsm8k.protocol; set by the runner before examples()
     config_model = GSM8KConfig
+    data_folders = ("gsm8k",)
     official_size = 1319  # test split
     typical_tokens = {"prompt": 70, "reference": 110, "per_shot": 180}
     order = 2

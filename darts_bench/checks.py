@@ -1,0 +1,58 @@
+"""Checks a run makes before any work, shared by the real run and ``--dry-run`` (no torch here).
+
+* :func:`check_data_dir`: a data dir that is given (``--data-dir`` / ``data_dir`` /
+  ``DARTS_BENCH_DATA``) must be a directory holding each selected task's folders (``Task.data_folders``).
+* :func:`check_output_dir`: the output and work dirs must be (or be creatable as) writable
+  directories. ``create=False`` (the dry run) creates nothing: the nearest existing ancestor must be a
+  writable directory and nothing on the way may be a file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from darts_bench.data import DataError
+
+
+
+def check_data_dir(data_dir: Path | None, tasks: list[str]) -> None:
+    """Raises DataError naming the dir when a given data dir, or a task's folder in it, is missing.
+    ``None`` (no data dir given) passes: the tasks report it when they need a file."""
+    if data_dir is None:
+        return
+    d = Path(data_dir)
+    if not d.is_dir():
+        raise DataError(f"data dir {d} does not exist or is not a directory; pass --data-dir or set "
+                        "DARTS_BENCH_DATA to a copy of shared/data")
+    from darts_bench.api import task_class
+
+    # each task declares the data-dir folders it cannot run without (Task.data_folders)
+    missing = [f"{t} ({d / f})" for t in tasks for f in task_class(t).data_folders if not (d / f).is_dir()]
+    if missing:
+        raise DataError(f"data dir {d} lacks the folder of: {', '.join(missing)} (it must follow shared/data's layout)")
+
+
+def check_output_dir(d: Path, what: str, create: bool = True) -> None:
+    """Raises PermissionError naming ``d`` when it cannot be used as a writable directory.
+
+    With ``create`` the dir is made and a probe file written and removed (what a real run does);
+    without, nothing is created."""
+    d = Path(d)
+    hint = "choose another with --out / --set work_dir=..."
+    if create:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            probe = d / f".darts-tmp-{os.getpid()}-probe"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as e:
+            raise PermissionError(f"{what} {d} is not writable ({e.strerror}); {hint}") from None
+        return
+    p = d.absolute()
+    while not p.exists():
+        p = p.parent
+    if not p.is_dir():
+        raise PermissionError(f"{what} {d} cannot be created: {p} is a file; {hint}")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise PermissionError(f"{what} {d} is not writable ({p} does not allow writing); {hint}")
