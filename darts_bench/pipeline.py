@@ -23,6 +23,7 @@ from darts_bench.artifacts import cached, clean_stale_temps, stable_hash
 from darts_bench.collect.features import (CalibrationSet, FeatureSet, calibration_prompts, collect_calibration,
                                           collect_merged)
 from darts_bench.config import TASK_NAMES, Config
+from darts_bench.evaluate.backends import backend_key, check_backends, text_model
 from darts_bench.executors.local import make_executor
 from darts_bench.surgery.diagnostics import diagnose, gap_closed, position_slope
 from darts_bench.surgery.heads import save_head
@@ -78,6 +79,7 @@ class Pipeline:
         self._cache: dict[str, Any] = {}
         self.timings: dict[str, float] = {}
         self._executor = None
+        check_backends(cfg)  # evaluate/calibration backend vllm without vllm: fail before any stage
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
 
@@ -92,6 +94,10 @@ class Pipeline:
         if self._executor is not None:
             self._executor.close()
             self._executor = None
+        if "vllm" in (self.cfg.evaluate.backend, self.cfg.calibration.backend):
+            from darts_bench.evaluate.backends.vllm import shutdown_engines
+
+            shutdown_engines()
 
     def _stage(self, name: str, fn):
         if name in self._cache:
@@ -305,8 +311,8 @@ class Pipeline:
 
     def _text_model(self, row: Row, task_name: str | None):
         head_dir = row.heads.get(task_name) if task_name else None
-        return self.executor.text_model(row.model, str(row.model_dir), str(head_dir) if head_dir else None,
-                                        batch_size=self.cfg.tasks.batch_size)
+        return text_model(self.cfg, self.executor, row.model, str(row.model_dir),
+                          str(head_dir) if head_dir else None, batch_size=self.cfg.tasks.batch_size)
 
     def _evaluate_one(self, row: Row, task: Task, examples: list[Example], by_name: dict[str, Row],
                       results: dict) -> TaskResult:
@@ -317,7 +323,8 @@ class Pipeline:
             judge_key = judge.model_key if judge else tcfg.judge.model
         key = stable_hash({"model": row.model_key, "task": task.name, "version": task.version,
                            "cfg": tcfg.model_dump(mode="json"), "n": len(examples), "seed": self.cfg.seed,
-                           "judge": judge_key, "ex": stable_hash([(e.id, e.prompt, e.reference) for e in examples])})
+                           "judge": judge_key, "ex": stable_hash([(e.id, e.prompt, e.reference) for e in examples]),
+                           **backend_key(self.cfg.evaluate.backend, self.cfg.evaluate.vllm, self.cfg.pool.dtype)})
         final = self.work_dir / "eval" / f"{row.model.replace(':', '_')}-{task.name}-{key}"
 
         def build(tmp: Path) -> None:
@@ -326,7 +333,7 @@ class Pipeline:
             def get_model(name: str):
                 if name not in by_name:
                     if Path(name).is_dir():
-                        tm = self.executor.text_model(name, name, None, batch_size=self.cfg.tasks.batch_size)
+                        tm = text_model(self.cfg, self.executor, name, name, None, batch_size=self.cfg.tasks.batch_size)
                         opened.append(tm)
                         return tm
                     raise KeyError(f"no model row {name!r} (rows: {sorted(by_name)})")

@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from darts_bench.api import Task
 from darts_bench.artifacts import cached, stable_hash
+from darts_bench.evaluate.backends import backend_key
 
 log = logging.getLogger("darts_bench")
 
@@ -147,7 +148,8 @@ def collect_calibration(cfg, task: Task, split: str, prompts: list[str], expert_
     cal = cfg.calibration
     key = stable_hash({"expert": expert_key, "task": task.name, "version": task.version, "split": split,
                        "prompts": stable_hash(prompts), "refs": stable_hash(references), "max_new": cal.max_new_tokens,
-                       "max_prompt": cal.max_prompt_tokens, "shard": cfg.ray.shard_size})
+                       "max_prompt": cal.max_prompt_tokens, "shard": cfg.ray.shard_size,
+                       **backend_key(cal.backend, cfg.evaluate.vllm, cfg.pool.dtype)})
     final = work_dir / "calibration" / f"{task.name}-{split}-{key}"
 
     def build(tmp: Path) -> None:
@@ -157,6 +159,12 @@ def collect_calibration(cfg, task: Task, split: str, prompts: list[str], expert_
         if references is not None:
             gen_ids = [tokenizer(r, add_special_tokens=False)["input_ids"][:cal.max_prompt_tokens]
                        for r in references]
+        elif cal.backend == "vllm":  # the same continuation from the expert's vLLM engine
+            from darts_bench.evaluate.backends.vllm import engine_for
+
+            eng = engine_for(expert_dir, cfg.evaluate.vllm, cfg.pool.dtype, seed=cfg.seed)
+            gens = eng.text_model(task.expert).generate_ids(prompt_ids, max_new_tokens=cal.max_new_tokens)
+            gen_ids = [s[0] for s in gens]
         else:  # the expert's greedy continuation of exactly these (truncated) prompt tokens
             gen_payloads = [{"prompts": prompt_ids[i:i + cfg.ray.shard_size],
                              "kwargs": {"max_new_tokens": cal.max_new_tokens}}
