@@ -268,12 +268,17 @@ class VLLMConfig(_Strict):
     enable_prefix_caching: bool = True
     enforce_eager: bool = Field(True, description="no torch.compile / CUDA graphs: start-up 25-120 s "
                                 "instead of minutes on CPU")
-    kv_cache_gb: float = Field(2.0, gt=0, description="CPU: KV cache GiB (VLLM_CPU_KVCACHE_SPACE)")
+    kv_cache_gb: int = Field(2, ge=1, description="CPU: KV cache, whole GiB (VLLM_CPU_KVCACHE_SPACE)")
     cpu_threads_bind: str | None = Field(
         None, description="CPU: cores for the worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND, e.g. "
         "'0-1'); None: the cores this process may run on (vLLM's 'auto' keeps one for the scheduler)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU: share of memory for weights + KV")
     tensor_parallel_size: int = Field(1, ge=1)
+
+    @field_validator("cpu_threads_bind", mode="before")
+    @classmethod
+    def _bind_str(cls, v: Any) -> Any:
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v  # `--set ...=0` parses as int
 
 
 class EvaluateConfig(_Strict):

