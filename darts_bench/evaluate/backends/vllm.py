@@ -93,11 +93,12 @@ class VLLMEngine:
             eos = hf_cfg.eos_token_id
         self.eos_ids = sorted(set(eos if isinstance(eos, list) else [eos])) if eos is not None else []
         self.max_position = getattr(hf_cfg, "max_position_embeddings", None) or 1024
-        # HF truncates prompts to min(1024, max_position) tokens and then generates past that: the
-        # default leaves room for 512 new tokens (and one for scoring a full-length context)
-        self.max_model_len = vcfg.max_model_len or min(1024, self.max_position) + 512
+        # vLLM's rotary tables end at max_position_embeddings (HF extrapolates past it): a request
+        # holds at most max_position tokens plus the last sampled one, which is never fed back, so
+        # a full-length context can be scored (max_tokens=1) and generation stops at the window
+        self.max_model_len = vcfg.max_model_len or self.max_position + 1
         if self.max_model_len > self.max_position:
-            os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"  # positions past the trained range, as HF allows
+            os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
         self.head_dir = ""
 
         from vllm import LLM
@@ -246,8 +247,9 @@ class VLLMTextModel:
             if room < 1:
                 raise ValueError(f"prompt {i} has {len(p)} tokens; the engine's max_model_len is {eng.max_model_len} "
                                  "(set evaluate.vllm.max_model_len)")
-            if room < max_new_tokens:
-                log.warning("prompt %d: %d tokens + %d new exceed max_model_len %d; generating %d",
+            if room < max_new_tokens:  # HF would go on past the model's context window
+                log.warning("prompt %d: %d tokens + %d new exceed the engine's max_model_len %d; generating %d "
+                            "(HF extrapolates past max_position_embeddings, vLLM does not)",
                             i, len(p), max_new_tokens, eng.max_model_len, room)
             params.append(SamplingParams(
                 n=num_samples, max_tokens=min(max_new_tokens, room), temperature=temperature,
