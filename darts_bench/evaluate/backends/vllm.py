@@ -200,7 +200,7 @@ class VLLMTextModel:
         engine: the engine of the row's model dir.
         head_dir: the row's head dir (None: plain model); set on the engine before each call.
         batch_size: kept for the TextModel API; vLLM schedules requests itself
-            (``evaluate.vllm.max_num_seeds``).
+            (``evaluate.vllm.max_num_seqs``).
         max_length: prompt (and scored context + continuation) limit, tokens, truncated from the
             left; default ``min(1024, max_position_embeddings)`` as on the HF path.
     """
