@@ -33,6 +33,7 @@ BENCHES = {
     "train": "bench_train.py",
     "generate": "bench_generate.py",
     "merge_memory": "bench_merge_memory.py",
+    "generate_vllm": "bench_generate_vllm.py",  # SKIPPED without vllm (run it from .venv-vllm)
 }
 EXTRA = {"ray_collect": "bench_ray_collect.py"}  # optional (--with-ray): starts a local Ray cluster
 

@@ -153,6 +153,8 @@ class CalibrationConfig(_Strict):
     max_prompt_tokens: int = Field(384, ge=8)
     held_out_fraction: float = Field(0.25, gt=0, lt=1, description="sequences kept for validation")
     batch_size: int = Field(8, ge=1)
+    backend: Literal["hf", "vllm"] = Field(
+        "hf", description="engine for the experts' greedy continuations; vllm uses evaluate.vllm settings")
 
     @field_validator("splits")
     @classmethod
@@ -255,6 +257,40 @@ class DeepSpeedConfig(_Strict):
     extra: dict[str, Any] = Field(default_factory=dict, description="merged into the DeepSpeed JSON")
 
 
+class VLLMConfig(_Strict):
+    """vLLM engine settings (``evaluate.backend: vllm`` or ``calibration.backend: vllm``; needs the
+    ``darts-bench[vllm]`` extra, see README "vLLM backend")."""
+
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="'auto': pool.dtype (compare engines in float32)")
+    max_model_len: int | None = Field(None, ge=16, description="tokens per request; None: the model's "
+                                      "max_position_embeddings + 1 (the window plus the last sampled token)")
+    max_num_seqs: int = Field(32, ge=1, description="requests batched per engine step")
+    max_num_batched_tokens: int | None = Field(None, ge=16, description="tokens per step (chunked prefill)")
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = Field(True, description="no torch.compile / CUDA graphs: start-up 25-120 s "
+                                "instead of minutes on CPU")
+    kv_cache_gb: int = Field(2, ge=1, description="CPU: KV cache, whole GiB (VLLM_CPU_KVCACHE_SPACE)")
+    cpu_threads_bind: str | None = Field(
+        None, description="CPU: cores for the worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND, e.g. "
+        "'0-1'); None: the cores this process may run on (vLLM's 'auto' keeps one for the scheduler)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU: share of memory for weights + KV")
+    tensor_parallel_size: int = Field(1, ge=1)
+
+    @field_validator("cpu_threads_bind", mode="before")
+    @classmethod
+    def _bind_str(cls, v: Any) -> Any:
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v  # `--set ...=0` parses as int
+
+
+class EvaluateConfig(_Strict):
+    """Generation/scoring engine of the evaluate stage (``hf``: transformers, the reference)."""
+
+    backend: Literal["hf", "vllm"] = "hf"
+    vllm: VLLMConfig = VLLMConfig()
+
+
 class Config(_Strict):
     """The whole run."""
 
@@ -273,6 +309,7 @@ class Config(_Strict):
     executor: Literal["local", "ray"] = "local"
     ray: RayConfig = RayConfig()
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
+    evaluate: EvaluateConfig = EvaluateConfig()
 
     @field_validator("merges")
     @classmethod

@@ -21,6 +21,7 @@ from darts_bench.artifacts import cached, clean_stale_temps, stable_hash
 from darts_bench.collect.features import (CalibrationSet, FeatureSet, calibration_prompts, collect_calibration,
                                           collect_merged)
 from darts_bench.config import Config
+from darts_bench.evaluate.backends import backend_key, check_backends, text_model
 from darts_bench.executors.local import make_executor
 from darts_bench.pool.checkpoint import lm_head_weight
 from darts_bench.surgery.data import answer_prediction_mask  # noqa: F401 - public here since the rehearsal issue
@@ -81,6 +82,7 @@ class Pipeline:
         self._cache: dict[str, Any] = {}
         self.timings: dict[str, float] = {}
         self._executor = None
+        check_backends(cfg)  # evaluate/calibration backend vllm without vllm: fail before any stage
         if cfg.torch_threads:
             torch.set_num_threads(cfg.torch_threads)
 
@@ -95,6 +97,10 @@ class Pipeline:
         if self._executor is not None:
             self._executor.close()
             self._executor = None
+        if "vllm" in (self.cfg.evaluate.backend, self.cfg.calibration.backend):
+            from darts_bench.evaluate.backends.vllm import shutdown_engines
+
+            shutdown_engines()
 
     def _stage(self, name: str, fn):
         """Run a stage once (cached in memory). ``timings[name]``: its exclusive wall time (s): the
@@ -372,6 +378,9 @@ class Pipeline:
 
     def _text_model(self, row: Row, task_name: str | None, pin: bool = False):
         head_dir = row.heads.get(task_name) if task_name else None
+        if self.cfg.evaluate.backend != "hf":  # vLLM: the backend keeps its engines (one per model dir)
+            return text_model(self.cfg, self.executor, row.model, str(row.model_dir),
+                              str(head_dir) if head_dir else None, batch_size=self.cfg.tasks.batch_size)
         models = getattr(self, "_models", None)
         if models is not None:
             return models.get(row.model, row.model_dir, head_dir, pin=pin)
@@ -388,7 +397,9 @@ class Pipeline:
         return stable_hash({"model": model_key if model_key is not None else row.model_key, "task": task.name, "version": task.version,
                             "cfg": tcfg.model_dump(mode="json"), "n": len(examples), "seed": self.cfg.seed,
                             "judge": judge_key, "ex": stable_hash([(e.id, e.prompt, e.reference) for e in examples]),
-                            "numerics": {"device": self.cfg.device, "batch_size": self.cfg.tasks.batch_size}})
+                            "numerics": {"device": self.cfg.device, "batch_size": self.cfg.tasks.batch_size},
+                            # the generation engine (empty for hf: HF keys unchanged)
+                            **backend_key(self.cfg.evaluate.backend, self.cfg.evaluate.vllm, self.cfg.pool.dtype)})
 
     def _evaluate_one(self, row: Row, task: Task, examples: list[Example], by_name: dict[str, Row],
                       results: dict) -> TaskResult:
@@ -407,8 +418,10 @@ class Pipeline:
             def get_model(name: str):
                 if name not in by_name:
                     if Path(name).is_dir():
-                        tm = (self._models.get(name, name, None, pin=True) if getattr(self, "_models", None)
-                              else self.executor.text_model(name, name, None, batch_size=self.cfg.tasks.batch_size))
+                        tm = (self._models.get(name, name, None, pin=True)
+                              if getattr(self, "_models", None) and self.cfg.evaluate.backend == "hf"
+                              else text_model(self.cfg, self.executor, name, name, None,
+                                              batch_size=self.cfg.tasks.batch_size))
                         opened.append(tm)
                         return tm
                     raise KeyError(f"no model row {name!r} (rows: {sorted(by_name)})")

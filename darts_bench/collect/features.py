@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from darts_bench.api import Task
 from darts_bench.artifacts import cached, stable_hash
+from darts_bench.evaluate.backends import backend_key
 
 log = logging.getLogger("darts_bench")
 
@@ -256,12 +257,13 @@ def numerics_key(cfg) -> dict[str, Any]:
 def calibration_key(cfg, task: Task, split: str, prompts: list[str], expert_key: str,
                     references: list[str] | None = None) -> str:
     """Cache key of a calibration set: expert model key, task (name, version), split, prompts,
-    references, token caps, shard size and :func:`numerics_key`."""
+    references, token caps, shard size, :func:`numerics_key` and the generation backend (empty for
+    ``hf``, so HF keys are unchanged by it)."""
     cal = cfg.calibration
     return stable_hash({"expert": expert_key, "task": task.name, "version": task.version, "split": split,
                         "prompts": stable_hash(prompts), "refs": stable_hash(references), "max_new": cal.max_new_tokens,
                         "max_prompt": cal.max_prompt_tokens, "shard": cfg.ray.shard_size,
-                        "numerics": numerics_key(cfg)})
+                        "numerics": numerics_key(cfg), **backend_key(cal.backend, cfg.evaluate.vllm, cfg.pool.dtype)})
 
 
 def merged_key(cfg, merge_key: str, calib_key: str) -> str:
@@ -289,6 +291,12 @@ def collect_calibration(cfg, task: Task, split: str, prompts: list[str], expert_
         if references is not None:
             gen_ids = [tokenizer(r, add_special_tokens=False)["input_ids"][:cal.max_prompt_tokens]
                        for r in references]
+        elif cal.backend == "vllm":  # the same continuation from the expert's vLLM engine
+            from darts_bench.evaluate.backends.vllm import engine_for
+
+            eng = engine_for(expert_dir, cfg.evaluate.vllm, cfg.pool.dtype, seed=cfg.seed)
+            gens = eng.text_model(task.expert).generate_ids(prompt_ids, max_new_tokens=cal.max_new_tokens)
+            gen_ids = [s[0] for s in gens]
         else:  # the expert's greedy continuation of exactly these (truncated) prompt tokens
             gen_payloads = [{"prompts": prompt_ids[i:i + cfg.ray.shard_size],
                              "kwargs": {"max_new_tokens": cal.max_new_tokens}}

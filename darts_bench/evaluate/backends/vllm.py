@@ -1,0 +1,339 @@
+"""vLLM as the generation engine (``evaluate.backend: vllm``), the correction head inside it.
+
+One :class:`VLLMEngine` per model directory serves the plain row and every corrected row of that
+model: the engine's model is :class:`~darts_bench.evaluate.backends.vllm_model.DartsLlamaForCausalLM`
+(selected with ``hf_overrides``, registered by the ``vllm.general_plugins`` entry point so the
+spawned worker process sees it), and a row's head is swapped in by an RPC to the worker.
+
+Conventions shared with :class:`~darts_bench.evaluate.hf_model.HFTextModel` so that fp32 greedy
+outputs are token-identical:
+
+* prompts are tokenized here by the model's HF tokenizer (special tokens added, truncated from
+  the left to ``max_length`` = ``min(1024, max_position_embeddings)``) and passed as token ids;
+* generation stops at the generation config's eos ids; the returned ids stop before the first
+  eos/pad token; text is ``decode(ids)`` cut before the first stop sequence;
+* scoring tokenizes context and continuation separately (lm-eval's convention) and reads the
+  per-token log-probabilities from ``prompt_logprobs`` (the rank of the target gives ``greedy``).
+
+Sampling (``temperature > 0``) is seeded per request (``seed`` + prompt index), so a prompt's
+samples do not depend on which other prompts share its batch; they differ from HF's samples.
+
+Engines hold ~3.4 GB RAM on CPU for SmolLM2-135M: only one engine is alive at a time
+(:func:`engine_for` shuts the previous one down); :meth:`VLLMEngine.shutdown` stops the
+engine-core and worker processes and kills any left over, by pid.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+from darts_bench.api import ScoreContinuation
+from darts_bench.evaluate.backends import require_vllm
+from darts_bench.evaluate.backends.vllm_plugin import ARCH
+from darts_bench.evaluate.hf_model import check_checkpoint, cut_at_stop, format_chat
+
+log = logging.getLogger("darts_bench")
+
+_ENGINE: "VLLMEngine | None" = None
+
+
+def _cpu_env(vcfg) -> dict[str, str]:
+    """Environment for vLLM's CPU worker: KV cache size and explicit OpenMP core binding (vLLM's
+    ``auto`` keeps one core for the scheduler, which leaves the model one core of two)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    bind = vcfg.cpu_threads_bind or (f"{cores[0]}-{cores[-1]}" if cores == list(range(cores[0], cores[-1] + 1))
+                                     else ",".join(map(str, cores)))
+    return {"VLLM_CPU_KVCACHE_SPACE": str(vcfg.kv_cache_gb), "VLLM_CPU_OMP_THREADS_BIND": bind}
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+class VLLMEngine:
+    """One ``vllm.LLM`` over ``model_dir`` with the darts-bench model class (head slot empty).
+
+    Args:
+        model_dir: HF checkpoint dir (Llama architecture).
+        vcfg: :class:`darts_bench.config.VLLMConfig`.
+        dtype: ``float32`` | ``bfloat16`` | ``float16`` (``vcfg.dtype`` wins unless ``auto``).
+        seed: engine seed (per-request seeds are set on each sampled request).
+
+    Raises:
+        ImportError: vllm is not installed (message with the install command);
+        FileNotFoundError / ValueError: the checkpoint dir is incomplete or corrupt.
+    """
+
+    def __init__(self, model_dir: str | Path, vcfg, dtype: str = "float32", seed: int = 0):
+        require_vllm("evaluate.backend=vllm")
+        import psutil
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        check_checkpoint(model_dir)
+        self.model_dir, self.vcfg = str(model_dir), vcfg
+        self.dtype = dtype if vcfg.dtype == "auto" else vcfg.dtype
+        hf_cfg = AutoConfig.from_pretrained(self.model_dir)
+        if "LlamaForCausalLM" not in (hf_cfg.architectures or []):
+            raise ValueError(f"{model_dir}: the vLLM backend supports LlamaForCausalLM checkpoints, "
+                             f"got {hf_cfg.architectures}; use evaluate.backend=hf")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.tokenizer.truncation_side = "left"
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        try:
+            eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
+        except OSError:
+            eos = hf_cfg.eos_token_id
+        self.eos_ids = sorted(set(eos if isinstance(eos, list) else [eos])) if eos is not None else []
+        self.max_position = getattr(hf_cfg, "max_position_embeddings", None) or 1024
+        # vLLM's rotary tables end at max_position_embeddings (HF extrapolates past it): a request
+        # holds at most max_position tokens plus the last sampled one, which is never fed back, so
+        # a full-length context can be scored (max_tokens=1) and generation stops at the window
+        self.max_model_len = vcfg.max_model_len or self.max_position + 1
+        if self.max_model_len > self.max_position:
+            os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+        self.head_dir = ""
+
+        from vllm import LLM
+
+        if _on_cpu():
+            for k, v in _cpu_env(vcfg).items():
+                os.environ[k] = v  # the config wins over the environment
+        before = {p.pid for p in psutil.Process().children(recursive=True)}
+        kwargs = dict(model=self.model_dir, tokenizer=self.model_dir, dtype=self.dtype, seed=seed,
+                      max_model_len=self.max_model_len, max_num_seqs=vcfg.max_num_seqs,
+                      enable_chunked_prefill=vcfg.enable_chunked_prefill,
+                      enable_prefix_caching=vcfg.enable_prefix_caching, enforce_eager=vcfg.enforce_eager,
+                      tensor_parallel_size=vcfg.tensor_parallel_size,
+                      hf_overrides={"architectures": [ARCH], "darts_head_dir": ""},
+                      worker_extension_cls="darts_bench.evaluate.backends.vllm_model.DartsWorkerExtension",
+                      disable_log_stats=True)
+        if vcfg.max_num_batched_tokens:
+            kwargs["max_num_batched_tokens"] = vcfg.max_num_batched_tokens
+        if not _on_cpu():
+            kwargs["gpu_memory_utilization"] = vcfg.gpu_memory_utilization
+        t0 = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.startup_s = time.perf_counter() - t0
+        self._pids = {p.pid for p in psutil.Process().children(recursive=True)} - before
+        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        self.step_tokens = sched.max_num_batched_tokens
+        self.chunked_prefill = bool(sched.enable_chunked_prefill)
+        self.on_cpu = _on_cpu()
+        log.info("vLLM engine for %s up in %.1f s (dtype %s, processes %s)", self.model_dir, self.startup_s,
+                 self.dtype, sorted(self._pids))
+        atexit.register(self.shutdown)
+
+    # ------------------------------------------------------------------ head
+    def set_head(self, head_dir: str | Path | None) -> None:
+        """Put ``head_dir``'s head (None: none) into the running engine's model (all workers)."""
+        want = str(head_dir) if head_dir else ""
+        if want != self.head_dir:
+            self.llm.collective_rpc("darts_set_head", args=(want,))
+            self.head_dir = want
+
+    def text_model(self, name: str, head_dir: str | Path | None = None, batch_size: int = 8,
+                   max_length: int | None = None) -> "VLLMTextModel":
+        return VLLMTextModel(name, self, head_dir, batch_size=batch_size, max_length=max_length)
+
+    # ------------------------------------------------------------------ lifecycle
+    def shutdown(self) -> None:
+        """Stop the engine and its processes; any child process it left is killed by pid."""
+        llm = getattr(self, "llm", None)
+        if llm is None:
+            return
+        self.llm = None
+        try:
+            llm.llm_engine.engine_core.shutdown()
+        except Exception as e:  # noqa: BLE001 - the processes are reaped below either way
+            log.warning("vLLM engine shutdown: %s", e)
+        del llm
+        import psutil
+
+        procs = []
+        for pid in self._pids:
+            try:
+                procs.append(psutil.Process(pid))
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(procs, timeout=10)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=10)
+
+
+def engine_for(model_dir: str | Path, vcfg, dtype: str = "float32", seed: int = 0) -> VLLMEngine:
+    """The live engine when it serves ``model_dir`` with these settings, else a new one (the
+    previous engine is shut down first: one engine at a time)."""
+    global _ENGINE
+    if _ENGINE is not None and _ENGINE.llm is not None and _ENGINE.model_dir == str(model_dir) \
+            and _ENGINE.vcfg == vcfg and _ENGINE.dtype == (dtype if vcfg.dtype == "auto" else vcfg.dtype):
+        return _ENGINE
+    shutdown_engines()
+    _ENGINE = VLLMEngine(model_dir, vcfg, dtype, seed=seed)
+    return _ENGINE
+
+
+def shutdown_engines() -> None:
+    """Shut down the engine kept by :func:`engine_for`, if any."""
+    global _ENGINE
+    if _ENGINE is not None:
+        _ENGINE.shutdown()
+        _ENGINE = None
+
+
+class VLLMTextModel:
+    """:class:`darts_bench.api.TextModel` on a :class:`VLLMEngine` with one head (or none).
+
+    Args:
+        name: row name.
+        engine: the engine of the row's model dir.
+        head_dir: the row's head dir (None: plain model); set on the engine before each call.
+        batch_size: kept for the TextModel API; vLLM schedules requests itself
+            (``evaluate.vllm.max_num_seqs``).
+        max_length: prompt (and scored context + continuation) limit, tokens, truncated from the
+            left; default ``min(1024, max_position_embeddings)`` as on the HF path.
+    """
+
+    def __init__(self, name: str, engine: VLLMEngine, head_dir: str | Path | None = None, batch_size: int = 8,
+                 max_length: int | None = None):
+        self.name, self.engine, self.head_dir = name, engine, str(head_dir) if head_dir else None
+        self.tokenizer = engine.tokenizer
+        self.batch_size = batch_size
+        self.max_length = max_length or min(1024, engine.max_position)
+
+    def close(self) -> None:
+        """No-op: the engine outlives the row (other rows of the same model reuse it)."""
+
+    def format_chat(self, user_message: str) -> str:
+        return format_chat(self.tokenizer, user_message)
+
+    def _ids(self, prompts) -> list[list[int]]:
+        if prompts and not isinstance(prompts[0], str):
+            return [list(p) for p in prompts]
+        return [self.tokenizer(p, add_special_tokens=True, truncation=True, max_length=self.max_length)["input_ids"]
+                for p in prompts]
+
+    def generate_ids(self, prompts: Sequence[str] | Sequence[Sequence[int]], *, max_new_tokens: int,
+                     stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
+                     seed: int = 0) -> list[list[list[int]]]:
+        """Generated token ids, ``[prompt][sample][token]`` (see ``HFTextModel.generate_ids``).
+
+        Raises:
+            ValueError: greedy decoding with ``num_samples != 1``.
+        """
+        from vllm import SamplingParams, TokensPrompt
+
+        if temperature == 0.0 and num_samples != 1:
+            raise ValueError("greedy decoding (temperature 0) gives one sample; set temperature > 0")
+        if not prompts:
+            return []
+        eng = self.engine
+        eng.set_head(self.head_dir)
+        ids = self._ids(prompts)
+        params = []
+        for i, p in enumerate(ids):
+            room = eng.max_model_len - len(p)
+            if room < 1:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; the engine's max_model_len is {eng.max_model_len} "
+                                 "(set evaluate.vllm.max_model_len)")
+            if room < max_new_tokens:  # HF would go on past the model's context window
+                log.warning("prompt %d: %d tokens + %d new exceed the engine's max_model_len %d; generating %d "
+                            "(HF extrapolates past max_position_embeddings, vLLM does not)",
+                            i, len(p), max_new_tokens, eng.max_model_len, room)
+            params.append(SamplingParams(
+                n=num_samples, max_tokens=min(max_new_tokens, room), temperature=temperature,
+                top_p=1.0, top_k=0 if temperature > 0 else -1, seed=seed + i if temperature > 0 else None,
+                stop=list(stop) or None, stop_token_ids=eng.eos_ids or None,
+                include_stop_str_in_output=True, skip_special_tokens=True))
+        outs = []
+        for group in self._request_groups(ids, num_samples if temperature > 0 else 0):
+            outs += eng.llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i in group],
+                                     [params[i] for i in group], use_tqdm=False)
+        cut = set(eng.eos_ids) | {self.tokenizer.pad_token_id}
+        result = []
+        for o in outs:
+            samples = []
+            for c in sorted(o.outputs, key=lambda c: c.index):
+                toks = []
+                for t in c.token_ids:
+                    if t in cut:
+                        break
+                    toks.append(t)
+                samples.append(toks)
+            result.append(samples)
+        return result
+
+    def _request_groups(self, ids: list[list[int]], num_samples: int) -> list[list[int]]:
+        """Prompt indices submitted together. vllm-cpu 0.32 cannot rewind a seeded request's
+        generator when its prefill is split into chunks (the worker dies with "CPU Generator does not
+        use offset"), so on CPU with chunked prefill, seeded (sampled) requests go in groups whose
+        prompts all fit in one scheduler step: with per-request seeds the samples do not depend on
+        the grouping. Greedy requests (``num_samples`` 0) go in one group.
+
+        Raises:
+            ValueError: a sampled prompt alone does not fit in one step on CPU.
+        """
+        eng = self.engine
+        if not (num_samples and eng.on_cpu and eng.chunked_prefill):
+            return [list(range(len(ids)))]
+        groups, cur, used = [], [], 0
+        for i, p in enumerate(ids):
+            need = len(p) * num_samples
+            if need > eng.step_tokens:
+                raise ValueError(f"prompt {i}: {len(p)} tokens x {num_samples} samples exceed one scheduler step "
+                                 f"({eng.step_tokens} tokens); seeded sampling on vllm-cpu needs unchunked prefill: "
+                                 "raise evaluate.vllm.max_num_batched_tokens or set "
+                                 "evaluate.vllm.enable_chunked_prefill=false")
+            if cur and used + need > eng.step_tokens:
+                groups.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += need
+        return groups + [cur] if cur else groups
+
+    def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
+                 num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
+        ids = self.generate_ids(prompts, max_new_tokens=max_new_tokens, stop=stop, num_samples=num_samples,
+                                temperature=temperature, seed=seed)
+        return [[cut_at_stop(self.tokenizer.decode(s, skip_special_tokens=True), stop) for s in row] for row in ids]
+
+    def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:
+        """Per-pair NLL (nats) of the continuation tokens given the context, from vLLM's
+        ``prompt_logprobs`` (same tokenization and truncation as ``HFTextModel.score``)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        if len(contexts) != len(continuations):
+            raise ValueError(f"{len(contexts)} contexts vs {len(continuations)} continuations")
+        pairs = []
+        for ctx, cont in zip(contexts, continuations):
+            c_ids = self.tokenizer(ctx, add_special_tokens=True)["input_ids"]
+            x_ids = self.tokenizer(cont, add_special_tokens=False)["input_ids"]
+            if not x_ids:
+                raise ValueError(f"empty continuation for context {ctx[:60]!r}")
+            ids = (c_ids + x_ids)[-self.max_length:]
+            pairs.append((ids, min(len(x_ids), len(ids) - 1)))
+        if not pairs:
+            return []
+        eng = self.engine
+        eng.set_head(self.head_dir)
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outs = eng.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in pairs], params, use_tqdm=False)
+        results = []
+        for (ids, n), o in zip(pairs, outs):
+            L = len(ids)
+            lps = [o.prompt_logprobs[j][ids[j]] for j in range(L - n, L)]
+            tok_nll = [-float(lp.logprob) for lp in lps]
+            results.append(ScoreContinuation(nll=float(sum(tok_nll)), n_tokens=n,
+                                             greedy=all(lp.rank == 1 for lp in lps), token_nll=tok_nll))
+        return results

