@@ -3,7 +3,7 @@
 Surgery (Yang et al., ICML 2024, Sec. 4.2, Eq. 5-6): ``h' = h - W_up ReLU(W_down h)`` with
 ``W_down: d -> r``, ``W_up: r -> d``, ``W_up`` zero-initialised so the head starts as the identity.
 
-DARTS (Sharma et al., EMNLP 2026, Sec. 3.3): ``h' = h - W_up ReLU(W_down h) + b[pos]`` with ``b`` a
+DARTS (Sharma et al., EMNLP 2026, arXiv 2608.28547, abstract: per-position bias): ``h' = h - W_up ReLU(W_down h) + b[pos]`` with ``b`` a
 zero-initialised ``[max_len, d]`` table indexed by the token's absolute position (counted from the
 attention mask, so left padding does not shift it). Positions ``>= max_len`` follow ``overflow``:
 ``clamp`` (use row ``max_len - 1``), ``zero`` (no bias), ``bucket`` (log-spaced buckets above

@@ -3,7 +3,7 @@
 Surgery (Yang et al., ICML 2024, Eq. 7): mean L1 distance between the corrected merged
 representation and the expert's, over valid tokens.
 
-DARTS (Sharma et al., EMNLP 2026, Eq. 4): ``sum_i w_i * mean_d |h'_i - h_e,i| / sum_i mask_i`` with
+DARTS (Sharma et al., EMNLP 2026, arXiv 2608.28547, abstract: entropy-weighted L1): ``sum_i w_i * mean_d |h'_i - h_e,i| / sum_i mask_i`` with
 ``w_i = min(H_i / mean(H), w_max)`` and ``H_i`` the next-token entropy (nats, fp32, detached) from
 the chosen source (expert / merged / KL(expert || merged)), ``mean(H)`` over the task's
 calibration set.

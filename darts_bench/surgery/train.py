@@ -86,7 +86,7 @@ def make_token_data(expert: dict, merged: dict, wsrc: torch.Tensor) -> TokenData
 
 
 def head_loss(head: CorrectionHead, batch: TokenData, mean_h: float, w_max: float) -> torch.Tensor:
-    """The method's loss on a token batch: L1 (Surgery, Eq. 7) or entropy-weighted L1 (DARTS, Eq. 4)."""
+    """The method's loss on a token batch: L1 (Surgery, Eq. 7) or entropy-weighted L1 (DARTS, arXiv 2608.28547)."""
     out = head(batch.h_merged, batch.positions)  # [n, d]
     if METHODS[head.cfg.method][1]:
         return weighted_l1_loss(out, batch.h_expert, entropy_weights(batch.weight_source, mean_h, w_max))
