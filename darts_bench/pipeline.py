@@ -7,9 +7,11 @@ what is cached, so a killed run resumes where it stopped.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +26,9 @@ from darts_bench.collect.features import (CalibrationSet, FeatureSet, calibratio
                                           collect_merged)
 from darts_bench.config import Config
 from darts_bench.executors.local import make_executor
-from darts_bench.surgery.diagnostics import diagnose, gap_closed, position_slope
+from darts_bench.progress import overall_bar
+from darts_bench.sweeps import seed_tag
+from darts_bench.surgery.diagnostics import diagnose, entropy_contrast, gap_closed, position_slope
 from darts_bench.surgery.heads import save_head
 from darts_bench.surgery.train import make_token_data, split_by_sequence, train_head, weight_source
 
@@ -48,6 +52,8 @@ class Row:
     model_dir: Path | None = None
     model_key: str = ""
     heads: dict[str, Path] = field(default_factory=dict)  # task -> head dir
+    variant: str = ""  # sweep tag, e.g. "[w_max=2]" ("" without a sweep)
+    seed: int | None = None  # head seed of a corrected row
 
 
 def pool_expert_names(cfg: Config) -> list[str]:
@@ -179,71 +185,98 @@ class Pipeline:
         merges, pool, tasks = self.merge(), self.pool(), self.tasks()
 
         def run():
+            n_sets = len(self.cfg.calibration.splits) + 1  # + the reference answers
+            n_tasks = sum(t.expert is not None for t, _ in tasks.values())
+            with overall_bar(n_tasks * n_sets * (1 + len(merges)), "collect", unit="feature set") as bar:
+                return collect_all(bar)
+
+        def collect_all(bar):
             tok, fmt = self._cache["tokenizer"], self._cache["formatter"]
             calib: dict[tuple[str, str], CalibrationSet] = {}
             feats: dict[tuple[str, str, str], FeatureSet] = {}
             for name, (task, examples) in tasks.items():
                 if task.expert is None:
                     continue  # no expert, no calibration: the task gets no heads
+                bar.set_postfix_str(name)
                 expert_dir = pool.path(task.expert)
                 expert_key = stable_hash([pool.key, task.expert])
                 for split in self.cfg.calibration.splits:
                     prompts = calibration_prompts(task, split, self.cfg, fmt, examples)
                     calib[(name, split)] = collect_calibration(self.cfg, task, split, prompts, expert_dir,
                                                                self.executor, tok, self.work_dir, expert_key)
+                    bar.update(1)
                 calib[(name, "reference")] = collect_calibration(
                     self.cfg, task, "reference", [e.prompt for e in examples], expert_dir, self.executor, tok,
                     self.work_dir, expert_key, references=[e.reference for e in examples])
+                bar.update(1)
                 for m, mdir in merges.items():
                     mkey = mdir.name
                     for split in (*self.cfg.calibration.splits, "reference"):
                         feats[(m, name, split)] = collect_merged(self.cfg, m, mdir, mkey, calib[(name, split)],
                                                                  self.executor, self.work_dir)
+                        bar.update(1)
             return {"calibration": calib, "features": feats}
 
         return self._stage("collect", run)
 
     def train(self) -> dict:
-        """Heads per (merge, task, method, split) + diagnostics per (merge, task, split)."""
+        """Heads per (merge, task, method, split) + diagnostics per (merge, task, split) of the first
+        sweep variant and head seed, and ``runs``: diagnostics per (merge, task, split, variant, seed)
+        and ``run_heads``: head dirs per (merge, task, method, split, variant, seed) for every variant
+        and seed (:mod:`darts_bench.sweeps`)."""
         col, merges, pool = self.collect(), self.merge(), self.pool()
-        scfg = self.cfg.surgery
+        from darts_bench.sweeps import head_seeds, surgery_variants
+
+        variants, seeds = surgery_variants(self.cfg), head_seeds(self.cfg)
 
         def run():
             heads: dict[tuple[str, str, str, str], Path] = {}
             diags: dict[tuple[str, str, str], dict] = {}
+            runs: dict[tuple[str, str, str, str, int], dict] = {}
+            run_heads: dict[tuple[str, str, str, str, str, int], Path] = {}
             for (m, name, split), fs in col["features"].items():
                 if split == "reference":
                     continue
                 task = self.tasks()[name][0]
                 calib = fs.calib
-                key = stable_hash({"features": fs.key, "reference": col["features"][(m, name, "reference")].key,
-                                   "surgery": scfg.model_dump(mode="json"),
-                                   "held_out": self.cfg.calibration.held_out_fraction, "seed": self.cfg.seed})
-                final = self.work_dir / "heads" / f"{m}-{name}-{split}-{key}"
+                for (tag, scfg), seed in itertools.product(variants, seeds):
+                    key = stable_hash({"features": fs.key, "reference": col["features"][(m, name, "reference")].key,
+                                       "surgery": scfg.model_dump(mode="json"),
+                                       "held_out": self.cfg.calibration.held_out_fraction, "seed": seed})
+                    final = self.work_dir / "heads" / f"{m}-{name}-{split}-{key}"
 
-                def build(tmp: Path, fs=fs, calib=calib, m=m, name=name, split=split, task=task) -> None:
-                    self._train_and_diagnose(tmp, fs, calib, merges[m], pool.path(task.expert),
-                                             col["features"][(m, name, "reference")], m, name, split)
+                    def build(tmp: Path, fs=fs, calib=calib, m=m, name=name, split=split, task=task, scfg=scfg,
+                              seed=seed) -> None:
+                        self._train_and_diagnose(tmp, fs, calib, merges[m], pool.path(task.expert),
+                                                 col["features"][(m, name, "reference")], m, name, split,
+                                                 scfg=scfg, run_seed=seed)
 
-                cached(final, build, what=f"train heads {m}/{name}/{split}",
-                       meta={"kind": "heads", "merge": m, "task": name, "split": split})
-                for method in scfg.methods:
-                    heads[(m, name, method, split)] = final / method
-                diags[(m, name, split)] = json.loads((final / "diagnostics.json").read_text())
-            return {"heads": heads, "diagnostics": diags}
+                    cached(final, build, what=f"train heads {m}/{name}/{split}{tag}{seed_tag(self.cfg, seed)}",
+                           meta={"kind": "heads", "merge": m, "task": name, "split": split, "variant": tag,
+                                 "seed": seed})
+                    runs[(m, name, split, tag, seed)] = json.loads((final / "diagnostics.json").read_text())
+                    for method in scfg.methods:
+                        run_heads[(m, name, method, split, tag, seed)] = final / method
+                        if (tag, seed) == (variants[0][0], seeds[0]):
+                            heads[(m, name, method, split)] = final / method
+                    if (tag, seed) == (variants[0][0], seeds[0]):
+                        diags[(m, name, split)] = runs[(m, name, split, tag, seed)]
+            return {"heads": heads, "diagnostics": diags, "runs": runs, "run_heads": run_heads}
 
         return self._stage("train", run)
 
     def _train_and_diagnose(self, out: Path, fs: FeatureSet, calib: CalibrationSet, merge_dir: Path,
-                            expert_dir: Path, ref_fs: FeatureSet, m: str, name: str, split: str) -> None:
-        scfg = self.cfg.surgery
+                            expert_dir: Path, ref_fs: FeatureSet, m: str, name: str, split: str,
+                            scfg=None, run_seed: int | None = None) -> None:
+        scfg = scfg if scfg is not None else self.cfg.surgery
+        run_seed = self.cfg.seed if run_seed is None else run_seed
         exp, mer = calib.expert_features(), fs.merged_features()
         W_e, W_m = lm_head_weight(expert_dir), lm_head_weight(merge_dir)
         W_e = W_e[: W_m.shape[0]]  # pool.vocab_alignment=base: the expert's appended tokens are dropped
         wsrc = weight_source(scfg.entropy_source, exp, mer, W_e, W_m)
         data = make_token_data(exp, mer, wsrc)
         n_seq = len(calib.meta["sequences"])
-        seed = derive_seed(self.cfg.seed, "split", name, split)
+        seed = derive_seed(run_seed, "split", name, split)
         tr_seq, va_seq = split_by_sequence(n_seq, self.cfg.calibration.held_out_fraction, seed)
         tr_mask = torch.isin(data.seq_index, torch.tensor(tr_seq))
         train, val = data.select(tr_mask.nonzero()[:, 0]), data.select((~tr_mask).nonzero()[:, 0])
@@ -260,15 +293,19 @@ class Pipeline:
                          W_e, W_m)
             r = diagnose(head, ref_ans.h_merged, ref_ans.h_expert, ref_ans.positions, ref_ans.weight_source,
                          mean_h, scfg.w_max, W_e, W_m)
-            d["slope"] = position_slope(val.positions.numpy(), d.pop("per_token_l1"), n_boot=200,
+            tok_l1 = d.pop("per_token_l1")
+            d["slope"] = position_slope(val.positions.numpy(), tok_l1, n_boot=200,
                                         seed=seed, groups=val.seq_index.numpy())
+            d["slope"]["n_sequences"] = len(va_seq)
+            d["entropy_contrast"] = entropy_contrast(val.weight_source.numpy(), tok_l1, val.seq_index.numpy(),
+                                                     n_boot=200, seed=seed)
             d["reference"] = {k: r[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor")}
             return d
 
         diags = {"none": diag(None), "n_train_tokens": len(train), "n_val_tokens": len(val),
                  "n_reference_tokens": len(ref_ans), "train_sequences": tr_seq, "held_out_sequences": va_seq}
         for method in scfg.methods:
-            hseed = derive_seed(self.cfg.seed, m, name, split, method)
+            hseed = derive_seed(run_seed, m, name, split, method)
             if self.cfg.deepspeed.enabled:
                 from darts_bench.surgery.train_deepspeed import train_head_deepspeed
 
@@ -293,18 +330,24 @@ class Pipeline:
         rows = [Row("base", model_dir=pool.base, model_key=stable_hash([pool.key, "base"]))]
         for e in pool.experts:
             rows.append(Row(f"expert:{e}", model_dir=pool.experts[e], model_key=stable_hash([pool.key, e])))
-        heads = self.train()["heads"]
+        from darts_bench.sweeps import head_seeds, surgery_variants
+
+        heads = self.train()["run_heads"]
         splits = self.cfg.calibration.splits
         for m, mdir in merges.items():
             rows.append(Row(m, merge=m, model_dir=mdir, model_key=mdir.name))
             for split in splits:
                 for method in self.cfg.surgery.methods:
-                    suffix = "" if split == "transductive" else f"@{split}"
-                    hd = {t: heads[(m, t, method, split)] for t in self.task_names
-                          if (m, t, method, split) in heads}  # tasks with no expert get no head
-                    rows.append(Row(f"{m}+{method}{suffix}", merge=m, correction=method, calibration=split,
-                                    model_dir=mdir, model_key=mdir.name + "+" + stable_hash([str(p) for p in hd.values()]),
-                                    heads=hd))
+                    for tag, _ in surgery_variants(self.cfg):
+                        for seed in head_seeds(self.cfg):
+                            suffix = "" if split == "transductive" else f"@{split}"
+                            k = (method, split, tag, seed)
+                            hd = {t: heads[(m, t, *k)] for t in self.task_names
+                                  if (m, t, *k) in heads}  # tasks with no expert get no head
+                            rows.append(Row(f"{m}+{method}{suffix}{tag}{seed_tag(self.cfg, seed)}", merge=m,
+                                            correction=method, calibration=split, model_dir=mdir,
+                                            model_key=mdir.name + "+" + stable_hash([str(p) for p in hd.values()]),
+                                            heads=hd, variant=tag, seed=seed))
         return rows
 
     def evaluate(self) -> dict[str, dict[str, TaskResult]]:
@@ -312,10 +355,13 @@ class Pipeline:
             results: dict[str, dict[str, TaskResult]] = {}
             rows = self.rows()
             by_name = {r.model: r for r in rows}
-            for row in rows:
-                results[row.model] = {}
-                for name, (task, examples) in self.tasks().items():
-                    results[row.model][name] = self._evaluate_one(row, task, examples, by_name, results)
+            with overall_bar(len(rows) * len(self.tasks()), "evaluate", unit="row x task") as bar:
+                for row in rows:
+                    results[row.model] = {}
+                    for name, (task, examples) in self.tasks().items():
+                        bar.set_postfix_str(f"{row.model} / {name}")
+                        results[row.model][name] = self._evaluate_one(row, task, examples, by_name, results)
+                        bar.update(1)
             return results
 
         return self._stage("evaluate", run)
@@ -336,7 +382,9 @@ class Pipeline:
         key = stable_hash({"model": model_key, "task": task.name, "version": task.version,
                            "cfg": tcfg.model_dump(mode="json"), "n": len(examples), "seed": self.cfg.seed,
                            "judge": judge_key, "ex": stable_hash([(e.id, e.prompt, e.reference) for e in examples])})
-        final = self.work_dir / "eval" / f"{row.model.replace(':', '_')}-{task.name}-{key}"
+        # row names of seeds / sweeps carry [ ] # , (glob and URL characters in data-file paths): not in paths
+        safe = re.sub(r"[^A-Za-z0-9_.+@=-]", "_", row.model)
+        final = self.work_dir / "eval" / f"{safe}-{task.name}-{key}"
 
         def build(tmp: Path) -> None:
             opened = []

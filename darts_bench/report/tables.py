@@ -87,7 +87,9 @@ def build_rows(pipe, results: dict) -> list[dict[str, Any]]:
             rec.update(get_task(tname).report_columns(res))
             if row.merge and (row.merge, tname, row.calibration or splits[0]) in diags:
                 split = row.calibration or splits[0]
-                d = diags[(row.merge, tname, split)]
+                # a corrected row reads the diagnostics of its own sweep variant and head seed
+                d = train.get("runs", {}).get((row.merge, tname, split, row.variant, row.seed),
+                                              diags[(row.merge, tname, split)])
                 dd = d["none"] if row.correction == "none" else d[row.correction]
                 rec[f"{tname}_rep_l1"] = dd["rep_l1"]
                 rec[f"{tname}_rep_l1_ew"] = dd["rep_l1_ew"]
@@ -100,9 +102,13 @@ def build_rows(pipe, results: dict) -> list[dict[str, Any]]:
                 rec[f"{tname}_gap_closed_ref"] = dd["reference"].get("gap_closed")
                 sl = dd["slope"]
                 rec[f"{tname}_pos_slope"] = sl["slope"]
-                rec[f"{tname}_pos_slope_ci"] = f"[{sl['ci_low']:.3g}, {sl['ci_high']:.3g}]"
-                # the DARTS premise: representation bias grows with position (CI above zero)
-                rec[f"{tname}_bias_grows"] = bool(sl["ci_low"] > 0)
+                rec[f"{tname}_pos_slope_lo"], rec[f"{tname}_pos_slope_hi"] = sl["ci_low"], sl["ci_high"]
+                # the DARTS premise: representation bias grows with position (CI above zero); empty
+                # when the interval comes from too few held-out sequences to be a verdict
+                from darts_bench.report.claims import MIN_SEQUENCES
+
+                n_seq = sl.get("n_sequences", len(d.get("held_out_sequences", [])))
+                rec[f"{tname}_bias_grows"] = bool(sl["ci_low"] > 0) if n_seq >= MIN_SEQUENCES else None
         if row.heads:
             from darts_bench.surgery.heads import load_head
 
@@ -129,7 +135,7 @@ def contract_columns(task_names: list[str]) -> list[str]:
         cols += [*task.primary_metrics, *task.extra_columns]
         cols += [f"{t}_ref_nll", f"{t}_rep_l1", f"{t}_rep_l1_ew", f"{t}_kl_expert", f"{t}_agree_top1",
                  f"{t}_gap_closed", f"{t}_kl_expert_ref", f"{t}_agree_top1_ref", f"{t}_pos_slope",
-                 f"{t}_pos_slope_ci", f"{t}_bias_grows", f"n_{t}"]
+                 f"{t}_pos_slope_lo", f"{t}_pos_slope_hi", f"{t}_bias_grows", f"n_{t}"]
     return cols + ["params_added", "params_added_pct"]
 
 
@@ -166,7 +172,7 @@ def per_benchmark_tables(pipe, results: dict, rows: list[dict]) -> dict[str, pd.
                 if vals:
                     mean, lo, hi = bootstrap_ci(vals, n_boot, pipe.cfg.seed, scale)
                     rec[m] = r.get(m)
-                    rec[f"{m}_ci"] = f"[{lo:.4g}, {hi:.4g}]"
+                    rec[f"{m}_lo"], rec[f"{m}_hi"] = lo, hi
             recs.append(rec)
         # DARTS minus surgery, paired over the same examples, per merge and calibration split
         for r in rows:
@@ -184,7 +190,7 @@ def per_benchmark_tables(pipe, results: dict, rows: list[dict]) -> dict[str, pd.
                     scale = task.metric_scale.get(m, 1.0)
                     mean, lo, hi = paired_bootstrap_diff(a, b, n_boot, pipe.cfg.seed, scale)
                     rec[m] = mean
-                    rec[f"{m}_ci"] = f"[{lo:.4g}, {hi:.4g}]"
+                    rec[f"{m}_lo"], rec[f"{m}_hi"] = lo, hi
             recs.append(rec)
         out[t] = pd.DataFrame(recs)
     return out
@@ -237,6 +243,18 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
         if c not in df.columns:
             df[c] = None
     df = df[cols]
+    from darts_bench.report.seeds import add_seed_means, comparison_table, row_meta
+    from darts_bench.sweeps import head_seeds, surgery_variants
+
+    meta = row_meta(pipe)
+    df = add_seed_means(df, meta)  # seeds: a mean row (with *_sd columns) after each group of seed rows
+    with_heads = [t for t, (task, _) in pipe.tasks().items() if task.expert is not None]
+    comparison = comparison_table(rows, meta, with_heads)
+    from darts_bench.report.claims import claim_evidence, claims_markdown, claims_table
+
+    evidence = claim_evidence(pipe.train().get("runs") or pipe.train()["diagnostics"], comparison,
+                              list(pipe.cfg.surgery.methods))
+    claims = claims_table(evidence)
     diags = pipe.train()["diagnostics"]
     premise = {f"{m}/{t}/{s}": d["none"]["slope"] for (m, t, s), d in diags.items()}
     tasks = pipe.tasks()
@@ -263,21 +281,54 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
                                     "the reference answers of the evaluated benchmark examples"},
         "position_slope": premise,
         "stage_seconds": pipe.timings,
+        "head_seeds": head_seeds(pipe.cfg),
+        "sweep_variants": [tag for tag, _ in surgery_variants(pipe.cfg)],
     }
     payload = {"schema_version": SCHEMA_VERSION, "manifest": manifest,
                "rows": json.loads(df.to_json(orient="records")),
                "diagnostics": {f"{m}/{t}/{s}": {k: v for k, v in d.items()
                                                 if k not in ("train_sequences", "held_out_sequences")}
-                               for (m, t, s), d in diags.items()}}
+                               for (m, t, s), d in diags.items()},
+               "comparison": json.loads(comparison.to_json(orient="records")),
+               "claims": json.loads(claims.to_json(orient="records"))}
     atomic_write_text(out / "results.json", json.dumps(payload, indent=1, default=str))
     atomic_write_text(out / "table.csv", df.to_csv(index=False))
-    md = [f"# darts-bench results: `{pipe.cfg.name}`\n", to_markdown(df)]
+    from darts_bench.report.readable import annotate_task_table, ci_display, compact_table
+
+    seed_rows = {m for m, v in meta.items() if v.get("group")}
+    md = [f"# darts-bench results: `{pipe.cfg.name}`\n\n",
+          "Primary metric per task, gap closed per task (share of the closable KL gap to the expert on held-out "
+          "calibration tokens) and parameters added; flags in parentheses qualify the number before them"
+          + (", `mean ± sd` over head seeds" if seed_rows else "") + ". Every column: `table.csv`.\n\n",
+          to_markdown(compact_table(df, pipe.task_names, with_heads, seed_rows))]
+    tail = []
+    if len(comparison):
+        tail.append("\n## DARTS vs Surgery: wins / ties / losses over (merge, task, seed)\n\n"
+                  "A win moves the metric in its better direction (`better`); `primary` is each task's first "
+                  "headline metric; `median_gain` is the median of the DARTS - Surgery differences signed so "
+                  "that > 0 favours DARTS; `p_sign`: exact two-sided binomial sign test, ties dropped.\n\n")
+        tail.append(to_markdown(comparison.drop(columns=["test"])))
+        atomic_write_text(out / "comparison.csv", comparison.to_csv(index=False))
+    if len(claims):
+        tail.append("\n## Claims (computed verdicts; evidence per cell in claims.md)\n\n")
+        tail.append(to_markdown(claims))
+    atomic_write_text(out / "claims.md", f"# darts-bench claims: `{pipe.cfg.name}`\n\n"
+                      + claims_markdown(claims, evidence, to_markdown))
+    task_tables = {}
     for t, tdf in per_benchmark_tables(pipe, results, rows).items():
-        md.append(f"\n## {t} (95% bootstrap CI; `a - b` rows: paired bootstrap of DARTS minus surgery)\n")
+        tdf = task_tables[t] = annotate_task_table(tdf, t, rows)
+        md.append(f"\n## {t} (95% bootstrap CI; `a - b` rows: paired bootstrap of DARTS minus surgery, "
+                  "`favours_darts` gives the sign that favours DARTS)\n")
         if tasks[t][0].expert is None:
             md.append(f"\n{t}: {NO_HEADS_NOTE}.\n\n")
-        md.append(to_markdown(tdf))
+        md.append(to_markdown(ci_display(tdf, get_task(t).metric_columns())))
         atomic_write_text(out / f"table_{t}.csv", tdf.to_csv(index=False))
+    md += tail
+    from darts_bench.report.figures import plot_gap_closed, plot_primary
+
+    figs = [*plot_primary(task_tables, rows, out), *plot_gap_closed(df, with_heads, meta, out)]
+    if figs:
+        md.append("\n## Figures\n\n" + "".join(f"![{f}]({f})\n" for f in figs))
     atomic_write_text(out / "table.md", "".join(md))
     plot_diagnostics(pipe, out)
     return df
