@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -30,6 +31,7 @@ from darts_bench.progress import overall_bar
 from darts_bench.sweeps import seed_tag
 from darts_bench.surgery.diagnostics import diagnose, entropy_contrast, gap_closed, position_slope
 from darts_bench.surgery.heads import save_head
+from darts_bench.surgery.intervals import behaviour_intervals
 from darts_bench.surgery.train import make_token_data, split_by_sequence, train_head, weight_source
 
 log = logging.getLogger("darts_bench")
@@ -288,12 +290,15 @@ class Pipeline:
         plen = torch.tensor(ref_fs.calib.meta["prompt_len"])
         ref_ans = ref.select((ref.positions >= plen[ref.seq_index]).nonzero()[:, 0])
 
-        def diag(head) -> dict:
+        per_token: dict[str, dict] = {}  # row -> per-token KL / agreement / floor on the held-out tokens
+
+        def diag(head, row: str = "none") -> dict:
             d = diagnose(head, val.h_merged, val.h_expert, val.positions, val.weight_source, mean_h, scfg.w_max,
                          W_e, W_m)
             r = diagnose(head, ref_ans.h_merged, ref_ans.h_expert, ref_ans.positions, ref_ans.weight_source,
                          mean_h, scfg.w_max, W_e, W_m)
             tok_l1 = d.pop("per_token_l1")
+            per_token[row] = {k: np.asarray(d.pop(f"per_token_{k}")) for k in ("kl", "agree", "floor")}
             d["slope"] = position_slope(val.positions.numpy(), tok_l1, n_boot=200,
                                         seed=seed, groups=val.seq_index.numpy())
             d["slope"]["n_sequences"] = len(va_seq)
@@ -317,11 +322,13 @@ class Pipeline:
                 res = train_head(method, train, val, scfg, hseed)
             save_head(res.head, out / method, extra={"merge": m, "task": name, "split": split,
                                                      "history": res.history})
-            diags[method] = diag(res.head)
+            diags[method] = diag(res.head, method)
             for k in ("", "reference"):
                 src = diags[method] if not k else diags[method][k]
                 base_ = diags["none"] if not k else diags["none"][k]
                 src["gap_closed"] = gap_closed(base_["kl_expert"], src["kl_expert"], base_["kl_floor"])
+        # sequence-level 95% CIs of kl_expert / agree_top1 / gap_closed and DARTS - Surgery differences
+        diags["intervals"] = behaviour_intervals(per_token, val.seq_index.numpy(), n_boot=200, seed=seed)
         (out / "diagnostics.json").write_text(json.dumps(diags))
 
     # -------------------------------------------------------------- evaluation

@@ -89,3 +89,50 @@ def test_entropy_contrast_hand_computed():
     # no relation: the L1 alternates within each sequence, both quartiles average 0.5
     ec0 = entropy_contrast(entropy, (np.arange(16) % 2).astype(float), groups, n_boot=200, seed=0)
     assert ec0["q4_minus_q1"] == pytest.approx(0.0)
+
+
+def test_behaviour_intervals_hand_made():
+    from darts_bench.surgery.intervals import behaviour_intervals, sequence_bootstrap
+
+    # 4 held-out sequences x 2 tokens; every resample of a constant statistic gives the constant
+    groups = np.repeat(np.arange(4), 2)
+    none = {"kl": np.full(8, 1.0), "agree": np.zeros(8), "floor": np.full(8, 0.2)}
+    sur = {"kl": np.full(8, 0.6), "agree": np.full(8, 0.5), "floor": np.full(8, 0.2)}
+    dar = {"kl": np.full(8, 0.4), "agree": np.ones(8), "floor": np.full(8, 0.2)}
+    iv = behaviour_intervals({"none": none, "surgery": sur, "darts": dar}, groups, n_boot=50, seed=0)
+    assert iv["surgery"]["gap_closed"]["value"] == pytest.approx(0.5)  # (1 - 0.6) / (1 - 0.2)
+    assert iv["darts"]["gap_closed"]["value"] == pytest.approx(0.75)
+    assert iv["paired"]["gap_closed"]["value"] == pytest.approx(0.25)
+    assert iv["paired"]["kl_expert"]["value"] == pytest.approx(-0.2)
+    assert iv["paired"]["kl_expert"]["ci_low"] == pytest.approx(-0.2) == iv["paired"]["kl_expert"]["ci_high"]
+    assert iv["paired"]["pair"] == "darts - surgery" and iv["darts"]["kl_expert"]["n_sequences"] == 4
+    # resampling whole sequences: sequence means 0, 1, 2, 3 -> every resample mean lies in [0, 3] and the
+    # CI is the spread of means of 4 draws (never narrower than one sequence's tokens would suggest)
+    vals = np.repeat(np.arange(4.0), 2)
+    ci = sequence_bootstrap(groups, lambda i: float(vals[i].mean()), 2000, 0)
+    assert ci["value"] == pytest.approx(1.5) and 0.0 <= ci["ci_low"] < 1.0 and 2.0 < ci["ci_high"] <= 3.0
+    assert ci["n_dropped"] == 0
+    # no closable gap in a resample: that resample is dropped and counted
+    flat = {"kl": np.full(8, 0.2), "agree": np.zeros(8), "floor": np.full(8, 0.2)}
+    iv0 = behaviour_intervals({"none": flat, "darts": dar}, groups, n_boot=20, seed=0)
+    assert iv0["darts"]["gap_closed"]["n_dropped"] == 20 and np.isnan(iv0["darts"]["gap_closed"]["ci_low"])
+
+
+def test_paired_behaviour_cells_give_claim_three_verdicts():
+    def paired(lo, hi, n):
+        ci = {"value": (lo + hi) / 2, "ci_low": lo, "ci_high": hi, "n_sequences": n, "n_dropped": 0}
+        return {"kl_expert": ci, "agree_top1": ci, "gap_closed": ci, "pair": "darts - surgery"}
+
+    runs = {("ties", "gsm8k", "transductive", "", 0): {**_diag(0.1, 0.1, 0.2, 8), "intervals": {"paired": paired(-0.3, -0.1, 8)}},
+            ("ta", "gsm8k", "transductive", "", 0): {**_diag(0.1, 0.1, 0.2, 8), "intervals": {"paired": paired(-0.3, -0.1, 2)}}}
+    ev = claim_evidence(runs, None, [])
+    cells = ev[(ev["claim"] == 3)].set_index(["merge", "metric"])["verdict"]
+    # KL difference below 0 favours DARTS; agreement / gap closed below 0 favour Surgery
+    assert cells[("ties", "kl_expert, held-out tokens")] == "supported"
+    assert cells[("ties", "agree_top1, held-out tokens")] == "not supported"
+    assert cells[("ta", "kl_expert, held-out tokens")] == "insufficient (2 held-out sequences < 5)"
+    claims = claims_table(ev).set_index("statement")
+    kl = claims.loc["DARTS beats Surgery on the task metrics and on behaviour: kl_expert, held-out tokens "
+                    "(paired per merge, task, split, seed)"]
+    assert kl["verdict"] == "supported"
+    assert kl["evidence"] == "2 cells: 1 supported, 0 not supported, 0 inconclusive, 1 insufficient"

@@ -120,3 +120,28 @@ def test_figures_titles_units_and_diagonal(tmp_path):
     assert ylabel == "DARTS gap closed (fraction of the closable KL gap)"
     assert legend == ["humaneval", "DARTS = Surgery"]
     assert (tmp_path / "plots" / "gap_closed_darts_vs_surgery.png").stat().st_size > 1000
+
+
+def test_behaviour_table_rows_and_paired_cis():
+    from darts_bench.report.readable import behaviour_table
+
+    ci = lambda v, lo, hi: {"value": v, "ci_low": lo, "ci_high": hi, "n_sequences": 6, "n_dropped": 0}  # noqa: E731
+    df = pd.DataFrame([
+        {"model": "base", "gsm8k_kl_expert": None},
+        {"model": "ties", "gsm8k_kl_expert": 0.5, "gsm8k_kl_expert_lo": 0.4, "gsm8k_kl_expert_hi": 0.6},
+        {"model": "ties+surgery", "gsm8k_kl_expert": 0.3, "gsm8k_gap_closed": 0.5},
+        {"model": "ties+darts", "gsm8k_kl_expert": 0.2, "gsm8k_gap_closed": 0.75}])
+    meta = {"ties+surgery": {"merge": "ties", "correction": "surgery", "calibration": "transductive", "variant": "",
+                             "seed": 0},
+            "ties+darts": {"merge": "ties", "correction": "darts", "calibration": "transductive", "variant": "",
+                           "seed": 0}}
+    runs = {("ties", "gsm8k", "transductive", "", 0): {"intervals": {"paired": {
+        "kl_expert": ci(-0.1, -0.2, -0.05), "agree_top1": ci(0.1, 0.0, 0.2), "gap_closed": ci(0.25, 0.1, 0.4),
+        "pair": "darts - surgery"}}}}
+    bt = behaviour_table(df, "gsm8k", runs, meta).set_index("model")
+    assert list(bt.index) == ["ties", "ties+surgery", "ties+darts", "ties+darts - ties+surgery"]
+    p = bt.loc["ties+darts - ties+surgery"]
+    assert (p["gsm8k_kl_expert"], p["gsm8k_kl_expert_lo"], p["gsm8k_kl_expert_hi"]) == (-0.1, -0.2, -0.05)
+    assert p["favours_darts"] == "gsm8k_kl_expert < 0; gsm8k_agree_top1 > 0; gsm8k_gap_closed > 0"
+    shown = ci_display(bt.reset_index(), ["gsm8k_kl_expert"])
+    assert shown.loc[3, "gsm8k_kl_expert 95% CI"] == "[-0.2, -0.05]" and shown.loc[1, "gsm8k_kl_expert 95% CI"] == ""

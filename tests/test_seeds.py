@@ -81,7 +81,7 @@ def test_comparison_pairs_by_merge_split_variant_seed():
 
 
 @pytest.mark.slow
-def test_seeds_and_sweep_run_reuse_features_and_default_heads(micro_dir, micro_pipeline):
+def test_seeds_and_sweep_run_reuse_features_and_default_heads(micro_dir, micro_pipeline, capsys):
     """seeds [0, 1] x sweep w_max=1,5 on one merge: seed 0 at the default w_max is the default run's
     head (same cached dir); the other heads differ; the mean row's spread is the std of its seeds."""
     from darts_bench.cli import main
@@ -119,7 +119,13 @@ def test_seeds_and_sweep_run_reuse_features_and_default_heads(micro_dir, micro_p
     assert any(not np.array_equal(s0[k].numpy(), s1[k].numpy()) for k in s0)  # distinct heads per seed
     pipe.close()
 
+    capsys.readouterr()
     assert main(args) == 0
+    out, err = capsys.readouterr()
+    # one overall bar per long stage, with its total (13 rows x 1 task; 1 task x 2 sets x (1 + 1 merge))
+    assert "evaluate: 100%" in err and "13/13 row x task" in err and "ETA" in err
+    assert "collect: 100%" in err and "4/4 feature set" in err
+    assert "| ties+darts[w_max=1] (mean of 2 seeds) |" in out  # the compact table is printed
     df = pd.read_csv(d / "results" / "table.csv").set_index("model")
     names = list(df.index)
     for tag in ("[w_max=1]", "[w_max=5]"):
@@ -137,4 +143,23 @@ def test_seeds_and_sweep_run_reuse_features_and_default_heads(micro_dir, micro_p
     assert (prim["wins"] + prim["ties"] + prim["losses"] == 2).all()  # 1 merge x 1 task x 2 seeds
     res = json.loads((d / "results" / "results.json").read_text())
     assert res["manifest"]["config"]["seeds"] == [0, 1]
+    assert sorted(res["runs"]) == [f"ties/gsm8k/transductive[w_max={w}]#s{s}" for w in (1, 5) for s in (0, 1)]
+    assert "entropy_contrast" in res["runs"]["ties/gsm8k/transductive[w_max=1]#s1"]["none"]
+    claims = (d / "results" / "claims.md").read_text()
+    # micro: 2 calibration prompts leave 1 held-out sequence: no verdict on the slope
+    assert "| 1 | ties | gsm8k | transductive | slope of L1 vs position" in claims
+    assert "insufficient (1 held-out sequences < 5)" in claims
     assert math.isfinite(df.loc["ties+darts[w_max=1]", "gsm8k_kl_expert"])
+
+
+def test_plan_counts_seed_and_sweep_heads_and_rows():
+    from darts_bench.plan import make_plan
+
+    one = make_plan(load_config("tiny"))
+    grid = make_plan(load_config("tiny", ["seeds=[0, 1, 2]", sweep_override("surgery.w_max=1,2")]))
+    # tiny: base + 3 experts + 5 merges + 5 merges x 2 splits x 2 methods x (3 seeds x 2 variants)
+    assert (one["rows"], grid["rows"]) == (29, 1 + 3 + 5 + 5 * 2 * 2 * 6)
+    assert one["stages"]["train"]["what"].startswith("60 heads (")
+    assert grid["stages"]["train"]["what"].startswith("360 heads (") and "x 6 seeds/sweep variants" in \
+        grid["stages"]["train"]["what"]
+    assert grid["stages"]["train"]["steps"] == 6 * one["stages"]["train"]["steps"]

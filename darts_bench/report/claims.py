@@ -9,7 +9,9 @@ Claims:
    minus the bottom quartile, sequence-bootstrap 95% CI, per (merge, task, split).
 3. *DARTS beats Surgery* on each task's headline metric and on behaviour (reference NLL, KL to the
    expert, top-1 agreement, gap closed): wins / ties / losses over (merge, task, seed) and the exact
-   sign test (:mod:`darts_bench.report.seeds`).
+   sign test (:mod:`darts_bench.report.seeds`); and per (merge, task, split, seed) the paired
+   difference of KL / agreement / gap closed on held-out tokens with a sequence-bootstrap CI
+   (:mod:`darts_bench.surgery.intervals`).
 4. *Contradicting signals*: heads that lower the surgery objective (held-out rep L1) but raise the
    KL to the expert, which the objective is meant to lower.
 
@@ -133,6 +135,20 @@ def claim_evidence(runs: dict[tuple, dict], comparison: pd.DataFrame | None, met
                          "p_sign": c["p_sign"], "verdict": sign_verdict(int(c["wins"]), int(c["losses"]),
                                                                          None if pd.isna(c["p_sign"]) else c["p_sign"])})
     for key, d in runs.items():
+        paired = d.get("intervals", {}).get("paired")
+        if not paired:
+            continue
+        for sig, better in (("kl_expert", -1), ("agree_top1", 1), ("gap_closed", 1)):
+            ci = paired[sig]
+            lo, hi = sorted((better * ci["ci_low"], better * ci["ci_high"]))
+            tag = "".join(str(k) for k in key[3:4] if k) + (f" seed {key[4]}" if len(key) > 4 else "")
+            recs.append({"claim": 3, **_cell(key), "metric": f"{sig}, held-out tokens", "variant": tag,
+                         "what": f"{paired['pair']}{tag}: {sig} difference ({'< 0' if better < 0 else '> 0'} favours "
+                                 "DARTS), sequence-bootstrap CI",
+                         "estimate": ci["value"], "ci_low": ci["ci_low"], "ci_high": ci["ci_high"],
+                         "n_sequences": ci["n_sequences"],
+                         "verdict": interval_verdict(lo, hi, ci["n_sequences"], min_sequences)})
+    for key, d in runs.items():
         for method in methods:
             h = d.get(method)
             if h is None:
@@ -165,7 +181,12 @@ def claims_table(evidence: pd.DataFrame) -> pd.DataFrame:
         if len(ev):
             vs = list(ev["verdict"])
             out.append({"claim": c, "statement": CLAIMS[c], "verdict": overall_verdict(vs), "evidence": _counts(vs)})
-    for _, r in evidence[evidence["claim"] == 3].iterrows():
+    c3 = evidence[evidence["claim"] == 3]
+    for metric in dict.fromkeys(c3.loc[c3["merge"] != "all", "metric"]) if "metric" in c3 else []:
+        vs = list(c3.loc[(c3["merge"] != "all") & (c3["metric"] == metric), "verdict"])
+        out.append({"claim": 3, "statement": f"{CLAIMS[3]}: {metric} (paired per merge, task, split, seed)",
+                    "verdict": overall_verdict(vs), "evidence": _counts(vs)})
+    for _, r in c3[c3["merge"] == "all"].iterrows():
         p = r.get("p_sign")
         p_txt = "" if p is None or pd.isna(p) else f", sign test p = {p:.3g}"
         variant = "" if r["variant"] in ("-", "") else f" {r['variant']}"
@@ -185,8 +206,10 @@ def claims_table(evidence: pd.DataFrame) -> pd.DataFrame:
 def claims_markdown(claims: pd.DataFrame, evidence: pd.DataFrame, to_markdown, min_sequences: int = MIN_SEQUENCES) -> str:
     """``claims.md``: the claims table, how verdicts are reached, then the evidence per cell."""
     head = ("Verdicts are computed from this run (darts_bench/report/claims.py), never written by hand: "
-            "`supported` when the 95% CI is above 0 (claims 1-2) or DARTS wins significantly (claim 3, exact "
-            f"two-sided sign test, p < {ALPHA}); `not supported` when it is below 0 / loses significantly; "
+            "`supported` when the 95% CI is above 0 (claims 1-2; claim 3 per cell: the CI of the DARTS - Surgery "
+            "difference on held-out tokens, bootstrapped over sequences, lies on the side that favours DARTS) or DARTS "
+            f"wins significantly (claim 3 over units: exact two-sided sign test, p < {ALPHA}); `not supported` when it "
+            "lies on the other side / DARTS loses significantly; "
             f"`insufficient` for an interval from fewer than {min_sequences} held-out sequences or a sign test "
             f"on fewer than {MIN_SIGN_PAIRS} untied pairs. A claim over several cells takes the verdict of "
             "more than half of its informative cells.\n\n")

@@ -73,14 +73,14 @@ def plot_primary(task_tables: dict[str, pd.DataFrame], rows: list[dict[str, Any]
         hi = sub[f"{col}_hi"].astype(float).tolist() if f"{col}_hi" in sub else vals
         err = [[max(0.0, v - a) if _finite(a) else 0.0 for v, a in zip(vals, lo)],
                [max(0.0, b - v) if _finite(b) else 0.0 for v, b in zip(vals, hi)]]
-        fig, ax = plt.subplots(figsize=(6, 0.28 * len(sub) + 1.4))
+        fig, ax = plt.subplots(figsize=(7, 0.28 * len(sub) + 1.6))
         ax.errorbar(vals, y, xerr=err, fmt="o", ms=3, capsize=2, lw=1, label=f"{col} with 95% bootstrap CI")
         ax.set_yticks(y)
         ax.set_yticklabels(sub["model"].tolist(), fontsize=6)
         ax.set_xlabel(f"{col} ({unit(t, col)})")
         title = f"{t}: {col} per model row"
         if reason:
-            title += f"\n(shown instead of the headline: {reason})"
+            title += f"\n(shown instead of the headline:\n{reason})"
         ax.set_title(title, fontsize=8)
         ax.legend(fontsize=6, loc="best")
         fig.tight_layout()
@@ -127,13 +127,15 @@ def plot_gap_closed(df: pd.DataFrame, with_heads: list[str], meta: dict[str, dic
         if tp:
             ax.scatter([p["surgery"] for p in tp], [p["darts"] for p in tp], s=16, label=t)
             for p in tp:
-                ax.annotate(p["merge"], (p["surgery"], p["darts"]), fontsize=5)
+                label = p["merge"] + ("" if p["split"] == "transductive" else f"@{p['split']}") + p["variant"]
+                ax.annotate(label, (p["surgery"], p["darts"]), fontsize=5)
     vals = [v for p in pts for v in (p["surgery"], p["darts"])]
     lo, hi = min(0.0, *vals), max(1.0, *vals)
     ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="DARTS = Surgery")
     ax.set_xlabel("Surgery gap closed (fraction of the closable KL gap)")
     ax.set_ylabel("DARTS gap closed (fraction of the closable KL gap)")
-    ax.set_title("DARTS vs Surgery per (merge, task), held-out tokens\nabove the diagonal favours DARTS", fontsize=8)
+    ax.set_title("DARTS vs Surgery gap closed per (merge, task), held-out tokens\nabove the diagonal favours DARTS",
+                 fontsize=8)
     ax.legend(fontsize=6)
     fig.tight_layout()
     f = out_dir / "plots" / "gap_closed_darts_vs_surgery.png"

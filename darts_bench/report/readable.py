@@ -116,3 +116,39 @@ def annotate_task_table(tdf: pd.DataFrame, task_name: str, rows: list[dict[str, 
     notes = "; ".join(f"{m} {favours_note(m, task_name).replace(' favours DARTS', '')}" for m in metrics)
     tdf["favours_darts"] = [notes if " - " in str(n) else None for n in tdf["model"]]
     return tdf
+
+
+BEHAVIOUR = ("kl_expert", "agree_top1", "gap_closed")
+
+
+def behaviour_table(df: pd.DataFrame, task_name: str, runs: dict[tuple, dict],
+                    meta: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    """Behaviour on held-out calibration tokens for one task: each merged / corrected row's
+    ``kl_expert`` (nats), ``agree_top1`` and ``gap_closed`` with sequence-bootstrap 95% CIs
+    (numeric ``_lo`` / ``_hi``), then a paired ``DARTS - Surgery`` row per (merge, split, variant,
+    seed) from the same resampled sequences, with ``favours_darts``."""
+    t = task_name
+    recs = []
+    for r in df.to_dict(orient="records"):
+        if _num(r.get(f"{t}_kl_expert")) is None or _num(r.get("n_seeds")):
+            continue  # no behaviour signal (base, experts), or a seed-mean row (its seeds are listed)
+        rec = {"model": r["model"]}
+        for sig in BEHAVIOUR:
+            for suf in ("", "_lo", "_hi"):
+                rec[f"{t}_{sig}{suf}"] = r.get(f"{t}_{sig}{suf}")
+        recs.append(rec)
+    for name, m in meta.items():
+        if m["correction"] != "darts":
+            continue
+        d = runs.get((m["merge"], t, m["calibration"], m["variant"], m["seed"]))
+        paired = (d or {}).get("intervals", {}).get("paired")
+        sur = name.replace("+darts", "+surgery", 1)
+        if not paired or sur not in meta:
+            continue
+        rec = {"model": f"{name} - {sur}"}
+        for sig in BEHAVIOUR:
+            ci = paired[sig]
+            rec[f"{t}_{sig}"], rec[f"{t}_{sig}_lo"], rec[f"{t}_{sig}_hi"] = ci["value"], ci["ci_low"], ci["ci_high"]
+        rec["favours_darts"] = f"{t}_kl_expert < 0; {t}_agree_top1 > 0; {t}_gap_closed > 0"
+        recs.append(rec)
+    return pd.DataFrame(recs)

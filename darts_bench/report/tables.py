@@ -100,6 +100,11 @@ def build_rows(pipe, results: dict) -> list[dict[str, Any]]:
                 rec[f"{tname}_kl_floor"] = d["none"]["kl_floor"]
                 rec[f"{tname}_gap_closed"] = dd.get("gap_closed")
                 rec[f"{tname}_gap_closed_ref"] = dd["reference"].get("gap_closed")
+                # sequence-bootstrap 95% CIs on the held-out tokens (heads trained before them: none)
+                iv = d.get("intervals", {}).get(row.correction if row.correction != "none" else "none", {})
+                for sig in ("kl_expert", "agree_top1", "gap_closed"):
+                    if sig in iv:
+                        rec[f"{tname}_{sig}_lo"], rec[f"{tname}_{sig}_hi"] = iv[sig]["ci_low"], iv[sig]["ci_high"]
                 sl = dd["slope"]
                 rec[f"{tname}_pos_slope"] = sl["slope"]
                 rec[f"{tname}_pos_slope_lo"], rec[f"{tname}_pos_slope_hi"] = sl["ci_low"], sl["ci_high"]
@@ -133,8 +138,9 @@ def contract_columns(task_names: list[str]) -> list[str]:
     for t in task_names:
         task = get_task(t)
         cols += [*task.primary_metrics, *task.extra_columns]
-        cols += [f"{t}_ref_nll", f"{t}_rep_l1", f"{t}_rep_l1_ew", f"{t}_kl_expert", f"{t}_agree_top1",
-                 f"{t}_gap_closed", f"{t}_kl_expert_ref", f"{t}_agree_top1_ref", f"{t}_pos_slope",
+        cols += [f"{t}_ref_nll", f"{t}_rep_l1", f"{t}_rep_l1_ew", f"{t}_kl_expert", f"{t}_kl_expert_lo",
+                 f"{t}_kl_expert_hi", f"{t}_agree_top1", f"{t}_agree_top1_lo", f"{t}_agree_top1_hi",
+                 f"{t}_gap_closed", f"{t}_gap_closed_lo", f"{t}_gap_closed_hi", f"{t}_kl_expert_ref", f"{t}_agree_top1_ref", f"{t}_pos_slope",
                  f"{t}_pos_slope_lo", f"{t}_pos_slope_hi", f"{t}_bias_grows", f"n_{t}"]
     return cols + ["params_added", "params_added_pct"]
 
@@ -289,11 +295,16 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
                "diagnostics": {f"{m}/{t}/{s}": {k: v for k, v in d.items()
                                                 if k not in ("train_sequences", "held_out_sequences")}
                                for (m, t, s), d in diags.items()},
+               # every (variant, seed) head's diagnostics when the run has seeds or a sweep
+               "runs": {f"{m}/{t}/{s}{tag}#s{seed}": {k: v for k, v in d.items()
+                                                       if k not in ("train_sequences", "held_out_sequences")}
+                        for (m, t, s, tag, seed), d in (pipe.train().get("runs") or {}).items()}
+               if len(pipe.train().get("runs") or {}) > len(diags) else {},
                "comparison": json.loads(comparison.to_json(orient="records")),
                "claims": json.loads(claims.to_json(orient="records"))}
     atomic_write_text(out / "results.json", json.dumps(payload, indent=1, default=str))
     atomic_write_text(out / "table.csv", df.to_csv(index=False))
-    from darts_bench.report.readable import annotate_task_table, ci_display, compact_table
+    from darts_bench.report.readable import annotate_task_table, behaviour_table, ci_display, compact_table
 
     seed_rows = {m for m, v in meta.items() if v.get("group")}
     md = [f"# darts-bench results: `{pipe.cfg.name}`\n\n",
@@ -323,6 +334,12 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
             md.append(f"\n{t}: {NO_HEADS_NOTE}.\n\n")
         md.append(to_markdown(ci_display(tdf, get_task(t).metric_columns())))
         atomic_write_text(out / f"table_{t}.csv", tdf.to_csv(index=False))
+        bdf = behaviour_table(df, t, pipe.train().get("runs") or {}, meta)
+        if len(bdf):
+            md.append(f"\n### {t}: behaviour on held-out calibration tokens (KL in nats; 95% CI: bootstrap over "
+                      "held-out sequences; `a - b` rows: DARTS minus Surgery on the same resampled sequences)\n\n")
+            md.append(to_markdown(ci_display(bdf, [f"{t}_{s}" for s in ("kl_expert", "agree_top1", "gap_closed")])))
+            atomic_write_text(out / f"table_{t}_behaviour.csv", bdf.to_csv(index=False))
     md += tail
     from darts_bench.report.figures import plot_gap_closed, plot_primary
 

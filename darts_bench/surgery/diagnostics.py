@@ -132,7 +132,8 @@ def diagnose(head: CorrectionHead | None, h_merged: torch.Tensor, h_expert: torc
     Returns:
         a dict with ``rep_l1``, ``rep_l1_ew``, ``kl_expert``, ``agree_top1``, ``kl_floor``,
         ``l1_by_position`` ({position: mean L1}), ``l1_by_entropy`` (quartile -> mean L1) and
-        ``per_token_l1`` (list, for slopes).
+        ``per_token_l1`` (list, for slopes), ``per_token_kl`` / ``per_token_agree`` /
+        ``per_token_floor`` (lists, for sequence-level intervals).
     """
     out = h_merged if head is None else head(h_merged, positions)
     l1 = token_l1(out, h_expert)  # [N]
@@ -160,4 +161,8 @@ def diagnose(head: CorrectionHead | None, h_merged: torch.Tensor, h_expert: torc
         "l1_by_position": by_pos,
         "l1_by_entropy": by_ent,
         "per_token_l1": l1.tolist(),
+        # per token, for sequence-level intervals (darts_bench.surgery.intervals); callers pop them
+        "per_token_kl": kl.tolist(),
+        "per_token_agree": torch.cat(agrees).tolist(),
+        "per_token_floor": torch.cat(floors).tolist(),
     }
