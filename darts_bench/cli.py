@@ -142,6 +142,10 @@ def cmd_score(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if not {"-v", "--verbose"} & set(sys.argv[1:] if argv is None else argv):
+        from darts_bench.progress import quiet_third_party
+
+        quiet_third_party()  # before the parser imports the task folders (and with them tqdm, lm-eval)
     args = build_parser().parse_args(argv)
     _setup_logging(getattr(args, "verbose", False))
     try:

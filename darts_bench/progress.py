@@ -12,7 +12,6 @@ break the bar.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -36,12 +35,13 @@ def quiet_third_party() -> list[str]:
 @contextlib.contextmanager
 def overall_bar(total: int, desc: str, unit: str = "item") -> Iterator:
     """A tqdm bar over a stage's ``total`` units (rows x tasks for ``evaluate``; calibration sets and
-    feature sets for ``collect``) with elapsed time and ETA, on stderr; ``darts_bench`` log lines
-    are written above it."""
+    feature sets for ``collect``) with elapsed time and ETA, on stderr; console log lines are
+    written above it (``tqdm.contrib.logging.logging_redirect_tqdm`` on the root logger)."""
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    with logging_redirect_tqdm(loggers=[logging.getLogger("darts_bench")]):
+    # the console handlers of the root logger (darts_bench's records propagate there) write through tqdm
+    with logging_redirect_tqdm():
         bar = tqdm(total=total, desc=desc, unit=unit, disable=False, dynamic_ncols=True, file=sys.stderr,
                    bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} {unit} "
                               "[{elapsed} elapsed, ETA {remaining}] {postfix}")
