@@ -115,3 +115,30 @@ def test_run_into_a_committed_baseline_stops_unless_refresh_is_asked(tmp_path, m
     assert (out / "results.json").read_text() == "{}"
     monkeypatch.setenv("DARTS_BENCH_REFRESH_BASELINE", "1")
     Pipeline(cfg).check_writable()
+
+
+def test_numeric_ci_columns_give_the_same_tolerances(tmp_path):
+    """Results whose per-task tables hold numeric ``_lo`` / ``_hi`` (the readable report) instead of
+    ``[lo, hi]`` text: same CIs, so a paired cell moved by half its CI is still the one regression."""
+    new = _copy(tmp_path)
+    for f in new.glob("table_*.csv"):
+        t = pd.read_csv(f, dtype=object, keep_default_na=False)
+        for c in [c for c in t.columns if c.endswith("_ci")]:
+            lohi = [row_ci(r, c[:-3]) for _, r in t.iterrows()]
+            t[c[:-3] + "_lo"] = ["" if x is None else repr(x[0]) for x in lohi]
+            t[c[:-3] + "_hi"] = ["" if x is None else repr(x[1]) for x in lohi]
+            t = t.drop(columns=[c])
+        t.to_csv(f, index=False)
+    cells, _ = compare(TINY, new)
+    assert all(c.status == "same" for c in cells)
+    moved = tmp_path / "moved"
+    shutil.copytree(new, moved)
+    t = pd.read_csv(moved / "table_humaneval.csv", dtype=object, keep_default_na=False)
+    assert not [c for c in t.columns if c.endswith("_ci")]
+    k = t.index[t["model"] == "ties+darts - ties+surgery"][0]
+    lo, hi = float(t.loc[k, "humaneval_ref_nll_lo"]), float(t.loc[k, "humaneval_ref_nll_hi"])
+    t.loc[k, "humaneval_ref_nll"] = str(float(t.loc[k, "humaneval_ref_nll"]) + (hi - lo) / 4)
+    t.to_csv(moved / "table_humaneval.csv", index=False)
+    cells, _ = compare(new, moved)
+    assert {(c.row, c.column) for c in cells if c.status == "regression"} == \
+        {("ties+darts - ties+surgery", "humaneval_ref_nll")}
