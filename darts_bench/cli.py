@@ -63,6 +63,9 @@ def _common(p: argparse.ArgumentParser, tasks: list[str]) -> None:
     p.add_argument("--data-dir", default=None, help="offline data dir (default $DARTS_BENCH_DATA, else hub)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config entry by dotted key, e.g. --set surgery.rank=8 (repeatable)")
+    p.add_argument("--sweep", dest="sweeps", action="append", default=[], metavar="surgery.KEY=V1,V2",
+                   help="train and evaluate heads for each value (repeatable: the grid of all combinations), "
+                        "e.g. --sweep surgery.w_max=1,2,4; reuses the cached features")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -101,10 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(verbose: bool) -> None:
+    if not verbose:
+        from darts_bench.progress import quiet_third_party
+
+        quiet_third_party()  # before transformers / datasets / lm-eval / alpaca_eval are imported
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S", force=True)
     for noisy in ("mergekit", "lm-eval", "lm_eval", "httpx", "datasets", "alpaca_eval", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+        logging.getLogger(noisy).setLevel(logging.INFO if verbose else logging.WARNING)
     # mergekit logs its progress on the root logger itself: keep only its warnings
     for h in logging.root.handlers:
         h.addFilter(lambda r: r.name != "root" or r.levelno >= logging.WARNING)
@@ -114,6 +121,13 @@ def _setup_logging(verbose: bool) -> None:
 
 def _load(args) -> Config:
     overrides = list(args.overrides)
+    if getattr(args, "sweeps", None):
+        from darts_bench.sweeps import sweep_override
+
+        try:
+            overrides += [sweep_override(a) for a in args.sweeps]
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if getattr(args, "data_dir", None):
         overrides.append(f"data_dir={args.data_dir}")
     return load_config(args.config, overrides)
@@ -152,6 +166,10 @@ def cmd_score(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if not {"-v", "--verbose"} & set(sys.argv[1:] if argv is None else argv):
+        from darts_bench.progress import quiet_third_party
+
+        quiet_third_party()  # before the parser imports the task folders (and with them tqdm, lm-eval)
     args = build_parser().parse_args(argv)
     _setup_logging(getattr(args, "verbose", False))
     try:
@@ -173,14 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         pipe = Pipeline(cfg, suite=args.suite, limit=args.limit, out_dir=args.out)
         try:
             stage = "report" if args.command == "run" else args.command
-            res = pipe.run_until(stage)
+            pipe.run_until(stage)
         finally:
             pipe.close()
         if stage == "report":
-            from darts_bench.report.tables import to_markdown
-
-            print(to_markdown(res))
-            log.info("results written to %s (%.0f s)", pipe.out_dir, time.perf_counter() - t0)
+            # the compact table table.md opens with; every column is in table.csv
+            print((pipe.out_dir / "table.md").read_text().split("\n## ")[0])
+            log.info("results written to %s (%.0f s): table.md, table.csv, claims.md", pipe.out_dir,
+                     time.perf_counter() - t0)
         return 0
     except (ConfigError, OSError, ValueError, KeyError, FloatingPointError) as e:
         log.error("%s: %s", type(e).__name__, e)

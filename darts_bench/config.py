@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator,
+                      model_validator)
 
 from darts_bench.api import TaskConfig, available_tasks, task_class
 
@@ -184,6 +185,28 @@ class SurgeryConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
 
 
+class SweepConfig(_Strict):
+    """A grid over ``surgery.*`` settings (``--sweep surgery.KEY=v1,v2``, repeatable): every
+    combination of the listed values trains its own heads on the same cached features (features do
+    not depend on head settings) and gets its own corrected rows, tagged ``[KEY=v,...]``."""
+
+    surgery: dict[str, list[Any]] = Field(default_factory=dict, description="surgery key -> values")
+
+    @field_validator("surgery")
+    @classmethod
+    def _known_keys(cls, v: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        for k, vals in v.items():
+            if k not in SurgeryConfig.model_fields:
+                raise ValueError(f"sweep.surgery.{k}: not a surgery setting (settings: "
+                                 f"{sorted(SurgeryConfig.model_fields)})")
+            if k == "methods":
+                raise ValueError("sweep.surgery.methods: methods are already one row each; list them in "
+                                 "surgery.methods instead")
+            if not isinstance(vals, list) or not vals or len({json.dumps(x) for x in vals}) != len(vals):
+                raise ValueError(f"sweep.surgery.{k}: expected a non-empty list of distinct values, got {vals!r}")
+        return v
+
+
 # ---------------------------------------------------------------------------------------- tasks
 # Each task's section ``tasks.<name>`` is validated against the config model its ``Task`` declares
 # (``Task.config_model``, defined in the task's folder); the sections are built from the registry, so
@@ -310,6 +333,26 @@ class Config(_Strict):
     ray: RayConfig = RayConfig()
     deepspeed: DeepSpeedConfig = DeepSpeedConfig()
     evaluate: EvaluateConfig = EvaluateConfig()
+    seeds: list[int] | None = Field(
+        None, description="head seeds (head init, batch order, held-out split); one set of corrected rows "
+        "per seed, reported as mean and spread. None: the single run seed `seed` (rows not tagged)")
+    sweep: SweepConfig = SweepConfig()
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or len(set(v)) != len(v) or any(s < 0 for s in v)):
+            raise ValueError(f"seeds must be a non-empty list of distinct non-negative integers, got {v}")
+        return v
+
+    @field_validator("sweep")
+    @classmethod
+    def _sweep_values_valid(cls, v: SweepConfig, info: ValidationInfo) -> SweepConfig:
+        from darts_bench.sweeps import surgery_grid
+
+        if "surgery" in info.data:
+            surgery_grid(info.data["surgery"], v)  # each combination must be a valid surgery section
+        return v
 
     @field_validator("merges")
     @classmethod

@@ -7,13 +7,16 @@ what is cached, so a killed run resumes where it stopped.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from darts_bench.api import EvalContext, Example, Task, TaskResult, get_task, resolve_suite
@@ -24,10 +27,13 @@ from darts_bench.config import Config
 from darts_bench.evaluate.backends import backend_key, check_backends, text_model
 from darts_bench.executors.local import make_executor
 from darts_bench.pool.checkpoint import lm_head_weight
+from darts_bench.progress import overall_bar
 from darts_bench.surgery.data import answer_prediction_mask  # noqa: F401 - public here since the rehearsal issue
-from darts_bench.surgery.diagnostics import gap_closed, position_slope
+from darts_bench.surgery.diagnostics import entropy_contrast, gap_closed, position_slope
 from darts_bench.surgery.heads import save_head
+from darts_bench.surgery.intervals import behaviour_intervals
 from darts_bench.surgery.train import split_by_sequence, train_head
+from darts_bench.sweeps import head_seeds, seed_tag, surgery_variants
 
 log = logging.getLogger("darts_bench")
 STAGES = ("pool", "merge", "collect", "train", "evaluate", "report")
@@ -49,6 +55,8 @@ class Row:
     model_dir: Path | None = None
     model_key: str = ""
     heads: dict[str, Path] = field(default_factory=dict)  # task -> head dir
+    variant: str = ""  # sweep tag, e.g. "[w_max=2]" ("" without a sweep)
+    seed: int | None = None  # head seed of a corrected row
 
 
 def pool_expert_names(cfg: Config) -> list[str]:
@@ -141,21 +149,28 @@ class Pipeline:
     def task_limit(self, name: str) -> int | None:
         return self.limit if self.limit is not None else getattr(self.cfg.tasks, name).limit
 
-    def surgery_config(self):
-        """``cfg.surgery`` with ``max_len`` resolved (derived from the longest calibration and evaluation
-        sequence when unset: :mod:`darts_bench.positions`); warns when an explicit table is
-        shorter than the sequences."""
-        if "surgery_config" not in self._cache:
+    def surgery_config(self, surgery=None):
+        """``surgery`` (default ``cfg.surgery``; a sweep variant's section) with ``max_len`` resolved
+        (derived from the longest calibration and evaluation sequence when unset:
+        :mod:`darts_bench.positions`); warns when an explicit table is shorter than the sequences."""
+        surgery = self.cfg.surgery if surgery is None else surgery
+        ck = ("surgery_config", stable_hash(surgery.model_dump(mode="json")))
+        if ck not in self._cache:
             from darts_bench.positions import clamp_warning, resolve_max_len
 
+            cfg = self.cfg if surgery is self.cfg.surgery else self.cfg.model_copy(update={"surgery": surgery})
             max_pos = json.loads((Path(self.pool().base) / "config.json").read_text()).get("max_position_embeddings")
             enabled = resolve_suite("all", self.cfg.tasks)  # not per suite: the same heads for every suite
-            warn = clamp_warning(self.cfg, enabled, max_pos)
+            warn = clamp_warning(cfg, enabled, max_pos)
             if warn:
                 log.warning(warn)
-            self._cache["surgery_config"] = self.cfg.surgery.model_copy(
-                update={"max_len": resolve_max_len(self.cfg, enabled, max_pos)})
-        return self._cache["surgery_config"]
+            self._cache[ck] = surgery.model_copy(update={"max_len": resolve_max_len(cfg, enabled, max_pos)})
+        return self._cache[ck]
+
+    def surgery_variants(self) -> list[tuple[str, Any]]:
+        """``[(tag, SurgeryConfig)]`` of the sweep (:func:`darts_bench.sweeps.surgery_variants`), each
+        with ``max_len`` resolved by :meth:`surgery_config` (a swept ``max_len`` is kept)."""
+        return [(tag, self.surgery_config(v)) for tag, v in surgery_variants(self.cfg)]
 
     # ------------------------------------------------------------------ stages
     def pool(self):
@@ -206,6 +221,12 @@ class Pipeline:
         merges, pool, tasks = self.merge(), self.pool(), self.tasks()
 
         def run():
+            n_sets = len(self.cfg.calibration.splits) + 1  # + the reference answers
+            n_tasks = sum(t.expert is not None for t, _ in tasks.values())
+            with overall_bar(n_tasks * n_sets * (1 + len(merges)), "collect", unit="feature set") as bar:
+                return collect_all(bar)
+
+        def collect_all(bar):
             tok, fmt = self._cache["tokenizer"], self._cache["formatter"]
             calib: dict[tuple[str, str], CalibrationSet] = {}
             feats: dict[tuple[str, str, str], FeatureSet] = {}
@@ -214,15 +235,18 @@ class Pipeline:
             for name, (task, examples) in tasks.items():
                 if task.expert is None:
                     continue  # no expert, no calibration: the task gets no heads
+                bar.set_postfix_str(name)
                 expert_dir = pool.path(task.expert)
                 expert_key = pool.model_key(task.expert)
                 for split in self.cfg.calibration.splits:
                     prompts = calibration_prompts(task, split, self.cfg, fmt, examples)
                     calib[(name, split)] = collect_calibration(self.cfg, task, split, prompts, expert_dir,
                                                                self.executor, tok, self.work_dir, expert_key)
+                    bar.update(1)
                 calib[(name, "reference")] = collect_calibration(
                     self.cfg, task, "reference", [e.prompt for e in examples], expert_dir, self.executor, tok,
                     self.work_dir, expert_key, references=[e.reference for e in examples])
+                bar.update(1)
             for m, mdir in merges.items():
                 mkey = mdir.name
                 for name in tasks:
@@ -231,6 +255,7 @@ class Pipeline:
                     for split in (*self.cfg.calibration.splits, "reference"):
                         feats[(m, name, split)] = collect_merged(self.cfg, m, mdir, mkey, calib[(name, split)],
                                                                  self.executor, self.work_dir)
+                        bar.update(1)
             if hasattr(self.executor, "release_idle"):
                 self.executor.release_idle()  # no model stays loaded into train / evaluate
             return {"calibration": calib, "features": feats}
@@ -238,41 +263,58 @@ class Pipeline:
         return self._stage("collect", run)
 
     def train(self) -> dict:
-        """Heads per (merge, task, method, split) + diagnostics per (merge, task, split)."""
+        """Heads per (merge, task, method, split) + diagnostics per (merge, task, split) of the first
+        sweep variant and head seed, and ``runs``: diagnostics per (merge, task, split, variant, seed)
+        and ``run_heads``: head dirs per (merge, task, method, split, variant, seed) for every variant
+        and seed (:mod:`darts_bench.sweeps`)."""
         col, merges, pool = self.collect(), self.merge(), self.pool()
-        scfg = self.surgery_config()
+        variants, seeds = self.surgery_variants(), head_seeds(self.cfg)
 
         def run():
             heads: dict[tuple[str, str, str, str], Path] = {}
             diags: dict[tuple[str, str, str], dict] = {}
+            runs: dict[tuple[str, str, str, str, int], dict] = {}
+            run_heads: dict[tuple[str, str, str, str, str, int], Path] = {}
             for (m, name, split), fs in col["features"].items():
                 if split == "reference":
                     continue
                 task = self.tasks()[name][0]
                 calib = fs.calib
-                key = self.head_key(fs.key, col["features"][(m, name, "reference")].key)
-                final = self.work_dir / "heads" / f"{m}-{name}-{split}-{key}"
+                for (tag, scfg), seed in itertools.product(variants, seeds):
+                    key = self.head_key(fs.key, col["features"][(m, name, "reference")].key, scfg=scfg, seed=seed)
+                    final = self.work_dir / "heads" / f"{m}-{name}-{split}-{key}"
 
-                def build(tmp: Path, fs=fs, calib=calib, m=m, name=name, split=split, task=task) -> None:
-                    self._train_and_diagnose(tmp, fs, calib, merges[m], pool.path(task.expert),
-                                             col["features"][(m, name, "reference")], m, name, split)
+                    def build(tmp: Path, fs=fs, calib=calib, m=m, name=name, split=split, task=task, scfg=scfg,
+                              seed=seed) -> None:
+                        self._train_and_diagnose(tmp, fs, calib, merges[m], pool.path(task.expert),
+                                                 col["features"][(m, name, "reference")], m, name, split,
+                                                 scfg=scfg, run_seed=seed)
 
-                cached(final, build, what=f"train heads {m}/{name}/{split}",
-                       meta={"kind": "heads", "merge": m, "task": name, "split": split})
-                for method in scfg.methods:
-                    heads[(m, name, method, split)] = final / method
-                diags[(m, name, split)] = json.loads((final / "diagnostics.json").read_text())
-            return {"heads": heads, "diagnostics": diags}
+                    cached(final, build, what=f"train heads {m}/{name}/{split}{tag}{seed_tag(self.cfg, seed)}",
+                           meta={"kind": "heads", "merge": m, "task": name, "split": split, "variant": tag,
+                                 "seed": seed})
+                    runs[(m, name, split, tag, seed)] = json.loads((final / "diagnostics.json").read_text())
+                    for method in scfg.methods:
+                        run_heads[(m, name, method, split, tag, seed)] = final / method
+                        if (tag, seed) == (variants[0][0], seeds[0]):
+                            heads[(m, name, method, split)] = final / method
+                    if (tag, seed) == (variants[0][0], seeds[0]):
+                        diags[(m, name, split)] = runs[(m, name, split, tag, seed)]
+            return {"heads": heads, "diagnostics": diags, "runs": runs, "run_heads": run_heads}
 
         return self._stage("train", run)
 
-    def head_key(self, features_key: str, reference_key: str) -> str:
-        """Cache key of one (merge, task, split)'s heads: features, surgery config, held-out
-        fraction, seed and, when DeepSpeed trains them, the DeepSpeed settings and accelerator
-        (DeepSpeed heads differ from in-process ones by float summation order; see README)."""
+    def head_key(self, features_key: str, reference_key: str, scfg=None, seed: int | None = None) -> str:
+        """Cache key of one (merge, task, split)'s heads: features, resolved surgery config (``scfg``:
+        a sweep variant's, default :meth:`surgery_config`), held-out fraction, head seed (``seed``,
+        default ``cfg.seed``) and, when DeepSpeed trains them, the DeepSpeed settings and accelerator
+        (DeepSpeed heads differ from in-process ones by float summation order; see README). The
+        defaults give the key of a run without sweep or ``seeds``."""
+        scfg = self.surgery_config() if scfg is None else scfg
         parts = {"features": features_key, "reference": reference_key,
-                 "surgery": self.surgery_config().model_dump(mode="json"),
-                 "held_out": self.cfg.calibration.held_out_fraction, "seed": self.cfg.seed}
+                 "surgery": scfg.model_dump(mode="json"),
+                 "held_out": self.cfg.calibration.held_out_fraction,
+                 "seed": self.cfg.seed if seed is None else seed}
         if self.cfg.deepspeed.enabled:
             from darts_bench.surgery.train_deepspeed import deepspeed_key
 
@@ -280,15 +322,17 @@ class Pipeline:
         return stable_hash(parts)
 
     def _train_and_diagnose(self, out: Path, fs: FeatureSet, calib: CalibrationSet, merge_dir: Path,
-                            expert_dir: Path, ref_fs: FeatureSet, m: str, name: str, split: str) -> None:
+                            expert_dir: Path, ref_fs: FeatureSet, m: str, name: str, split: str,
+                            scfg=None, run_seed: int | None = None) -> None:
         from darts_bench.surgery.data import load_split, reference_answer_batches
         from darts_bench.surgery.diagnostics import Diagnostics
 
-        scfg = self.surgery_config()
+        scfg = scfg if scfg is not None else self.surgery_config()
+        run_seed = self.cfg.seed if run_seed is None else run_seed
         W_e, W_m = lm_head_weight(expert_dir), lm_head_weight(merge_dir)
         W_e = W_e[: W_m.shape[0]]  # pool.vocab_alignment=base: the expert's appended tokens are dropped
         n_seq = len(calib.meta["sequences"])
-        seed = derive_seed(self.cfg.seed, "split", name, split)
+        seed = derive_seed(run_seed, "split", name, split)
         tr_seq, va_seq = split_by_sequence(n_seq, self.cfg.calibration.held_out_fraction, seed)
         # one [N, d] buffer per model in the stored dtype; train / val are index views of it
         train, val = load_split(calib.expert_shards(), fs.merged_shards(), tr_seq, scfg.entropy_source, W_e, W_m)
@@ -300,18 +344,24 @@ class Pipeline:
         diag_val = Diagnostics(lambda: val.batches(8192), mean_h, scfg.w_max, W_e, W_m, device=self.cfg.device)
         diag_ref = Diagnostics(ref_stream, mean_h, scfg.w_max, W_e, W_m, device=self.cfg.device)
 
-        def diag_all(heads: list) -> list[dict]:  # one pass over the held-out / reference tokens for all heads
-            res = []
-            for d, r in zip(diag_val.many(heads), diag_ref.many(heads)):
-                d["slope"] = position_slope(val_pos.numpy(), d.pop("per_token_l1"), n_boot=200,
-                                            seed=seed, groups=val_seq.numpy())
+        per_token: dict[str, dict] = {}  # row -> per-token KL / agreement / floor on the held-out tokens
+
+        def diag_all(heads: dict) -> dict[str, dict]:  # one pass over the held-out / reference tokens for all heads
+            res = {}
+            for row, d, r in zip(heads, diag_val.many(list(heads.values())), diag_ref.many(list(heads.values()))):
+                tok_l1 = d.pop("per_token_l1")
+                per_token[row] = {k: np.asarray(d.pop(f"per_token_{k}")) for k in ("kl", "agree", "floor")}
+                d["slope"] = position_slope(val_pos.numpy(), tok_l1, n_boot=200, seed=seed, groups=val_seq.numpy())
+                d["slope"]["n_sequences"] = len(va_seq)
+                d["entropy_contrast"] = entropy_contrast(val.weight_source.float().numpy(), tok_l1, val_seq.numpy(),
+                                                         n_boot=200, seed=seed)
                 d["reference"] = {k: r[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor")}
-                res.append(d)
+                res[row] = d
             return res
 
         trained = {}
         for method in scfg.methods:
-            hseed = derive_seed(self.cfg.seed, m, name, split, method)
+            hseed = derive_seed(run_seed, m, name, split, method)
             if self.cfg.deepspeed.enabled:
                 from darts_bench.surgery.train_deepspeed import train_head_deepspeed
 
@@ -324,15 +374,17 @@ class Pipeline:
             save_head(res.head, out / method, extra={"merge": m, "task": name, "split": split,
                                                      "history": res.history})
             trained[method] = res.head
-        rows = diag_all([None, *trained.values()])
-        diags = {"none": rows[0], "n_train_tokens": len(train), "n_val_tokens": len(val),
+        rows = diag_all({"none": None, **trained})
+        diags = {"none": rows["none"], "n_train_tokens": len(train), "n_val_tokens": len(val),
                  "n_reference_tokens": diag_ref.n_tokens, "train_sequences": tr_seq, "held_out_sequences": va_seq}
-        for method, d in zip(trained, rows[1:]):
-            diags[method] = d
+        for method in trained:
+            diags[method] = rows[method]
             for k in ("", "reference"):
                 src = diags[method] if not k else diags[method][k]
                 base_ = diags["none"] if not k else diags["none"][k]
                 src["gap_closed"] = gap_closed(base_["kl_expert"], src["kl_expert"], base_["kl_floor"])
+        # sequence-level 95% CIs of kl_expert / agree_top1 / gap_closed and DARTS - Surgery differences
+        diags["intervals"] = behaviour_intervals(per_token, val.seq_index.numpy(), n_boot=200, seed=seed)
         (out / "diagnostics.json").write_text(json.dumps(diags))
 
     # -------------------------------------------------------------- evaluation
@@ -341,18 +393,22 @@ class Pipeline:
         rows = [Row("base", model_dir=pool.base, model_key=pool.model_key("base"))]
         for e in pool.experts:
             rows.append(Row(f"expert:{e}", model_dir=pool.experts[e], model_key=pool.model_key(e)))
-        heads = self.train()["heads"]
+        heads = self.train()["run_heads"]
         splits = self.cfg.calibration.splits
         for m, mdir in merges.items():
             rows.append(Row(m, merge=m, model_dir=mdir, model_key=mdir.name))
             for split in splits:
                 for method in self.cfg.surgery.methods:
-                    suffix = "" if split == "transductive" else f"@{split}"
-                    hd = {t: heads[(m, t, method, split)] for t in self.task_names
-                          if (m, t, method, split) in heads}  # tasks with no expert get no head
-                    rows.append(Row(f"{m}+{method}{suffix}", merge=m, correction=method, calibration=split,
-                                    model_dir=mdir, model_key=mdir.name + "+" + stable_hash([str(p) for p in hd.values()]),
-                                    heads=hd))
+                    for tag, _ in surgery_variants(self.cfg):
+                        for seed in head_seeds(self.cfg):
+                            suffix = "" if split == "transductive" else f"@{split}"
+                            k = (method, split, tag, seed)
+                            hd = {t: heads[(m, t, *k)] for t in self.task_names
+                                  if (m, t, *k) in heads}  # tasks with no expert get no head
+                            rows.append(Row(f"{m}+{method}{suffix}{tag}{seed_tag(self.cfg, seed)}", merge=m,
+                                            correction=method, calibration=split, model_dir=mdir,
+                                            model_key=mdir.name + "+" + stable_hash([str(p) for p in hd.values()]),
+                                            heads=hd, variant=tag, seed=seed))
         return rows
 
     def evaluate(self) -> dict[str, dict[str, TaskResult]]:
@@ -365,10 +421,13 @@ class Pipeline:
             # each checkpoint loaded once (rows of one model dir share it; the judge stays loaded)
             self._models = ModelCache(self.executor, self.cfg.tasks.batch_size)
             try:
-                for row in rows:
-                    results[row.model] = {}
-                    for name, (task, examples) in self.tasks().items():
-                        results[row.model][name] = self._evaluate_one(row, task, examples, by_name, results)
+                with overall_bar(len(rows) * len(self.tasks()), "evaluate", unit="row x task") as bar:
+                    for row in rows:
+                        results[row.model] = {}
+                        for name, (task, examples) in self.tasks().items():
+                            bar.set_postfix_str(f"{row.model} / {name}")
+                            results[row.model][name] = self._evaluate_one(row, task, examples, by_name, results)
+                            bar.update(1)
             finally:
                 self._models.close()
                 self._models = None
@@ -410,7 +469,9 @@ class Pipeline:
         if row.correction != "none" and task.name not in row.heads:
             model_key = by_name[row.merge].model_key  # no head for this task: the row is its merge here
         key = self.eval_key(row, task, examples, judge_key, model_key=model_key)
-        final = self.work_dir / "eval" / f"{row.model.replace(':', '_')}-{task.name}-{key}"
+        # row names of seeds / sweeps carry [ ] # , (glob and URL characters in data-file paths): not in paths
+        safe = re.sub(r"[^A-Za-z0-9_.+@=-]", "_", row.model)
+        final = self.work_dir / "eval" / f"{safe}-{task.name}-{key}"
 
         def build(tmp: Path) -> None:
             opened = []

@@ -178,7 +178,10 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
     head_tasks = [t for t in names if tasks[t]["expert"] is not None]  # tasks without an expert get no heads
 
     # ---------------------------------------------------------------- rows
-    n_rows = 1 + E + M + M * len(cal.splits) * len(scfg.methods)
+    from darts_bench.sweeps import head_seeds, surgery_variants
+
+    runs = len(head_seeds(cfg)) * len(surgery_variants(cfg))  # heads per (merge, task, split, method)
+    n_rows = 1 + E + M + M * len(cal.splits) * len(scfg.methods) * runs
 
     # ---------------------------------------------------------------- calibration + features
     calib: dict[str, dict[str, Any]] = {}
@@ -287,7 +290,7 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
         "calibration": calib,
         "generation_tokens": gen_tokens, "feature_forward_tokens": feature_forward_tokens}
 
-    n_heads = M * len(head_tasks) * len(cal.splits) * len(scfg.methods)
+    n_heads = M * len(head_tasks) * len(cal.splits) * len(scfg.methods) * runs
     max_pos = arch.get("max_position_embeddings") if arch else None
     enabled = resolve_suite("all", cfg.tasks)  # as the pipeline: not per suite
     max_len = resolve_max_len(cfg, enabled, max_pos)
@@ -305,7 +308,7 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
     max_train_tok = max((c["tokens"] for k, c in calib.items() if not k.endswith("/reference")), default=0)
     data_b = max_train_tok * d * 4 * 2 if d else None
     steps = sum(scfg.epochs * math.ceil(max(c["train_tokens"], 1) / scfg.batch_size)
-                for k, c in calib.items() if not k.endswith("/reference")) * M * len(scfg.methods)
+                for k, c in calib.items() if not k.endswith("/reference")) * M * len(scfg.methods) * runs
     if ds.enabled:
         where_train = (f"DeepSpeed, {ds.num_procs} procs via {ds.launcher}, ZeRO stage {ds.zero_stage}, "
                        f"{'nccl' if cfg.device.startswith('cuda') else 'gloo'}; micro batch "
@@ -314,7 +317,8 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
         where_train = "local, in-process (torch Adam on cached features)"
     stages["train"] = {
         "what": (f"{n_heads} heads ({M} merges x {len(head_tasks)} tasks x {len(cal.splits)} splits x methods "
-                 f"{', '.join(scfg.methods)}), rank {scfg.rank}, position table {max_len} rows, {scfg.epochs} epochs of "
+                 f"{', '.join(scfg.methods)}" + (f" x {runs} seeds/sweep variants" if runs > 1 else "")
+                 + f"), rank {scfg.rank}, position table {max_len} rows, {scfg.epochs} epochs of "
                  f"{scfg.batch_size}-token "
                  f"batches ({steps} steps in all)"),
         "where": where_train,
@@ -322,7 +326,7 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
         "params_overhead": {m: p / pc["total"] for m, p in head_params.items()} if pc else {},
         "optimizer_state_bytes_per_proc": opt_b,
         "head_train_tokens": steps * scfg.batch_size,
-        "disk_bytes": (M * len(head_tasks) * len(cal.splits) * sum(head_params.values()) * 4) if d else None,
+        "disk_bytes": (M * len(head_tasks) * len(cal.splits) * sum(head_params.values()) * 4 * runs) if d else None,
         "memory_bytes": (par_b + grad_b + opt_b + data_b) if data_b is not None else None,
         "memory_note": (f"per proc: head {_gb(par_b)} + grads {_gb(grad_b)} + Adam state {_gb(opt_b)} "
                         f"+ features {_gb(data_b)}"),
@@ -332,7 +336,7 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
     extra_what = "".join(f"; {h['what']}" for h in hints.values() if h.get("what"))
     extra_where = "".join(f"; {h['where']}" for h in hints.values() if h.get("where"))
     stages["evaluate"] = {
-        "what": (f"{n_rows} rows (base, {E} experts, {M} merges, {M * len(cal.splits) * len(scfg.methods)} corrected) x "
+        "what": (f"{n_rows} rows (base, {E} experts, {M} merges, {M * len(cal.splits) * len(scfg.methods) * runs} corrected) x "
                  + ", ".join(f"{t} ({ti['n_examples']}/{ti['of'] or '?'}, {ti['max_new_tokens']} new tokens)"
                              for t, ti in tasks.items())
                  + "; reference-answer NLL" + extra_what),

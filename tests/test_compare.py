@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from darts_bench.cli import main
-from darts_bench.report.compare import compare, tolerance
+from darts_bench.report.compare import compare, row_ci, tolerance
 
 TINY = Path(__file__).resolve().parent.parent / "results" / "tiny"
 
@@ -55,7 +55,7 @@ def test_deliberate_changes_are_listed_and_exit_nonzero(tmp_path, capsys, monkey
     # a paired DARTS - surgery cell in a per-task table moves by half its CI
     t = pd.read_csv(new / "table_humaneval.csv", dtype=object, keep_default_na=False)
     k = t.index[t["model"] == "ties+darts - ties+surgery"][0]
-    lo, hi = (float(x) for x in t.loc[k, "humaneval_ref_nll_ci"].strip("[]").split(","))
+    lo, hi = row_ci(t.loc[k], "humaneval_ref_nll")  # numeric _lo/_hi, or a [lo, hi] _ci cell of older results
     t.loc[k, "humaneval_ref_nll"] = str(float(t.loc[k, "humaneval_ref_nll"]) + (hi - lo) / 4)
     t.to_csv(new / "table_humaneval.csv", index=False)
 
@@ -87,6 +87,13 @@ def test_tolerance_rules():
     assert tolerance("gsm8k_ref_nll", row, (4.4, 4.8))[0] == pytest.approx(0.02)
     assert tolerance("gsm8k_pos_slope", row, None)[0] == pytest.approx(0.0003)
     assert tolerance("gsm8k_rep_l1", row, None)[0] == pytest.approx(0.005)
+    # numeric CI columns (the CSVs since the readable report): the same rules as the [lo, hi] text
+    num = {"gsm8k_pos_slope": 0.001, "gsm8k_pos_slope_lo": -0.002, "gsm8k_pos_slope_hi": 0.004,
+           "gsm8k_kl_expert": 0.5, "gsm8k_kl_expert_lo": 0.4, "gsm8k_kl_expert_hi": 0.8}
+    assert row_ci(num, "gsm8k_pos_slope") == (-0.002, 0.004)
+    assert tolerance("gsm8k_pos_slope", num, None)[0] == pytest.approx(0.0003)
+    assert tolerance("gsm8k_kl_expert_hi", num, None) == (pytest.approx(0.02), "0.1 x CI half-width (CI bound)")
+    assert tolerance("gsm8k_kl_expert_note", num, None)[1] == "derived"
 
 
 def test_not_a_results_dir_fails_with_status_2(tmp_path):
@@ -108,3 +115,30 @@ def test_run_into_a_committed_baseline_stops_unless_refresh_is_asked(tmp_path, m
     assert (out / "results.json").read_text() == "{}"
     monkeypatch.setenv("DARTS_BENCH_REFRESH_BASELINE", "1")
     Pipeline(cfg).check_writable()
+
+
+def test_numeric_ci_columns_give_the_same_tolerances(tmp_path):
+    """Results whose per-task tables hold numeric ``_lo`` / ``_hi`` (the readable report) instead of
+    ``[lo, hi]`` text: same CIs, so a paired cell moved by half its CI is still the one regression."""
+    new = _copy(tmp_path)
+    for f in new.glob("table_*.csv"):
+        t = pd.read_csv(f, dtype=object, keep_default_na=False)
+        for c in [c for c in t.columns if c.endswith("_ci")]:
+            lohi = [row_ci(r, c[:-3]) for _, r in t.iterrows()]
+            t[c[:-3] + "_lo"] = ["" if x is None else repr(x[0]) for x in lohi]
+            t[c[:-3] + "_hi"] = ["" if x is None else repr(x[1]) for x in lohi]
+            t = t.drop(columns=[c])
+        t.to_csv(f, index=False)
+    cells, _ = compare(TINY, new)
+    assert all(c.status == "same" for c in cells)
+    moved = tmp_path / "moved"
+    shutil.copytree(new, moved)
+    t = pd.read_csv(moved / "table_humaneval.csv", dtype=object, keep_default_na=False)
+    assert not [c for c in t.columns if c.endswith("_ci")]
+    k = t.index[t["model"] == "ties+darts - ties+surgery"][0]
+    lo, hi = float(t.loc[k, "humaneval_ref_nll_lo"]), float(t.loc[k, "humaneval_ref_nll_hi"])
+    t.loc[k, "humaneval_ref_nll"] = str(float(t.loc[k, "humaneval_ref_nll"]) + (hi - lo) / 4)
+    t.to_csv(moved / "table_humaneval.csv", index=False)
+    cells, _ = compare(new, moved)
+    assert {(c.row, c.column) for c in cells if c.status == "regression"} == \
+        {("ties+darts - ties+surgery", "humaneval_ref_nll")}

@@ -92,8 +92,10 @@ def test_end_to_end_micro_run(micro_dir, micro_pipeline, capsys):
     assert protos["alpacaeval"]["protocol"] == "chat_template" and protos["alpacaeval"]["annotator"] == "darts_local_judge"
     assert "- **humaneval**: protocol `codex` v1 (task v2)" in md and "annotator `darts_local_judge`" in md
     assert (out / "plots" / "gsm8k_l1_by_position.png").is_file()
-    # the table was printed
-    assert "| model | merge |" in capsys.readouterr().out
+    # the compact table was printed (model x primary metric per task, gap closed per task, params added)
+    assert "| model | humaneval_pass@1 | gsm8k_em_strict | gsm8k_em_flexible | alpacaeval_win_rate | " \
+           "humaneval_gap_closed | gsm8k_gap_closed | alpacaeval_gap_closed | params_added |" in capsys.readouterr().out
+    assert "## Claims" in md and (out / "claims.md").is_file() and (out / "plots" / "humaneval_primary.png").is_file()
     # each row's HumanEval samples file is kept in its evaluation artifact, and `score` re-scores it
     # to the table's value (it was written to the scratch dir and deleted with it before)
     work = micro_pipeline.work_dir

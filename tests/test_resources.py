@@ -116,6 +116,54 @@ def test_diagnostics_match_the_in_memory_reference(micro_pipeline):
         assert got["l1_by_entropy"] == pytest.approx(want["l1_by_entropy"], rel=1e-5)
 
 
+@torch.no_grad()
+def _per_token_reference(head, val, W_e, W_m):
+    """Per-token L1, KL, agreement and KL floor of ``head`` on in-memory tokens (float64 numpy)."""
+    out = val.h_merged if head is None else head(val.h_merged, val.positions)
+    le = val.h_expert @ W_e.T
+    kl, ag = agreement(le, out.float() @ W_m.T)
+    floor = kl_divergence(le, val.h_expert @ W_m.T)
+    return {k: v.double().numpy() for k, v in
+            {"l1": token_l1(out, val.h_expert), "kl": kl, "agree": ag, "floor": floor}.items()}
+
+
+def _assert_close(got, want, where):
+    if isinstance(want, dict):
+        assert set(got) == set(want), where
+        for k in want:
+            _assert_close(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7, nan_ok=True), where
+    else:
+        assert got == want, where
+
+
+def test_seed_and_claim_signals_match_the_in_memory_reference(micro_pipeline):
+    """The signals of the claims (entropy contrast, slope n_sequences) and the behaviour intervals,
+    computed from the streamed Diagnostics' per-token values, equal those computed from in-memory
+    per-token KL / agreement / floor / L1 of the held-out tokens."""
+    from darts_bench.surgery.diagnostics import entropy_contrast
+    from darts_bench.surgery.intervals import behaviour_intervals
+
+    pipe = micro_pipeline
+    scfg = pipe.surgery_config()
+    col, fs, W_e, W_m, tr_seq = _case(pipe)
+    _, val = _in_memory_split(fs.calib, fs, tr_seq, scfg.entropy_source, W_e, W_m)
+    seed = derive_seed(pipe.cfg.seed, "split", "gsm8k", "transductive")
+    out = pipe.train()
+    diags = out["diagnostics"][("ties", "gsm8k", "transductive")]
+    groups = val.seq_index.numpy()
+    per_token = {}
+    for method in ("none", *scfg.methods):
+        head = None if method == "none" else load_head(out["heads"][("ties", "gsm8k", method, "transductive")])
+        ref = _per_token_reference(head, val, W_e, W_m)
+        per_token[method] = {k: ref[k] for k in ("kl", "agree", "floor")}
+        want = entropy_contrast(val.weight_source.float().numpy(), ref["l1"], groups, n_boot=200, seed=seed)
+        _assert_close(diags[method]["entropy_contrast"], want, f"{method}.entropy_contrast")
+        assert diags[method]["slope"]["n_sequences"] == len(np.unique(groups)) == len(diags["held_out_sequences"])
+    _assert_close(diags["intervals"], behaviour_intervals(per_token, groups, n_boot=200, seed=seed), "intervals")
+
+
 def test_kl_floor_computed_once_across_heads(micro_pipeline):
     pipe = micro_pipeline
     scfg = pipe.surgery_config()

@@ -4,6 +4,8 @@ tolerance from a baseline results dir, as a markdown table (stdout, ``--out FILE
 
 A results dir is what ``darts-bench run`` writes: ``results.json`` (rows + manifest) and
 ``table_<task>.csv`` (each metric with its 95% bootstrap CI, and the ``DARTS - surgery`` paired rows).
+A CI is read from the numeric ``<column>_lo`` / ``<column>_hi`` pair, or from the ``<column>_ci``
+text cell (``[lo, hi]``) of results written before the CSVs held numbers, so either baseline works.
 Each numeric cell gets a tolerance from the rule of its column (:func:`tolerance`):
 
 * **exact** (equal by construction on any machine): ``n_<task>``, ``params_added``(``_pct``), row
@@ -12,14 +14,16 @@ Each numeric cell gets a tolerance from the rule of its column (:func:`tolerance
 * **CI**: a column with a bootstrap CI in the baseline's ``table_<task>.csv`` (headline metrics,
   ``ref_nll``, the paired rows) may move by ``CI_FRACTION`` (0.1) of the baseline CI's half-width:
   about 0.05 standard errors, far above float noise and far below a statistically visible change.
-  ``<task>_pos_slope`` uses its own ``_pos_slope_ci`` the same way.
+  ``<task>_pos_slope`` uses its own ``_pos_slope_lo`` / ``_hi`` (or ``_pos_slope_ci``) the same way.
+* **CI bound** (``<column>_lo`` / ``_hi`` next to ``<column>``): ``CI_FRACTION`` of that CI's
+  half-width, as its estimate.
 * **count** (pass@k, exact match, win rate, judge consistency: fractions of examples): the CI rule,
   but at least one example's worth (``1/n``, x100 for a win rate in %): a greedy generation whose
   top-2 logits tie within float noise can flip one verdict on another CPU. The table shows by how
   many examples a count cell moved.
 * **relative** (token-mean diagnostics without a recorded CI: ``rep_l1``, ``kl_expert``,
   ``agree_top1``, ``gap_closed`` ...): ``max(REL_TOL * |baseline|, ABS_TOL)`` (1% / 1e-3).
-* **derived** (``bias_grows``, ``pos_slope_ci``, ``*_flag``: recomputed from other cells): a change
+* **derived** (``bias_grows``, ``pos_slope_ci``, ``*_flag``, ``*_note``: recomputed from other cells): a change
   is listed for information; the cells it derives from carry the verdict.
 
 Rows or columns of the baseline missing from the new run are regressions; new ones are listed.
@@ -44,7 +48,7 @@ REL_TOL = 1e-2
 ABS_TOL = 1e-3
 IDENTITY = ("model",)
 EXACT_COLUMNS = ("merge", "correction", "calibration", "params_added", "params_added_pct")
-DERIVED_SUFFIXES = ("_bias_grows", "_pos_slope_ci", "_flag")
+DERIVED_SUFFIXES = ("_bias_grows", "_pos_slope_ci", "_flag", "_note")
 COUNT_PATTERNS = ("pass@", "_em_", "win_rate", "judge_consistency")
 _CI_RE = re.compile(r"\[\s*([-+0-9.eE]+|nan|inf|-inf)\s*,\s*([-+0-9.eE]+|nan|inf|-inf)\s*\]")
 
@@ -77,6 +81,22 @@ def parse_ci(text: Any) -> tuple[float, float] | None:
         return None
     lo, hi = float(m.group(1)), float(m.group(2))
     return (lo, hi) if math.isfinite(lo) and math.isfinite(hi) else None
+
+
+def row_ci(row: Any, column: str) -> tuple[float, float] | None:
+    """The CI of ``row[column]``: the numeric ``<column>_lo`` / ``<column>_hi`` pair when both are
+    finite, else the ``<column>_ci`` text cell (:func:`parse_ci`); None if neither is there."""
+    lo, hi = _num(row.get(column + "_lo")), _num(row.get(column + "_hi"))
+    if lo is not None and hi is not None and math.isfinite(lo) and math.isfinite(hi):
+        return lo, hi
+    return parse_ci(row.get(column + "_ci"))
+
+
+def _ci_bound_of(column: str, row: Any) -> str | None:
+    """The estimate column whose CI bound ``column`` is (``x_lo`` / ``x_hi`` with ``x`` in the row)."""
+    if column.endswith(("_lo", "_hi")) and column[:-3] in row:
+        return column[:-3]
+    return None
 
 
 def load_results(d: Path) -> dict:
@@ -135,7 +155,13 @@ def tolerance(column: str, base_row: dict, ci: tuple[float, float] | None) -> tu
     if column in EXACT_COLUMNS or column.startswith("n_"):
         return 0.0, "exact"
     if column.endswith("_pos_slope"):
-        ci = parse_ci(base_row.get(column + "_ci"))
+        ci = row_ci(base_row, column)
+    est = _ci_bound_of(column, base_row)
+    if est is not None:  # a CI bound moves with its estimate: the estimate's CI rule
+        ci = row_ci(base_row, est)
+        half = (ci[1] - ci[0]) / 2 if ci else None
+        if half is not None:
+            return CI_FRACTION * half, f"{CI_FRACTION:g} x CI half-width (CI bound)"
     half = (ci[1] - ci[0]) / 2 if ci else None
     if any(p in column for p in COUNT_PATTERNS):
         n = _n_examples(base_row, column)
@@ -189,10 +215,11 @@ def compare(baseline_dir: Path, new_dir: Path) -> tuple[list[Cell], dict]:
     for t, df in base["tables"].items():
         for _, r in df.iterrows():
             for c in df.columns:
-                if c.endswith("_ci"):
-                    ci = parse_ci(r[c])
-                    if ci:
-                        cis[(r["model"], c[:-3])] = ci
+                if c == "model" or c.endswith(("_ci", "_lo", "_hi")):
+                    continue
+                ci = row_ci(r, c)
+                if ci:
+                    cis[(r["model"], c)] = ci
     b_cols = list(dict.fromkeys(c for r in base["rows"] for c in r))
     n_cols = set(c for r in new["rows"] for c in r)
     for c in b_cols:
@@ -227,12 +254,13 @@ def compare(baseline_dir: Path, new_dir: Path) -> tuple[list[Cell], dict]:
                 cells.append(Cell(br["model"], "(row)", "present", "missing", "regression", None, "exact", "row removed"))
                 continue
             for c in bdf.columns:
-                if c == "model" or c.endswith("_ci"):
+                if c == "model" or c.endswith("_ci") or c.endswith(DERIVED_SUFFIXES):
                     continue
-                ci = parse_ci(br.get(c + "_ci"))
+                est = _ci_bound_of(c, br)
+                ci = row_ci(br, est if est is not None else c)
                 b, n = _num(br.get(c)), _num(nr.get(c)) if c in nr else None
-                if b is None and n is None:
-                    continue
+                if (b is None or math.isnan(b)) and (n is None or math.isnan(n)):
+                    continue  # empty on both sides (e.g. no CI without token counts)
                 if ci is None:
                     status = "same" if b == n else "regression"
                     cells.append(Cell(br["model"], c, b, n, status, 0.0, "exact (no CI)"))

@@ -56,6 +56,19 @@ def paired_bootstrap_diff(a: list[float], b: list[float], n_boot: int, seed: int
     return bootstrap_ci([x - y for x, y in zip(a, b)], n_boot, seed, scale)
 
 
+def _put_interval(rec: dict, m: str, iv) -> None:
+    """``<m>_lo`` / ``<m>_hi`` (numbers, the metric's units) of a per-task table row from an
+    :class:`~darts_bench.report.stats.Interval` (None: ``ref_nll`` of a result cached without token
+    counts, both NaN), and ``<m>_note`` when something was left out (NaN examples dropped, or no
+    token counts)."""
+    if iv is None:
+        rec[f"{m}_lo"], rec[f"{m}_hi"], rec[f"{m}_note"] = float("nan"), float("nan"), NO_TOKEN_COUNTS
+        return
+    rec[f"{m}_lo"], rec[f"{m}_hi"] = iv.lo, iv.hi
+    if iv.n_dropped:
+        rec[f"{m}_note"] = f"{iv.n_dropped} NaN dropped" + ("" if iv.n else " (no finite values)")
+
+
 def __getattr__(name: str) -> Any:
     """``HEADLINE`` (task -> headline columns), computed from the registry when asked for."""
     if name == "HEADLINE":
@@ -91,7 +104,9 @@ def build_rows(pipe, results: dict) -> list[dict[str, Any]]:
             rec.update(get_task(tname).report_columns(res))
             if row.merge and (row.merge, tname, row.calibration or splits[0]) in diags:
                 split = row.calibration or splits[0]
-                d = diags[(row.merge, tname, split)]
+                # a corrected row reads the diagnostics of its own sweep variant and head seed
+                d = train.get("runs", {}).get((row.merge, tname, split, row.variant, row.seed),
+                                              diags[(row.merge, tname, split)])
                 dd = d["none"] if row.correction == "none" else d[row.correction]
                 rec[f"{tname}_rep_l1"] = dd["rep_l1"]
                 rec[f"{tname}_rep_l1_ew"] = dd["rep_l1_ew"]
@@ -102,11 +117,20 @@ def build_rows(pipe, results: dict) -> list[dict[str, Any]]:
                 rec[f"{tname}_kl_floor"] = d["none"]["kl_floor"]
                 rec[f"{tname}_gap_closed"] = dd.get("gap_closed")
                 rec[f"{tname}_gap_closed_ref"] = dd["reference"].get("gap_closed")
+                # sequence-bootstrap 95% CIs on the held-out tokens (heads trained before them: none)
+                iv = d.get("intervals", {}).get(row.correction if row.correction != "none" else "none", {})
+                for sig in ("kl_expert", "agree_top1", "gap_closed"):
+                    if sig in iv:
+                        rec[f"{tname}_{sig}_lo"], rec[f"{tname}_{sig}_hi"] = iv[sig]["ci_low"], iv[sig]["ci_high"]
                 sl = dd["slope"]
                 rec[f"{tname}_pos_slope"] = sl["slope"]
-                rec[f"{tname}_pos_slope_ci"] = f"[{sl['ci_low']:.3g}, {sl['ci_high']:.3g}]"
-                # the DARTS premise: representation bias grows with position (CI above zero)
-                rec[f"{tname}_bias_grows"] = bool(sl["ci_low"] > 0)
+                rec[f"{tname}_pos_slope_lo"], rec[f"{tname}_pos_slope_hi"] = sl["ci_low"], sl["ci_high"]
+                # the DARTS premise: representation bias grows with position (CI above zero); empty
+                # when the interval comes from too few held-out sequences to be a verdict
+                from darts_bench.report.claims import MIN_SEQUENCES
+
+                n_seq = sl.get("n_sequences", len(d.get("held_out_sequences", [])))
+                rec[f"{tname}_bias_grows"] = bool(sl["ci_low"] > 0) if n_seq >= MIN_SEQUENCES else None
         if row.heads:
             from darts_bench.surgery.heads import load_head
 
@@ -131,9 +155,10 @@ def contract_columns(task_names: list[str]) -> list[str]:
     for t in task_names:
         task = get_task(t)
         cols += [*task.primary_metrics, *task.extra_columns]
-        cols += [f"{t}_ref_nll", f"{t}_rep_l1", f"{t}_rep_l1_ew", f"{t}_kl_expert", f"{t}_agree_top1",
-                 f"{t}_gap_closed", f"{t}_kl_expert_ref", f"{t}_agree_top1_ref", f"{t}_pos_slope",
-                 f"{t}_pos_slope_ci", f"{t}_bias_grows", f"n_{t}"]
+        cols += [f"{t}_ref_nll", f"{t}_rep_l1", f"{t}_rep_l1_ew", f"{t}_kl_expert", f"{t}_kl_expert_lo",
+                 f"{t}_kl_expert_hi", f"{t}_agree_top1", f"{t}_agree_top1_lo", f"{t}_agree_top1_hi",
+                 f"{t}_gap_closed", f"{t}_gap_closed_lo", f"{t}_gap_closed_hi", f"{t}_kl_expert_ref", f"{t}_agree_top1_ref", f"{t}_pos_slope",
+                 f"{t}_pos_slope_lo", f"{t}_pos_slope_hi", f"{t}_bias_grows", f"n_{t}"]
     return cols + ["params_added", "params_added_pct"]
 
 
@@ -170,7 +195,7 @@ def per_benchmark_tables(pipe, results: dict, rows: list[dict]) -> dict[str, pd.
                 if vals:
                     iv = metric_interval(results[r["model"]][t], key, n_boot, pipe.cfg.seed, scale)
                     rec[m] = r.get(m)
-                    rec[f"{m}_ci"] = iv.ci_text() if iv else NO_TOKEN_COUNTS
+                    _put_interval(rec, m, iv)
             recs.append(rec)
         # DARTS minus surgery, paired over the same examples, per merge and calibration split
         for r in rows:
@@ -189,7 +214,7 @@ def per_benchmark_tables(pipe, results: dict, rows: list[dict]) -> dict[str, pd.
                     iv = paired_metric_interval(results[r["model"]][t], results[sur][t], key, n_boot,
                                                 pipe.cfg.seed, scale, what=f"{rec['model']} {t} {m}")
                     rec[m] = iv.estimate if iv else None
-                    rec[f"{m}_ci"] = iv.ci_text() if iv else NO_TOKEN_COUNTS
+                    _put_interval(rec, m, iv)
             recs.append(rec)
         out[t] = pd.DataFrame(recs)
     return out
@@ -242,6 +267,18 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
         if c not in df.columns:
             df[c] = None
     df = df[cols]
+    from darts_bench.report.seeds import add_seed_means, comparison_table, row_meta
+    from darts_bench.sweeps import head_seeds, surgery_variants
+
+    meta = row_meta(pipe)
+    df = add_seed_means(df, meta)  # seeds: a mean row (with *_sd columns) after each group of seed rows
+    with_heads = [t for t, (task, _) in pipe.tasks().items() if task.expert is not None]
+    comparison = comparison_table(rows, meta, with_heads)
+    from darts_bench.report.claims import claim_evidence, claims_markdown, claims_table
+
+    evidence = claim_evidence(pipe.train().get("runs") or pipe.train()["diagnostics"], comparison,
+                              list(pipe.cfg.surgery.methods))
+    claims = claims_table(evidence)
     diags = pipe.train()["diagnostics"]
     premise = {f"{m}/{t}/{s}": d["none"]["slope"] for (m, t, s), d in diags.items()}
     tasks = pipe.tasks()
@@ -270,22 +307,65 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
                                     "the reference answers of the evaluated benchmark examples"},
         "position_slope": premise,
         "stage_seconds": pipe.timings,
+        "head_seeds": head_seeds(pipe.cfg),
+        "sweep_variants": [tag for tag, _ in surgery_variants(pipe.cfg)],
     }
     payload = {"schema_version": SCHEMA_VERSION, "manifest": manifest,
                "rows": json.loads(df.to_json(orient="records")),
                "diagnostics": {f"{m}/{t}/{s}": {k: v for k, v in d.items()
                                                 if k not in ("train_sequences", "held_out_sequences")}
-                               for (m, t, s), d in diags.items()}}
+                               for (m, t, s), d in diags.items()},
+               # every (variant, seed) head's diagnostics when the run has seeds or a sweep
+               "runs": {f"{m}/{t}/{s}{tag}#s{seed}": {k: v for k, v in d.items()
+                                                       if k not in ("train_sequences", "held_out_sequences")}
+                        for (m, t, s, tag, seed), d in (pipe.train().get("runs") or {}).items()}
+               if len(pipe.train().get("runs") or {}) > len(diags) else {},
+               "comparison": json.loads(comparison.to_json(orient="records")),
+               "claims": json.loads(claims.to_json(orient="records"))}
     atomic_write_text(out / "results.json", json.dumps(payload, indent=1, default=str))
     atomic_write_text(out / "table.csv", df.to_csv(index=False))
-    md = [f"# darts-bench results: `{pipe.cfg.name}`\n", "\n" + protocol_header(manifest["protocols"]) + "\n",
-          to_markdown(df)]
+    from darts_bench.report.readable import annotate_task_table, behaviour_table, ci_display, compact_table
+
+    seed_rows = {m for m, v in meta.items() if v.get("group")}
+    md = [f"# darts-bench results: `{pipe.cfg.name}`\n", "\n" + protocol_header(manifest["protocols"]) + "\n\n",
+          "Primary metric per task, gap closed per task (share of the closable KL gap to the expert on held-out "
+          "calibration tokens) and parameters added; flags in parentheses qualify the number before them"
+          + (", `mean ± sd` over head seeds" if seed_rows else "") + ". Every column: `table.csv`.\n\n",
+          to_markdown(compact_table(df, pipe.task_names, with_heads, seed_rows))]
+    tail = []
+    if len(comparison):
+        tail.append("\n## DARTS vs Surgery: wins / ties / losses over (merge, task, seed)\n\n"
+                  "A win moves the metric in its better direction (`better`); `primary` is each task's first "
+                  "headline metric; `median_gain` is the median of the DARTS - Surgery differences signed so "
+                  "that > 0 favours DARTS; `p_sign`: exact two-sided binomial sign test, ties dropped.\n\n")
+        tail.append(to_markdown(comparison.drop(columns=["test"])))
+        atomic_write_text(out / "comparison.csv", comparison.to_csv(index=False))
+    if len(claims):
+        tail.append("\n## Claims (computed verdicts; evidence per cell in claims.md)\n\n")
+        tail.append(to_markdown(claims))
+    atomic_write_text(out / "claims.md", f"# darts-bench claims: `{pipe.cfg.name}`\n\n"
+                      + claims_markdown(claims, evidence, to_markdown))
+    task_tables = {}
     for t, tdf in per_benchmark_tables(pipe, results, rows).items():
-        md.append(f"\n## {t} (95% bootstrap CI; `a - b` rows: paired bootstrap of DARTS minus surgery)\n")
+        tdf = task_tables[t] = annotate_task_table(tdf, t, rows)
+        md.append(f"\n## {t} (95% bootstrap CI; `a - b` rows: paired bootstrap of DARTS minus surgery, "
+                  "`favours_darts` gives the sign that favours DARTS)\n")
         if tasks[t][0].expert is None:
             md.append(f"\n{t}: {NO_HEADS_NOTE}.\n\n")
-        md.append(to_markdown(tdf))
+        md.append(to_markdown(ci_display(tdf, get_task(t).metric_columns())))
         atomic_write_text(out / f"table_{t}.csv", tdf.to_csv(index=False))
+        bdf = behaviour_table(df, t, pipe.train().get("runs") or {}, meta)
+        if len(bdf):
+            md.append(f"\n### {t}: behaviour on held-out calibration tokens (KL in nats; 95% CI: bootstrap over "
+                      "held-out sequences; `a - b` rows: DARTS minus Surgery on the same resampled sequences)\n\n")
+            md.append(to_markdown(ci_display(bdf, [f"{t}_{s}" for s in ("kl_expert", "agree_top1", "gap_closed")])))
+            atomic_write_text(out / f"table_{t}_behaviour.csv", bdf.to_csv(index=False))
+    md += tail
+    from darts_bench.report.figures import plot_gap_closed, plot_primary
+
+    figs = [*plot_primary(task_tables, rows, out), *plot_gap_closed(df, with_heads, meta, out)]
+    if figs:
+        md.append("\n## Figures\n\n" + "".join(f"![{f}]({f})\n" for f in figs))
     atomic_write_text(out / "table.md", "".join(md))
     plot_diagnostics(pipe, out)
     return df

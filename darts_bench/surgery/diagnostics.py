@@ -7,6 +7,8 @@ For a merged model, with and without a head, against the task expert:
   accumulates under the causal mask) and ``l1_by_entropy``: per expert-entropy quartile;
 * ``kl_expert``: mean ``KL(p_expert || p_model)`` over next-token distributions (nats) and
   ``agree_top1``: fraction of tokens whose argmax equals the expert's;
+* ``entropy_contrast`` (:func:`entropy_contrast`, added by the pipeline): top-minus-bottom
+  entropy-quartile L1 with a sequence-bootstrap CI (does high entropy carry more of the error?);
 * ``kl_floor`` (a reference, not a floor; the name is kept for the results columns): the KL when
   the merged hidden state is replaced by the expert's own, so only the merged ``lm_head``
   differs. A head that reproduces the expert's hidden state exactly reaches it, but an optimised
@@ -138,7 +140,10 @@ class Diagnostics:
     @torch.no_grad()
     def many(self, heads: list[CorrectionHead | None]) -> list[dict]:
         """Diagnostics of several heads in one pass over the token stream (the features are read
-        once for all of them); same values as one call per head."""
+        once for all of them); same values as one call per head. Each dict also holds the per-token
+        lists ``per_token_l1`` / ``per_token_kl`` (nats) / ``per_token_agree`` (0/1) /
+        ``per_token_floor`` (nats), in stream order, for slopes, entropy contrasts and
+        sequence-level intervals."""
         heads = [self._on_device(h) for h in heads]
         need_floor = self._floor is None
         per = [{"l1": [], "kl": [], "agree": []} for _ in heads]
@@ -182,8 +187,54 @@ class Diagnostics:
                 "l1_by_entropy": {f"q{i + 1}": float(l1[bins == i].mean()) if (bins == i).any() else None
                                   for i in range(4)},
                 "per_token_l1": l1.tolist(),
+                # per token, for sequence-level intervals (darts_bench.surgery.intervals); callers pop them
+                "per_token_kl": kl.tolist(),
+                "per_token_agree": torch.cat(acc["agree"]).tolist(),
+                "per_token_floor": self._floor.tolist(),
             })
         return out
+def entropy_contrast(entropy: np.ndarray, values: np.ndarray, groups: np.ndarray, n_boot: int = 1000,
+                     seed: int = 0) -> dict[str, float | int | None]:
+    """How much more error the high-entropy tokens carry: mean ``values`` (per-token L1) in the top
+    quartile of ``entropy`` minus the mean in the bottom quartile, with a 95% bootstrap CI that
+    resamples ``groups`` (sequences; tokens of one sequence are not independent). The quartile edges
+    are those of all tokens and stay fixed across resamples.
+
+    Args:
+        entropy: ``[N]`` per-token expert entropy (nats; the DARTS weight source).
+        values: ``[N]`` per-token L1 to the expert's hidden state.
+        groups: ``[N]`` sequence index of each token.
+    Returns:
+        ``{"q4_minus_q1", "ci_low", "ci_high", "q1", "q4", "share_q4"`` (the top quartile's share of
+        the summed L1), ``"n_sequences"}``; NaN (and None shares) when a quartile is empty.
+    """
+    entropy = np.asarray(entropy, dtype=np.float64)
+    values = np.asarray(values, dtype=np.float64)
+    groups = np.asarray(groups)
+    q1_edge, q3_edge = np.quantile(entropy, [0.25, 0.75])
+    low, high = entropy <= q1_edge, entropy > q3_edge
+
+    def contrast(i: np.ndarray) -> float:
+        lo_v, hi_v = values[i][low[i]], values[i][high[i]]
+        return float(hi_v.mean() - lo_v.mean()) if len(lo_v) and len(hi_v) else float("nan")
+
+    every = np.arange(len(values))
+    est = contrast(every)
+    uniq = np.unique(groups)
+    members = {g: np.nonzero(groups == g)[0] for g in uniq}
+    rng = np.random.default_rng(seed)
+    boots = []
+    for _ in range(n_boot):
+        pick = rng.choice(uniq, size=len(uniq), replace=True)
+        boots.append(contrast(np.concatenate([members[g] for g in pick])))
+    boots = np.array([b for b in boots if math.isfinite(b)])
+    lo, hi = (np.percentile(boots, [2.5, 97.5]) if len(boots) else (float("nan"), float("nan")))
+    total = float(values.sum())
+    return {"q4_minus_q1": est, "ci_low": float(lo), "ci_high": float(hi),
+            "q1": float(values[low].mean()) if low.any() else None,
+            "q4": float(values[high].mean()) if high.any() else None,
+            "share_q4": float(values[high].sum() / total) if total > 0 else None,
+            "n_sequences": int(len(uniq))}
 
 
 @torch.no_grad()
@@ -200,7 +251,8 @@ def diagnose(head: CorrectionHead | None, h_merged: torch.Tensor, h_expert: torc
     Returns:
         a dict with ``rep_l1``, ``rep_l1_ew``, ``kl_expert``, ``agree_top1``, ``kl_floor``,
         ``l1_by_position`` ({position: mean L1}), ``l1_by_entropy`` (quartile -> mean L1) and
-        ``per_token_l1`` (list, for slopes).
+        ``per_token_l1`` (list, for slopes), ``per_token_kl`` / ``per_token_agree`` /
+        ``per_token_floor`` (lists, for sequence-level intervals).
     """
     data = TokenData(h_merged, h_expert, positions, positions, entropy)
     return Diagnostics(lambda: [data], mean_h, w_max, lm_head_expert, lm_head_merged, device=device,

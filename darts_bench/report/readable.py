@@ -1,0 +1,154 @@
+"""The readable parts of ``table.md``: the compact table it opens with, flags next to the numbers
+they qualify, CI cells rendered from numeric ``_lo`` / ``_hi`` columns, and, on each paired
+DARTS - Surgery row, the sign that favours DARTS.
+
+Conventions: a column ``<metric>_flag`` (e.g. ``alpacaeval_win_rate_flag = uninformative_judge``)
+qualifies ``<metric>``; a CI is stored as ``<metric>_lo`` / ``<metric>_hi`` (numbers, in
+``table_<task>.csv``) and shown as ``[lo, hi]``; a seed-mean row carries ``<metric>_sd``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pandas as pd
+
+from darts_bench.api import get_task
+
+
+def _num(v: Any) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def fmt_number(v: Any) -> str:
+    """``4`` significant digits; empty for None / NaN."""
+    f = _num(v)
+    if f is None:
+        return "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+    if f.is_integer() and abs(f) >= 1e4:
+        return f"{int(f)}"  # counts (params_added) in full
+    return f"{f:.4g}"
+
+
+def cell(row: dict[str, Any], col: str) -> str:
+    """One number with what qualifies it: ``mean ± sd`` on a seed-mean row, and the flag of the
+    column (``<col>_flag``) in parentheses, e.g. ``50 (uninformative_judge)``."""
+    text = fmt_number(row.get(col))
+    sd = _num(row.get(f"{col}_sd"))
+    if text and sd is not None:
+        text += f" ± {sd:.2g}"
+    flag = row.get(f"{col}_flag")
+    if flag is not None and not (isinstance(flag, float) and math.isnan(flag)) and str(flag):
+        text += f" ({flag})"
+    return text
+
+
+def compact_columns(task_names: list[str], with_heads: list[str]) -> list[str]:
+    """``model``, each task's primary metrics, ``<task>_gap_closed`` for tasks with heads, and
+    ``params_added``."""
+    cols = ["model"]
+    for t in task_names:
+        cols += list(get_task(t).primary_metrics)
+    cols += [f"{t}_gap_closed" for t in with_heads]
+    return cols + ["params_added"]
+
+
+def compact_table(df: pd.DataFrame, task_names: list[str], with_heads: list[str],
+                  seed_rows: set[str] | None = None) -> pd.DataFrame:
+    """Row x (primary metric per task, gap closed per task, params added), as display strings.
+    Per-seed rows (``seed_rows``) are left out: their seed-mean row stands for them."""
+    cols = compact_columns(task_names, with_heads)
+    seed_rows = seed_rows or set()
+    recs = []
+    for r in df.to_dict(orient="records"):
+        if r["model"] in seed_rows:
+            continue
+        rec = {c: (r["model"] if c == "model" else cell(r, c)) for c in cols}
+        if r.get("n_seeds") is not None and _num(r.get("n_seeds")):
+            rec["model"] = f"{r['model']} (mean of {int(float(r['n_seeds']))} seeds)"
+        recs.append(rec)
+    return pd.DataFrame(recs, columns=cols)
+
+
+def ci_display(tdf: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
+    """A per-task table for markdown: each ``<m>_lo`` / ``<m>_hi`` pair becomes one ``<m> 95% CI``
+    cell ``[lo, hi]`` right after ``<m>``; other columns are kept in order."""
+    out = pd.DataFrame({"model": tdf["model"]})
+    for c in tdf.columns:
+        if c == "model" or c.endswith("_lo") or c.endswith("_hi"):
+            continue
+        out[c] = tdf[c]
+        if c in metrics and f"{c}_lo" in tdf.columns:
+            out[f"{c} 95% CI"] = [
+                "" if _num(lo) is None or _num(hi) is None else f"[{float(lo):.4g}, {float(hi):.4g}]"
+                for lo, hi in zip(tdf[f"{c}_lo"], tdf[f"{c}_hi"])]
+    return out
+
+
+def annotate_task_table(tdf: pd.DataFrame, task_name: str, rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """Add to a per-task table (:func:`darts_bench.report.tables.per_benchmark_tables`) the flag of
+    each metric next to it (a paired ``a - b`` row shows the flags of both sides) and, on paired
+    rows, ``favours_darts``: the sign of each difference that favours DARTS."""
+    from darts_bench.report.seeds import favours_note
+
+    task = get_task(task_name)
+    by_name = {r["model"]: r for r in rows}
+    metrics = task.metric_columns()
+    tdf = tdf.copy()
+    flagged = [m for m in metrics if any(f"{m}_flag" in r for r in rows)]
+    for m in flagged:
+        vals = []
+        for name in tdf["model"]:
+            sides = name.split(" - ") if " - " in name else [name]
+            fl = sorted({str(by_name[s][f"{m}_flag"]) for s in sides if s in by_name
+                         and by_name[s].get(f"{m}_flag") not in (None, "") and not
+                         (isinstance(by_name[s].get(f"{m}_flag"), float) and math.isnan(by_name[s][f"{m}_flag"]))})
+            vals.append(", ".join(fl) or None)
+        pos = list(tdf.columns).index(m) + 1 if m in tdf.columns else len(tdf.columns)
+        tdf.insert(pos, f"{m}_flag", vals)
+    notes = "; ".join(f"{m} {favours_note(m, task_name).replace(' favours DARTS', '')}" for m in metrics)
+    tdf["favours_darts"] = [notes if " - " in str(n) else None for n in tdf["model"]]
+    return tdf
+
+
+BEHAVIOUR = ("kl_expert", "agree_top1", "gap_closed")
+
+
+def behaviour_table(df: pd.DataFrame, task_name: str, runs: dict[tuple, dict],
+                    meta: dict[str, dict[str, Any]]) -> pd.DataFrame:
+    """Behaviour on held-out calibration tokens for one task: each merged / corrected row's
+    ``kl_expert`` (nats), ``agree_top1`` and ``gap_closed`` with sequence-bootstrap 95% CIs
+    (numeric ``_lo`` / ``_hi``), then a paired ``DARTS - Surgery`` row per (merge, split, variant,
+    seed) from the same resampled sequences, with ``favours_darts``."""
+    t = task_name
+    recs = []
+    for r in df.to_dict(orient="records"):
+        if _num(r.get(f"{t}_kl_expert")) is None or _num(r.get("n_seeds")):
+            continue  # no behaviour signal (base, experts), or a seed-mean row (its seeds are listed)
+        rec = {"model": r["model"]}
+        for sig in BEHAVIOUR:
+            for suf in ("", "_lo", "_hi"):
+                rec[f"{t}_{sig}{suf}"] = r.get(f"{t}_{sig}{suf}")
+        recs.append(rec)
+    for name, m in meta.items():
+        if m["correction"] != "darts":
+            continue
+        d = runs.get((m["merge"], t, m["calibration"], m["variant"], m["seed"]))
+        paired = (d or {}).get("intervals", {}).get("paired")
+        sur = name.replace("+darts", "+surgery", 1)
+        if not paired or sur not in meta:
+            continue
+        rec = {"model": f"{name} - {sur}"}
+        for sig in BEHAVIOUR:
+            ci = paired[sig]
+            rec[f"{t}_{sig}"], rec[f"{t}_{sig}_lo"], rec[f"{t}_{sig}_hi"] = ci["value"], ci["ci_low"], ci["ci_high"]
+        rec["favours_darts"] = f"{t}_kl_expert < 0; {t}_agree_top1 > 0; {t}_gap_closed > 0"
+        recs.append(rec)
+    return pd.DataFrame(recs)

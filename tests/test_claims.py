@@ -1,0 +1,138 @@
+"""The claims table: verdicts computed from hand-made diagnostics and paired counts."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from darts_bench.report.claims import (claim_evidence, claims_markdown, claims_table, interval_verdict,
+                                       overall_verdict, sign_verdict)
+from darts_bench.report.tables import to_markdown
+from darts_bench.surgery.diagnostics import entropy_contrast
+
+
+def _diag(slope, lo, hi, n_seq, ec=None, heads=None):
+    none = {"rep_l1": 1.0, "kl_expert": 0.5, "slope": {"slope": slope, "ci_low": lo, "ci_high": hi,
+                                                       "n_sequences": n_seq}}
+    if ec is not None:
+        none["entropy_contrast"] = ec
+    return {"none": none, **(heads or {})}
+
+
+def test_interval_and_sign_verdicts():
+    assert interval_verdict(0.1, 0.3, 8) == "supported"
+    assert interval_verdict(-0.3, -0.1, 8) == "not supported"
+    assert interval_verdict(-0.1, 0.3, 8) == "inconclusive (CI includes 0)"
+    # one held-out sequence (a --limit 4 run): the CI collapses; never a verdict
+    assert interval_verdict(0.2, 0.2, 1) == "insufficient (1 held-out sequences < 5)"
+    assert interval_verdict(float("nan"), 0.2, 8) == "insufficient (no finite interval)"
+    assert sign_verdict(9, 1, 22 / 1024) == "supported"
+    assert sign_verdict(1, 9, 22 / 1024) == "not supported"
+    assert sign_verdict(4, 3, 1.0) == "inconclusive (sign test p = 1 >= 0.05)"
+    assert sign_verdict(5, 0, 0.0625) == "insufficient (5 untied pairs < 6)"
+    assert overall_verdict(["supported", "supported", "inconclusive (CI includes 0)",
+                            "insufficient (1 held-out sequences < 5)"]) == "supported"
+    assert overall_verdict(["supported", "not supported"]) == "inconclusive (mixed)"
+    assert overall_verdict(["insufficient (1 held-out sequences < 5)"]).startswith("insufficient")
+
+
+def test_claims_from_hand_made_diagnostics():
+    ec_up = {"q4_minus_q1": 0.2, "ci_low": 0.05, "ci_high": 0.3, "n_sequences": 8}
+    runs = {
+        ("ties", "gsm8k", "transductive", "", 0): _diag(
+            0.002, 0.001, 0.003, 8, ec_up,
+            {"surgery": {"rep_l1": 0.8, "kl_expert": 0.6},   # lowers L1, raises KL: contradicts
+             "darts": {"rep_l1": 0.7, "kl_expert": 0.3}}),
+        ("ties", "gsm8k", "transductive", "", 1): _diag(9.0, 9.0, 9.0, 8),  # a 2nd seed: not a new cell
+        ("ties", "humaneval", "transductive", "", 0): _diag(
+            0.001, 0.0005, 0.002, 6, ec_up, {"surgery": {"rep_l1": 0.9, "kl_expert": 0.4},
+                                             "darts": {"rep_l1": 0.9, "kl_expert": 0.4}}),
+        ("ta", "gsm8k", "transductive", "", 0): _diag(0.004, 0.004, 0.004, 1, None),  # --limit 4
+    }
+    comparison = pd.DataFrame([{"metric": "primary", "calibration": "transductive", "variant": "-",
+                                "units": "10 (merge, task, seed)", "wins": 9, "ties": 0, "losses": 1,
+                                "p_sign": 22 / 1024, "median_gain": 0.125, "better": "higher"},
+                               {"metric": "kl_expert", "calibration": "transductive", "variant": "-",
+                                "units": "10 (merge, task, seed)", "wins": 5, "ties": 0, "losses": 5,
+                                "p_sign": 1.0, "median_gain": 0.0, "better": "lower"}])
+    ev = claim_evidence(runs, comparison, ["surgery", "darts"])
+    c1 = ev[ev["claim"] == 1].set_index(["merge", "task"])["verdict"]
+    assert c1.to_dict() == {("ties", "gsm8k"): "supported", ("ties", "humaneval"): "supported",
+                            ("ta", "gsm8k"): "insufficient (1 held-out sequences < 5)"}
+    c2 = ev[ev["claim"] == 2].set_index(["merge", "task"])["verdict"]
+    assert c2[("ties", "gsm8k")] == "supported"
+    assert c2[("ta", "gsm8k")].startswith("insufficient (not recorded")
+    c4 = ev[ev["claim"] == 4]
+    assert list(c4["verdict"]).count("contradicts") == 1
+    claims = claims_table(ev).set_index("claim")
+    assert claims.loc[1, "verdict"] == "supported"
+    assert claims.loc[1, "evidence"] == "3 cells: 2 supported, 0 not supported, 0 inconclusive, 1 insufficient"
+    c3 = claims.loc[[3]].set_index("statement")["verdict"].to_dict()
+    assert c3 == {"DARTS beats Surgery on the task metrics and on behaviour: primary (transductive)": "supported",
+                  "DARTS beats Surgery on the task metrics and on behaviour: kl_expert (transductive)":
+                      "inconclusive (sign test p = 1 >= 0.05)"}
+    assert claims.loc[4, "verdict"] == "inconclusive (1 of 4 heads contradict)"
+    assert "ties/gsm8k/transductive surgery seed 0: rep L1 1 -> 0.8, KL 0.5 -> 0.6 nats" in claims.loc[4, "evidence"]
+    md = claims_markdown(claims.reset_index(), ev, to_markdown)
+    assert "| 1 | representation bias grows with position under the causal mask | supported |" in md
+
+
+def test_entropy_contrast_hand_computed():
+    # 4 sequences x 4 tokens; entropy 0..15; L1 = 1 on the top quartile (entropy 12..15), 0 elsewhere
+    entropy = np.arange(16, dtype=float)
+    l1 = (entropy >= 12).astype(float)
+    groups = np.repeat(np.arange(4), 4)
+    ec = entropy_contrast(entropy, l1, groups, n_boot=200, seed=0)
+    assert ec["q4_minus_q1"] == pytest.approx(1.0) and ec["q1"] == 0.0 and ec["q4"] == 1.0
+    assert ec["share_q4"] == pytest.approx(1.0) and ec["n_sequences"] == 4
+    # every resample that has both quartiles gives exactly 1: the CI is the point
+    assert ec["ci_low"] == pytest.approx(1.0) and ec["ci_high"] == pytest.approx(1.0)
+    # no relation: the L1 alternates within each sequence, both quartiles average 0.5
+    ec0 = entropy_contrast(entropy, (np.arange(16) % 2).astype(float), groups, n_boot=200, seed=0)
+    assert ec0["q4_minus_q1"] == pytest.approx(0.0)
+
+
+def test_behaviour_intervals_hand_made():
+    from darts_bench.surgery.intervals import behaviour_intervals, sequence_bootstrap
+
+    # 4 held-out sequences x 2 tokens; every resample of a constant statistic gives the constant
+    groups = np.repeat(np.arange(4), 2)
+    none = {"kl": np.full(8, 1.0), "agree": np.zeros(8), "floor": np.full(8, 0.2)}
+    sur = {"kl": np.full(8, 0.6), "agree": np.full(8, 0.5), "floor": np.full(8, 0.2)}
+    dar = {"kl": np.full(8, 0.4), "agree": np.ones(8), "floor": np.full(8, 0.2)}
+    iv = behaviour_intervals({"none": none, "surgery": sur, "darts": dar}, groups, n_boot=50, seed=0)
+    assert iv["surgery"]["gap_closed"]["value"] == pytest.approx(0.5)  # (1 - 0.6) / (1 - 0.2)
+    assert iv["darts"]["gap_closed"]["value"] == pytest.approx(0.75)
+    assert iv["paired"]["gap_closed"]["value"] == pytest.approx(0.25)
+    assert iv["paired"]["kl_expert"]["value"] == pytest.approx(-0.2)
+    assert iv["paired"]["kl_expert"]["ci_low"] == pytest.approx(-0.2) == iv["paired"]["kl_expert"]["ci_high"]
+    assert iv["paired"]["pair"] == "darts - surgery" and iv["darts"]["kl_expert"]["n_sequences"] == 4
+    # resampling whole sequences: sequence means 0, 1, 2, 3 -> every resample mean lies in [0, 3] and the
+    # CI is the spread of means of 4 draws (never narrower than one sequence's tokens would suggest)
+    vals = np.repeat(np.arange(4.0), 2)
+    ci = sequence_bootstrap(groups, lambda i: float(vals[i].mean()), 2000, 0)
+    assert ci["value"] == pytest.approx(1.5) and 0.0 <= ci["ci_low"] < 1.0 and 2.0 < ci["ci_high"] <= 3.0
+    assert ci["n_dropped"] == 0
+    # no closable gap in a resample: that resample is dropped and counted
+    flat = {"kl": np.full(8, 0.2), "agree": np.zeros(8), "floor": np.full(8, 0.2)}
+    iv0 = behaviour_intervals({"none": flat, "darts": dar}, groups, n_boot=20, seed=0)
+    assert iv0["darts"]["gap_closed"]["n_dropped"] == 20 and np.isnan(iv0["darts"]["gap_closed"]["ci_low"])
+
+
+def test_paired_behaviour_cells_give_claim_three_verdicts():
+    def paired(lo, hi, n):
+        ci = {"value": (lo + hi) / 2, "ci_low": lo, "ci_high": hi, "n_sequences": n, "n_dropped": 0}
+        return {"kl_expert": ci, "agree_top1": ci, "gap_closed": ci, "pair": "darts - surgery"}
+
+    runs = {("ties", "gsm8k", "transductive", "", 0): {**_diag(0.1, 0.1, 0.2, 8), "intervals": {"paired": paired(-0.3, -0.1, 8)}},
+            ("ta", "gsm8k", "transductive", "", 0): {**_diag(0.1, 0.1, 0.2, 8), "intervals": {"paired": paired(-0.3, -0.1, 2)}}}
+    ev = claim_evidence(runs, None, [])
+    cells = ev[(ev["claim"] == 3)].set_index(["merge", "metric"])["verdict"]
+    # KL difference below 0 favours DARTS; agreement / gap closed below 0 favour Surgery
+    assert cells[("ties", "kl_expert, held-out tokens")] == "supported"
+    assert cells[("ties", "agree_top1, held-out tokens")] == "not supported"
+    assert cells[("ta", "kl_expert, held-out tokens")] == "insufficient (2 held-out sequences < 5)"
+    claims = claims_table(ev).set_index("statement")
+    kl = claims.loc["DARTS beats Surgery on the task metrics and on behaviour: kl_expert, held-out tokens "
+                    "(paired per merge, task, split, seed)"]
+    assert kl["verdict"] == "supported"
+    assert kl["evidence"] == "2 cells: 1 supported, 0 not supported, 0 inconclusive, 1 insufficient"
