@@ -101,6 +101,9 @@ def assert_same_features(got: list[dict], want: list[dict]) -> None:
     for g, w in zip(got, want):
         assert set(g) == set(w)
         for k in w:
+            if isinstance(w[k], dict):  # the encoding's dtype tags (bf16 travels as int16 bits)
+                assert g[k] == w[k], k
+                continue
             assert g[k].dtype == w[k].dtype and np.array_equal(g[k], w[k]), k  # bitwise
 
 
@@ -219,7 +222,7 @@ def test_features_identical_to_local(ckpt, ray_ex):
     got = ray_ex.map(str(ckpt), "features", payloads, on_result=lambda i, r: seen.append(i))
     assert sorted(seen) == [0, 1, 2]
     assert_same_features(got, want)
-    assert all(v.flags.writeable for r in got for v in r.values())  # copied out of the object store
+    assert all(v.flags.writeable for r in got for v in r.values() if isinstance(v, np.ndarray))  # copied out of the object store
     assert len(ray_ex._groups[(str(ckpt), None, BATCH)].actors) == 2  # kept loaded (keep_idle)
 
     # skipped shards (already persisted by a previous run) are not recomputed and come back as None
