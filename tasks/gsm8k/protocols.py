@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from darts_bench.scoring.extract import regex_extract
+
 __all__ = ["GSM8KProtocol", "PROTOCOLS", "get_protocol", "CHAT_COT_INSTRUCTION", "ALPACA_COT_PROMPT", "INVALID"]
 
 HERE = Path(__file__).resolve().parent
@@ -35,19 +37,6 @@ ALPACA_COT_PROMPT = ("Below is an instruction that describes a task. Write a res
 #: The user turn of ``chat-cot`` (``{question}``: the GSM8K question).
 CHAT_COT_INSTRUCTION = ("{question}\n\nLet's think step by step. End your answer with a line "
                         "\"The answer is: <number>\".")
-
-
-def _regex_extract(pattern: re.Pattern[str], group_select: int, text: str) -> str | None:
-    """What lm-eval's ``RegexFilter`` returns (``None`` for its ``[invalid]`` fallback)."""
-    matches = pattern.findall(text if isinstance(text, str) else "")
-    if not matches:
-        return None
-    m = matches[group_select]
-    if isinstance(m, tuple):
-        m = next((g for g in m if g), None)
-        if m is None:
-            return None
-    return m.strip()
 
 
 @dataclass(frozen=True)
@@ -95,11 +84,13 @@ class GSM8KProtocol:
 
     def extract_strict(self, text: str) -> str | None:
         """lm-eval's ``strict-match`` filter of this protocol (raw, commas kept); ``None`` = no answer."""
-        return _regex_extract(*self._filter("strict-match"), text)
+        pattern, group = self._filter("strict-match")
+        return regex_extract(pattern, text, group)
 
     def extract_flexible(self, text: str) -> str | None:
         """lm-eval's ``flexible-extract`` filter (the last number-like token)."""
-        return _regex_extract(*self._filter("flexible-extract"), text)
+        pattern, group = self._filter("flexible-extract")
+        return regex_extract(pattern, text, group)
 
     def normalize(self, text: str) -> str:
         em = self.config["metric_list"][0]
