@@ -125,6 +125,28 @@ class PromptFormatter:
         return format_chat(self.tokenizer, user_message)
 
 
+def score_pairs(tokenizer, contexts: Sequence[str], continuations: Sequence[str],
+                max_length: int) -> list[tuple[list[int], int]]:
+    """``(token ids, number of scored continuation tokens)`` per (context, continuation), as
+    lm-eval tokenizes them: each part separately, concatenated, the context cut from the left to fit
+    ``max_length`` tokens. Shared by every backend's ``score``.
+
+    Raises:
+        ValueError: different numbers of contexts and continuations, or an empty continuation.
+    """
+    if len(contexts) != len(continuations):
+        raise ValueError(f"{len(contexts)} contexts vs {len(continuations)} continuations")
+    pairs = []
+    for ctx, cont in zip(contexts, continuations):
+        c_ids = tokenizer(ctx, add_special_tokens=True)["input_ids"]
+        x_ids = tokenizer(cont, add_special_tokens=False)["input_ids"]
+        if not x_ids:
+            raise ValueError(f"empty continuation for context {ctx[:60]!r}")
+        ids = (c_ids + x_ids)[-max_length:]
+        pairs.append((ids, min(len(x_ids), len(ids) - 1)))
+    return pairs
+
+
 class HFTextModel:
     """:class:`darts_bench.api.TextModel` over an HF causal LM and tokenizer.
 
@@ -215,16 +237,7 @@ class HFTextModel:
         context and continuation are tokenized separately and concatenated; the context is
         truncated from the left to fit ``max_length``). Batches are left-padded with ``position_ids``
         from the attention mask, so a pair's NLL does not depend on the pairs batched with it."""
-        if len(contexts) != len(continuations):
-            raise ValueError(f"{len(contexts)} contexts vs {len(continuations)} continuations")
-        pairs = []
-        for ctx, cont in zip(contexts, continuations):
-            c_ids = self.tokenizer(ctx, add_special_tokens=True)["input_ids"]
-            x_ids = self.tokenizer(cont, add_special_tokens=False)["input_ids"]
-            if not x_ids:
-                raise ValueError(f"empty continuation for context {ctx[:60]!r}")
-            ids = (c_ids + x_ids)[-self.max_length:]
-            pairs.append((ids, min(len(x_ids), len(ids) - 1)))
+        pairs = score_pairs(self.tokenizer, contexts, continuations, self.max_length)
         results: list[ScoreContinuation] = []
         pad = self.tokenizer.pad_token_id
         for start in range(0, len(pairs), self.batch_size):

@@ -313,16 +313,9 @@ class VLLMTextModel:
         ``prompt_logprobs`` (same tokenization and truncation as ``HFTextModel.score``)."""
         from vllm import SamplingParams, TokensPrompt
 
-        if len(contexts) != len(continuations):
-            raise ValueError(f"{len(contexts)} contexts vs {len(continuations)} continuations")
-        pairs = []
-        for ctx, cont in zip(contexts, continuations):
-            c_ids = self.tokenizer(ctx, add_special_tokens=True)["input_ids"]
-            x_ids = self.tokenizer(cont, add_special_tokens=False)["input_ids"]
-            if not x_ids:
-                raise ValueError(f"empty continuation for context {ctx[:60]!r}")
-            ids = (c_ids + x_ids)[-self.max_length:]
-            pairs.append((ids, min(len(x_ids), len(ids) - 1)))
+        from darts_bench.evaluate.hf_model import score_pairs
+
+        pairs = score_pairs(self.tokenizer, contexts, continuations, self.max_length)
         if not pairs:
             return []
         eng = self.engine
