@@ -66,6 +66,9 @@ def _common(p: argparse.ArgumentParser, tasks: list[str]) -> None:
     p.add_argument("--sweep", dest="sweeps", action="append", default=[], metavar="surgery.KEY=V1,V2",
                    help="train and evaluate heads for each value (repeatable: the grid of all combinations), "
                         "e.g. --sweep surgery.w_max=1,2,4; reuses the cached features")
+    p.add_argument("--rows", default=None, metavar="PATTERN[,PATTERN...]",
+                   help="evaluate only rows matching these patterns (evaluate.rows), e.g. 'base,expert:*'; "
+                        "merges and heads are built only when a selected row needs them")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -130,6 +133,9 @@ def _load(args) -> Config:
             raise ConfigError(str(e)) from None
     if getattr(args, "data_dir", None):
         overrides.append(f"data_dir={args.data_dir}")
+    if getattr(args, "rows", None):
+        pats = [r.strip() for r in args.rows.split(",") if r.strip()]
+        overrides.append("evaluate.rows=" + json.dumps(pats))
     return load_config(args.config, overrides)
 
 

@@ -312,6 +312,17 @@ class EvaluateConfig(_Strict):
 
     backend: Literal["hf", "vllm"] = "hf"
     vllm: VLLMConfig = VLLMConfig()
+    rows: list[str] | None = Field(
+        None, description="evaluate only the rows whose names match one of these fnmatch patterns (e.g. "
+        "['base', 'expert:*'] for base and experts only: no merge, collection or head training then); "
+        "None: every row. Results per row do not depend on it (not in any cache key)")
+
+    @field_validator("rows")
+    @classmethod
+    def _rows(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and (not v or any(not isinstance(p, str) or not p.strip() for p in v)):
+            raise ValueError(f"rows must be a non-empty list of row-name patterns, got {v}")
+        return v
 
 
 class Config(_Strict):

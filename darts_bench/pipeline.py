@@ -186,6 +186,11 @@ class Pipeline:
         from darts_bench.merge import build_merges
 
         pool = self.pool()
+        if not self.needs_merges:
+            if "merge-skipped" not in self._cache:
+                self._cache["merge-skipped"] = True
+                log.info("stage merge: skipped (evaluate.rows %s selects no merge or corrected row)", self.cfg.evaluate.rows)
+            return {}
         return self._stage("merge", lambda: build_merges(self.cfg, pool, self.work_dir))
 
     def tasks(self) -> dict[str, tuple[Task, list[Example]]]:
@@ -266,7 +271,13 @@ class Pipeline:
         """Heads per (merge, task, method, split) + diagnostics per (merge, task, split) of the first
         sweep variant and head seed, and ``runs``: diagnostics per (merge, task, split, variant, seed)
         and ``run_heads``: head dirs per (merge, task, method, split, variant, seed) for every variant
-        and seed (:mod:`darts_bench.sweeps`)."""
+        and seed (:mod:`darts_bench.sweeps`). Empty when ``evaluate.rows`` selects no merge or
+        corrected row (collection and training are skipped)."""
+        if not self.needs_merges:
+            if "train-skipped" not in self._cache:
+                self._cache["train-skipped"] = True
+                log.info("stage train: skipped (evaluate.rows %s selects no merge or corrected row)", self.cfg.evaluate.rows)
+            return {"heads": {}, "diagnostics": {}, "runs": {}, "run_heads": {}}
         col, merges, pool = self.collect(), self.merge(), self.pool()
         variants, seeds = self.surgery_variants(), head_seeds(self.cfg)
 
@@ -388,11 +399,58 @@ class Pipeline:
         (out / "diagnostics.json").write_text(json.dumps(diags))
 
     # -------------------------------------------------------------- evaluation
+    def row_names(self) -> list[str]:
+        """Every row name of this config, in table order, known without building anything: base,
+        ``expert:<e>``, each merge, and its corrected rows (method, split, sweep variant, seed)."""
+        names = ["base", *(f"expert:{e}" for e in pool_expert_names(self.cfg))]
+        for spec in self.cfg.merges:
+            names.append(spec.name)
+            for split in self.cfg.calibration.splits:
+                suffix = "" if split == "transductive" else f"@{split}"
+                for method in self.cfg.surgery.methods:
+                    for tag, _ in surgery_variants(self.cfg):
+                        for seed in head_seeds(self.cfg):
+                            names.append(f"{spec.name}+{method}{suffix}{tag}{seed_tag(self.cfg, seed)}")
+        return names
+
+    def selected(self, name: str) -> bool:
+        """Whether row ``name`` is evaluated (``evaluate.rows`` patterns; every row when unset)."""
+        from fnmatch import fnmatchcase
+
+        pats = self.cfg.evaluate.rows
+        return pats is None or any(fnmatchcase(name, p) for p in pats)
+
+    @property
+    def needs_merges(self) -> bool:
+        """False when ``evaluate.rows`` selects no merge or corrected row: the merge, collect and
+        train stages are then skipped (base and experts only)."""
+        experts = {"base", *(f"expert:{e}" for e in pool_expert_names(self.cfg))}
+        return any(self.selected(n) for n in self.row_names() if n not in experts)
+
+    def check_row_filter(self) -> None:
+        """Raises ValueError when an ``evaluate.rows`` pattern matches no row of this config (a typo
+        would otherwise silently evaluate nothing)."""
+        from fnmatch import fnmatchcase
+
+        pats, names = self.cfg.evaluate.rows, self.row_names()
+        for p in pats or []:
+            if not any(fnmatchcase(n, p) for n in names):
+                raise ValueError(f"evaluate.rows: pattern {p!r} matches no row; rows of this config: {names}")
+
     def rows(self) -> list[Row]:
-        pool, merges = self.pool(), self.merge()
+        """The evaluated rows (``evaluate.rows`` applied); see :meth:`all_rows`."""
+        self.check_row_filter()
+        return [r for r in self.all_rows() if self.selected(r.model)]
+
+    def all_rows(self) -> list[Row]:
+        """Every row; merges and heads are built only when :attr:`needs_merges`."""
+        pool = self.pool()
         rows = [Row("base", model_dir=pool.base, model_key=pool.model_key("base"))]
         for e in pool.experts:
             rows.append(Row(f"expert:{e}", model_dir=pool.experts[e], model_key=pool.model_key(e)))
+        if not self.needs_merges:
+            return rows
+        merges = self.merge()
         heads = self.train()["run_heads"]
         splits = self.cfg.calibration.splits
         for m, mdir in merges.items():
@@ -417,7 +475,8 @@ class Pipeline:
         def run():
             results: dict[str, dict[str, TaskResult]] = {}
             rows = self.rows()
-            by_name = {r.model: r for r in rows}
+            # every row stays reachable by name (e.g. the AlpacaEval judge `expert:instruction`)
+            by_name = {r.model: r for r in self.all_rows()}
             # each checkpoint loaded once (rows of one model dir share it; the judge stays loaded)
             self._models = ModelCache(self.executor, self.cfg.tasks.batch_size)
             try:

@@ -213,5 +213,9 @@ def claims_markdown(claims: pd.DataFrame, evidence: pd.DataFrame, to_markdown, m
             f"`insufficient` for an interval from fewer than {min_sequences} held-out sequences or a sign test "
             f"on fewer than {MIN_SIGN_PAIRS} untied pairs. A claim over several cells takes the verdict of "
             "more than half of its informative cells.\n\n")
+    if claims.empty:
+        return head + ("No claim can be assessed: this run evaluated no merge or corrected row "
+                       "(e.g. `evaluate.rows` selected base and experts only), so it has no heads and no "
+                       "held-out diagnostics.\n")
     ev = evidence.drop(columns=[c for c in ("p_sign", "metric", "variant") if c in evidence.columns])
     return head + to_markdown(claims) + "\n### Evidence per cell\n\n" + to_markdown(ev)

@@ -1,0 +1,75 @@
+"""`evaluate.rows` / `--rows`: evaluate a subset of rows (e.g. base and experts only, issue "The
+merging literature's evaluation protocols": the experts-only measurement) without building merges,
+features or heads, with the same cache keys and values as a full run."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from darts_bench.config import load_config
+from darts_bench.pipeline import Pipeline
+from tests.conftest import micro_config_file
+
+
+def _pipe(tmp, suite="humaneval", **over):
+    cfg = load_config(str(micro_config_file(tmp, **over)))
+    return Pipeline(cfg, suite=suite)
+
+
+def test_row_names_and_patterns(tmp_path):
+    pipe = _pipe(tmp_path, evaluate={"rows": ["base", "ties+darts*"]})
+    names = pipe.row_names()
+    assert names[:4] == ["base", "expert:code", "expert:math", "expert:instruction"]
+    assert "ties+darts@inductive" in names and "task_arithmetic+surgery" in names
+    assert [n for n in names if pipe.selected(n)] == ["base", "ties+darts", "ties+darts@inductive"]
+    assert pipe.needs_merges
+    assert not _pipe(tmp_path, evaluate={"rows": ["base", "expert:*"]}).needs_merges
+    assert _pipe(tmp_path).needs_merges  # no filter: every row
+
+
+def test_pattern_matching_no_row_fails_early(tmp_path):
+    pipe = _pipe(tmp_path, evaluate={"rows": ["base", "expert:coder"]})
+    with pytest.raises(ValueError, match=r"'expert:coder' matches no row; rows of this config: \['base', 'expert:code'"):
+        pipe.check_row_filter()
+    with pytest.raises(Exception, match="rows must be a non-empty list"):
+        _pipe(tmp_path, evaluate={"rows": []})
+
+
+def test_cli_rows_sets_config(tmp_path):
+    from darts_bench.cli import _load, build_parser
+
+    args = build_parser().parse_args(["run", "--config", str(micro_config_file(tmp_path)), "--rows", "base, expert:*"])
+    assert _load(args).evaluate.rows == ["base", "expert:*"]
+
+
+def test_experts_only_run_builds_no_merge_and_keeps_keys(tmp_path, data_dir):
+    """Base + the code expert on HumanEval: no merge, feature or head artifact is built, the table
+    has exactly those rows, and each row's eval artifact is the one a full run would use."""
+    pipe = _pipe(tmp_path, evaluate={"rows": ["base", "expert:code"]})
+    try:
+        df = pipe.report()
+        work = tmp_path / "work"
+        for d in ("merges", "features", "heads", "calibration"):
+            assert not (work / d).exists() or not any((work / d).iterdir()), d
+        assert list(df["model"]) == ["base", "expert:code"]
+        table = pd.read_csv(tmp_path / "results" / "table.csv")
+        assert list(table["model"]) == ["base", "expert:code"]
+        assert table["n_humaneval"].tolist() == [4, 4]
+        assert "No claim can be assessed" in (tmp_path / "results" / "claims.md").read_text()
+        evals = sorted(p.name for p in (work / "eval").iterdir() if not p.name.startswith("."))
+        full = _pipe(tmp_path)  # same work dir and pool, no filter
+        task, examples = full.tasks()["humaneval"]
+        rows = {r.model: r for r in pipe.all_rows()}
+        want = sorted(f"{n.replace(':', '_')}-humaneval-{full.eval_key(rows[n], task, examples)}"
+                      for n in ("base", "expert:code"))
+        assert evals == want
+        # the table's cells are the kept per-example values (token-weighted reference NLL)
+        res = json.loads((work / "eval" / want[0] / "result.json").read_text())
+        pe = res["per_example"]
+        assert table.loc[0, "humaneval_pass@1"] == pytest.approx(sum(pe["pass@1"]) / 4)
+        assert table.loc[0, "humaneval_ref_nll"] == pytest.approx(sum(pe["ref_nll_sum"]) / sum(pe["ref_nll_tokens"]))
+    finally:
+        pipe.close()
