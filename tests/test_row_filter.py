@@ -71,5 +71,22 @@ def test_experts_only_run_builds_no_merge_and_keeps_keys(tmp_path, data_dir):
         pe = res["per_example"]
         assert table.loc[0, "humaneval_pass@1"] == pytest.approx(sum(pe["pass@1"]) / 4)
         assert table.loc[0, "humaneval_ref_nll"] == pytest.approx(sum(pe["ref_nll_sum"]) / sum(pe["ref_nll_tokens"]))
+        # the experts-only summary reads the same cells back, with the protocol on record
+        import importlib.util
+        import shutil
+
+        spec = importlib.util.spec_from_file_location("experts_summary", "scripts/experts_summary.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        root = tmp_path / "experts"
+        shutil.copytree(tmp_path / "results", root / "humaneval-codex")
+        assert mod.main([str(root)]) == 0
+        summ = pd.read_csv(root / "summary.csv")
+        assert summ[["task", "protocol", "model", "metric"]].values.tolist() == [
+            ["humaneval", "codex", "base", "humaneval_pass@1"], ["humaneval", "codex", "expert:code", "humaneval_pass@1"]]
+        assert summ["value"].tolist() == table["humaneval_pass@1"].tolist()
+        assert summ["mismatch"].tolist() == table["humaneval_empty_rate"].tolist()
+        assert "CI excludes 0" in (root / "summary.md").read_text()
+        assert mod.main([str(tmp_path / "nothing")]) == 2
     finally:
         pipe.close()
