@@ -66,7 +66,8 @@ ACTOR_START_S = 10.0
 # vLLM engine on CPU beyond its weights and KV cache (bytes): the engine-core and worker processes
 # (interpreter, torch, vllm) and the worker's activations. From LAB-NOTES "vLLM on CPU": ~3.4 GB RAM
 # per engine for SmolLM2-135M (134.5M params) in float32 with kv_cache_gb 2, less its weights
-# (0.54 GB) and KV cache (2 GiB = 2.15 GB). Measured again: benchmarks/bench_vllm_memory.py.
+# (0.54 GB) and KV cache (2 GiB = 2.15 GB); not re-measured per model size (the worker's activations
+# grow with max_num_batched_tokens, so expect more for 7B-sized vocabularies and hidden sizes).
 VLLM_ENGINE_OVERHEAD = 3.4e9 - 134_515_008 * 4 - 2 * 2**30
 # GPU: what vLLM's gpu_memory_utilization budget holds besides weights and KV cache (activations
 # of the profiling run, CUDA graphs, the sampler), per GPU; assumed.
@@ -377,6 +378,10 @@ def refine(plan: dict[str, Any], cfg, ctx: dict[str, Any]) -> None:
     plan["totals"]["device_hours_unit"] = "GPU-hours" if kind == "cuda" else "CPU-core-hours"
     plan["totals"]["wall_seconds"] = sum(s.get("wall_seconds", 0) for s in st.values())
     plan["throughput"] = THROUGHPUT[kind]["source"]
+    if engine is not None:
+        plan["throughput"] += ("; vLLM generation at 1/%g of the HF CPU time (measured vLLM/HF tokens/s)" % VLLM_CPU_SPEEDUP
+                               if kind == "cpu" else "; vLLM decoding steps of max_num_seqs requests, each "
+                               "reading the weights once (no HF per-step overhead)")
     cap = rcfg.gpu_memory_gb * 1e9 if rcfg.gpu_memory_gb else None
     for name, s in st.items():
         if "gpu_bytes" in s and cap:

@@ -253,3 +253,20 @@ def test_vllm_dry_run_needs_no_vllm():
     assert res.returncode == 0, res.stderr
     assert "vLLM engine (bfloat16, 1 GPU): per GPU gpu_memory_utilization 0.9 x 80 GB = 72.0 GB" in res.stdout
     assert "engine starts in evaluate" in res.stdout
+
+
+def test_vllm_engines_in_ray_actors_are_planned_per_actor(monkeypatch):
+    """With engines in the Ray actors (``VLLM_ENGINE_PER_RAY_ACTOR``) the memory per actor is the
+    same engine, starts are counted per actor, the judge's group is held beside the row's, and the
+    generation is spread over the actors."""
+    import darts_bench.plan_resources as pr
+
+    cfg = load_config("llama2-7b", ["evaluate.backend=vllm"])
+    driver = make_plan(cfg)["stages"]["evaluate"]
+    monkeypatch.setattr(pr, "VLLM_ENGINE_PER_RAY_ACTOR", True)
+    actors = make_plan(cfg)["stages"]["evaluate"]
+    assert actors["memory_bytes"] == driver["memory_bytes"] and actors["gpu_bytes"] == driver["gpu_bytes"]
+    # groups: base, code, math, 3 merges (their corrected rows share the group) + the judge's (instruction)
+    assert actors["model_loads"] == 7 and actors["engine_starts"] == 7 * 8
+    assert driver["model_loads"] == driver["engine_starts"] == 2 * (31 - 1)
+    assert actors["wall_seconds"] < driver["wall_seconds"] / 4
