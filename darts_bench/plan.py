@@ -1,7 +1,8 @@
 """The run plan behind ``darts-bench run --dry-run``: what each stage runs, where, and rough sizes.
 
 Everything comes from the config alone: no model is loaded and the hub is never contacted. The
-architecture comes from ``config.json`` of a local model dir when there is one, from
+architecture comes from ``config.json`` of a local model dir, or of a hub id whose snapshot is in
+the local hub cache (``HF_HOME`` / ``HF_HUB_CACHE``; looked up, never fetched), when there is one, from
 ``pool.tiny`` for the tiny tier, else from a table of known architectures (SmolLM2-135M,
 Llama-2-7B) matched on the model id. Prompt and reference lengths are not known before the
 tokenizer runs, so token counts use per-task typical lengths (Llama-style BPE, each task's
@@ -56,11 +57,36 @@ def _known(name: str | None) -> str | None:
     return None
 
 
-def _from_dir(path: str | None) -> dict[str, Any] | None:
+def _cached_config(ref: str) -> Path | None:
+    """``config.json`` of the hub id ``ref`` (``org/name[@revision]``) when the local hub cache
+    holds it (``huggingface_hub.try_to_load_from_cache``: a file lookup, the hub is never
+    contacted), else None."""
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    from darts_bench.pool.hub import hub_cache_dir, split_revision
+
+    repo, rev = split_revision(ref)
+    try:
+        got = try_to_load_from_cache(repo, "config.json", cache_dir=hub_cache_dir(), revision=rev)
+    except (HFValidationError, ValueError):  # not a hub id
+        return None
+    return Path(got) if isinstance(got, str) else None
+
+
+def _config_file(path: str | None) -> Path | None:
+    """``config.json`` of a local checkpoint dir or of a hub id in the local hub cache."""
     if not path:
         return None
-    f = Path(path).expanduser() / "config.json"
-    if not f.is_file():
+    p = Path(path).expanduser()
+    if p.exists():
+        return p / "config.json" if (p / "config.json").is_file() else None
+    return _cached_config(str(path))
+
+
+def _from_dir(path: str | None) -> dict[str, Any] | None:
+    f = _config_file(path)
+    if f is None:
         return None
     raw = json.loads(f.read_text())
     raw = raw.get("text_config", raw)
@@ -84,7 +110,7 @@ def architecture(cfg: Config) -> tuple[dict[str, Any] | None, str]:
                  "max_position_embeddings": t.max_position_embeddings}, "pool.tiny")
     arch = _from_dir(pool.base)
     if arch:
-        return arch, f"{Path(pool.base).expanduser() / 'config.json'}"
+        return arch, str(_config_file(pool.base))
     for cand in (pool.base, pool.gguf_file if pool.kind == "gguf" else None,
                  pool.gguf_wheel if pool.kind == "gguf" else None, cfg.name):
         k = _known(cand)
@@ -425,10 +451,16 @@ def format_plan(plan: dict[str, Any]) -> str:
     if t.get("device_hours") is not None:
         lines.append(f"time: {t['device_hours']:.1f} {t['device_hours_unit']}, ~{_dur(t['wall_seconds'])} wall "
                      f"(throughput: {plan.get('throughput')}); evaluate loads {plan['stages']['evaluate'].get('model_loads')} "
-                     f"checkpoints{' (one per model dir)' if plan['executor'] != 'ray' else ' (Ray: one actor group per row and task)'}"
+                     f"checkpoints{_loads_how(plan)}"
                      f", collect {plan['stages']['collect'].get('model_loads')}")
     lines += [f"note: {n}" for n in plan["notes"]]
     return "\n".join(lines)
+
+
+def _loads_how(plan: dict[str, Any]) -> str:
+    if plan["stages"]["evaluate"].get("vllm_engine"):
+        return " (vLLM engine starts, one engine alive at a time)"
+    return " (one per model dir)" if plan["executor"] != "ray" else " (Ray: one actor group per row and task)"
 
 
 def _dur(sec: float | None) -> str:

@@ -125,3 +125,148 @@ def test_dry_run_reports_time_and_gpu_memory():
     assert any("evaluate: needs" in n and "24 GB" in n for n in flagged["notes"])
     # the training RAM peak counts the stored-dtype split buffers, not float32 copies of everything
     assert "bfloat16" in st["train"]["memory_note"] and st["train"]["memory_bytes"] < 40e9
+
+
+def test_hub_id_architecture_comes_from_the_cached_config(tmp_path, monkeypatch):
+    """A hub id whose snapshot is in the local hub cache is planned from its ``config.json``
+    (dbd6029 took Llama-2-7B's known architecture for any id containing 'llama-2-7b', so the
+    7B-shaped rehearsal pool was planned at 13.5 GB per model); an id not in the cache still falls
+    back to the table."""
+    from darts_bench.plan import param_count
+    from darts_bench.pool.rehearsal import REPO_IDS, layout_hub_cache
+
+    arch = {"hidden_size": 48, "num_hidden_layers": 2, "vocab_size": 768, "intermediate_size": 96,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False,
+            "max_position_embeddings": 4096}
+    snap = tmp_path / "snap"
+    snap.mkdir()
+    (snap / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **arch}))
+    _, rev = layout_hub_cache(snap, tmp_path / "hf" / "hub", REPO_IDS["base"])
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    plan = make_plan(load_config("llama2-7b-rehearsal"), "gsm8k")
+    # 2 x 768 x 48 (untied) + 2 layers x (2 x 48^2 + 2 x 48 x 24 + 3 x 48 x 96 + 2 x 48) + 48
+    assert param_count(arch)["total"] == 73728 + 2 * (4608 + 2304 + 13824 + 96) + 48 == 115440
+    assert plan["model"]["params"] == 115440 and plan["model"]["weights_bytes"] == 2 * 115440
+    assert plan["model"]["source"].endswith(f"snapshots/{rev}/config.json")
+    pinned = make_plan(load_config("llama2-7b-rehearsal", [f"pool.base={REPO_IDS['base']}@{rev}"]), "gsm8k")
+    assert pinned["model"]["params"] == 115440
+    missing = make_plan(load_config("llama2-7b-rehearsal", ["pool.base=darts-rehearsal/Llama-2-7b-chat"]), "gsm8k")
+    assert missing["model"]["params"] == 6738415616 and "known architecture" in missing["model"]["source"]
+
+
+# ------------------------------------------------------------------------------ vLLM engine memory
+SMOL_PARAMS = 134_515_008  # SmolLM2-135M (test_smollm2_params_match_the_checkpoint)
+LLAMA7B_PARAMS = 6_738_415_616
+GIB = 2**30
+
+
+def test_vllm_engine_memory_on_cpu_is_weights_kv_and_overhead():
+    """``evaluate.backend: vllm`` on CPU: per evaluation process the engine's weights in the engine
+    dtype + ``kv_cache_gb`` GiB + the fixed engine overhead, instead of the HF model; numbers by hand."""
+    from darts_bench.plan_resources import PROCESS_BASELINE, VLLM_ENGINE_OVERHEAD
+
+    # the overhead is the LAB-NOTES measurement (3.4 GB, SmolLM2-135M fp32, kv_cache_gb 2) less weights and KV
+    assert VLLM_ENGINE_OVERHEAD == 3.4e9 - 538_060_032 - 2_147_483_648 == 714_456_320
+    cfg = load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32"])
+    e = make_plan(cfg)["stages"]["evaluate"]
+    eng = e["vllm_engine"]
+    assert eng["weights"] == SMOL_PARAMS * 4 == 538_060_032 and eng["kv"] == 2 * GIB
+    # K and V of 30 layers x 3 kv heads x 64 dims in fp32 per token; 2 GiB holds ~46k (LAB-NOTES)
+    assert eng["kv_token_bytes"] == 2 * 30 * 192 * 4 == 46080 and eng["kv_tokens"] == 2 * GIB // 46080 == 46603
+    assert eng["max_model_len"] == 8193 and eng["fits"] is True and eng["gpu"] is None
+    assert e["memory_bytes"] == PROCESS_BASELINE["evaluate"] + 3.4e9 == 3.95e9
+    assert "gpu_bytes" not in e
+    # bf16 engine, 4 GiB of KV cache: 0.55 + 0.269 + 4.295 + 0.714 GB
+    bf = make_plan(load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=bfloat16",
+                                                "evaluate.vllm.kv_cache_gb=4"]))["stages"]["evaluate"]
+    assert bf["memory_bytes"] == 550_000_000 + 269_030_016 + 4 * GIB + 714_456_320 == 5_828_453_632
+    # the HF backend plans the HF model instead (weights x 2 with the judge + KV + prefill)
+    hf = make_plan(load_config("smollm2-135m"))["stages"]["evaluate"]
+    assert "vllm_engine" not in hf and hf["memory_bytes"] != e["memory_bytes"]
+
+
+def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
+    """One engine alive at a time: every row of another model dir starts one, and the AlpacaEval
+    judge (expert:instruction) swaps in and out; the start-up (25-120 s on CPU) is in the time."""
+    from darts_bench.plan_resources import VLLM_START_S
+
+    cfg = load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32"])
+    plan = print_plan(cfg)
+    out = capsys.readouterr().out
+    e = plan["stages"]["evaluate"]
+    # 13 rows x (humaneval, gsm8k, alpacaeval): each row starts its engine and the judge's (2 x 12),
+    # the expert:instruction row runs on the judge's engine, already up (0)
+    assert plan["rows"] == 13 and e["engine_starts"] == e["model_loads"] == 24
+    assert e["load_seconds"] == 24 * (VLLM_START_S["cpu"]["eager"] + 538_060_032 / 1e9)
+    # one engine in the driver: the starts add to the wall time; generation at 1/3 of HF's CPU time
+    assert e["wall_seconds"] == pytest.approx(e["seconds"]) and e["wall_seconds"] > e["load_seconds"]
+    hf = make_plan(load_config("smollm2-135m"))["stages"]["evaluate"]
+    assert e["seconds"] - e["load_seconds"] < hf["seconds"] - hf["load_seconds"]
+    assert "vLLM engine (float32): weights 538.1 MB + KV cache 2 GiB" in out
+    assert "24 engine starts in evaluate, 25-120 s per engine measured on CPU" in out
+    # without the judge task: one start per model dir, in row order (base, 3 experts, 3 merges)
+    gsm = make_plan(cfg, "gsm8k")["stages"]["evaluate"]
+    assert gsm["engine_starts"] == 7
+    # calibration generation through vLLM: the engine beside the HF model in collect, one start per expert
+    cal = make_plan(load_config("smollm2-135m", ["calibration.backend=vllm", "evaluate.vllm.dtype=float32"]))
+    c, c_hf = cal["stages"]["collect"], make_plan(load_config("smollm2-135m"))["stages"]["collect"]
+    assert c["memory_bytes"] == c_hf["memory_bytes"] + 3.4e9 and c["engine_starts"] == 3
+    assert c["load_seconds"] == c_hf["load_seconds"] + 3 * (VLLM_START_S["cpu"]["eager"] + 538_060_032 / 1e9)
+
+
+def test_vllm_engine_on_gpu_is_flagged_against_the_declared_gpu_memory():
+    """GPU: the engine takes gpu_memory_utilization x ray.gpu_memory_gb per GPU; the plan flags a
+    GPU whose budget leaves no KV cache for one max_model_len request after the weights."""
+    from darts_bench.plan_resources import VLLM_GPU_RESERVE
+
+    assert VLLM_GPU_RESERVE == 2e9
+    w = LLAMA7B_PARAMS * 2  # bf16
+    plan = make_plan(load_config("llama2-7b", ["evaluate.backend=vllm"]))
+    e = plan["stages"]["evaluate"]
+    eng = e["vllm_engine"]
+    assert eng["weights"] == w == 13_476_831_232 and eng["kv_token_bytes"] == 2 * 32 * 4096 * 2 == 524_288
+    assert e["gpu_bytes"] == 0.9 * 80e9 and e["gpu_fits"] is True
+    assert eng["kv"] == 72e9 - w - 2e9 and eng["kv_tokens"] == 56_523_168_768 // 524_288 == 107_809
+    small = make_plan(load_config("llama2-7b", ["evaluate.backend=vllm", "ray.gpu_memory_gb=16"]))
+    assert small["stages"]["evaluate"]["gpu_fits"] is False
+    assert any("the engine will not start" in n and "gpu_memory_utilization or tensor_parallel_size" in n
+               for n in small["notes"])
+    # two GPUs per engine: half the weights per GPU, 14.4 - 6.74 - 2 GB of KV per GPU
+    tp = make_plan(load_config("llama2-7b", ["evaluate.backend=vllm", "ray.gpu_memory_gb=16",
+                                             "evaluate.vllm.tensor_parallel_size=2",
+                                             "ray.num_gpus_per_actor=2"]))["stages"]["evaluate"]
+    assert tp["gpu_fits"] is True and tp["vllm_engine"]["kv"] == 14.4e9 - w / 2 - 2e9
+    # CPU: 1 GiB of bf16 KV holds 2048 Llama-2-7B tokens, less than one 4097-token request
+    cpu = make_plan(load_config("llama2-7b", ["evaluate.backend=vllm", "device=cpu", "executor=local",
+                                              "evaluate.vllm.kv_cache_gb=1"]))
+    assert cpu["stages"]["evaluate"]["vllm_engine"]["kv_tokens"] == 2048
+    assert any("holds 2048 tokens, less than one 4097-token request" in n for n in cpu["notes"])
+
+
+def test_vllm_dry_run_needs_no_vllm():
+    """``--dry-run`` with ``evaluate.backend=vllm`` plans the engine without vllm (nor torch) imported."""
+    code = ("import sys; from darts_bench.cli import main; rc = main(['run', '--dry-run', '--config', 'llama2-7b', "
+            "'--set', 'evaluate.backend=vllm']); assert rc == 0; "
+            "assert 'torch' not in sys.modules and 'vllm' not in sys.modules, 'dry run imported torch/vllm'")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "vLLM engine (bfloat16, 1 GPU): per GPU gpu_memory_utilization 0.9 x 80 GB = 72.0 GB" in res.stdout
+    assert "engine starts in evaluate" in res.stdout
+
+
+def test_vllm_engines_in_ray_actors_are_planned_per_actor(monkeypatch):
+    """With engines in the Ray actors (``VLLM_ENGINE_PER_RAY_ACTOR``) the memory per actor is the
+    same engine, starts are counted per actor, the judge's group is held beside the row's, and the
+    generation is spread over the actors."""
+    import darts_bench.plan_resources as pr
+
+    cfg = load_config("llama2-7b", ["evaluate.backend=vllm"])
+    driver = make_plan(cfg)["stages"]["evaluate"]
+    monkeypatch.setattr(pr, "VLLM_ENGINE_PER_RAY_ACTOR", True)
+    actors = make_plan(cfg)["stages"]["evaluate"]
+    assert actors["memory_bytes"] == driver["memory_bytes"] and actors["gpu_bytes"] == driver["gpu_bytes"]
+    # groups: base, code, math, 3 merges (their corrected rows share the group) + the judge's (instruction)
+    assert actors["model_loads"] == 7 and actors["engine_starts"] == 7 * 8
+    assert driver["model_loads"] == driver["engine_starts"] == 2 * (31 - 1)
+    assert actors["wall_seconds"] < driver["wall_seconds"] / 4
