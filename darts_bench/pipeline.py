@@ -33,7 +33,7 @@ from darts_bench.surgery.diagnostics import entropy_contrast, gap_closed, positi
 from darts_bench.surgery.heads import save_head
 from darts_bench.surgery.intervals import behaviour_intervals
 from darts_bench.surgery.train import split_by_sequence, train_head
-from darts_bench.sweeps import head_seeds, seed_tag, surgery_variants
+from darts_bench.sweeps import head_seeds, needs_merges, row_names, row_selected, seed_tag, surgery_variants
 
 log = logging.getLogger("darts_bench")
 STAGES = ("pool", "merge", "collect", "train", "evaluate", "report")
@@ -400,32 +400,18 @@ class Pipeline:
 
     # -------------------------------------------------------------- evaluation
     def row_names(self) -> list[str]:
-        """Every row name of this config, in table order, known without building anything: base,
-        ``expert:<e>``, each merge, and its corrected rows (method, split, sweep variant, seed)."""
-        names = ["base", *(f"expert:{e}" for e in pool_expert_names(self.cfg))]
-        for spec in self.cfg.merges:
-            names.append(spec.name)
-            for split in self.cfg.calibration.splits:
-                suffix = "" if split == "transductive" else f"@{split}"
-                for method in self.cfg.surgery.methods:
-                    for tag, _ in surgery_variants(self.cfg):
-                        for seed in head_seeds(self.cfg):
-                            names.append(f"{spec.name}+{method}{suffix}{tag}{seed_tag(self.cfg, seed)}")
-        return names
+        """Every row name of this config (:func:`darts_bench.sweeps.row_names`)."""
+        return row_names(self.cfg)
 
     def selected(self, name: str) -> bool:
         """Whether row ``name`` is evaluated (``evaluate.rows`` patterns; every row when unset)."""
-        from fnmatch import fnmatchcase
-
-        pats = self.cfg.evaluate.rows
-        return pats is None or any(fnmatchcase(name, p) for p in pats)
+        return row_selected(self.cfg, name)
 
     @property
     def needs_merges(self) -> bool:
         """False when ``evaluate.rows`` selects no merge or corrected row: the merge, collect and
         train stages are then skipped (base and experts only)."""
-        experts = {"base", *(f"expert:{e}" for e in pool_expert_names(self.cfg))}
-        return any(self.selected(n) for n in self.row_names() if n not in experts)
+        return needs_merges(self.cfg)
 
     def check_row_filter(self) -> None:
         """Raises ValueError when an ``evaluate.rows`` pattern matches no row of this config (a typo

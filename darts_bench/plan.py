@@ -208,6 +208,14 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
 
     runs = len(head_seeds(cfg)) * len(surgery_variants(cfg))  # heads per (merge, task, split, method)
     n_rows = 1 + E + M + M * len(cal.splits) * len(scfg.methods) * runs
+    if cfg.evaluate.rows is not None:  # --rows: only the selected rows are evaluated
+        from darts_bench.sweeps import needs_merges, row_names, row_selected
+
+        n_rows = sum(row_selected(cfg, n) for n in row_names(cfg))
+        notes.append(f"evaluate.rows {cfg.evaluate.rows}: {n_rows} of {1 + E + M + M * len(cal.splits) * len(scfg.methods) * runs} "
+                     "rows evaluated" + ("" if needs_merges(cfg) else
+                                         "; no merge or corrected row, so merge, collect and train are skipped "
+                                         "(their lines above do not apply)"))
 
     # ---------------------------------------------------------------- calibration + features
     calib: dict[str, dict[str, Any]] = {}
@@ -362,7 +370,8 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
     extra_what = "".join(f"; {h['what']}" for h in hints.values() if h.get("what"))
     extra_where = "".join(f"; {h['where']}" for h in hints.values() if h.get("where"))
     stages["evaluate"] = {
-        "what": (f"{n_rows} rows (base, {E} experts, {M} merges, {M * len(cal.splits) * len(scfg.methods) * runs} corrected) x "
+        "what": ((f"{n_rows} rows (base, {E} experts, {M} merges, {M * len(cal.splits) * len(scfg.methods) * runs} corrected) x "
+                  if cfg.evaluate.rows is None else f"{n_rows} rows ({', '.join(cfg.evaluate.rows)}) x ")
                  + ", ".join(f"{t} ({ti['n_examples']}/{ti['of'] or '?'}, {ti['max_new_tokens']} new tokens)"
                              for t, ti in tasks.items())
                  + "; reference-answer NLL" + extra_what),

@@ -82,3 +82,37 @@ def sweep_override(arg: str) -> str:
         raise ValueError(f"--sweep {arg!r}: expected surgery.KEY=v1,v2,... (only surgery.* settings are swept)")
     values = [yaml.safe_load(v.strip()) for v in vals.split(",")]
     return f"sweep.{key}={json.dumps(values)}"
+
+
+def row_names(cfg) -> list[str]:
+    """Every row name of ``cfg``, in table order, known without building anything: base,
+    ``expert:<e>``, each merge, and its corrected rows (method, split, sweep variant, head seed)."""
+    from darts_bench.config import EXPERT_NAMES
+
+    names = ["base", *(f"expert:{e}" for e in EXPERT_NAMES)]
+    for spec in cfg.merges:
+        names.append(spec.name)
+        for split in cfg.calibration.splits:
+            suffix = "" if split == "transductive" else f"@{split}"
+            for method in cfg.surgery.methods:
+                for tag, _ in surgery_variants(cfg):
+                    for seed in head_seeds(cfg):
+                        names.append(f"{spec.name}+{method}{suffix}{tag}{seed_tag(cfg, seed)}")
+    return names
+
+
+def row_selected(cfg, name: str) -> bool:
+    """Whether row ``name`` is evaluated (``evaluate.rows`` fnmatch patterns; every row when unset)."""
+    from fnmatch import fnmatchcase
+
+    pats = cfg.evaluate.rows
+    return pats is None or any(fnmatchcase(name, p) for p in pats)
+
+
+def needs_merges(cfg) -> bool:
+    """False when ``evaluate.rows`` selects no merge or corrected row (merge, collect and train are
+    then skipped: base and experts only)."""
+    from darts_bench.config import EXPERT_NAMES
+
+    plain = {"base", *(f"expert:{e}" for e in EXPERT_NAMES)}
+    return any(row_selected(cfg, n) for n in row_names(cfg) if n not in plain)

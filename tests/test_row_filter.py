@@ -90,3 +90,15 @@ def test_experts_only_run_builds_no_merge_and_keeps_keys(tmp_path, data_dir):
         assert mod.main([str(tmp_path / "nothing")]) == 2
     finally:
         pipe.close()
+
+
+def test_plan_counts_selected_rows(tmp_path):
+    from darts_bench.plan import make_plan
+
+    cfg = load_config(str(micro_config_file(tmp_path, evaluate={"rows": ["base", "ties*"]})))
+    plan = make_plan(cfg, "humaneval")
+    # base + ties + 2 splits x 2 methods of ties
+    assert plan["rows"] == 6
+    assert any("6 of 14 rows evaluated" in n for n in plan["notes"])
+    full = make_plan(load_config(str(micro_config_file(tmp_path))), "humaneval")
+    assert full["rows"] == 14
