@@ -356,6 +356,7 @@ class Pipeline:
         diag_ref = Diagnostics(ref_stream, mean_h, scfg.w_max, W_e, W_m, device=self.cfg.device)
 
         per_token: dict[str, dict] = {}  # row -> per-token KL / agreement / floor on the held-out tokens
+        per_token_ref: dict[str, dict] = {}  # the same on the reference-answer tokens
 
         def diag_all(heads: dict) -> dict[str, dict]:  # one pass over the held-out / reference tokens for all heads
             res = {}
@@ -367,6 +368,7 @@ class Pipeline:
                 d["entropy_contrast"] = entropy_contrast(val.weight_source.float().numpy(), tok_l1, val_seq.numpy(),
                                                          n_boot=200, seed=seed)
                 d["reference"] = {k: r[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor")}
+                per_token_ref[row] = {k: np.asarray(r[f"per_token_{k}"]) for k in ("kl", "agree", "floor")}
                 res[row] = d
             return res
 
@@ -396,6 +398,15 @@ class Pipeline:
                 src["gap_closed"] = gap_closed(base_["kl_expert"], src["kl_expert"], base_["kl_floor"])
         # sequence-level 95% CIs of kl_expert / agree_top1 / gap_closed and DARTS - Surgery differences
         diags["intervals"] = behaviour_intervals(per_token, val.seq_index.numpy(), n_boot=200, seed=seed)
+        # the same on the reference answers (resampling reference sequences)
+        from darts_bench.surgery.data import reference_answer_groups
+
+        ref_groups = reference_answer_groups(ref_fs.calib.expert_shards(), ref_fs.calib.meta).numpy()
+        if len(ref_groups) and len(ref_groups) == len(per_token_ref["none"]["kl"]):
+            diags["intervals_reference"] = behaviour_intervals(per_token_ref, ref_groups, n_boot=200, seed=seed)
+        elif len(ref_groups):
+            raise RuntimeError(f"{m}/{name}: {len(ref_groups)} reference-answer tokens in the features, "
+                               f"{len(per_token_ref['none']['kl'])} in the diagnostics stream")
         (out / "diagnostics.json").write_text(json.dumps(diags))
 
     # -------------------------------------------------------------- evaluation

@@ -162,6 +162,20 @@ def test_seed_and_claim_signals_match_the_in_memory_reference(micro_pipeline):
         _assert_close(diags[method]["entropy_contrast"], want, f"{method}.entropy_contrast")
         assert diags[method]["slope"]["n_sequences"] == len(np.unique(groups)) == len(diags["held_out_sequences"])
     _assert_close(diags["intervals"], behaviour_intervals(per_token, groups, n_boot=200, seed=seed), "intervals")
+    # the same intervals on the reference-answer tokens, resampling reference sequences
+    ref_fs = col["features"][("ties", "gsm8k", "reference")]
+    ref_exp, ref_mer = ref_fs.calib.expert_features(), ref_fs.merged_features()
+    ref = make_token_data(ref_exp, ref_mer, weight_source(scfg.entropy_source, ref_exp, ref_mer, W_e, W_m))
+    ref_ans = ref.select(answer_prediction_mask(ref.positions, ref.seq_index, ref_fs.calib.meta).nonzero()[:, 0])
+    per_ref = {}
+    for method in ("none", *scfg.methods):
+        head = None if method == "none" else load_head(out["heads"][("ties", "gsm8k", method, "transductive")])
+        r = _per_token_reference(head, ref_ans, W_e, W_m)
+        per_ref[method] = {k: r[k] for k in ("kl", "agree", "floor")}
+    ref_groups = ref_ans.seq_index.numpy()
+    assert len(np.unique(ref_groups)) > 1
+    _assert_close(diags["intervals_reference"], behaviour_intervals(per_ref, ref_groups, n_boot=200, seed=seed),
+                  "intervals_reference")
 
 
 def test_kl_floor_computed_once_across_heads(micro_pipeline):

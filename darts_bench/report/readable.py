@@ -134,8 +134,9 @@ def behaviour_table(df: pd.DataFrame, task_name: str, runs: dict[tuple, dict],
             continue  # no behaviour signal (base, experts), or a seed-mean row (its seeds are listed)
         rec = {"model": r["model"]}
         for sig in BEHAVIOUR:
-            for suf in ("", "_lo", "_hi"):
-                rec[f"{t}_{sig}{suf}"] = r.get(f"{t}_{sig}{suf}")
+            for ref in ("", "_ref"):
+                for suf in ("", "_lo", "_hi"):
+                    rec[f"{t}_{sig}{ref}{suf}"] = r.get(f"{t}_{sig}{ref}{suf}")
         recs.append(rec)
     for name, m in meta.items():
         if m["correction"] != "darts":
@@ -146,9 +147,15 @@ def behaviour_table(df: pd.DataFrame, task_name: str, runs: dict[tuple, dict],
         if not paired or sur not in meta:
             continue
         rec = {"model": f"{name} - {sur}"}
+        paired_ref = (d or {}).get("intervals_reference", {}).get("paired") or {}
         for sig in BEHAVIOUR:
             ci = paired[sig]
             rec[f"{t}_{sig}"], rec[f"{t}_{sig}_lo"], rec[f"{t}_{sig}_hi"] = ci["value"], ci["ci_low"], ci["ci_high"]
-        rec["favours_darts"] = f"{t}_kl_expert < 0; {t}_agree_top1 > 0; {t}_gap_closed > 0"
+            if sig in paired_ref:
+                ci = paired_ref[sig]
+                rec[f"{t}_{sig}_ref"], rec[f"{t}_{sig}_ref_lo"], rec[f"{t}_{sig}_ref_hi"] = (
+                    ci["value"], ci["ci_low"], ci["ci_high"])
+        rec["favours_darts"] = (f"{t}_kl_expert{{,_ref}} < 0; {t}_agree_top1{{,_ref}} > 0; "
+                                f"{t}_gap_closed{{,_ref}} > 0")
         recs.append(rec)
     return pd.DataFrame(recs)

@@ -122,6 +122,11 @@ def build_rows(pipe, results: dict) -> list[dict[str, Any]]:
                 for sig in ("kl_expert", "agree_top1", "gap_closed"):
                     if sig in iv:
                         rec[f"{tname}_{sig}_lo"], rec[f"{tname}_{sig}_hi"] = iv[sig]["ci_low"], iv[sig]["ci_high"]
+                # the same on the reference answers (heads trained before this change have none)
+                iv = d.get("intervals_reference", {}).get(row.correction if row.correction != "none" else "none", {})
+                for sig in ("kl_expert", "agree_top1", "gap_closed"):
+                    if sig in iv:
+                        rec[f"{tname}_{sig}_ref_lo"], rec[f"{tname}_{sig}_ref_hi"] = iv[sig]["ci_low"], iv[sig]["ci_high"]
                 sl = dd["slope"]
                 rec[f"{tname}_pos_slope"] = sl["slope"]
                 rec[f"{tname}_pos_slope_lo"], rec[f"{tname}_pos_slope_hi"] = sl["ci_low"], sl["ci_high"]
@@ -157,7 +162,9 @@ def contract_columns(task_names: list[str]) -> list[str]:
         cols += [*task.primary_metrics, *task.extra_columns]
         cols += [f"{t}_ref_nll", f"{t}_rep_l1", f"{t}_rep_l1_ew", f"{t}_kl_expert", f"{t}_kl_expert_lo",
                  f"{t}_kl_expert_hi", f"{t}_agree_top1", f"{t}_agree_top1_lo", f"{t}_agree_top1_hi",
-                 f"{t}_gap_closed", f"{t}_gap_closed_lo", f"{t}_gap_closed_hi", f"{t}_kl_expert_ref", f"{t}_agree_top1_ref", f"{t}_pos_slope",
+                 f"{t}_gap_closed", f"{t}_gap_closed_lo", f"{t}_gap_closed_hi", f"{t}_kl_expert_ref", f"{t}_kl_expert_ref_lo",
+                 f"{t}_kl_expert_ref_hi", f"{t}_agree_top1_ref", f"{t}_agree_top1_ref_lo", f"{t}_agree_top1_ref_hi",
+                 f"{t}_gap_closed_ref", f"{t}_gap_closed_ref_lo", f"{t}_gap_closed_ref_hi", f"{t}_pos_slope",
                  f"{t}_pos_slope_lo", f"{t}_pos_slope_hi", f"{t}_bias_grows", f"n_{t}"]
     return cols + ["params_added", "params_added_pct"]
 

@@ -109,6 +109,16 @@ def answer_prediction_mask(positions: torch.Tensor, seq_index: torch.Tensor, met
     return (positions >= plen - 1) & (positions <= slen - 2)
 
 
+def reference_answer_groups(exp: ShardedFeatures, meta: dict) -> torch.Tensor:
+    """``[N]`` int64: the sequence index of each reference-answer token, in the order
+    :func:`reference_answer_batches` streams them (for sequence-level intervals); only the
+    ``positions`` / ``seq_index`` columns of each shard are read."""
+    out = []
+    for _, e in exp.shards(("positions", "seq_index")):
+        out.append(e["seq_index"][answer_prediction_mask(e["positions"], e["seq_index"], meta)])
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
 def reference_answer_batches(exp: ShardedFeatures, mer: ShardedFeatures, meta: dict, entropy_source: str,
                              lm_head_expert: torch.Tensor | None = None, lm_head_merged: torch.Tensor | None = None,
                              batch_tokens: int = 2048) -> Callable[[], Iterator[TokenData]]:
