@@ -77,6 +77,8 @@ def test_proxies_with_different_heads_share_one_group(models, ray_instance):
 
 
 # -------------------------------------------------------------- the evaluate stage on Ray
+@pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_ray_evaluate_loads_each_model_dir_once_and_gives_the_local_table(micro_pipeline, micro_cfg_path,
                                                                           ray_instance, tmp_path):
     """GSM8K + AlpacaEval (judge: expert:instruction) on the micro pool's 14 rows: the Ray executor
