@@ -6,7 +6,7 @@ after the actor's group is released.
 Skipped without vllm or ray (``make test`` in the project venv); run in the venv made by
 ``scripts/install_vllm_cpu.sh``. One engine (start-up 25-170 s on a loaded CPU, ~3.4 GB RAM). The
 actor plumbing with a stand-in engine (data parallelism, pinning, shutdown) is in
-``tests/test_ray_evaluate.py``.
+``tests/test_ray_loaded.py``.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ with a stand-in engine class (the HF model, loaded once per actor) injected thro
 ``tests/test_vllm_ray.py`` (vLLM venv).
 
 All on the run's shared local Ray instance (``ray_instance``: loopback, 2 CPUs, private temp dir).
+The file name sorts after ``test_ray_executor.py``, whose first test needs Ray not yet started.
 """
 
 from __future__ import annotations
