@@ -262,9 +262,11 @@ class TasksConfig(_Strict):
 # ----------------------------------------------------------------------------- executor / deepspeed
 class RayConfig(_Strict):
     address: str | None = Field(None, description="None starts a local instance; 'auto' joins a cluster")
-    num_actors: int = Field(2, ge=1)
+    num_actors: int = Field(2, ge=1, description="actors per model (with evaluate.backend vllm: engines per "
+                            "model, data parallel over prompts)")
     num_cpus_per_actor: float = Field(1, gt=0)
-    num_gpus_per_actor: float = Field(0, ge=0)
+    num_gpus_per_actor: float = Field(0, ge=0, description="GPUs each actor reserves; a vLLM engine actor "
+                                      "needs >= evaluate.vllm.tensor_parallel_size whole GPUs")
     max_restarts: int = Field(2, ge=0)
     max_task_retries: int = Field(2, ge=0)
     shard_size: int = Field(8, ge=1, description="prompts per shard")
@@ -299,7 +301,8 @@ class VLLMConfig(_Strict):
         None, description="CPU: cores for the worker's OpenMP threads (VLLM_CPU_OMP_THREADS_BIND, e.g. "
         "'0-1'); None: the cores this process may run on (vLLM's 'auto' keeps one for the scheduler)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU: share of memory for weights + KV")
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model over (with "
+                                      "executor ray: of the actor's ray.num_gpus_per_actor)")
 
     @field_validator("cpu_threads_bind", mode="before")
     @classmethod

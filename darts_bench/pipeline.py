@@ -475,7 +475,7 @@ class Pipeline:
             # every row stays reachable by name (e.g. the AlpacaEval judge `expert:instruction`)
             by_name = {r.model: r for r in self.all_rows()}
             # each checkpoint loaded once (rows of one model dir share it; the judge stays loaded)
-            self._models = ModelCache(self.executor, self.cfg.tasks.batch_size)
+            self._models = ModelCache(self.executor, self.cfg.tasks.batch_size, cfg=self.cfg)
             try:
                 with overall_bar(len(rows) * len(self.tasks()), "evaluate", unit="row x task") as bar:
                     for row in rows:
@@ -493,14 +493,11 @@ class Pipeline:
 
     def _text_model(self, row: Row, task_name: str | None, pin: bool = False):
         head_dir = row.heads.get(task_name) if task_name else None
-        if self.cfg.evaluate.backend != "hf":  # vLLM: the backend keeps its engines (one per model dir)
-            return text_model(self.cfg, self.executor, row.model, str(row.model_dir),
-                              str(head_dir) if head_dir else None, batch_size=self.cfg.tasks.batch_size)
         models = getattr(self, "_models", None)
-        if models is not None:
+        if models is not None:  # both backends (vLLM in-process: the backend keeps its engine)
             return models.get(row.model, row.model_dir, head_dir, pin=pin)
-        return self.executor.text_model(row.model, str(row.model_dir), str(head_dir) if head_dir else None,
-                                        batch_size=self.cfg.tasks.batch_size)
+        return text_model(self.cfg, self.executor, row.model, str(row.model_dir),
+                          str(head_dir) if head_dir else None, batch_size=self.cfg.tasks.batch_size)
 
     def eval_key(self, row: Row, task: Task, examples: list[Example], judge_key: str = "",
                  model_key: str | None = None) -> str:
@@ -536,7 +533,7 @@ class Pipeline:
                 if name not in by_name:
                     if Path(name).is_dir():
                         tm = (self._models.get(name, name, None, pin=True)
-                              if getattr(self, "_models", None) and self.cfg.evaluate.backend == "hf"
+                              if getattr(self, "_models", None)
                               else text_model(self.cfg, self.executor, name, name, None,
                                               batch_size=self.cfg.tasks.batch_size))
                         opened.append(tm)

@@ -223,7 +223,7 @@ def test_features_identical_to_local(ckpt, ray_ex):
     assert sorted(seen) == [0, 1, 2]
     assert_same_features(got, want)
     assert all(v.flags.writeable for r in got for v in r.values() if isinstance(v, np.ndarray))  # copied out of the object store
-    assert len(ray_ex._groups[(str(ckpt), None, BATCH)].actors) == 2  # kept loaded (keep_idle)
+    assert len(ray_ex._groups[("hf", str(ckpt), BATCH)].actors) == 2  # kept loaded (keep_idle)
 
     # skipped shards (already persisted by a previous run) are not recomputed and come back as None
     seen.clear()

@@ -31,9 +31,14 @@ retried: it is raised at once as a :class:`RuntimeError` naming the shard, chain
 error. Exceptions from ``on_result`` (e.g. the NaN check when persisting) propagate unchanged.
 Numpy results are copied out of the object store (writable, as from the local executor).
 
-Resources. Actor groups (``num_actors`` actors of one model, optionally with a head) live in an
-LRU pool keyed by ``(model_dir, head_dir, batch_size)``. A :class:`RayTextModel` holds its group
-until closed (proxies of the same model share one). ``map`` releases its group when done, like the
+Resources. Actor groups (``num_actors`` actors of one model) live in an LRU pool keyed by
+``(model_dir, batch_size)``: the correction head is not part of the key but of each call's payload
+(``head_dir``), and the actor swaps it on the loaded model before the op
+(:meth:`ModelWorker.set_head <darts_bench.executors.worker.ModelWorker.set_head>`), so a merge and
+all its corrected rows share one group and each actor loads its checkpoint once. A
+:class:`RayTextModel` holds its group until closed (proxies of the same model share one, whatever
+their heads; ``evaluate``'s :class:`~darts_bench.evaluate.loaded.ModelCache` keeps one open per
+current model dir and one for the judge). ``map`` releases its group when done, like the
 local executor drops its worker, so no actor holds CPUs/GPUs between calls (other Ray work of the
 run, e.g. DeepSpeed through Ray Train in ``train``, shares the instance); ``keep_idle=True`` keeps
 the most recent such group loaded for the next call instead (expert generation, then expert
@@ -41,6 +46,16 @@ features). A group that would not fit next to the resident ones (in the cluster'
 first evicts the least recently used groups that have no call in flight; a proxy whose group was
 evicted recreates it on its next call. On a local instance the number of actors per model is
 capped at what the machine can hold (a warning says so) instead of waiting forever for resources.
+:attr:`RayExecutor.actor_starts` counts the actors started per model dir (each one loads it).
+
+vLLM engines (``evaluate.backend: vllm``). :meth:`RayExecutor.vllm_text_model` returns a
+:class:`RayVLLMTextModel` over a group of ``num_actors`` actors each holding one
+:class:`~darts_bench.evaluate.backends.vllm.VLLMEngine` of the model dir (with ``num_gpus_per_actor``
+GPUs, ``evaluate.vllm.tensor_parallel_size`` of them used by the engine); the head travels in each
+call's payload and is swapped in the running engine (``set_head``). Prompts are split into one
+contiguous chunk per actor (data parallel), chunk ``s`` seeded ``seed + s`` (the engine seeds
+request ``i`` with ``seed + i``): outputs equal one engine's. Engine groups are shut down
+(engine-core and worker processes stopped by pid) before their actors are killed.
 
 ``python -m darts_bench.executors.ray_executor stop-head --temp-dir DIR --port PORT`` stops one
 head node started with ``ray start --head --temp-dir DIR`` by pid (the alternative to ``ray stop``,
@@ -69,7 +84,8 @@ log = logging.getLogger("darts_bench")
 
 
 class _WorkerActor:
-    """Body of one Ray actor: a :class:`ModelWorker` (or a subclass) holding one model."""
+    """Body of one Ray actor: a :class:`ModelWorker` (or a subclass, or a
+    :class:`~darts_bench.evaluate.backends.vllm.VLLMWorker`) holding one model."""
 
     def __init__(self, worker_cls: type, kwargs: dict[str, Any]):
         self.worker = worker_cls(**kwargs)
@@ -80,18 +96,31 @@ class _WorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def close(self) -> None:
+        """Release what the worker holds outside this process (a vLLM engine's processes)."""
+        close = getattr(self.worker, "close", None)
+        if close is not None:
+            close()
+
 
 _RemoteWorker = ray.remote(_WorkerActor)
 
 
 @dataclass
 class _Group:
-    """``num_actors`` actors serving one (model_dir, head_dir, batch_size)."""
+    """``num_actors`` actors serving one key: ``("hf", model_dir, batch_size)`` or
+    ``("vllm", model_dir, engine settings)``."""
 
     key: tuple
     kwargs: dict[str, Any]
+    worker_cls: type = ModelWorker
+    graceful: bool = False  # call the actors' close() before killing them (vLLM engines)
     actors: list = field(default_factory=list)
     busy: int = 0  # calls in flight (never evicted while > 0)
+
+    @property
+    def model_dir(self) -> str:
+        return self.key[1]
 
 
 def _local_cpu_count() -> int:
@@ -162,24 +191,31 @@ class RayExecutor:
             one that fails on purpose).
         keep_idle: keep the actors of the last ``map`` call loaded for the next call (see the
             module docstring); :meth:`release_idle` frees them.
+        engine_cls: the engine class of :meth:`vllm_text_model`'s actors (default
+            :class:`~darts_bench.evaluate.backends.vllm.VLLMEngine`; tests inject a stand-in).
+
+    Attributes:
+        actor_starts: ``Counter`` model dir -> actors started for it so far (each loads the
+            checkpoint or starts an engine; replacements of dead actors included).
     """
 
     name = "ray"
 
-    def __init__(self, cfg, worker_cls: type = ModelWorker, keep_idle: bool = False):
+    def __init__(self, cfg, worker_cls: type = ModelWorker, keep_idle: bool = False, engine_cls: type | None = None):
         self.cfg, self.rcfg = cfg, cfg.ray
         self.batch_size = cfg.calibration.batch_size
         self.device = cfg.device
         # one torch thread per reserved CPU unless the config says otherwise
         self.torch_threads = cfg.torch_threads or max(1, int(self.rcfg.num_cpus_per_actor))
         self.dtype = cfg.pool.dtype
-        self.worker_cls, self.keep_idle = worker_cls, keep_idle
+        self.worker_cls, self.keep_idle, self.engine_cls = worker_cls, keep_idle, engine_cls
         self._owns_ray = init_ray(self.rcfg.address)
         self._local = self.rcfg.address is None
         self._groups: OrderedDict[tuple, _Group] = OrderedDict()
         self._users: Counter = Counter()  # group key -> open RayTextModel proxies
         self._lock = threading.RLock()
         self._closed = False
+        self.actor_starts: Counter = Counter()  # model dir -> actors started (each loads the model)
 
     # --------------------------------------------------------------------------- actor groups
     def _actor_options(self) -> dict[str, Any]:
@@ -187,8 +223,9 @@ class RayExecutor:
         return dict(num_cpus=r.num_cpus_per_actor, num_gpus=r.num_gpus_per_actor,
                     max_restarts=r.max_restarts, max_task_retries=r.max_task_retries)
 
-    def _new_actor(self, kwargs: dict[str, Any]):
-        return _RemoteWorker.options(**self._actor_options()).remote(self.worker_cls, kwargs)
+    def _new_actor(self, g: _Group):
+        self.actor_starts[g.model_dir] += 1
+        return _RemoteWorker.options(**self._actor_options()).remote(g.worker_cls, g.kwargs)
 
     def _cluster_capacity(self) -> int | None:
         """How many actors of this size the cluster can hold at once (None: unknown)."""
@@ -218,6 +255,11 @@ class RayExecutor:
         return n
 
     def _kill_group(self, g: _Group) -> None:
+        if g.graceful and g.actors:  # stop the engines' own processes first (ray.kill would orphan them)
+            try:
+                ray.get([a.close.remote() for a in g.actors], timeout=120)
+            except Exception as e:  # noqa: BLE001 - dead or hung actors are killed below either way
+                log.warning("ray: closing the workers of %s: %s", g.model_dir, _cause(e))
         for a in g.actors:
             try:
                 ray.kill(a, no_restart=True)
@@ -255,11 +297,19 @@ class RayExecutor:
             self._trim_idle(keep=None)
 
     @staticmethod
-    def _key(model_dir: str, head_dir: str | None, batch_size: int) -> tuple:
-        return (str(model_dir), str(head_dir) if head_dir else None, int(batch_size))
+    def _key(model_dir: str, batch_size: int) -> tuple:
+        """Group key of an HF model: the head is not in it (it travels with each call)."""
+        return ("hf", str(model_dir), int(batch_size))
 
-    def _acquire(self, key: tuple, name: str = "model") -> _Group:
-        """The (possibly new) actor group for ``key``; marks it most recently used."""
+    def _hf_spec(self, key: tuple, name: str) -> dict[str, Any]:
+        return dict(worker_cls=self.worker_cls, graceful=False,
+                    kwargs=dict(model_dir=key[1], head_dir=None, name=name, device=self.device, batch_size=key[2],
+                                torch_threads=self.torch_threads, dtype=self.dtype))
+
+    def _acquire(self, key: tuple, name: str = "model", spec: dict[str, Any] | None = None) -> _Group:
+        """The (possibly new) actor group for ``key``; marks it most recently used. ``spec``
+        (``worker_cls``, ``kwargs``, ``graceful``) says how to start its actors (default: HF
+        :class:`ModelWorker` actors of ``key``)."""
         if self._closed:
             raise RuntimeError("RayExecutor is closed")
         with self._lock:
@@ -269,16 +319,15 @@ class RayExecutor:
                 return g
             n = self._n_actors()
             self._make_room(n, keep=key)
-            kwargs = dict(model_dir=key[0], head_dir=key[1], name=name, device=self.device,
-                          batch_size=key[2], torch_threads=self.torch_threads, dtype=self.dtype)
-            g = _Group(key=key, kwargs=kwargs, actors=[self._new_actor(kwargs) for _ in range(n)])
+            g = _Group(key=key, **(spec or self._hf_spec(key, name)))
+            g.actors = [self._new_actor(g) for _ in range(n)]
             self._groups[key] = g
         try:  # wait for the models to load so a broken checkpoint is reported as such
             ray.get([a.pid.remote() for a in g.actors])
         except (RayActorError, RayTaskError) as e:
             with self._lock:
                 self._kill_group(g)
-            raise RuntimeError(f"starting Ray workers for model {key[0]} (head {key[1]}) failed: "
+            raise RuntimeError(f"starting Ray workers ({g.worker_cls.__name__}) for model {g.model_dir} failed: "
                                f"{_cause(e)}") from e
         return g
 
@@ -287,7 +336,7 @@ class RayExecutor:
             ray.kill(g.actors[slot], no_restart=True)
         except Exception:
             pass
-        g.actors[slot] = self._new_actor(g.kwargs)
+        g.actors[slot] = self._new_actor(g)
 
     # ------------------------------------------------------------------------------- sharding
     def _run_shards(self, g: _Group, op: str, payloads: Sequence[dict[str, Any]], todo: list[int],
@@ -298,7 +347,7 @@ class RayExecutor:
         free = deque(range(len(g.actors)))
         inflight: dict[Any, tuple[int, int]] = {}  # object ref -> (shard, actor slot)
         resubmits: dict[int, int] = {}
-        model_dir = g.key[0]
+        model_dir = g.model_dir
         bar = tqdm(total=len(todo), desc=desc or op, leave=False, disable=len(todo) < 2)
         g.busy += 1
         ok = False
@@ -358,7 +407,9 @@ class RayExecutor:
         todo = [i for i in range(len(payloads)) if i not in skip]
         if not todo:
             return [None] * len(payloads)
-        g = self._acquire(self._key(model_dir, head_dir, self.batch_size))
+        g = self._acquire(self._key(model_dir, self.batch_size))
+        # the head travels with every shard (the actors may have served another head before)
+        payloads = [{**p, "head_dir": str(head_dir) if head_dir else None} for p in payloads]
         try:
             return self._run_shards(g, op, payloads, todo, on_result, desc)
         finally:
@@ -367,10 +418,40 @@ class RayExecutor:
 
     def text_model(self, name: str, model_dir: str, head_dir: str | None = None,
                    batch_size: int | None = None) -> "RayTextModel":
-        """A :class:`RayTextModel` proxy over ``num_actors`` actors of this model (head attached
-        when ``head_dir``); close it to release the actors."""
+        """A :class:`RayTextModel` proxy over the ``num_actors`` actors of ``(model_dir,
+        batch_size)`` (started unless another open proxy holds them), applying ``head_dir``'s head
+        on every call (None: the plain model); close it to release the actors."""
         return RayTextModel(self, name, str(model_dir), str(head_dir) if head_dir else None,
                             batch_size or self.batch_size)
+
+    def vllm_text_model(self, name: str, model_dir: str, head_dir: str | None = None,
+                        batch_size: int | None = None, *, engine_cls: type | None = None) -> "RayVLLMTextModel":
+        """A :class:`RayVLLMTextModel` proxy over ``num_actors`` actors each holding one vLLM engine
+        of ``model_dir`` (settings ``cfg.evaluate.vllm``, dtype ``pool.dtype``, seed ``cfg.seed``),
+        applying ``head_dir``'s head on every call; close it to release the actors.
+
+        Args:
+            engine_cls: the engine class the actors build (default: the executor's ``engine_cls``,
+                else :class:`~darts_bench.evaluate.backends.vllm.VLLMEngine`; anything with its
+                constructor and ``text_model(name, head_dir, batch_size=...)``/``shutdown()``).
+        Raises:
+            ValueError: ``evaluate.vllm.tensor_parallel_size`` exceeds ``ray.num_gpus_per_actor``
+                on a GPU config (see :func:`~darts_bench.evaluate.backends.check_backends`).
+        """
+        from darts_bench.evaluate.backends import check_ray_vllm
+        from darts_bench.evaluate.backends.vllm import VLLMWorker
+
+        check_ray_vllm(self.cfg)
+        engine_cls = engine_cls or self.engine_cls
+        vcfg = self.cfg.evaluate.vllm
+        bs = batch_size or self.batch_size
+        kwargs = dict(model_dir=str(model_dir), vcfg=vcfg, dtype=self.dtype, seed=self.cfg.seed,
+                      batch_size=bs, engine_cls=engine_cls)
+        key = ("vllm", str(model_dir), bs, self.dtype, self.cfg.seed,
+               getattr(engine_cls, "__qualname__", None), repr(sorted(vcfg.model_dump(mode="json").items())))
+        spec = dict(worker_cls=VLLMWorker, kwargs=kwargs, graceful=True)
+        return RayVLLMTextModel(self, name, str(model_dir), str(head_dir) if head_dir else None, bs,
+                                key=key, spec=spec)
 
     def close(self) -> None:
         """Kill every actor; shut Ray down if this executor started (or connected) it."""
@@ -418,21 +499,25 @@ class RayTextModel:
     Prompts are cut into contiguous chunks of ``chunk_size`` (``ray.shard_size`` rounded up to a
     multiple of ``batch_size``), chunk ``s`` sampled with seed ``seed + s``; results are
     concatenated in prompt order, equal to :class:`~darts_bench.evaluate.hf_model.HFTextModel`'s.
+    Every call carries this proxy's ``head_dir``, which the actor puts on its loaded model first,
+    so proxies of one model with different heads share the actors.
     ``format_chat`` uses the tokenizer loaded in the driver.
     """
 
-    def __init__(self, executor: RayExecutor, name: str, model_dir: str, head_dir: str | None, batch_size: int):
+    def __init__(self, executor: RayExecutor, name: str, model_dir: str, head_dir: str | None, batch_size: int,
+                 *, key: tuple | None = None, spec: dict[str, Any] | None = None):
         self.name, self.model_dir, self.head_dir, self.batch_size = name, model_dir, head_dir, batch_size
         self._ex = executor
         shard = executor.rcfg.shard_size
         self.chunk_size = max(batch_size, -(-shard // batch_size) * batch_size)
         self._tokenizer = None
         self._closed = False
-        self._key = executor._key(model_dir, head_dir, batch_size)
+        self._key = key or executor._key(model_dir, batch_size)
+        self._spec = spec
         with executor._lock:
             executor._users[self._key] += 1
         try:
-            executor._acquire(self._key, name=name)
+            executor._acquire(self._key, name=name, spec=spec)
         except BaseException:
             self.close()
             raise
@@ -455,11 +540,13 @@ class RayTextModel:
             raise RuntimeError(f"text model {self.name!r} is closed")
         if not payloads:
             return []
-        g = self._ex._acquire(self._key, name=self.name)
+        g = self._ex._acquire(self._key, name=self.name, spec=self._spec)
+        payloads = [{**p, "head_dir": self.head_dir, "name": self.name} for p in payloads]  # the head of every call
         return self._ex._run_shards(g, op, payloads, list(range(len(payloads))), None, desc)
 
-    def _chunks(self, n: int) -> list[int]:
-        return list(range(0, n, self.chunk_size))
+    def _spans(self, n: int) -> list[tuple[int, int]]:
+        """``[start, end)`` of each chunk of ``n`` prompts, contiguous, in order."""
+        return [(s, min(n, s + self.chunk_size)) for s in range(0, n, self.chunk_size)]
 
     # ------------------------------------------------------------------ TextModel
     def generate_ids(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
@@ -477,8 +564,8 @@ class RayTextModel:
             raise ValueError("greedy decoding (temperature 0) gives one sample; set temperature > 0")
         prompts = list(prompts)
         kw = dict(max_new_tokens=max_new_tokens, stop=list(stop), num_samples=num_samples, temperature=temperature)
-        payloads = [{"prompts": prompts[s:s + self.chunk_size], "kwargs": {**kw, "seed": seed + s}}
-                    for s in self._chunks(len(prompts))]
+        payloads = [{"prompts": prompts[s:e], "kwargs": {**kw, "seed": seed + s}}
+                    for s, e in self._spans(len(prompts))]
         return [row for shard in self._run(op, payloads, f"{op} {self.name}") for row in shard]
 
     def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:
@@ -486,8 +573,8 @@ class RayTextModel:
         if len(contexts) != len(continuations):
             raise ValueError(f"{len(contexts)} contexts vs {len(continuations)} continuations")
         contexts, continuations = list(contexts), list(continuations)
-        payloads = [{"contexts": contexts[s:s + self.chunk_size], "continuations": continuations[s:s + self.chunk_size]}
-                    for s in self._chunks(len(contexts))]
+        payloads = [{"contexts": contexts[s:e], "continuations": continuations[s:e]}
+                    for s, e in self._spans(len(contexts))]
         return [r for shard in self._run("score", payloads, f"score {self.name}") for r in shard]
 
     def format_chat(self, user_message: str) -> str:
@@ -514,6 +601,35 @@ class RayTextModel:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class RayVLLMTextModel(RayTextModel):
+    """:class:`darts_bench.api.TextModel` on a group of Ray actors each holding one vLLM engine of
+    ``model_dir`` (made by :meth:`RayExecutor.vllm_text_model`).
+
+    Data parallel: the prompts of a call are split into one contiguous chunk per actor (vLLM
+    batches and schedules inside each engine), chunk ``s`` seeded ``seed + s``; the engine seeds
+    request ``i`` of a chunk with ``seed + s + i``, as one engine would seed request ``s + i``.
+    The head (``head_dir``, None: plain) is sent with every call and swapped into the running
+    engine; the engine keeps the KV cache (the head acts after the last layer).
+    """
+
+    def _spans(self, n: int) -> list[tuple[int, int]]:
+        g = self._ex._acquire(self._key, name=self.name, spec=self._spec)
+        size = max(1, -(-n // max(1, len(g.actors))))
+        return [(s, min(n, s + size)) for s in range(0, n, size)]
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(self.model_dir)
+            tok.truncation_side = "left"  # as VLLMEngine's
+            if tok.pad_token is None:
+                tok.pad_token = tok.eos_token
+            self._tokenizer = tok
+        return self._tokenizer
 
 
 # --------------------------------------------------------------------- stopping a head by pid

@@ -49,9 +49,18 @@ def hidden_state_features(model, sequences: list[list[int]], pad_id: int, batch_
 
 class ModelWorker:
     """Holds one model (loaded in ``dtype``: ``float32`` | ``bfloat16`` | ``float16``); ``run(op, payload)``
-    serves ``generate``, ``score`` and ``features``.
+    serves ``generate_ids``, ``generate``, ``score``, ``features``, ``set_head`` and ``ping``.
+
+    The checkpoint is loaded once, in the constructor; the correction head on it can be swapped
+    without reloading (:meth:`set_head`): every payload may carry ``head_dir`` (a head dir, or None
+    for the plain model), which is put in place before the op runs, so one worker (one Ray actor)
+    serves a merge and all its corrected rows, and a call's result depends only on its payload.
 
     Used in-process by the local executor and as the body of a Ray actor.
+
+    Attributes:
+        checkpoint_loads: checkpoints this worker loaded (1).
+        head_loads: heads loaded from disk so far (one per swap to a head dir).
     """
 
     def __init__(self, model_dir: str, head_dir: str | None = None, name: str = "model",
@@ -60,10 +69,36 @@ class ModelWorker:
         if torch_threads:
             torch.set_num_threads(torch_threads)
         model, tok = load_causal_lm(model_dir, dtype=getattr(torch, dtype), device=device)
-        head = load_head(head_dir) if head_dir else None
-        self.text_model = HFTextModel(name, model, tok, head=head, batch_size=batch_size)
+        self.checkpoint_loads, self.head_loads = 1, 0
+        self._plain = HFTextModel(name, model, tok, head=None, batch_size=batch_size)
+        self.text_model, self.head_dir = self._plain, None
+        self.set_head(head_dir)
+
+    def set_head(self, head_dir: str | None) -> None:
+        """Put the head saved in ``head_dir`` on the loaded model (None: the plain model): the
+        previous head's hook is removed first; the same dir again is a no-op.
+
+        Raises:
+            FileNotFoundError / ValueError: from :func:`~darts_bench.surgery.heads.load_head` and
+                ``attach_head`` (missing files, ``d_model`` != the model's hidden size); the worker
+                is then left with the plain model.
+        """
+        want = str(head_dir) if head_dir else None
+        if want == self.head_dir:
+            return
+        if self.text_model is not self._plain:
+            self.text_model.close()  # detaches the old head's hook
+        self.text_model, self.head_dir = self._plain, None
+        if want is not None:
+            p = self._plain
+            self.text_model = HFTextModel(p.name, p.model, p.tokenizer, head=load_head(want),
+                                          batch_size=p.batch_size, max_length=p.max_length)
+            self.head_dir = want
+            self.head_loads += 1
 
     def run(self, op: str, payload: dict[str, Any]) -> Any:
+        if "head_dir" in payload:
+            self.set_head(payload["head_dir"])
         tm = self.text_model
         if op == "generate_ids":
             return tm.generate_ids(payload["prompts"], **payload["kwargs"])
@@ -76,6 +111,8 @@ class ModelWorker:
             from darts_bench.collect.features import encode_features
 
             return encode_features(feats)
+        if op == "set_head":
+            return self.head_dir
         if op == "ping":
             return "ok"
         raise ValueError(f"unknown worker op {op!r}")

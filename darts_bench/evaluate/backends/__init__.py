@@ -36,8 +36,25 @@ def check_backends(cfg) -> None:
     """
     if cfg.evaluate.backend == "vllm":
         require_vllm("evaluate.backend=vllm")
+        check_ray_vllm(cfg)
     if cfg.calibration.backend == "vllm":
         require_vllm("calibration.backend=vllm")
+
+
+def check_ray_vllm(cfg) -> None:
+    """With ``executor: ray`` each engine actor reserves ``ray.num_gpus_per_actor`` GPUs and its
+    engine shards the model over ``evaluate.vllm.tensor_parallel_size`` of them.
+
+    Raises:
+        ValueError: a GPU config (``num_gpus_per_actor > 0``) whose actors hold fewer GPUs than the
+            tensor-parallel size, or a fractional GPU share with tensor parallelism.
+    """
+    if cfg.executor != "ray":
+        return
+    gpus, tp = cfg.ray.num_gpus_per_actor, cfg.evaluate.vllm.tensor_parallel_size
+    if gpus > 0 and (gpus < tp or (tp > 1 and gpus != int(gpus))):
+        raise ValueError(f"evaluate.vllm.tensor_parallel_size={tp} needs ray.num_gpus_per_actor >= {tp} "
+                         f"(whole GPUs; got {gpus}): each Ray actor holds one engine on its own GPUs")
 
 
 def backend_key(backend: str, vcfg, dtype: str) -> dict:
@@ -50,7 +67,12 @@ def backend_key(backend: str, vcfg, dtype: str) -> dict:
 
 def text_model(cfg, executor, name: str, model_dir: str, head_dir: str | None, batch_size: int):
     """The evaluate stage's :class:`TextModel` for one row: the executor's HF model, or a vLLM
-    model over the shared engine of ``model_dir`` with ``head_dir``'s head (None: plain)."""
+    model over the shared engine of ``model_dir`` with ``head_dir``'s head (None: plain): the
+    in-process engine (:func:`~darts_bench.evaluate.backends.vllm.engine_for`) with the local
+    executor, a group of engine actors (:meth:`RayExecutor.vllm_text_model
+    <darts_bench.executors.ray_executor.RayExecutor.vllm_text_model>`) with the Ray executor."""
+    if cfg.evaluate.backend == "vllm" and getattr(executor, "name", "") == "ray":
+        return executor.vllm_text_model(name, model_dir, head_dir, batch_size=batch_size)
     if cfg.evaluate.backend == "vllm":
         from darts_bench.evaluate.backends.vllm import engine_for
 

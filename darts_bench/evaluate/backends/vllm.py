@@ -18,9 +18,11 @@ outputs are token-identical:
 Sampling (``temperature > 0``) is seeded per request (``seed`` + prompt index), so a prompt's
 samples do not depend on which other prompts share its batch; they differ from HF's samples.
 
-Engines hold ~3.4 GB RAM on CPU for SmolLM2-135M: only one engine is alive at a time
+Engines hold ~3.4 GB RAM on CPU for SmolLM2-135M: in-process, only one engine is alive at a time
 (:func:`engine_for` shuts the previous one down); :meth:`VLLMEngine.shutdown` stops the
-engine-core and worker processes and kills any left over, by pid.
+engine-core and worker processes and kills any left over, by pid. With ``executor: ray`` each Ray
+actor holds one engine (:class:`VLLMWorker`, made by
+:meth:`~darts_bench.executors.ray_executor.RayExecutor.vllm_text_model`).
 """
 
 from __future__ import annotations
@@ -65,13 +67,17 @@ class VLLMEngine:
         vcfg: :class:`darts_bench.config.VLLMConfig`.
         dtype: ``float32`` | ``bfloat16`` | ``float16`` (``vcfg.dtype`` wins unless ``auto``).
         seed: engine seed (per-request seeds are set on each sampled request).
+        distributed_executor_backend: vLLM's ``distributed_executor_backend`` (None: vLLM's
+            choice); a Ray actor passes ``"mp"`` for ``tensor_parallel_size > 1`` so the engine's
+            workers are its own processes on the GPUs Ray gave the actor.
 
     Raises:
         ImportError: vllm is not installed (message with the install command);
         FileNotFoundError / ValueError: the checkpoint dir is incomplete or corrupt.
     """
 
-    def __init__(self, model_dir: str | Path, vcfg, dtype: str = "float32", seed: int = 0):
+    def __init__(self, model_dir: str | Path, vcfg, dtype: str = "float32", seed: int = 0,
+                 distributed_executor_backend: str | None = None):
         require_vllm("evaluate.backend=vllm")
         import psutil
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
@@ -117,6 +123,8 @@ class VLLMEngine:
                       disable_log_stats=True)
         if vcfg.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = vcfg.max_num_batched_tokens
+        if distributed_executor_backend:
+            kwargs["distributed_executor_backend"] = distributed_executor_backend
         if not _on_cpu():
             kwargs["gpu_memory_utilization"] = vcfg.gpu_memory_utilization
         t0 = time.perf_counter()
@@ -190,6 +198,48 @@ def shutdown_engines() -> None:
     if _ENGINE is not None:
         _ENGINE.shutdown()
         _ENGINE = None
+
+
+class VLLMWorker:
+    """Body of a Ray actor holding one vLLM engine of ``model_dir``; ``run(op, payload)`` serves
+    ``generate_ids`` / ``generate`` / ``score`` / ``ping`` like
+    :class:`~darts_bench.executors.worker.ModelWorker`, with the payload's ``head_dir`` (None:
+    plain) set in the engine before the op (``VLLMEngine.set_head``: an RPC, no reload).
+
+    Args:
+        model_dir, vcfg, dtype, seed: as :class:`VLLMEngine`.
+        batch_size: the rows' ``tasks.batch_size`` (kept for the TextModel API).
+        engine_cls: the engine class (default :class:`VLLMEngine`; tests inject a stand-in).
+        name: label for logs.
+
+    Attributes:
+        engine_starts: engines this worker started (1).
+    """
+
+    def __init__(self, model_dir: str, vcfg, dtype: str = "float32", seed: int = 0, batch_size: int = 8,
+                 engine_cls: type | None = None, name: str = "model"):
+        cls = engine_cls or VLLMEngine
+        kw = {}
+        if vcfg.tensor_parallel_size > 1 and cls is VLLMEngine:
+            kw["distributed_executor_backend"] = "mp"  # the engine's workers on this actor's GPUs
+        self.engine = cls(model_dir, vcfg, dtype, seed=seed, **kw)
+        self.batch_size, self.engine_starts = batch_size, 1
+
+    def run(self, op: str, payload: dict):
+        if op == "ping":
+            return "ok"
+        tm = self.engine.text_model(payload.get("name", "model"), payload.get("head_dir"), batch_size=self.batch_size)
+        if op == "generate_ids":
+            return tm.generate_ids(payload["prompts"], **payload["kwargs"])
+        if op == "generate":
+            return tm.generate(payload["prompts"], **payload["kwargs"])
+        if op == "score":
+            return tm.score(payload["contexts"], payload["continuations"])
+        raise ValueError(f"unknown vLLM worker op {op!r}")
+
+    def close(self) -> None:
+        """Shut the engine down (its engine-core and worker processes; see :meth:`VLLMEngine.shutdown`)."""
+        self.engine.shutdown()
 
 
 class VLLMTextModel:

@@ -1,0 +1,183 @@
+"""Evaluation on Ray: one actor group per model dir (heads swapped per call), kept across the
+tasks and rows of the model and pinned for the judge; the table equals the local executor's.
+
+Also the plumbing of vLLM engines on Ray actors (``evaluate.backend: vllm``, ``executor: ray``)
+with a stand-in engine class (the HF model, loaded once per actor) injected through
+``RayExecutor(engine_cls=...)``, so it runs without vllm; the real engine on an actor is in
+``tests/test_vllm_ray.py`` (vLLM venv).
+
+All on the run's shared local Ray instance (``ray_instance``: loopback, 2 CPUs, private temp dir).
+The file name sorts after ``test_ray_executor.py``, whose first test needs Ray not yet started.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from test_ray_executor import BATCH, PROMPTS, build_tiny_checkpoint, make_cfg  # noqa: E402
+
+from darts_bench.config import EvaluateConfig  # noqa: E402
+from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm  # noqa: E402
+from darts_bench.executors.ray_executor import RayExecutor, RayVLLMTextModel  # noqa: E402
+from darts_bench.surgery.heads import build_head, load_head, save_head  # noqa: E402
+
+
+def _head(d: int, seed: int, out: Path, method: str = "darts") -> Path:
+    """A head that changes the model's outputs (random up-projection and position table)."""
+    head = build_head(method, d, rank=4, max_len=8, overflow="clamp", seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        head.up.weight.copy_(torch.randn(head.up.weight.shape, generator=g) * 2)
+        if head.pos_bias is not None:
+            head.pos_bias.copy_(torch.randn(head.pos_bias.shape, generator=g) * 2)
+    save_head(head, out)
+    return out
+
+
+def _reference(ckpt: Path, head_dir: Path | None, **kw):
+    model, tok = load_causal_lm(ckpt)
+    tm = HFTextModel("ref", model, tok, head=load_head(head_dir) if head_dir else None, batch_size=BATCH)
+    try:
+        return tm.generate_ids(PROMPTS, max_new_tokens=6, **kw)
+    finally:
+        tm.close()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ray-eval")
+    a, b = build_tiny_checkpoint(tmp / "a", seed=0), build_tiny_checkpoint(tmp / "b", seed=1)
+    return {"a": a, "b": b, "h1": _head(32, 1, tmp / "h1"), "h2": _head(32, 2, tmp / "h2", "surgery")}
+
+
+# ------------------------------------------------------------------ HF actors: heads per call
+def test_proxies_with_different_heads_share_one_group(models, ray_instance):
+    """Proxies of one model with no head, head 1 and head 2, open at once and called interleaved,
+    give the in-process outputs of each head; the model's actors start once (the head is swapped
+    on the loaded model per call), and closing the last proxy releases them."""
+    a, h1, h2 = models["a"], models["h1"], models["h2"]
+    want = {h: _reference(a, h) for h in (None, h1, h2)}
+    assert len({str(v) for v in want.values()}) == 3  # the heads change the outputs
+    ex = RayExecutor(make_cfg(num_actors=2, num_cpus_per_actor=0.5))
+    try:
+        tms = {h: ex.text_model(str(h), str(a), str(h) if h else None, batch_size=BATCH) for h in (None, h1, h2)}
+        for h in (h1, None, h2, h1, None):
+            assert tms[h].generate_ids(PROMPTS, max_new_tokens=6) == want[h], h
+        assert ex.actor_starts == {str(a): 2} and len(ex._groups) == 1
+        for tm in tms.values():
+            tm.close()
+        assert not ex._groups
+    finally:
+        ex.close()
+
+
+# -------------------------------------------------------------- the evaluate stage on Ray
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ray_evaluate_loads_each_model_dir_once_and_gives_the_local_table(micro_pipeline, micro_cfg_path,
+                                                                          ray_instance, tmp_path):
+    """GSM8K + AlpacaEval (judge: expert:instruction) on the micro pool's 14 rows: the Ray executor
+    starts ``num_actors`` actors per model dir (base, 3 experts, 2 merges: the judge's group is
+    pinned, corrected rows share their merge's group), where dbd6029 started one group per (row,
+    task) and one per judged row (56 groups); the table rows equal the local executor's cell for
+    cell, samples included."""
+    from darts_bench.config import RayConfig, load_config
+    from darts_bench.pipeline import Pipeline
+    from darts_bench.report.tables import build_rows
+
+    suite = "gsm8k,alpacaeval"
+    micro_pipeline.train()  # upstream artifacts (shared work dir), built in-process
+    out = {}
+    for ex in ("local", "ray"):
+        cfg = load_config(str(micro_cfg_path))
+        if ex == "ray":  # ray.shard_size is in the calibration key: left at its default
+            cfg = cfg.model_copy(update={"executor": "ray", "ray": RayConfig(num_actors=2, num_cpus_per_actor=0.5)})
+        pipe = Pipeline(cfg, suite=suite)
+        try:
+            pipe.train()  # cached: no model work
+            pipe.work_dir = tmp_path / ex  # every evaluation artifact built anew
+            if ex == "ray":
+                pipe.executor.actor_starts.clear()
+            res = pipe.evaluate()
+            rows = pipe.rows()
+            if ex == "ray":
+                dirs = {str(r.model_dir) for r in rows}
+                assert len(rows) == 14 and len(dirs) == 6
+                assert dict(pipe.executor.actor_starts) == {d: 2 for d in dirs}, pipe.executor.actor_starts
+                assert not pipe.executor._groups  # all released at the end of the stage
+            out[ex] = (build_rows(pipe, res), {r: {t: v.samples for t, v in d.items()} for r, d in res.items()})
+        finally:
+            pipe.close()
+    assert out["ray"][0] == out["local"][0]
+    assert out["ray"][1] == out["local"][1]
+
+
+# ------------------------------------------------------------ vLLM engines on Ray actors
+def hf_engine_cls():
+    """A stand-in for ``VLLMEngine`` with its constructor and ``text_model`` / ``shutdown``: the HF
+    model loaded once (a ModelWorker), the head swapped per text model; ``shutdown`` leaves a marker
+    file next to the checkpoint. Made in a function so that Ray ships the class by value."""
+    from darts_bench.executors.worker import ModelWorker
+
+    class HFEngine:
+        def __init__(self, model_dir, vcfg, dtype="float32", seed=0):
+            self.model_dir = Path(model_dir)
+            self.worker = ModelWorker(str(model_dir), batch_size=BATCH, torch_threads=1, dtype=dtype)
+
+        def text_model(self, name, head_dir=None, batch_size=8):
+            self.worker.set_head(head_dir)
+            return self.worker.text_model
+
+        def shutdown(self):
+            d = self.model_dir.parent / f"shutdowns-{self.model_dir.name}"
+            d.mkdir(exist_ok=True)
+            (d / str(os.getpid())).write_text("")
+
+    return HFEngine
+
+
+def test_vllm_engine_actors_kept_per_model_dir(models, ray_instance):
+    """Rows of model a (plain, head 1, head 2) with the judge b pinned between them, then the rows
+    of b: one engine actor group per model dir (2 actors each, prompts split between them), every
+    output equal to the in-process HF model with the row's head, each engine shut down before its
+    actor is killed."""
+    from darts_bench.evaluate.loaded import ModelCache
+
+    a, b, h1, h2 = models["a"], models["b"], models["h1"], models["h2"]
+    cfg = make_cfg(num_actors=2, num_cpus_per_actor=0.5).model_copy(update={"evaluate": EvaluateConfig(backend="vllm")})
+    ex = RayExecutor(cfg, engine_cls=hf_engine_cls())
+    cache = ModelCache(ex, BATCH, cfg=cfg)
+    try:
+        calls = [(a, None, False), (a, h1, False), (b, None, True), (a, h2, False), (b, None, True),
+                 (b, None, False), (b, h1, False), (b, None, True)]
+        for model, head, pin in calls:
+            tm = cache.get("row", model, head, pin=pin)
+            try:
+                assert isinstance(tm, RayVLLMTextModel)
+                assert [len(range(s, e)) for s, e in tm._spans(len(PROMPTS))] == [4, 3]  # one chunk per actor
+                assert tm.generate_ids(PROMPTS, max_new_tokens=6) == _reference(model, head), (model, head)
+            finally:
+                tm.close()
+        assert dict(ex.actor_starts) == {str(a): 2, str(b): 2} and cache.loads == 2
+    finally:
+        cache.close()
+        assert not ex._groups
+        ex.close()
+    for m in (a, b):
+        assert len(list((m.parent / f"shutdowns-{m.name}").iterdir())) == 2  # each engine shut down
+
+
+def test_tensor_parallel_needs_the_gpus_of_an_actor():
+    from darts_bench.evaluate.backends import check_ray_vllm
+
+    cfg = make_cfg(num_gpus_per_actor=1).model_copy(update={
+        "executor": "ray", "evaluate": EvaluateConfig(backend="vllm", vllm={"tensor_parallel_size": 2})})
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 needs ray.num_gpus_per_actor >= 2"):
+        check_ray_vllm(cfg)
+    check_ray_vllm(cfg.model_copy(update={"ray": cfg.ray.model_copy(update={"num_gpus_per_actor": 2})}))

