@@ -468,8 +468,9 @@ def format_plan(plan: dict[str, Any]) -> str:
 
 def _loads_how(plan: dict[str, Any]) -> str:
     if plan["stages"]["evaluate"].get("vllm_engine"):
-        return " (vLLM engine starts, one engine alive at a time)"
-    return " (one per model dir)" if plan["executor"] != "ray" else " (Ray: one actor group per row and task)"
+        return (" (vLLM engine starts: one per model dir in row order, the judge's kept alive"
+                + (", each a group of Ray actors)" if plan["executor"] == "ray" else ")"))
+    return " (one per model dir)" if plan["executor"] != "ray" else " (Ray: one actor group per model dir)"
 
 
 def _dur(sec: float | None) -> str:

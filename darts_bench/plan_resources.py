@@ -17,7 +17,7 @@ Memory (bytes, 1e9 = 1 GB):
 
 vLLM (``evaluate.backend: vllm``, ``calibration.backend: vllm``; :func:`vllm_engine`): per
 evaluation process or actor one engine (:func:`darts_bench.evaluate.backends.vllm.engine_for`
-keeps one alive at a time; the judge swaps it). On the CPU the engine's processes (the driver's
+keeps one alive at a time, and on the CPU the judge's beside it; on a GPU the judge swaps it). On the CPU the engine's processes (the driver's
 ``LLM``, engine-core, worker) hold the weights in the engine dtype, the KV cache
 (``evaluate.vllm.kv_cache_gb`` GiB, ``VLLM_CPU_KVCACHE_SPACE``, allocated at start-up) and a fixed
 :data:`VLLM_ENGINE_OVERHEAD`; on the GPU vLLM takes ``gpu_memory_utilization`` x the declared GPU
@@ -81,12 +81,10 @@ VLLM_START_RANGE = {"cpu": "25-120 s per engine measured on CPU with enforce_eag
 # vLLM / HF generation tokens/s on CPU, measured (README "vLLM backend": SmolLM2-135M, batch 8,
 # fp32, 3.04x; LAB-NOTES 4.9x on an idler box): the CPU generation time is divided by it.
 VLLM_CPU_SPEEDUP = 3.0
-# Where the engines run with ``executor: ray``. False: in the driver, one engine alive at a time
-# (:func:`darts_bench.evaluate.backends.vllm.engine_for`; README "vLLM backend", Ray). True: one
-# engine per Ray actor, ``ray.num_actors`` of them per model dir, data-parallel over prompts, the
-# judge's group held beside the row's (``RayExecutor.vllm_text_model`` with the ``ModelCache``
-# holding one group per current and pinned model dir).
-VLLM_ENGINE_PER_RAY_ACTOR = False
+# With ``executor: ray`` each Ray actor holds one vLLM engine, ``ray.num_actors`` of them per model dir,
+# data-parallel over prompts (``RayExecutor.vllm_text_model``; the ``ModelCache`` holds one group per
+# current and pinned model dir). In-process, one engine per model dir and the pinned judge's beside it
+# (:func:`darts_bench.evaluate.backends.vllm.engine_for`).
 DIAG_BATCH = 2048  # tokens per diagnostics matmul (darts_bench.surgery.diagnostics.Diagnostics)
 DIAG_TEMPS = 8  # [DIAG_BATCH, V] float32 tensors alive at once (logits, log-softmaxes, products)
 FEATURE_COLUMNS_BYTES = 4 + 8 + 8  # entropy fp32, positions and seq_index int64 per token
@@ -166,9 +164,10 @@ def vllm_engine(cfg, arch: dict[str, Any], params: int) -> dict[str, Any]:
 
 def _engine_starts(cfg, ctx: dict[str, Any], held: bool = False) -> int:
     """vLLM engines (groups, with Ray actors) started in ``evaluate``: rows in the pipeline's
-    order, every task per row. ``held=False``: one engine alive at a time (a row of another model
-    dir, or the AlpacaEval judge, replaces it); ``held=True``: the judge's engine stays beside the
-    current row's (Ray actor groups)."""
+    order, every task per row. ``held=True`` (what both executors do): the judge's engine stays
+    beside the current row's (in-process: ``engine_for(pin=True)``; Ray: the pinned group);
+    ``held=False``: one engine alive at a time (a row of another model dir, or the AlpacaEval
+    judge, replaces it), kept to show what pinning saves."""
     from darts_bench.sweeps import head_seeds, surgery_variants
 
     runs = len(head_seeds(cfg)) * len(surgery_variants(cfg))
@@ -216,7 +215,7 @@ def refine(plan: dict[str, Any], cfg, ctx: dict[str, Any]) -> None:
     cal, scfg, ds, rcfg = cfg.calibration, cfg.surgery, cfg.deepspeed, cfg.ray
     feat_b = ctx["feature_bytes"]
     workers = rcfg.num_actors if cfg.executor == "ray" else 1
-    engine_actors = cfg.executor == "ray" and VLLM_ENGINE_PER_RAY_ACTOR
+    engine_actors = cfg.executor == "ray"
     eval_workers = workers if cfg.evaluate.backend != "vllm" or engine_actors else 1  # vLLM in the driver: one
     notes = plan["notes"]
     for name, s in st.items():
@@ -305,12 +304,16 @@ def refine(plan: dict[str, Any], cfg, ctx: dict[str, Any]) -> None:
                         f"{_gb(ctx['eval_kv'])} (batch {cfg.tasks.batch_size}) + prefill {_gb(ctx['eval_act'])}"
                         f" + process {_gb(PROCESS_BASELINE['evaluate'])}")
     vllm_eval = cfg.evaluate.backend == "vllm"
-    if vllm_eval:  # one engine per evaluation process/actor (the judge swaps it), no HF model loaded
-        e["memory_bytes"] = PROCESS_BASELINE["evaluate"] + engine["ram"]
+    # in-process on the CPU the local judge's engine is kept beside the row's (engine_for(pin=True))
+    judge_beside = (vllm_eval and not engine_actors and kind == "cpu" and "alpacaeval" in ctx["tasks"]
+                    and getattr(cfg.tasks.alpacaeval.judge, "annotator", None) is None)
+    if vllm_eval:  # one engine per evaluation process/actor, no HF model loaded
+        e["memory_bytes"] = PROCESS_BASELINE["evaluate"] + engine["ram"] * (2 if judge_beside else 1)
         e.pop("gpu_bytes", None)
         if engine["gpu"] is not None:
             e["gpu_bytes"] = engine["gpu"]
-        e["memory_note"] = (f"per evaluation process/actor: {engine['note']} + process "
+        e["memory_note"] = (f"per evaluation process/actor: {engine['note']}"
+                            + (" (x 2: the judge's engine beside the row's)" if judge_beside else "") + " + process "
                             f"{_gb(PROCESS_BASELINE['evaluate'])}")
         e["vllm_engine"] = engine
     if engine is not None and engine["fits"] is False:
@@ -335,13 +338,13 @@ def refine(plan: dict[str, Any], cfg, ctx: dict[str, Any]) -> None:
             j = cfg.tasks.alpacaeval.judge
             pairs = rows * ti["n_examples"] * (2 if j.both_orders else 1)
             secs += gen(e["judge_tokens"] - pairs * j.max_new_tokens, pairs * j.max_new_tokens)
-    if cfg.executor == "ray":  # one actor group per (row, task) and one for the judge per judged row
-        e["model_loads"] = rows * len(ctx["tasks"]) + (rows if "alpacaeval" in ctx["tasks"] else 0)
-    else:
-        e["model_loads"] = len(cfg.merges) + 1 + len(ctx["experts"])  # one per model dir (ModelCache)
+    # one load per model dir (ModelCache; with Ray an actor group per model dir, kept across its rows
+    # and tasks, the judge's group pinned), whatever the executor
+    e["model_loads"] = len(cfg.merges) + 1 + len(ctx["experts"])
     e["load_seconds"] = e["model_loads"] * load_s
     if vllm_eval:  # engine starts instead of HF loads (the engine runs in the evaluating process)
-        e["model_loads"] = _engine_starts(cfg, ctx, held=engine_actors)  # one after the other
+        # one after the other; the judge's held (Ray: its pinned group; in-process on the CPU: pinned)
+        e["model_loads"] = _engine_starts(cfg, ctx, held=engine_actors or kind == "cpu")
         e["engine_starts"] = e["model_loads"] * eval_workers  # with Ray actors: a group each time
         e["load_seconds"] = e["model_loads"] * engine["start_s"]
         e["where"] = (f"vLLM: one engine per Ray actor, {workers} actors per model dir" if engine_actors else

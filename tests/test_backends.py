@@ -47,3 +47,48 @@ def test_vllm_plugin_entry_point_declared_and_light():
     assert ("vllm" in sys.modules) == before  # loading the plugin module imports no vllm
     cls_mod = plugin.MODEL_CLASS.split(":")[0]
     assert (REPO / (cls_mod.replace(".", "/") + ".py")).is_file()
+
+
+def test_in_process_engines_keep_the_pinned_judge(monkeypatch):
+    """One unpinned engine at a time, plus the pinned judge's: the judge is started once for all
+    rows (not once per row) and also serves its own row; shutdown stops both."""
+    import darts_bench.evaluate.backends.vllm as vb
+    from darts_bench.config import VLLMConfig
+
+    events = []
+
+    class FakeEngine:
+        def __init__(self, model_dir, vcfg, dtype, seed=0):
+            self.model_dir, self.vcfg, self.dtype, self.llm = str(model_dir), vcfg, dtype, object()
+            events.append(("start", self.model_dir))
+
+        def shutdown(self):
+            self.llm = None
+            events.append(("stop", self.model_dir))
+
+    monkeypatch.setattr(vb, "VLLMEngine", FakeEngine)
+    monkeypatch.setattr(vb, "_on_cpu", lambda: True)  # on a GPU pinning is off (two engines cannot share it)
+    monkeypatch.setattr(vb, "_ENGINE", None)
+    monkeypatch.setattr(vb, "_PINNED", {})
+    v = VLLMConfig()
+    a = vb.engine_for("A", v)
+    judge = vb.engine_for("J", v, pin=True)
+    assert vb.engine_for("A", v) is a  # the row's engine survived the judge's start
+    b = vb.engine_for("B", v)
+    assert vb.engine_for("J", v, pin=True) is judge and vb.engine_for("J", v) is judge  # the judge's own row
+    assert vb.engine_for("B", v) is b
+    vb.shutdown_engines()
+    assert events == [("start", "A"), ("start", "J"), ("stop", "A"), ("start", "B"), ("stop", "B"), ("stop", "J")]
+    # the current engine pinned later becomes the judge (no second start)
+    events.clear()
+    j2 = vb.engine_for("J", v)
+    assert vb.engine_for("J", v, pin=True) is j2 and vb.engine_for("C", v) is not j2
+    vb.shutdown_engines()
+    assert events == [("start", "J"), ("start", "C"), ("stop", "C"), ("stop", "J")]
+    monkeypatch.setattr(vb, "_on_cpu", lambda: False)
+    events.clear()
+    vb.engine_for("A", v)
+    vb.engine_for("J", v, pin=True)
+    vb.engine_for("A", v)
+    vb.shutdown_engines()
+    assert events == [("start", "A"), ("stop", "A"), ("start", "J"), ("stop", "J"), ("start", "A"), ("stop", "A")]

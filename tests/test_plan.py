@@ -117,8 +117,8 @@ def test_dry_run_reports_time_and_gpu_memory():
     assert t["device_hours_unit"] == "GPU-hours" and t["device_hours"] > 1
     for s in ("collect", "train", "evaluate"):
         assert st[s]["seconds"] > 0 and st[s]["gpu_bytes"] > 0 and st[s]["gpu_fits"] is True
-    # one actor group per (row, task) under Ray, plus a judge group per row for AlpacaEval
-    assert st["evaluate"]["model_loads"] == plan["rows"] * 3 + plan["rows"]
+    # one actor group per model dir under Ray (kept across its rows and tasks; the judge's pinned)
+    assert st["evaluate"]["model_loads"] == len(load_config("llama2-7b").merges) + 4
     small_gpu = load_config("llama2-7b", ["ray.gpu_memory_gb=24"])
     flagged = make_plan(small_gpu)
     assert flagged["stages"]["evaluate"]["gpu_fits"] is False
@@ -175,36 +175,42 @@ def test_vllm_engine_memory_on_cpu_is_weights_kv_and_overhead():
     # K and V of 30 layers x 3 kv heads x 64 dims in fp32 per token; 2 GiB holds ~46k (LAB-NOTES)
     assert eng["kv_token_bytes"] == 2 * 30 * 192 * 4 == 46080 and eng["kv_tokens"] == 2 * GIB // 46080 == 46603
     assert eng["max_model_len"] == 8193 and eng["fits"] is True and eng["gpu"] is None
-    assert e["memory_bytes"] == PROCESS_BASELINE["evaluate"] + 3.4e9 == 3.95e9
+    # the local judge's engine (expert:instruction) is kept beside the row's on the CPU: two engines
+    assert e["memory_bytes"] == PROCESS_BASELINE["evaluate"] + 2 * 3.4e9 == 7.35e9
+    no_judge = make_plan(cfg, "humaneval,gsm8k")["stages"]["evaluate"]
+    assert no_judge["memory_bytes"] == PROCESS_BASELINE["evaluate"] + 3.4e9 == 3.95e9
     assert "gpu_bytes" not in e
     # bf16 engine, 4 GiB of KV cache: 0.55 + 0.269 + 4.295 + 0.714 GB
     bf = make_plan(load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=bfloat16",
                                                 "evaluate.vllm.kv_cache_gb=4"]))["stages"]["evaluate"]
-    assert bf["memory_bytes"] == 550_000_000 + 269_030_016 + 4 * GIB + 714_456_320 == 5_828_453_632
+    assert bf["memory_bytes"] == 550_000_000 + 2 * (269_030_016 + 4 * GIB + 714_456_320) == 11_106_907_264
     # the HF backend plans the HF model instead (weights x 2 with the judge + KV + prefill)
     hf = make_plan(load_config("smollm2-135m"))["stages"]["evaluate"]
     assert "vllm_engine" not in hf and hf["memory_bytes"] != e["memory_bytes"]
 
 
 def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
-    """One engine alive at a time: every row of another model dir starts one, and the AlpacaEval
-    judge (expert:instruction) swaps in and out; the start-up (25-120 s on CPU) is in the time."""
+    """One engine per model dir in row order, the AlpacaEval judge's (expert:instruction) kept
+    alive beside it; the start-up (25-120 s on CPU) is in the time."""
     from darts_bench.plan_resources import VLLM_START_S
 
     cfg = load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32"])
     plan = print_plan(cfg)
     out = capsys.readouterr().out
     e = plan["stages"]["evaluate"]
-    # 13 rows x (humaneval, gsm8k, alpacaeval): each row starts its engine and the judge's (2 x 12),
-    # the expert:instruction row runs on the judge's engine, already up (0)
-    assert plan["rows"] == 13 and e["engine_starts"] == e["model_loads"] == 24
-    assert e["load_seconds"] == 24 * (VLLM_START_S["cpu"]["eager"] + 538_060_032 / 1e9)
+    # base, code, math, 3 merges (their corrected rows share the engine) + the judge's, which also
+    # serves the expert:instruction row: 7 (24 when the judge swapped in and out for every row)
+    assert plan["rows"] == 13 and e["engine_starts"] == e["model_loads"] == 7
+    from darts_bench.plan_resources import _engine_starts
+
+    assert _engine_starts(cfg, {"tasks": plan["tasks"], "experts": ["code", "math", "instruction"]}, held=False) == 24
+    assert e["load_seconds"] == 7 * (VLLM_START_S["cpu"]["eager"] + 538_060_032 / 1e9)
     # one engine in the driver: the starts add to the wall time; generation at 1/3 of HF's CPU time
     assert e["wall_seconds"] == pytest.approx(e["seconds"]) and e["wall_seconds"] > e["load_seconds"]
     hf = make_plan(load_config("smollm2-135m"))["stages"]["evaluate"]
     assert e["seconds"] - e["load_seconds"] < hf["seconds"] - hf["load_seconds"]
     assert "vLLM engine (float32): weights 538.1 MB + KV cache 2 GiB" in out
-    assert "24 engine starts in evaluate, 25-120 s per engine measured on CPU" in out
+    assert "7 engine starts in evaluate, 25-120 s per engine measured on CPU" in out
     # without the judge task: one start per model dir, in row order (base, 3 experts, 3 merges)
     gsm = make_plan(cfg, "gsm8k")["stages"]["evaluate"]
     assert gsm["engine_starts"] == 7
@@ -255,18 +261,16 @@ def test_vllm_dry_run_needs_no_vllm():
     assert "engine starts in evaluate" in res.stdout
 
 
-def test_vllm_engines_in_ray_actors_are_planned_per_actor(monkeypatch):
-    """With engines in the Ray actors (``VLLM_ENGINE_PER_RAY_ACTOR``) the memory per actor is the
-    same engine, starts are counted per actor, the judge's group is held beside the row's, and the
-    generation is spread over the actors."""
-    import darts_bench.plan_resources as pr
-
+def test_vllm_engines_in_ray_actors_are_planned_per_actor():
+    """With the Ray executor each actor holds an engine: the memory per actor is the in-process
+    engine's, starts are counted per actor (``ray.num_actors`` per group), the judge's group is held
+    beside the row's, and the generation is spread over the actors."""
     cfg = load_config("llama2-7b", ["evaluate.backend=vllm"])
-    driver = make_plan(cfg)["stages"]["evaluate"]
-    monkeypatch.setattr(pr, "VLLM_ENGINE_PER_RAY_ACTOR", True)
     actors = make_plan(cfg)["stages"]["evaluate"]
-    assert actors["memory_bytes"] == driver["memory_bytes"] and actors["gpu_bytes"] == driver["gpu_bytes"]
+    local = make_plan(load_config("llama2-7b", ["evaluate.backend=vllm", "executor=local"]))["stages"]["evaluate"]
+    assert actors["memory_bytes"] == local["memory_bytes"]
     # groups: base, code, math, 3 merges (their corrected rows share the group) + the judge's (instruction)
-    assert actors["model_loads"] == 7 and actors["engine_starts"] == 7 * 8
-    assert driver["model_loads"] == driver["engine_starts"] == 2 * (31 - 1)
-    assert actors["wall_seconds"] < driver["wall_seconds"] / 4
+    assert actors["model_loads"] == 7 and actors["engine_starts"] == 7 * cfg.ray.num_actors
+    # in-process on a GPU two engines cannot share the device: the judge swaps in for every other row
+    assert local["model_loads"] == local["engine_starts"] == 2 * (31 - 1)
+    assert actors["wall_seconds"] < local["wall_seconds"] / 4

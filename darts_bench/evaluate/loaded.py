@@ -51,13 +51,14 @@ class ModelCache:
     def _vllm(self) -> bool:
         return self.cfg is not None and self.cfg.evaluate.backend == "vllm"
 
-    def _new(self, name: str, model_dir: str, head_dir: str | None):
-        """A new executor / backend text model (a load unless its model is held)."""
+    def _new(self, name: str, model_dir: str, head_dir: str | None, pin: bool = False):
+        """A new executor / backend text model (a load unless its model is held). ``pin`` keeps an
+        in-process vLLM engine alive beside the next rows' (the judge)."""
         head = str(head_dir) if head_dir else None
         if self._vllm:
             from darts_bench.evaluate.backends import text_model
 
-            return text_model(self.cfg, self.executor, name, model_dir, head, batch_size=self.batch_size)
+            return text_model(self.cfg, self.executor, name, model_dir, head, batch_size=self.batch_size, pin=pin)
         return self.executor.text_model(name, model_dir, head, batch_size=self.batch_size)
 
     @property
@@ -81,7 +82,7 @@ class ModelCache:
         if not self.shares_weights:
             if not self._vllm:
                 self.loads += 1
-            return self._new(name, key, head_dir)
+            return self._new(name, key, head_dir, pin=pin)
         if pin:
             self._pinned.add(key)
         if key not in self._base:

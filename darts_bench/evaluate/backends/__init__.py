@@ -65,17 +65,20 @@ def backend_key(backend: str, vcfg, dtype: str) -> dict:
     return {"backend": backend, "vllm": vcfg.model_dump(mode="json"), "dtype": dtype}
 
 
-def text_model(cfg, executor, name: str, model_dir: str, head_dir: str | None, batch_size: int):
+def text_model(cfg, executor, name: str, model_dir: str, head_dir: str | None, batch_size: int,
+               pin: bool = False):
     """The evaluate stage's :class:`TextModel` for one row: the executor's HF model, or a vLLM
     model over the shared engine of ``model_dir`` with ``head_dir``'s head (None: plain): the
     in-process engine (:func:`~darts_bench.evaluate.backends.vllm.engine_for`) with the local
     executor, a group of engine actors (:meth:`RayExecutor.vllm_text_model
-    <darts_bench.executors.ray_executor.RayExecutor.vllm_text_model>`) with the Ray executor."""
+    <darts_bench.executors.ray_executor.RayExecutor.vllm_text_model>`) with the Ray executor.
+    ``pin``: keep the in-process engine alive beside the next rows' (the AlpacaEval judge); the Ray
+    executor's groups are held by :class:`~darts_bench.evaluate.loaded.ModelCache`."""
     if cfg.evaluate.backend == "vllm" and getattr(executor, "name", "") == "ray":
         return executor.vllm_text_model(name, model_dir, head_dir, batch_size=batch_size)
     if cfg.evaluate.backend == "vllm":
         from darts_bench.evaluate.backends.vllm import engine_for
 
-        eng = engine_for(model_dir, cfg.evaluate.vllm, cfg.pool.dtype, seed=cfg.seed)
+        eng = engine_for(model_dir, cfg.evaluate.vllm, cfg.pool.dtype, seed=cfg.seed, pin=pin)
         return eng.text_model(name, head_dir, batch_size=batch_size)
     return executor.text_model(name, model_dir, head_dir, batch_size=batch_size)

@@ -18,8 +18,8 @@ outputs are token-identical:
 Sampling (``temperature > 0``) is seeded per request (``seed`` + prompt index), so a prompt's
 samples do not depend on which other prompts share its batch; they differ from HF's samples.
 
-Engines hold ~3.4 GB RAM on CPU for SmolLM2-135M: in-process, only one engine is alive at a time
-(:func:`engine_for` shuts the previous one down); :meth:`VLLMEngine.shutdown` stops the
+Engines hold ~3.4 GB RAM on CPU for SmolLM2-135M: in-process, one engine is alive at a time
+(:func:`engine_for` shuts the previous one down) plus the pinned judge's; :meth:`VLLMEngine.shutdown` stops the
 engine-core and worker processes and kills any left over, by pid. With ``executor: ray`` each Ray
 actor holds one engine (:class:`VLLMWorker`, made by
 :meth:`~darts_bench.executors.ray_executor.RayExecutor.vllm_text_model`).
@@ -42,6 +42,7 @@ from darts_bench.evaluate.hf_model import check_checkpoint, cut_at_stop, format_
 log = logging.getLogger("darts_bench")
 
 _ENGINE: "VLLMEngine | None" = None
+_PINNED: "dict[str, VLLMEngine]" = {}  # model dir -> engine kept alive beside _ENGINE (the judge)
 
 
 def _cpu_env(vcfg) -> dict[str, str]:
@@ -180,24 +181,48 @@ class VLLMEngine:
         psutil.wait_procs(alive, timeout=10)
 
 
-def engine_for(model_dir: str | Path, vcfg, dtype: str = "float32", seed: int = 0) -> VLLMEngine:
-    """The live engine when it serves ``model_dir`` with these settings, else a new one (the
-    previous engine is shut down first: one engine at a time)."""
+def _serves(eng: "VLLMEngine | None", model_dir, vcfg, dtype: str) -> bool:
+    return (eng is not None and eng.llm is not None and eng.model_dir == str(model_dir) and eng.vcfg == vcfg
+            and eng.dtype == (dtype if vcfg.dtype == "auto" else vcfg.dtype))
+
+
+def engine_for(model_dir: str | Path, vcfg, dtype: str = "float32", seed: int = 0, pin: bool = False) -> VLLMEngine:
+    """The live engine when one serves ``model_dir`` with these settings, else a new one.
+
+    One unpinned engine is alive at a time (a new one shuts the previous one down first); ``pin``
+    keeps the engine alive beside it until :func:`shutdown_engines` (the AlpacaEval judge, which
+    every row calls: without it the judge's engine would be restarted for every row). A pinned
+    engine also serves the unpinned requests of its model dir (e.g. the judge's own row). On a GPU
+    ``pin`` is ignored: each engine claims ``gpu_memory_utilization`` of the device, so two cannot
+    share it (the judge's engine then replaces the row's, as every other model dir does).
+    """
     global _ENGINE
-    if _ENGINE is not None and _ENGINE.llm is not None and _ENGINE.model_dir == str(model_dir) \
-            and _ENGINE.vcfg == vcfg and _ENGINE.dtype == (dtype if vcfg.dtype == "auto" else vcfg.dtype):
+    pin = pin and _on_cpu()
+    for eng in _PINNED.values():
+        if _serves(eng, model_dir, vcfg, dtype):
+            return eng
+    if _serves(_ENGINE, model_dir, vcfg, dtype):
+        if pin:  # the current engine becomes the pinned one
+            _PINNED[str(model_dir)], _ENGINE = _ENGINE, None
+            return _PINNED[str(model_dir)]
         return _ENGINE
-    shutdown_engines()
+    if pin:
+        _PINNED[str(model_dir)] = VLLMEngine(model_dir, vcfg, dtype, seed=seed)
+        return _PINNED[str(model_dir)]
+    if _ENGINE is not None:
+        _ENGINE.shutdown()
     _ENGINE = VLLMEngine(model_dir, vcfg, dtype, seed=seed)
     return _ENGINE
 
 
 def shutdown_engines() -> None:
-    """Shut down the engine kept by :func:`engine_for`, if any."""
+    """Shut down every engine kept by :func:`engine_for` (the current one and the pinned ones)."""
     global _ENGINE
-    if _ENGINE is not None:
-        _ENGINE.shutdown()
-        _ENGINE = None
+    for eng in [_ENGINE, *_PINNED.values()]:
+        if eng is not None:
+            eng.shutdown()
+    _ENGINE = None
+    _PINNED.clear()
 
 
 class VLLMWorker:
