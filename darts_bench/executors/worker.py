@@ -47,6 +47,26 @@ def hidden_state_features(model, sequences: list[list[int]], pad_id: int, batch_
             "seq_index": torch.cat(sids)}
 
 
+TEXT_OPS = ("generate_ids", "generate", "score")
+
+
+def run_text_op(tm, op: str, payload: dict[str, Any]) -> Any:
+    """One :class:`~darts_bench.api.TextModel` call of a worker payload: ``generate_ids`` /
+    ``generate`` (``prompts``, ``kwargs``) or ``score`` (``contexts``, ``continuations``); shared by
+    the HF :class:`ModelWorker` and the vLLM engine worker.
+
+    Raises:
+        ValueError: ``op`` is not one of :data:`TEXT_OPS`.
+    """
+    if op == "generate_ids":
+        return tm.generate_ids(payload["prompts"], **payload["kwargs"])
+    if op == "generate":
+        return tm.generate(payload["prompts"], **payload["kwargs"])
+    if op == "score":
+        return tm.score(payload["contexts"], payload["continuations"])
+    raise ValueError(f"unknown text-model op {op!r} (ops: {TEXT_OPS})")
+
+
 class ModelWorker:
     """Holds one model (loaded in ``dtype``: ``float32`` | ``bfloat16`` | ``float16``); ``run(op, payload)``
     serves ``generate_ids``, ``generate``, ``score``, ``features``, ``set_head`` and ``ping``.
@@ -100,12 +120,8 @@ class ModelWorker:
         if "head_dir" in payload:
             self.set_head(payload["head_dir"])
         tm = self.text_model
-        if op == "generate_ids":
-            return tm.generate_ids(payload["prompts"], **payload["kwargs"])
-        if op == "generate":
-            return tm.generate(payload["prompts"], **payload["kwargs"])
-        if op == "score":
-            return tm.score(payload["contexts"], payload["continuations"])
+        if op in TEXT_OPS:
+            return run_text_op(tm, op, payload)
         if op == "features":
             feats = hidden_state_features(tm.model, payload["sequences"], tm.tokenizer.pad_token_id, tm.batch_size)
             from darts_bench.collect.features import encode_features

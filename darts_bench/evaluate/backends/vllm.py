@@ -253,14 +253,12 @@ class VLLMWorker:
     def run(self, op: str, payload: dict):
         if op == "ping":
             return "ok"
+        from darts_bench.executors.worker import TEXT_OPS, run_text_op
+
+        if op not in TEXT_OPS:
+            raise ValueError(f"unknown vLLM worker op {op!r}")
         tm = self.engine.text_model(payload.get("name", "model"), payload.get("head_dir"), batch_size=self.batch_size)
-        if op == "generate_ids":
-            return tm.generate_ids(payload["prompts"], **payload["kwargs"])
-        if op == "generate":
-            return tm.generate(payload["prompts"], **payload["kwargs"])
-        if op == "score":
-            return tm.score(payload["contexts"], payload["continuations"])
-        raise ValueError(f"unknown vLLM worker op {op!r}")
+        return run_text_op(tm, op, payload)
 
     def close(self) -> None:
         """Shut the engine down (its engine-core and worker processes; see :meth:`VLLMEngine.shutdown`)."""
