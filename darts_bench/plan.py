@@ -207,12 +207,13 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
     from darts_bench.sweeps import head_seeds, surgery_variants
 
     runs = len(head_seeds(cfg)) * len(surgery_variants(cfg))  # heads per (merge, task, split, method)
-    n_rows = 1 + E + M + M * len(cal.splits) * len(scfg.methods) * runs
+    n_corrected = M * len(cal.splits) * len(scfg.methods) * runs
+    n_rows = all_rows = 1 + E + M + n_corrected
     if cfg.evaluate.rows is not None:  # --rows: only the selected rows are evaluated
         from darts_bench.sweeps import needs_merges, row_names, row_selected
 
         n_rows = sum(row_selected(cfg, n) for n in row_names(cfg))
-        notes.append(f"evaluate.rows {cfg.evaluate.rows}: {n_rows} of {1 + E + M + M * len(cal.splits) * len(scfg.methods) * runs} "
+        notes.append(f"evaluate.rows {cfg.evaluate.rows}: {n_rows} of {all_rows} "
                      "rows evaluated" + ("" if needs_merges(cfg) else
                                          "; no merge or corrected row, so merge, collect and train are skipped "
                                          "(their lines above do not apply)"))
@@ -370,7 +371,7 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
     extra_what = "".join(f"; {h['what']}" for h in hints.values() if h.get("what"))
     extra_where = "".join(f"; {h['where']}" for h in hints.values() if h.get("where"))
     stages["evaluate"] = {
-        "what": ((f"{n_rows} rows (base, {E} experts, {M} merges, {M * len(cal.splits) * len(scfg.methods) * runs} corrected) x "
+        "what": ((f"{n_rows} rows (base, {E} experts, {M} merges, {n_corrected} corrected) x "
                   if cfg.evaluate.rows is None else f"{n_rows} rows ({', '.join(cfg.evaluate.rows)}) x ")
                  + ", ".join(f"{t} ({ti['n_examples']}/{ti['of'] or '?'}, {ti['max_new_tokens']} new tokens)"
                              for t, ti in tasks.items())

