@@ -1,7 +1,8 @@
 """Summarize an experts-only protocol comparison (issue "The merging literature's evaluation
 protocols"): several ``darts-bench run --rows base,expert:<e> --suite <task>`` results dirs, one per
 (task, protocol), into one table with each headline metric's 95% bootstrap CI, whether the CI
-excludes 0, the protocol-mismatch rates, and the protocol/annotator on record.
+excludes its null value (0 for exact match and pass@k; 50 for a win rate, where 50 is "as good as
+the reference"), the protocol-mismatch rates, and the protocol/annotator on record.
 
 Usage::
 
@@ -24,6 +25,17 @@ import pandas as pd
 
 # the mismatch column that says why a headline cell is 0, per task
 MISMATCH = {"humaneval": "humaneval_empty_rate", "gsm8k": "gsm8k_no_answer_rate", "alpacaeval": "alpacaeval_unparsed"}
+
+
+# the value of a headline metric that means "no signal": 0 for a rate, 50 for a win rate (percent)
+NULL = {"alpacaeval_win_rate": 50.0}
+
+
+def excludes_null(metric: str, lo: float, hi: float, flag: str = "") -> bool:
+    """Whether the 95% CI ``[lo, hi]`` of ``metric`` excludes its null value (:data:`NULL`, else 0).
+    A flagged cell (e.g. ``uninformative_judge``) is no evidence either way: False."""
+    null = NULL.get(metric, 0.0)
+    return not flag and bool(lo > null or hi < null)
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -59,7 +71,8 @@ def summarize(root: Path) -> pd.DataFrame:
                         "task": t, "protocol": proto.get("protocol"), "run": run.name, "model": m,
                         "metric": metric, "value": per.loc[m, metric], "ci_lo": lo, "ci_hi": hi,
                         # a flagged cell (e.g. an uninformative judge) is no evidence either way
-                        "ci_excludes_0": bool(lo > 0) and not flag, "n": int(row[f"n_{t}"]),
+                        "null": NULL.get(metric, 0.0), "ci_excludes_null": excludes_null(metric, lo, hi, flag),
+                        "n": int(row[f"n_{t}"]),
                         "mismatch_column": mis or "", "mismatch": row.get(mis) if mis else None,
                         "flag": flag,
                         "annotator": proto.get("annotator", ""),
@@ -75,7 +88,7 @@ def _fmt(v) -> str:
 
 
 def to_markdown(df: pd.DataFrame) -> str:
-    cols = ["task", "protocol", "model", "metric", "value", "ci_lo", "ci_hi", "ci_excludes_0", "n",
+    cols = ["task", "protocol", "model", "metric", "value", "ci_lo", "ci_hi", "null", "ci_excludes_null", "n",
             "mismatch_column", "mismatch", "flag", "max_new_tokens"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for _, r in df.iterrows():
@@ -93,9 +106,9 @@ def main(argv: list[str]) -> int:
     except (FileNotFoundError, KeyError) as e:
         print(f"experts_summary: {e}", file=sys.stderr)
         return 2
-    excl = df[df["ci_excludes_0"]]
-    verdict = ("Headline metrics whose 95% CI excludes 0 (cells with a flag, e.g. `uninformative_judge`, not "
-               "counted): "
+    excl = df[df["ci_excludes_null"]]
+    verdict = ("Headline metrics whose 95% CI excludes the null value (0; 50 for a win rate; cells with a flag, "
+               "e.g. `uninformative_judge`, not counted): "
                + (", ".join(f"{r.model} {r.metric} ({r.protocol}: {r.value:.4g} [{r.ci_lo:.4g}, {r.ci_hi:.4g}])"
                             for r in excl.itertuples()) if len(excl) else "none") + ".\n")
     annot = sorted({a for a in df["annotator"] if a})

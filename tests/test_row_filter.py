@@ -5,6 +5,7 @@ features or heads, with the same cache keys and values as a full run."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -86,7 +87,7 @@ def test_experts_only_run_builds_no_merge_and_keeps_keys(tmp_path, data_dir):
             ["humaneval", "codex", "base", "humaneval_pass@1"], ["humaneval", "codex", "expert:code", "humaneval_pass@1"]]
         assert summ["value"].tolist() == table["humaneval_pass@1"].tolist()
         assert summ["mismatch"].tolist() == table["humaneval_empty_rate"].tolist()
-        assert "CI excludes 0" in (root / "summary.md").read_text()
+        assert "CI excludes the null value" in (root / "summary.md").read_text()
         assert mod.main([str(tmp_path / "nothing")]) == 2
     finally:
         pipe.close()
@@ -102,3 +103,32 @@ def test_plan_counts_selected_rows(tmp_path):
     assert any("6 of 14 rows evaluated" in n for n in plan["notes"])
     full = make_plan(load_config(str(micro_config_file(tmp_path))), "humaneval")
     assert full["rows"] == 14
+
+
+def test_experts_summary_null_values_on_the_committed_runs(tmp_path):
+    """The null of a win rate is 50, of a rate 0; on the committed smollm2-135m experts-only runs the
+    cells whose CI excludes it are exactly the three named in the README."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.spec_from_file_location("experts_summary", "scripts/experts_summary.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.excludes_null("alpacaeval_win_rate", 53.0, 64.0)
+    assert not mod.excludes_null("alpacaeval_win_rate", 49.0, 56.0)
+    assert mod.excludes_null("alpacaeval_win_rate", 30.0, 45.0)  # below the reference
+    assert not mod.excludes_null("alpacaeval_win_rate", 53.0, 64.0, "uninformative_judge")
+    assert mod.excludes_null("humaneval_pass@1", 0.02439, 0.09146) and not mod.excludes_null("gsm8k_em_strict", 0.0, 0.0)
+    src = Path("results/smollm2-135m-experts")
+    if not (src / "humaneval-chat" / "results.json").is_file():
+        pytest.skip("committed experts-only runs not present")
+    root = tmp_path / "experts"
+    for run in ("humaneval-chat", "humaneval-codex", "gsm8k-chat-cot", "gsm8k-lm-eval", "alpacaeval-chat_template"):
+        shutil.copytree(src / run, root / run)
+    df = mod.summarize(root)
+    got = sorted((r.task, r.protocol, r.model, r.metric) for r in df[df["ci_excludes_null"]].itertuples())
+    assert got == [("gsm8k", "chat-cot", "base", "gsm8k_em_flexible"), ("humaneval", "chat", "base", "humaneval_pass@1"),
+                   ("humaneval", "chat", "expert:code", "humaneval_pass@1")]
+    wr = df[df["metric"] == "alpacaeval_win_rate"].set_index("model")
+    assert wr.loc["base", "value"] == pytest.approx(58.0) and wr.loc["base", "null"] == 50 and wr.loc["base", "flag"] == "uninformative_judge"
+    assert df[df["task"] == "humaneval"]["n"].tolist() == [164] * 4
