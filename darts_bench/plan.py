@@ -226,6 +226,10 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
             continue
         for split in cal.splits:
             n = min(cal.n_prompts, ti["n_examples"]) if split == "transductive" else cal.n_prompts
+            if split == "transductive" and cal.n_prompts > ti["n_examples"]:
+                notes.append(f"calibration.n_prompts {cal.n_prompts} > {t} evaluated examples {ti['n_examples']}: "
+                             f"the transductive calibration set of {t} is its {n} evaluated inputs (raise "
+                             f"tasks.{t}.limit for more)")
             p = min(ti["prompt_tokens_est"] if split == "transductive" else TYPICAL_TOKENS["training_prompt"],
                     cal.max_prompt_tokens)
             seq = n * (p + cal.max_new_tokens)

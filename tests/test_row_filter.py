@@ -132,3 +132,36 @@ def test_experts_summary_null_values_on_the_committed_runs(tmp_path):
     wr = df[df["metric"] == "alpacaeval_win_rate"].set_index("model")
     assert wr.loc["base", "value"] == pytest.approx(58.0) and wr.loc["base", "null"] == 50 and wr.loc["base", "flag"] == "uninformative_judge"
     assert df[df["task"] == "humaneval"]["n"].tolist() == [164] * 4
+
+
+def test_plan_says_when_the_limit_caps_the_transductive_calibration_set(tmp_path):
+    """Transductive calibration prompts are the evaluated inputs: n_prompts above the limit is capped,
+    and the plan says so (the rerun of smollm2-135m asked for 48 prompts at limit 24 and got 24)."""
+    from darts_bench.plan import make_plan
+
+    cfg = load_config(str(micro_config_file(tmp_path)), ["calibration.n_prompts=10", "tasks.humaneval.limit=4"])
+    plan = make_plan(cfg, "humaneval")
+    assert any("calibration.n_prompts 10 > humaneval evaluated examples 4" in n for n in plan["notes"])
+    assert plan["stages"]["collect"]["calibration"]["humaneval/transductive"]["sequences"] == 4
+    assert plan["stages"]["collect"]["calibration"]["humaneval/inductive"]["sequences"] == 10
+    ok = make_plan(load_config(str(micro_config_file(tmp_path)), ["calibration.n_prompts=4", "tasks.humaneval.limit=4"]),
+                   "humaneval")
+    assert not any("calibration.n_prompts" in n for n in ok["notes"])
+
+
+def test_collect_warns_when_the_limit_caps_the_transductive_calibration_set(tmp_path, caplog):
+    from types import SimpleNamespace
+
+    from darts_bench.api import get_task
+    from darts_bench.collect.features import calibration_prompts
+
+    cfg = load_config(str(micro_config_file(tmp_path)), ["calibration.n_prompts=5"])
+    examples = [SimpleNamespace(prompt=f"p{i}") for i in range(3)]
+    with caplog.at_level("WARNING", logger="darts_bench"):
+        got = calibration_prompts(get_task("humaneval"), "transductive", cfg, None, examples)
+    assert got == ["p0", "p1", "p2"]
+    assert "calibration humaneval/transductive: 3 prompts (the evaluated inputs), not calibration.n_prompts 5" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="darts_bench"):
+        assert calibration_prompts(get_task("humaneval"), "transductive", cfg, None, examples * 2) == ["p0", "p1", "p2", "p0", "p1"]
+    assert "calibration humaneval" not in caplog.text

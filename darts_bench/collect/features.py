@@ -232,11 +232,18 @@ class FeatureSet:
 
 
 def calibration_prompts(task: Task, split: str, cfg, text_model, examples) -> list[str]:
-    """Prompts of one split: ``transductive`` = the first ``n_prompts`` evaluated benchmark inputs;
-    ``inductive`` = ``n_prompts`` prompts sampled from the expert's training data."""
+    """Prompts of one split: ``transductive`` = the first ``n_prompts`` evaluated benchmark inputs
+    (fewer when the task's limit is smaller, with a warning); ``inductive`` = ``n_prompts`` prompts
+    sampled from the expert's training data.
+
+    Raises:
+        ValueError: fewer than 2 prompts."""
     n = cfg.calibration.n_prompts
     if split == "transductive":
         prompts = [e.prompt for e in examples[:n]]
+        if len(prompts) < n:
+            log.warning("calibration %s/transductive: %d prompts (the evaluated inputs), not calibration.n_prompts "
+                        "%d; raise tasks.%s.limit for more", task.name, len(prompts), n, task.name)
     else:
         prompts = task.training_prompts(cfg.resolved_data_dir(), text_model, n, cfg.seed)
     if len(prompts) < 2:
