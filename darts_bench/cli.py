@@ -125,7 +125,7 @@ def _setup_logging(verbose: bool) -> None:
 def _load(args) -> Config:
     overrides = list(args.overrides)
     if getattr(args, "sweeps", None):
-        from darts_bench.sweeps import sweep_override
+        from darts_bench.config import sweep_override
 
         try:
             overrides += [sweep_override(a) for a in args.sweeps]

@@ -362,8 +362,6 @@ class Config(_Strict):
     @field_validator("sweep")
     @classmethod
     def _sweep_values_valid(cls, v: SweepConfig, info: ValidationInfo) -> SweepConfig:
-        from darts_bench.sweeps import surgery_grid
-
         if "surgery" in info.data:
             surgery_grid(info.data["surgery"], v)  # each combination must be a valid surgery section
         return v
@@ -485,3 +483,52 @@ def __getattr__(name: str) -> Any:
         if mod is not None and isinstance(getattr(mod, name, None), type):
             return getattr(mod, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---------------------------------------------------------------------------- sweeps of the heads
+def _fmt_value(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def surgery_grid(surgery: "SurgeryConfig", sweep: "SweepConfig") -> list[tuple[str, "SurgeryConfig"]]:
+    """``[(tag, SurgeryConfig)]``, one per combination of ``sweep.surgery`` values, in the order the
+    keys and values are listed (the last key varies fastest); tags read ``[w_max=2,max_len=256]``.
+    Without a sweep: ``[("", surgery)]``. The run's variants: :func:`darts_bench.rows.surgery_variants`.
+
+    Raises:
+        ValueError: a combination is not a valid surgery section (the message names it).
+    """
+    import itertools
+
+    grid = sweep.surgery
+    if not grid:
+        return [("", surgery)]
+    keys = list(grid)
+    base = surgery.model_dump(mode="json")
+    out = []
+    for combo in itertools.product(*(grid[k] for k in keys)):
+        upd = dict(zip(keys, combo))
+        tag = "[" + ",".join(f"{k}={_fmt_value(v)}" for k, v in upd.items()) + "]"
+        try:
+            out.append((tag, SurgeryConfig.model_validate({**base, **upd})))
+        except ValidationError as e:
+            msg = "; ".join(f"{'.'.join(map(str, er['loc']))}: {er['msg']}" for er in e.errors())
+            raise ValueError(f"sweep {tag}: invalid surgery setting ({msg})") from None
+    return out
+
+
+def sweep_override(arg: str) -> str:
+    """``--sweep surgery.KEY=v1,v2`` as the ``--set`` override ``sweep.surgery.KEY=[v1, v2]`` (each
+    value YAML-parsed, as ``--set`` does).
+
+    Raises:
+        ValueError: not of the form ``surgery.KEY=v1[,v2...]``.
+    """
+    if "=" not in arg:
+        raise ValueError(f"--sweep {arg!r}: expected surgery.KEY=v1,v2,...")
+    key, vals = arg.split("=", 1)
+    key = key.strip()
+    if not key.startswith("surgery.") or key.count(".") != 1 or not vals.strip():
+        raise ValueError(f"--sweep {arg!r}: expected surgery.KEY=v1,v2,... (only surgery.* settings are swept)")
+    values = [yaml.safe_load(v.strip()) for v in vals.split(",")]
+    return f"sweep.{key}={json.dumps(values)}"

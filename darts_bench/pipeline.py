@@ -12,7 +12,6 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,8 @@ from darts_bench.surgery.diagnostics import entropy_contrast, gap_closed, positi
 from darts_bench.surgery.heads import save_head
 from darts_bench.surgery.intervals import behaviour_intervals
 from darts_bench.surgery.train import split_by_sequence, train_head
-from darts_bench.sweeps import head_seeds, needs_merges, row_names, row_selected, seed_tag, surgery_variants
+from darts_bench.rows import (Row, bind_rows, check_row_filter, head_seeds, needs_merges, row_names, row_selected,
+                              row_specs, seed_tag, surgery_variants)
 
 log = logging.getLogger("darts_bench")
 STAGES = ("pool", "merge", "collect", "train", "evaluate", "report")
@@ -42,21 +42,6 @@ STAGES = ("pool", "merge", "collect", "train", "evaluate", "report")
 def derive_seed(run_seed: int, *parts: Any) -> int:
     """A 31-bit seed derived from the run seed and a name (never from global RNG order)."""
     return int(stable_hash([run_seed, *parts], n=8), 16) & 0x7FFFFFFF
-
-
-@dataclass
-class Row:
-    """One evaluated model: its row name and where it comes from."""
-
-    model: str  # base | expert:code | ties | ties+darts | ties+darts@inductive
-    merge: str = ""
-    correction: str = "none"
-    calibration: str = ""
-    model_dir: Path | None = None
-    model_key: str = ""
-    heads: dict[str, Path] = field(default_factory=dict)  # task -> head dir
-    variant: str = ""  # sweep tag, e.g. "[w_max=2]" ("" without a sweep)
-    seed: int | None = None  # head seed of a corrected row
 
 
 def pool_expert_names(cfg: Config) -> list[str]:
@@ -425,14 +410,8 @@ class Pipeline:
         return needs_merges(self.cfg)
 
     def check_row_filter(self) -> None:
-        """Raises ValueError when an ``evaluate.rows`` pattern matches no row of this config (a typo
-        would otherwise silently evaluate nothing)."""
-        from fnmatch import fnmatchcase
-
-        pats, names = self.cfg.evaluate.rows, self.row_names()
-        for p in pats or []:
-            if not any(fnmatchcase(n, p) for n in names):
-                raise ValueError(f"evaluate.rows: pattern {p!r} matches no row; rows of this config: {names}")
+        """Raises ValueError when an ``evaluate.rows`` pattern matches no row of this config."""
+        check_row_filter(self.cfg)
 
     def rows(self) -> list[Row]:
         """The evaluated rows (``evaluate.rows`` applied); see :meth:`all_rows`."""
@@ -440,31 +419,12 @@ class Pipeline:
         return [r for r in self.all_rows() if self.selected(r.model)]
 
     def all_rows(self) -> list[Row]:
-        """Every row; merges and heads are built only when :attr:`needs_merges`."""
-        pool = self.pool()
-        rows = [Row("base", model_dir=pool.base, model_key=pool.model_key("base"))]
-        for e in pool.experts:
-            rows.append(Row(f"expert:{e}", model_dir=pool.experts[e], model_key=pool.model_key(e)))
+        """Every row (:func:`darts_bench.rows.row_specs`) bound to its artifacts; merges and heads are
+        built only when :attr:`needs_merges`."""
+        specs = row_specs(self.cfg)
         if not self.needs_merges:
-            return rows
-        merges = self.merge()
-        heads = self.train()["run_heads"]
-        splits = self.cfg.calibration.splits
-        for m, mdir in merges.items():
-            rows.append(Row(m, merge=m, model_dir=mdir, model_key=mdir.name))
-            for split in splits:
-                for method in self.cfg.surgery.methods:
-                    for tag, _ in surgery_variants(self.cfg):
-                        for seed in head_seeds(self.cfg):
-                            suffix = "" if split == "transductive" else f"@{split}"
-                            k = (method, split, tag, seed)
-                            hd = {t: heads[(m, t, *k)] for t in self.task_names
-                                  if (m, t, *k) in heads}  # tasks with no expert get no head
-                            rows.append(Row(f"{m}+{method}{suffix}{tag}{seed_tag(self.cfg, seed)}", merge=m,
-                                            correction=method, calibration=split, model_dir=mdir,
-                                            model_key=mdir.name + "+" + stable_hash([str(p) for p in hd.values()]),
-                                            heads=hd, variant=tag, seed=seed))
-        return rows
+            return bind_rows([s for s in specs if not s.merge], self.pool(), {}, {}, self.task_names)
+        return bind_rows(specs, self.pool(), self.merge(), self.train()["run_heads"], self.task_names)
 
     def evaluate(self) -> dict[str, dict[str, TaskResult]]:
         from darts_bench.evaluate.loaded import ModelCache

@@ -204,15 +204,14 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
     head_tasks = [t for t in names if tasks[t]["expert"] is not None]  # tasks without an expert get no heads
 
     # ---------------------------------------------------------------- rows
-    from darts_bench.sweeps import head_seeds, surgery_variants
+    from darts_bench.rows import head_seeds, needs_merges, row_selected, row_specs, surgery_variants
 
     runs = len(head_seeds(cfg)) * len(surgery_variants(cfg))  # heads per (merge, task, split, method)
-    n_corrected = M * len(cal.splits) * len(scfg.methods) * runs
-    n_rows = all_rows = 1 + E + M + n_corrected
+    specs = row_specs(cfg)  # the one definition of rows
+    n_corrected = sum(s.correction != "none" for s in specs)
+    n_rows = all_rows = len(specs)
     if cfg.evaluate.rows is not None:  # --rows: only the selected rows are evaluated
-        from darts_bench.sweeps import needs_merges, row_names, row_selected
-
-        n_rows = sum(row_selected(cfg, n) for n in row_names(cfg))
+        n_rows = sum(row_selected(cfg, s.model) for s in specs)
         notes.append(f"evaluate.rows {cfg.evaluate.rows}: {n_rows} of {all_rows} "
                      "rows evaluated" + ("" if needs_merges(cfg) else
                                          "; no merge or corrected row, so merge, collect and train are skipped "

@@ -168,7 +168,7 @@ def _engine_starts(cfg, ctx: dict[str, Any], held: bool = False) -> int:
     beside the current row's (in-process: ``engine_for(pin=True)``; Ray: the pinned group);
     ``held=False``: one engine alive at a time (a row of another model dir, or the AlpacaEval
     judge, replaces it), kept to show what pinning saves."""
-    from darts_bench.sweeps import head_seeds, surgery_variants
+    from darts_bench.rows import head_seeds, surgery_variants
 
     runs = len(head_seeds(cfg)) * len(surgery_variants(cfg))
     corrected = len(cfg.calibration.splits) * len(cfg.surgery.methods) * runs

@@ -10,7 +10,8 @@ import yaml
 
 from darts_bench.config import ConfigError, load_config
 from darts_bench.report.seeds import aggregate_seeds, comparison_table, direction, paired_units, win_tie_loss
-from darts_bench.sweeps import head_seeds, surgery_variants, sweep_override
+from darts_bench.config import sweep_override
+from darts_bench.rows import head_seeds, surgery_variants
 
 
 def test_sweep_and_seeds_config():

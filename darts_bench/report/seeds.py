@@ -177,7 +177,7 @@ def comparison_table(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]]
 def row_meta(pipe) -> dict[str, dict[str, Any]]:
     """Row name -> {"merge", "correction", "calibration", "variant", "seed", "group"} from the
     pipeline's rows; ``group`` is the row name without its ``#s<seed>`` tag."""
-    from darts_bench.sweeps import seed_tag
+    from darts_bench.rows import seed_tag
 
     out = {}
     for r in pipe.rows():

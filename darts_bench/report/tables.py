@@ -275,7 +275,7 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
             df[c] = None
     df = df[cols]
     from darts_bench.report.seeds import add_seed_means, comparison_table, row_meta
-    from darts_bench.sweeps import head_seeds, surgery_variants
+    from darts_bench.rows import head_seeds, surgery_variants
 
     meta = row_meta(pipe)
     df = add_seed_means(df, meta)  # seeds: a mean row (with *_sd columns) after each group of seed rows

@@ -1,0 +1,186 @@
+"""The rows of a run: the one definition of which models are evaluated.
+
+A row is one evaluated model: ``base``, ``expert:<e>``, each merge, and each corrected row of a
+merge, one per (calibration split, method, sweep variant, head seed). :func:`row_specs` lists them
+from the config alone (no artifact is built), in table order; :func:`bind_rows` attaches the model
+dirs and head dirs the pipeline built. The pipeline, the planner (:mod:`darts_bench.plan`) and the
+report all read rows from here, so a new row kind is one edit.
+
+Row names: ``<merge>+<method>[@split][<variant tag>][#s<seed>]``; the variant tag ``[w_max=2,...]``
+appears only when a sweep is configured (``sweep.surgery``) and ``#s<seed>`` only when ``seeds`` is
+set, so the default (no sweep, ``seeds: null``) keeps single-seed row names and cache keys. A
+*variant* is one combination of the ``sweep.surgery`` values (:func:`darts_bench.config.surgery_grid`);
+a *head seed* sets head init, batch order and held-out split. Features do not depend on either, so a
+sweep or extra seeds only add head training and evaluation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+from darts_bench.artifacts import stable_hash
+
+
+def head_seeds(cfg) -> list[int]:
+    """The head seeds of a run: ``cfg.seeds``, or ``[cfg.seed]`` when ``seeds`` is not set."""
+    return list(cfg.seeds) if cfg.seeds else [cfg.seed]
+
+
+def seed_tag(cfg, seed: int) -> str:
+    """``#s<seed>`` when the run has a ``seeds`` list, else ``""`` (single-seed rows keep their name)."""
+    return f"#s{seed}" if cfg.seeds else ""
+
+
+def surgery_variants(cfg) -> list[tuple[str, Any]]:
+    """``[(tag, SurgeryConfig)]``: one entry per combination of ``cfg.sweep.surgery`` values, in the
+    order the keys and values are listed (the last key varies fastest). Without a sweep:
+    ``[("", cfg.surgery)]``. ``max_len`` is not resolved here (the train stage resolves it).
+
+    Raises:
+        ValueError: a combination is not a valid surgery section (the message names it).
+    """
+    from darts_bench.config import surgery_grid
+
+    return surgery_grid(cfg.surgery, cfg.sweep)
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One evaluated model as the config defines it (nothing built yet).
+
+    ``model`` is the row name (``base`` | ``expert:code`` | ``ties`` | ``ties+darts`` |
+    ``ties+darts@inductive[w_max=2]#s1``); ``merge`` the merge it belongs to ("" for base and
+    experts); ``expert`` the pool model of a base or expert row (``base`` | ``code`` | ...);
+    ``correction`` ``none`` or the method; ``calibration`` the split of its heads ("" when none);
+    ``variant`` the sweep tag ("" without a sweep); ``seed`` the head seed of a corrected row.
+    """
+
+    model: str
+    merge: str = ""
+    expert: str = ""
+    correction: str = "none"
+    calibration: str = ""
+    variant: str = ""
+    seed: int | None = None
+
+    @property
+    def head_key(self) -> tuple[str, str, str, int | None]:
+        """``(method, split, variant, seed)``: with (merge, task) in front, the key of the row's head
+        in the train stage's ``run_heads``."""
+        return (self.correction, self.calibration, self.variant, self.seed)
+
+
+@dataclass(frozen=True)
+class Row(RowSpec):
+    """A :class:`RowSpec` bound to the artifacts of a run: ``model_dir`` (the checkpoint it runs),
+    ``model_key`` (its identity in evaluation cache keys: the model's key, plus a hash of the head
+    dirs for a corrected row) and ``heads`` (task -> head dir; tasks without an expert have none)."""
+
+    model_dir: Path | None = None
+    model_key: str = ""
+    heads: dict[str, Path] = field(default_factory=dict)
+
+
+def corrected_suffix(cfg, split: str, method: str, tag: str, seed: int) -> str:
+    """``+<method>[@split][tag][#s<seed>]``, the part of a corrected row's name after its merge."""
+    return f"+{method}{'' if split == 'transductive' else f'@{split}'}{tag}{seed_tag(cfg, seed)}"
+
+
+def row_specs(cfg) -> list[RowSpec]:
+    """Every row of ``cfg`` in table order: base, ``expert:<e>`` for each pool expert, then each
+    merge followed by its corrected rows (split, then method, then sweep variant, then head seed)."""
+    from darts_bench.config import EXPERT_NAMES
+
+    specs = [RowSpec("base", expert="base"), *(RowSpec(f"expert:{e}", expert=e) for e in EXPERT_NAMES)]
+    tags = [tag for tag, _ in surgery_variants(cfg)]
+    for spec in cfg.merges:
+        m = spec.name
+        specs.append(RowSpec(m, merge=m))
+        for split in cfg.calibration.splits:
+            for method in cfg.surgery.methods:
+                for tag in tags:
+                    for seed in head_seeds(cfg):
+                        specs.append(RowSpec(m + corrected_suffix(cfg, split, method, tag, seed), merge=m,
+                                             correction=method, calibration=split, variant=tag, seed=seed))
+    return specs
+
+
+def row_names(cfg) -> list[str]:
+    """Every row name of ``cfg``, in table order (:func:`row_specs`)."""
+    return [s.model for s in row_specs(cfg)]
+
+
+def row_selected(cfg, name: str) -> bool:
+    """Whether row ``name`` is evaluated (``evaluate.rows`` fnmatch patterns; every row when unset)."""
+    pats = cfg.evaluate.rows
+    return pats is None or any(fnmatchcase(name, p) for p in pats)
+
+
+def check_row_filter(cfg) -> None:
+    """Raises ValueError when an ``evaluate.rows`` pattern matches no row of ``cfg`` (a typo would
+    otherwise silently evaluate nothing); the message lists the row names."""
+    names = row_names(cfg)
+    for p in cfg.evaluate.rows or []:
+        if not any(fnmatchcase(n, p) for n in names):
+            raise ValueError(f"evaluate.rows: pattern {p!r} matches no row; rows of this config: {names}")
+
+
+def selected_specs(cfg) -> list[RowSpec]:
+    """The rows ``evaluate.rows`` selects, in table order (:func:`check_row_filter` first)."""
+    check_row_filter(cfg)
+    return [s for s in row_specs(cfg) if row_selected(cfg, s.model)]
+
+
+def needs_merges(cfg) -> bool:
+    """False when ``evaluate.rows`` selects no merge or corrected row (merge, collect and train are
+    then skipped: base and experts only)."""
+    return any(row_selected(cfg, s.model) for s in row_specs(cfg) if s.merge)
+
+
+def bind_rows(specs: list[RowSpec], pool, merges: dict[str, Path], run_heads: dict, task_names: list[str]) -> list[Row]:
+    """``specs`` bound to a run's artifacts.
+
+    Args:
+        specs: rows from :func:`row_specs` (or a subset).
+        pool: the built pool (``path(name)``, ``model_key(name)``).
+        merges: merge name -> merged checkpoint dir (the merge stage).
+        run_heads: ``(merge, task, method, split, variant, seed)`` -> head dir (the train stage).
+        task_names: the run's tasks; a corrected row gets the head of each task that has one.
+
+    Raises:
+        KeyError: a merge row whose merge was not built.
+    """
+    rows = []
+    for s in specs:
+        if not s.merge:
+            rows.append(Row(**vars(s), model_dir=pool.path(s.expert), model_key=pool.model_key(s.expert)))
+            continue
+        mdir = merges[s.merge]
+        if s.correction == "none":
+            rows.append(Row(**vars(s), model_dir=mdir, model_key=mdir.name))
+            continue
+        hd = {t: run_heads[(s.merge, t, *s.head_key)] for t in task_names
+              if (s.merge, t, *s.head_key) in run_heads}  # tasks with no expert get no head
+        rows.append(Row(**vars(s), model_dir=mdir, model_key=mdir.name + "+" + stable_hash([str(p) for p in hd.values()]),
+                        heads=hd))
+    return rows
+
+
+def row_meta(cfg, rows: list[RowSpec]) -> dict[str, dict[str, Any]]:
+    """Row name -> {"merge", "correction", "calibration", "variant", "seed", "group"}; ``group`` is
+    the row name without its ``#s<seed>`` tag (None for a row without one)."""
+    out = {}
+    for r in rows:
+        tag = seed_tag(cfg, r.seed) if r.seed is not None else ""
+        group = r.model[: len(r.model) - len(tag)] if tag and r.model.endswith(tag) else None
+        out[r.model] = {"merge": r.merge, "correction": r.correction, "calibration": r.calibration,
+                        "variant": r.variant, "seed": r.seed, "group": group}
+    return out
+
+
+__all__ = ["Row", "RowSpec", "bind_rows", "check_row_filter", "corrected_suffix", "head_seeds", "needs_merges",
+           "row_meta", "row_names", "row_selected", "row_specs", "seed_tag", "selected_specs",
+           "surgery_variants"]
