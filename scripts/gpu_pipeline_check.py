@@ -577,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
         ro, to = ref["_objects"], test["_objects"]
         checks = payload["checks"]
         for key, fn in (("generations", lambda: compare_generations(ro["evaluate"], to["evaluate"],
-                                                                     ro["pipe"]._cache["tokenizer"])),
+                                                                     ro["pipe"].loaded_tasks().tokenizer)),
                         ("features", lambda: compare_features(ro["collect"], to["collect"])),
                         ("heads", lambda: compare_heads(ro["train"], to["train"])),
                         ("tables", lambda: compare_tables(work / "reference-cpu-float32" / "results",
@@ -593,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
                                              work / f"{args.device}-bfloat16" / "results")
         try:
             payload["checks"]["bf16_generations"] = compare_generations(
-                test["_objects"]["evaluate"], bf["_objects"]["evaluate"], test["_objects"]["pipe"]._cache["tokenizer"])
+                test["_objects"]["evaluate"], bf["_objects"]["evaluate"], test["_objects"]["pipe"].loaded_tasks().tokenizer)
             payload["checks"]["bf16_generations"].pop("per_row_task", None)
         except Exception as e:  # noqa: BLE001
             payload["checks"]["bf16_generations_error"] = f"{type(e).__name__}: {e}"

@@ -13,7 +13,10 @@ from darts_bench.artifacts import file_sha256
 from darts_bench.collect.features import calibration_key, merged_key
 from darts_bench.config import EXPERT_NAMES, load_config
 from darts_bench.executors.worker import hidden_state_features
-from darts_bench.pipeline import Pipeline, Row
+from darts_bench.evaluate.loaded import ModelCache
+from darts_bench.pipeline import Pipeline
+from darts_bench.rows import Row
+from darts_bench.stages.evaluate import evaluate_one
 from darts_bench.pool import hashing
 from darts_bench.pool.hashing import HashMemo, checkpoint_fingerprint, hub_revision
 
@@ -171,7 +174,9 @@ def test_tasks_batch_size_rebuilds_sampled_evaluations(micro_pipeline, micro_cfg
         pool = pipe.pool()
         row = Row("base", model_dir=pool.base, model_key=pool.model_key("base"))
         task, examples = pipe.tasks()["humaneval"]
-        res = pipe._evaluate_one(row, task, examples, {"base": row}, {})
+        models = ModelCache(pipe.executor, pipe.cfg.tasks.batch_size, cfg=pipe.cfg)
+        res = evaluate_one(pipe.cfg, row, task, examples, {"base": row}, {}, models, pipe.work_dir)
+        models.close()
         out[bs] = (pipe.eval_key(row, task, examples), [c for s in res.samples for c in s["completions"]])
         pipe.close()
     assert out[4][0] != out[1][0]

@@ -53,7 +53,7 @@ def test_sharded_untied_lm_head_is_read_from_its_shard(sharded_bf16, random_llam
     index = json.loads((sharded_bf16 / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(index.values())) >= 3
     assert index["model.embed_tokens.weight"] < index["lm_head.weight"]  # the layout that fooled the scan
-    from darts_bench.pipeline import lm_head_weight as from_pipeline  # what the train stage calls
+    from darts_bench.stages.train import lm_head_weight as from_pipeline  # what the train stage calls
 
     want = read_tensor(random_llama, "lm_head.weight").to(torch.bfloat16).float()
     emb = read_tensor(sharded_bf16, "model.embed_tokens.weight").float()
@@ -212,7 +212,7 @@ def test_pipeline_trains_darts_heads_with_the_derived_table(micro_pipeline, capl
 
 # ------------------------------------------------------- 5. reference answer positions
 def test_reference_signals_use_the_positions_that_predict_answer_tokens():
-    from darts_bench.pipeline import answer_prediction_mask
+    from darts_bench.surgery.data import answer_prediction_mask
 
     # two sequences: prompt 3 + answer 2 (len 5), prompt 2 + answer 3 (len 5)
     meta = {"prompt_len": [3, 2], "sequences": [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]}

@@ -66,7 +66,7 @@ def test_rehearsal_pool_runs_pool_to_report(rehearsal_run, rehearsal_hub):
     assert nll["expert:math"] < min(nll["expert:code"], nll["expert:instruction"], nll["base"])
     # evaluated 5-shot prompts fill the 1,024-token window, so generation runs at positions >= 1,024
     # (calibration prompts are the zero-shot questions: short)
-    tok = pipe._cache["tokenizer"]
+    tok = pipe.loaded_tasks().tokenizer
     prompts = [s["prompt"] for s in pipe.evaluate()["dare_ties+darts"]["gsm8k"].samples]
     assert len(prompts) == 2 and min(len(tok(p)["input_ids"]) for p in prompts) > 1024
 

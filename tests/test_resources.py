@@ -13,7 +13,8 @@ import torch
 
 from darts_bench.collect.features import ShardedFeatures, _run_sharded, decode_features, encode_features, load_shards
 from darts_bench.executors.local import LocalExecutor
-from darts_bench.pipeline import derive_seed, lm_head_weight
+from darts_bench.pool.checkpoint import lm_head_weight
+from darts_bench.stages import derive_seed
 from darts_bench.surgery.data import answer_prediction_mask, load_split, reference_answer_batches
 from darts_bench.surgery.diagnostics import Diagnostics, agreement
 from darts_bench.surgery.heads import load_head

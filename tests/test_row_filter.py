@@ -12,6 +12,7 @@ import pytest
 
 from darts_bench.config import load_config
 from darts_bench.pipeline import Pipeline
+from darts_bench.rows import check_row_filter, row_selected
 from tests.conftest import micro_config_file
 
 
@@ -25,7 +26,7 @@ def test_row_names_and_patterns(tmp_path):
     names = pipe.row_names()
     assert names[:4] == ["base", "expert:code", "expert:math", "expert:instruction"]
     assert "ties+darts@inductive" in names and "task_arithmetic+surgery" in names
-    assert [n for n in names if pipe.selected(n)] == ["base", "ties+darts", "ties+darts@inductive"]
+    assert [n for n in names if row_selected(pipe.cfg, n)] == ["base", "ties+darts", "ties+darts@inductive"]
     assert pipe.needs_merges
     assert not _pipe(tmp_path, evaluate={"rows": ["base", "expert:*"]}).needs_merges
     assert _pipe(tmp_path).needs_merges  # no filter: every row
@@ -34,7 +35,7 @@ def test_row_names_and_patterns(tmp_path):
 def test_pattern_matching_no_row_fails_early(tmp_path):
     pipe = _pipe(tmp_path, evaluate={"rows": ["base", "expert:coder"]})
     with pytest.raises(ValueError, match=r"'expert:coder' matches no row; rows of this config: \['base', 'expert:code'"):
-        pipe.check_row_filter()
+        check_row_filter(pipe.cfg)
     with pytest.raises(Exception, match="rows must be a non-empty list"):
         _pipe(tmp_path, evaluate={"rows": []})
 

@@ -2,7 +2,7 @@
 comparison as a win / tie / loss count over (merge, task, seed) with a paired sign test.
 
 Inputs are the report's flat rows (``table.csv`` records) plus, per row, its sweep ``variant`` and
-head ``seed`` (:class:`darts_bench.pipeline.Row`), so everything here runs on hand-made tables too.
+head ``seed`` (:class:`darts_bench.rows.Row`; :func:`darts_bench.rows.row_meta`), so everything here runs on hand-made tables too.
 
 The paired test is the exact two-sided binomial sign test (``scipy.stats.binomtest`` on wins vs
 losses, ties dropped): it needs no scale, so units from tasks with different metrics pool, and no
@@ -172,20 +172,6 @@ def comparison_table(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]]
                          "better": "higher" if family in ("primary", "agree_top1", "gap_closed") else "lower",
                          "test": "exact two-sided sign test (binomial, ties dropped)"})
     return pd.DataFrame(recs)
-
-
-def row_meta(pipe) -> dict[str, dict[str, Any]]:
-    """Row name -> {"merge", "correction", "calibration", "variant", "seed", "group"} from the
-    pipeline's rows; ``group`` is the row name without its ``#s<seed>`` tag."""
-    from darts_bench.rows import seed_tag
-
-    out = {}
-    for r in pipe.rows():
-        tag = seed_tag(pipe.cfg, r.seed) if r.seed is not None else ""
-        group = r.model[: len(r.model) - len(tag)] if tag and r.model.endswith(tag) else None
-        out[r.model] = {"merge": r.merge, "correction": r.correction, "calibration": r.calibration,
-                        "variant": r.variant, "seed": r.seed, "group": group}
-    return out
 
 
 def add_seed_means(df: pd.DataFrame, meta: dict[str, dict[str, Any]]) -> pd.DataFrame:

@@ -27,6 +27,7 @@ import pandas as pd
 from darts_bench.api import available_tasks, get_task
 from darts_bench.artifacts import atomic_write_text
 from darts_bench.report.protocols import protocol_header, protocol_summary
+from darts_bench.report.record import RunRecord
 from darts_bench.report.stats import metric_interval, paired_metric_interval
 
 log = logging.getLogger("darts_bench")
@@ -89,14 +90,14 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def build_rows(pipe, results: dict) -> list[dict[str, Any]]:
+def build_rows(record: RunRecord, results: dict) -> list[dict[str, Any]]:
     """One flat dict per evaluated model with the contract columns."""
-    train = pipe.train()
+    train = record.train
     diags = train["diagnostics"]
-    splits = pipe.cfg.calibration.splits
+    splits = record.cfg.calibration.splits
     n_params = None
     rows = []
-    for row in pipe.rows():
+    for row in record.rows:
         rec: dict[str, Any] = {"model": row.model, "merge": row.merge, "correction": row.correction,
                                "calibration": row.calibration, "params_added": 0, "params_added_pct": 0.0}
         for tname, res in results[row.model].items():
@@ -185,11 +186,11 @@ def to_markdown(df: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def per_benchmark_tables(pipe, results: dict, rows: list[dict]) -> dict[str, pd.DataFrame]:
+def per_benchmark_tables(record: RunRecord, results: dict, rows: list[dict]) -> dict[str, pd.DataFrame]:
     """Per task: each headline and ref-NLL metric with its 95% bootstrap CI, and DARTS - surgery."""
-    n_boot = pipe.cfg.tasks.bootstrap
+    n_boot = record.cfg.tasks.bootstrap
     out = {}
-    for t in pipe.task_names:
+    for t in record.task_names:
         recs = []
         task = get_task(t)
         metrics = task.metric_columns()
@@ -200,7 +201,7 @@ def per_benchmark_tables(pipe, results: dict, rows: list[dict]) -> dict[str, pd.
                 vals = results[r["model"]][t].per_example.get(key)
                 scale = task.metric_scale.get(m, 1.0)
                 if vals:
-                    iv = metric_interval(results[r["model"]][t], key, n_boot, pipe.cfg.seed, scale)
+                    iv = metric_interval(results[r["model"]][t], key, n_boot, record.cfg.seed, scale)
                     rec[m] = r.get(m)
                     _put_interval(rec, m, iv)
             recs.append(rec)
@@ -219,7 +220,7 @@ def per_benchmark_tables(pipe, results: dict, rows: list[dict]) -> dict[str, pd.
                 if a and b:
                     scale = task.metric_scale.get(m, 1.0)
                     iv = paired_metric_interval(results[r["model"]][t], results[sur][t], key, n_boot,
-                                                pipe.cfg.seed, scale, what=f"{rec['model']} {t} {m}")
+                                                record.cfg.seed, scale, what=f"{rec['model']} {t} {m}")
                     rec[m] = iv.estimate if iv else None
                     _put_interval(rec, m, iv)
             recs.append(rec)
@@ -227,26 +228,26 @@ def per_benchmark_tables(pipe, results: dict, rows: list[dict]) -> dict[str, pd.
     return out
 
 
-def plot_diagnostics(pipe, out_dir: Path) -> list[str]:
+def plot_diagnostics(record: RunRecord, out_dir: Path) -> list[str]:
     """L1-by-position curves (none / each head) per (task, merge) for the first split."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    diags = pipe.train()["diagnostics"]
-    split = pipe.cfg.calibration.splits[0]
+    diags = record.train["diagnostics"]
+    split = record.cfg.calibration.splits[0]
     files = []
     plots = out_dir / "plots"
     plots.mkdir(parents=True, exist_ok=True)
-    for t in pipe.task_names:
+    for t in record.task_names:
         merges = [m for (m, tn, s) in diags if tn == t and s == split]
         if not merges:
             continue  # no expert, no heads: nothing to plot
         fig, axes = plt.subplots(1, len(merges), figsize=(3.2 * len(merges), 2.8), squeeze=False, sharey=True)
         for ax, m in zip(axes[0], merges):
             d = diags[(m, t, split)]
-            for name in ["none", *pipe.cfg.surgery.methods]:
+            for name in ["none", *record.cfg.surgery.methods]:
                 curve = d[name]["l1_by_position"]
                 xs = sorted(int(k) for k in curve)
                 ax.plot(xs, [curve[str(x)] if str(x) in curve else curve[x] for x in xs], label=name, lw=1)
@@ -263,59 +264,62 @@ def plot_diagnostics(pipe, out_dir: Path) -> list[str]:
     return files
 
 
-def write_report(pipe, results: dict) -> pd.DataFrame:
-    """Write every report file into ``pipe.out_dir`` atomically and return the main table."""
-    out = pipe.out_dir
+def write_report(record: RunRecord) -> pd.DataFrame:
+    """Write every report file into ``record.out_dir`` atomically and return the main table.
+    ``record`` is the plain :class:`~darts_bench.report.record.RunRecord` of a run (the report never
+    starts a stage)."""
+    results = record.results
+    out = record.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    rows = build_rows(pipe, results)
-    cols = contract_columns(pipe.task_names)
+    rows = build_rows(record, results)
+    cols = contract_columns(record.task_names)
     df = pd.DataFrame(rows)
     for c in cols:
         if c not in df.columns:
             df[c] = None
     df = df[cols]
-    from darts_bench.report.seeds import add_seed_means, comparison_table, row_meta
-    from darts_bench.rows import head_seeds, surgery_variants
+    from darts_bench.report.seeds import add_seed_means, comparison_table
+    from darts_bench.rows import head_seeds, row_meta, surgery_variants
 
-    meta = row_meta(pipe)
+    meta = row_meta(record.cfg, record.rows)
     df = add_seed_means(df, meta)  # seeds: a mean row (with *_sd columns) after each group of seed rows
-    with_heads = [t for t, (task, _) in pipe.tasks().items() if task.expert is not None]
+    with_heads = [t for t, (task, _) in record.tasks.items() if task.expert is not None]
     comparison = comparison_table(rows, meta, with_heads)
     from darts_bench.report.claims import claim_evidence, claims_markdown, claims_table
 
-    evidence = claim_evidence(pipe.train().get("runs") or pipe.train()["diagnostics"], comparison,
-                              list(pipe.cfg.surgery.methods))
+    evidence = claim_evidence(record.train.get("runs") or record.train["diagnostics"], comparison,
+                              list(record.cfg.surgery.methods))
     claims = claims_table(evidence)
-    diags = pipe.train()["diagnostics"]
+    diags = record.train["diagnostics"]
     premise = {f"{m}/{t}/{s}": d["none"]["slope"] for (m, t, s), d in diags.items()}
-    tasks = pipe.tasks()
+    tasks = record.tasks
     manifest = {
-        "config": pipe.cfg.model_dump(mode="json"),
-        "seed": pipe.cfg.seed,
-        "suite": pipe.suite,
+        "config": record.cfg.model_dump(mode="json"),
+        "seed": record.cfg.seed,
+        "suite": record.suite,
         "limits": {t: len(ex) for t, (_, ex) in tasks.items()},
         "task_versions": {t: task.version for t, (task, _) in tasks.items()},
         "task_experts": {t: task.expert for t, (task, _) in tasks.items()},
         "tasks_without_heads": {t: NO_HEADS_NOTE for t, (task, _) in tasks.items() if task.expert is None},
         # protocol details (prompts, few-shot, judge, reference set) as recorded for the base row;
         # per-row numbers in it (e.g. judge consistency) describe that row only
-        "task_meta_base_row": {t: results[rows[0]["model"]][t].meta for t in pipe.task_names},
+        "task_meta_base_row": {t: results[rows[0]["model"]][t].meta for t in record.task_names},
         # the protocol on record per task (name, version, template, stops; AlpacaEval annotator, reference)
-        "protocols": protocol_summary({t: results[rows[0]["model"]][t].meta for t in pipe.task_names}),
+        "protocols": protocol_summary({t: results[rows[0]["model"]][t].meta for t in record.task_names}),
         "packages": _versions(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "pool": {"key": pipe.pool().key, "build_report": pipe.pool().report},
-        "merges": {m: p.name for m, p in pipe.merge().items()},
-        "calibration": {"splits": pipe.cfg.calibration.splits,
+        "pool": {"key": record.pool.key, "build_report": record.pool.report},
+        "merges": {m: p.name for m, p in record.merges.items()},
+        "calibration": {"splits": record.cfg.calibration.splits,
                         "held_out": "metrics on calibration tokens use held-out sequences only "
-                                    f"({pipe.cfg.calibration.held_out_fraction:.0%} of each calibration set, "
+                                    f"({record.cfg.calibration.held_out_fraction:.0%} of each calibration set, "
                                     "split by sequence with a seed derived from the run seed); *_ref metrics use "
                                     "the reference answers of the evaluated benchmark examples"},
         "position_slope": premise,
-        "stage_seconds": pipe.timings,
-        "head_seeds": head_seeds(pipe.cfg),
-        "sweep_variants": [tag for tag, _ in surgery_variants(pipe.cfg)],
+        "stage_seconds": record.timings,
+        "head_seeds": head_seeds(record.cfg),
+        "sweep_variants": [tag for tag, _ in surgery_variants(record.cfg)],
     }
     payload = {"schema_version": SCHEMA_VERSION, "manifest": manifest,
                "rows": json.loads(df.to_json(orient="records")),
@@ -325,8 +329,8 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
                # every (variant, seed) head's diagnostics when the run has seeds or a sweep
                "runs": {f"{m}/{t}/{s}{tag}#s{seed}": {k: v for k, v in d.items()
                                                        if k not in ("train_sequences", "held_out_sequences")}
-                        for (m, t, s, tag, seed), d in (pipe.train().get("runs") or {}).items()}
-               if len(pipe.train().get("runs") or {}) > len(diags) else {},
+                        for (m, t, s, tag, seed), d in (record.train.get("runs") or {}).items()}
+               if len(record.train.get("runs") or {}) > len(diags) else {},
                "comparison": json.loads(comparison.to_json(orient="records")),
                "claims": json.loads(claims.to_json(orient="records"))}
     atomic_write_text(out / "results.json", json.dumps(payload, indent=1, default=str))
@@ -334,11 +338,11 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
     from darts_bench.report.readable import annotate_task_table, behaviour_table, ci_display, compact_table
 
     seed_rows = {m for m, v in meta.items() if v.get("group")}
-    md = [f"# darts-bench results: `{pipe.cfg.name}`\n", "\n" + protocol_header(manifest["protocols"]) + "\n\n",
+    md = [f"# darts-bench results: `{record.cfg.name}`\n", "\n" + protocol_header(manifest["protocols"]) + "\n\n",
           "Primary metric per task, gap closed per task (share of the closable KL gap to the expert on held-out "
           "calibration tokens) and parameters added; flags in parentheses qualify the number before them"
           + (", `mean ± sd` over head seeds" if seed_rows else "") + ". Every column: `table.csv`.\n\n",
-          to_markdown(compact_table(df, pipe.task_names, with_heads, seed_rows))]
+          to_markdown(compact_table(df, record.task_names, with_heads, seed_rows))]
     tail = []
     if len(comparison):
         tail.append("\n## DARTS vs Surgery: wins / ties / losses over (merge, task, seed)\n\n"
@@ -350,10 +354,10 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
     if len(claims):
         tail.append("\n## Claims (computed verdicts; evidence per cell in claims.md)\n\n")
         tail.append(to_markdown(claims))
-    atomic_write_text(out / "claims.md", f"# darts-bench claims: `{pipe.cfg.name}`\n\n"
+    atomic_write_text(out / "claims.md", f"# darts-bench claims: `{record.cfg.name}`\n\n"
                       + claims_markdown(claims, evidence, to_markdown))
     task_tables = {}
-    for t, tdf in per_benchmark_tables(pipe, results, rows).items():
+    for t, tdf in per_benchmark_tables(record, results, rows).items():
         tdf = task_tables[t] = annotate_task_table(tdf, t, rows)
         md.append(f"\n## {t} (95% bootstrap CI; `a - b` rows: paired bootstrap of DARTS minus surgery, "
                   "`favours_darts` gives the sign that favours DARTS)\n")
@@ -361,7 +365,7 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
             md.append(f"\n{t}: {NO_HEADS_NOTE}.\n\n")
         md.append(to_markdown(ci_display(tdf, get_task(t).metric_columns())))
         atomic_write_text(out / f"table_{t}.csv", tdf.to_csv(index=False))
-        bdf = behaviour_table(df, t, pipe.train().get("runs") or {}, meta)
+        bdf = behaviour_table(df, t, record.train.get("runs") or {}, meta)
         if len(bdf):
             md.append(f"\n### {t}: behaviour on held-out calibration tokens (KL in nats; 95% CI: bootstrap over "
                       "held-out sequences; `a - b` rows: DARTS minus Surgery on the same resampled sequences)\n\n")
@@ -374,5 +378,5 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
     if figs:
         md.append("\n## Figures\n\n" + "".join(f"![{f}]({f})\n" for f in figs))
     atomic_write_text(out / "table.md", "".join(md))
-    plot_diagnostics(pipe, out)
+    plot_diagnostics(record, out)
     return df
