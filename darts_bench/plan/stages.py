@@ -90,7 +90,7 @@ class PlanInputs:
         return self.cfg.ray.num_actors if self.cfg.executor == "ray" else 1
 
     @property
-    def load_seconds(self) -> float:
+    def checkpoint_load_seconds(self) -> float:
         """One checkpoint load: the weights read, plus an actor group's start with Ray."""
         return self.weights / LOAD_BYTES_PER_S + (ACTOR_START_S if self.cfg.executor == "ray" else 0.0)
 
@@ -346,7 +346,7 @@ def collect(x: PlanInputs) -> dict[str, Any]:
         s["memory_bytes"] = PROCESS_BASELINE["collect"] + W + (act + kv)
     gen = s["generation_tokens"]  # prompt + new tokens
     new = sum(c["sequences"] * cal.max_new_tokens for c in x.splits.values())
-    s["load_seconds"] = s["model_loads"] * x.load_seconds
+    s["load_seconds"] = s["model_loads"] * x.checkpoint_load_seconds
     if cal.backend == "vllm":  # the experts' continuations from a vLLM engine in the driver, beside the HF model
         e = x.engine
         gen_s = vllm_generation_seconds(gen - new, new, P, kind, cfg, e)
@@ -514,7 +514,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
             s["memory_bytes"] = PROCESS_BASELINE["evaluate"] + W * n_models + (kv + act)
         s["memory_note"] = (f"per worker: weights x {n_models}{' (model + judge)' if n_models > 1 else ''} + KV cache "
                             f"{gb(kv)} (batch {bs}) + prefill {gb(act)} + process {gb(PROCESS_BASELINE['evaluate'])}")
-        s["load_seconds"] = s["model_loads"] * x.load_seconds
+        s["load_seconds"] = s["model_loads"] * x.checkpoint_load_seconds
 
         def gen(prompt_tokens: float, new_tokens: float) -> float:
             return forward_seconds(prompt_tokens, P, kind) + decode_seconds(new_tokens, P, kind, bs, W, L)
