@@ -353,6 +353,8 @@ def test_any_task_can_declare_a_judge(monkeypatch):
     ({"judge": {"label": "j", "model": "base", "prompt_tokens_per_row": -1, "new_tokens_per_row": 0}},
      r"task gsm8k: .*'prompt_tokens_per_row' must be an int >= 0"),
     (["where"], r"task gsm8k: Task\.plan\(\) returned list"),
+    ({"what": 3}, r"task gsm8k: .*'what' must be a str"),
+    ({"judge": None}, r"task gsm8k: .*'judge' must be a dict"),
 ])
 def test_task_plan_outside_the_contract_fails_naming_the_task(monkeypatch, bad, match):
     from darts_bench.api import task_class

@@ -109,15 +109,19 @@ def _checked_plan(name: str, got: Any) -> dict[str, Any]:
     """``Task.plan()`` of task ``name``, checked against the contract in :meth:`darts_bench.api.Task.plan`.
 
     Raises:
-        ValueError: not a dict, an unknown key, or a judge entry missing a key or with one of the wrong type.
+        ValueError: not a dict, an unknown key, ``what`` / ``where`` not a str, or a ``judge`` that is
+            not a dict of exactly its four keys with the types the contract gives.
     """
     where = f"task {name}: Task.plan()"
     if not isinstance(got, dict):
         raise ValueError(f"{where} returned {type(got).__name__}, expected a dict")
     if set(got) - _PLAN_KEYS:
         raise ValueError(f"{where}: unknown key(s) {sorted(set(got) - _PLAN_KEYS)}; known: {sorted(_PLAN_KEYS)}")
-    j = got.get("judge")
-    if j is not None:
+    for k in ("what", "where"):
+        if k in got and not isinstance(got[k], str):
+            raise ValueError(f"{where}: {k!r} must be a str, got {got[k]!r}")
+    if "judge" in got:
+        j = got["judge"]
         if not isinstance(j, dict) or set(j) != _JUDGE_KEYS:
             raise ValueError(f"{where}: 'judge' must be a dict with exactly the keys {sorted(_JUDGE_KEYS)}, got {j!r}")
         if not isinstance(j["label"], str) or not (j["model"] is None or isinstance(j["model"], str)):
