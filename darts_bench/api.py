@@ -214,9 +214,24 @@ class Task(ABC):
         return []
 
     def plan(self, config: TaskConfig, n_examples: int) -> dict[str, Any]:
-        """Dry-run hints beyond generation and NLL: optional ``judge_tokens_per_row`` (forward
-        tokens of a judge model per evaluated row), ``models_loaded`` (models held at once while
-        evaluating, default 1), ``what`` and ``where`` (text appended to the evaluate stage)."""
+        """What the dry run (:mod:`darts_bench.plan`) must know of the protocol on ``n_examples``
+        examples beyond the row's own generation (``typical_tokens``, ``max_new_tokens``,
+        ``n_samples``) and reference NLL. The planner takes per-task costs only from here and the
+        class attributes, never from a task's name; it checks the dict and raises ValueError
+        naming the task for an unknown key or a malformed entry. Keys, all optional:
+
+        * ``judge``: a model the protocol runs on every evaluated row besides the row's own, a dict
+          with exactly ``label`` (str, shown as the annotator on the plan's ``protocols:`` line),
+          ``model`` (str: the name the task passes to ``EvalContext.get_model``, a row name such
+          as ``expert:instruction`` or a checkpoint dir, when the judge is loaded in the
+          evaluating process, where it is held beside the row's model and costs its weights,
+          load and forward time; None: it runs outside the process, e.g. an API annotator, and
+          costs no local memory or time), ``prompt_tokens_per_row`` and ``new_tokens_per_row``
+          (int >= 0: tokens the judge reads and generates for one row's ``n_examples``; counted
+          as judge tokens either way).
+        * ``what`` / ``where`` (str): text appended to the evaluate stage's description / placement.
+
+        Returns ``{}`` (the default) when the protocol costs nothing more."""
         return {}
 
 

@@ -164,7 +164,7 @@ GIB = 2**30
 def test_vllm_engine_memory_on_cpu_is_weights_kv_and_overhead():
     """``evaluate.backend: vllm`` on CPU: per evaluation process the engine's weights in the engine
     dtype + ``kv_cache_gb`` GiB + the fixed engine overhead, instead of the HF model; numbers by hand."""
-    from darts_bench.plan_resources import PROCESS_BASELINE, VLLM_ENGINE_OVERHEAD
+    from darts_bench.plan.resources import PROCESS_BASELINE, VLLM_ENGINE_OVERHEAD
 
     # the overhead is the LAB-NOTES measurement (3.4 GB, SmolLM2-135M fp32, kv_cache_gb 2) less weights and KV
     assert VLLM_ENGINE_OVERHEAD == 3.4e9 - 538_060_032 - 2_147_483_648 == 714_456_320
@@ -192,7 +192,7 @@ def test_vllm_engine_memory_on_cpu_is_weights_kv_and_overhead():
 def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
     """One engine per model dir in row order, the AlpacaEval judge's (expert:instruction) kept
     alive beside it; the start-up (25-120 s on CPU) is in the time."""
-    from darts_bench.plan_resources import VLLM_START_S
+    from darts_bench.plan.resources import VLLM_START_S
 
     cfg = load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32"])
     plan = print_plan(cfg)
@@ -201,9 +201,11 @@ def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
     # base, code, math, 3 merges (their corrected rows share the engine) + the judge's, which also
     # serves the expert:instruction row: 7 (24 when the judge swapped in and out for every row)
     assert plan["rows"] == 13 and e["engine_starts"] == e["model_loads"] == 7
-    from darts_bench.plan_resources import _engine_starts
+    from darts_bench.plan.resources import engine_starts
+    from darts_bench.rows import row_specs
 
-    assert _engine_starts(cfg, {"tasks": plan["tasks"], "experts": ["code", "math", "instruction"]}, held=False) == 24
+    dirs = [s.merge or s.model for s in row_specs(cfg)]
+    assert engine_starts(dirs, list(plan["tasks"]), {"alpacaeval": "expert:instruction"}, held=False) == 24
     assert e["load_seconds"] == 7 * (VLLM_START_S["cpu"]["eager"] + 538_060_032 / 1e9)
     # one engine in the driver: the starts add to the wall time; generation at 1/3 of HF's CPU time
     assert e["wall_seconds"] == pytest.approx(e["seconds"]) and e["wall_seconds"] > e["load_seconds"]
@@ -224,7 +226,7 @@ def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
 def test_vllm_engine_on_gpu_is_flagged_against_the_declared_gpu_memory():
     """GPU: the engine takes gpu_memory_utilization x ray.gpu_memory_gb per GPU; the plan flags a
     GPU whose budget leaves no KV cache for one max_model_len request after the weights."""
-    from darts_bench.plan_resources import VLLM_GPU_RESERVE
+    from darts_bench.plan.resources import VLLM_GPU_RESERVE
 
     assert VLLM_GPU_RESERVE == 2e9
     w = LLAMA7B_PARAMS * 2  # bf16
@@ -274,3 +276,135 @@ def test_vllm_engines_in_ray_actors_are_planned_per_actor():
     # in-process on a GPU two engines cannot share the device: the judge swaps in for every other row
     assert local["model_loads"] == local["engine_starts"] == 2 * (31 - 1)
     assert actors["wall_seconds"] < local["wall_seconds"] / 4
+
+
+# ------------------------------------------------------------------------------ Task.plan() contributions
+def test_alpacaeval_plan_declares_its_local_judge_and_its_tokens():
+    """AlpacaEval's ``plan()``: one judge call per example and order; a call reads the template (200),
+    the instruction (50), the model's output (max_new_tokens) and the reference (350) tokens and
+    writes judge.max_new_tokens (8); the judge is the local expert:instruction."""
+    from darts_bench.api import get_task
+
+    task, cfg = get_task("alpacaeval"), load_config("llama2-7b")
+    got = task.plan(cfg.tasks.alpacaeval, 805)
+    assert got == {"judge": {"label": "local judge expert:instruction", "model": "expert:instruction",
+                             "prompt_tokens_per_row": 2_614_640, "new_tokens_per_row": 12_880},
+                   "what": "AlpacaEval judge expert:instruction"}
+    assert 805 * 2 * (200 + 50 + 1024 + 350) == 2_614_640 and 805 * 2 * 8 == 12_880
+    plan = make_plan(cfg)
+    assert plan["totals"]["judge_tokens"] == 31 * (2_614_640 + 12_880) == 81_453_120
+    assert plan["tasks"]["alpacaeval"]["annotator"] == "local judge expert:instruction"
+    # one order: half the calls
+    one = task.plan(load_config("llama2-7b", ["tasks.alpacaeval.judge.both_orders=false"]).tasks.alpacaeval, 805)
+    assert one["judge"]["prompt_tokens_per_row"] == 1_307_320 and one["judge"]["new_tokens_per_row"] == 6440
+
+
+def test_named_annotator_judges_outside_the_process():
+    """A named alpaca_eval annotator runs one pass outside the evaluating process (as ``evaluate``
+    runs it): single-order judge tokens, no judge weights beside the row's model, no local judge time."""
+    from darts_bench.api import get_task
+
+    sets = ["tasks.alpacaeval.judge.annotator=alpaca_eval_gpt4"]
+    cfg = load_config("micro", sets)
+    got = get_task("alpacaeval").plan(cfg.tasks.alpacaeval, 4)
+    # micro: alpacaeval max_new_tokens 12
+    assert got["judge"] == {"label": "alpaca_eval_gpt4", "model": None,
+                            "prompt_tokens_per_row": 4 * (200 + 50 + 12 + 350), "new_tokens_per_row": 4 * 8}
+    named, local = make_plan(cfg)["stages"]["evaluate"], make_plan(load_config("micro"))["stages"]["evaluate"]
+    assert named["judge_tokens"] == 14 * 4 * (612 + 8) == 34_720 and local["judge_tokens"] == 2 * 34_720
+    assert "weights x 1 +" in named["memory_note"] and "weights x 2 (model + judge)" in local["memory_note"]
+    weights = make_plan(cfg)["model"]["weights_bytes"]
+    assert local["memory_bytes"] - named["memory_bytes"] == weights
+    assert named["seconds"] < local["seconds"]
+    assert "AlpacaEval annotator alpaca_eval_gpt4 (alpaca_eval, outside this process)" in named["what"]
+
+
+def test_humaneval_and_gsm8k_plans():
+    from darts_bench.api import get_task
+
+    cfg = load_config("llama2-7b")
+    assert get_task("humaneval").plan(cfg.tasks.humaneval, 164) == {"where": "HumanEval in a sandbox, 2 workers"}
+    assert get_task("gsm8k").plan(cfg.tasks.gsm8k, 1319) == {}
+
+
+def test_any_task_can_declare_a_judge(monkeypatch):
+    """The planner reads the judge from ``Task.plan()`` alone: a GSM8K with a (made-up) local judge
+    gets its tokens, a second model beside the row's and a pinned judge load."""
+    from darts_bench.api import task_class
+
+    monkeypatch.setattr(task_class("gsm8k"), "plan", lambda self, config, n: {
+        "judge": {"label": "local judge base", "model": "base", "prompt_tokens_per_row": 100 * n,
+                  "new_tokens_per_row": 10 * n}})
+    cfg = load_config("micro")
+    plan = make_plan(cfg, "gsm8k")
+    e = plan["stages"]["evaluate"]
+    assert e["judge_tokens"] == plan["rows"] * 110 * 4 == 14 * 440
+    assert "weights x 2 (model + judge)" in e["memory_note"]
+    assert plan["tasks"]["gsm8k"]["annotator"] == "local judge base"
+    monkeypatch.undo()
+    plain = make_plan(cfg, "gsm8k")["stages"]["evaluate"]
+    assert plain["judge_tokens"] == 0 and "weights x 1 +" in plain["memory_note"]
+    assert plain["generation_tokens"] == e["generation_tokens"] and plain["seconds"] < e["seconds"]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"judge_tokens_per_row": 5}, r"task gsm8k: Task\.plan\(\): unknown key\(s\) \['judge_tokens_per_row'\]"),
+    ({"judge": {"label": "j", "model": "base", "prompt_tokens_per_row": 1}}, r"task gsm8k: .*exactly the keys"),
+    ({"judge": {"label": "j", "model": "base", "prompt_tokens_per_row": -1, "new_tokens_per_row": 0}},
+     r"task gsm8k: .*'prompt_tokens_per_row' must be an int >= 0"),
+    (["where"], r"task gsm8k: Task\.plan\(\) returned list"),
+    ({"what": 3}, r"task gsm8k: .*'what' must be a str"),
+    ({"judge": None}, r"task gsm8k: .*'judge' must be a dict"),
+])
+def test_task_plan_outside_the_contract_fails_naming_the_task(monkeypatch, bad, match):
+    from darts_bench.api import task_class
+
+    monkeypatch.setattr(task_class("gsm8k"), "plan", lambda self, config, n: bad)
+    with pytest.raises(ValueError, match=match):
+        make_plan(load_config("micro"), "gsm8k")
+
+
+def test_evaluate_loads_count_the_selected_rows_and_the_judge():
+    """``evaluate.rows``: one load per model dir among the evaluated rows, plus the local judge's
+    (expert:instruction is loaded for AlpacaEval even when its row is not evaluated)."""
+    cfg = load_config("tiny", ["evaluate.rows=[base,expert:code]"])
+    assert make_plan(cfg)["stages"]["evaluate"]["model_loads"] == 3
+    assert make_plan(cfg, "humaneval,gsm8k")["stages"]["evaluate"]["model_loads"] == 2
+    assert make_plan(load_config("tiny"))["stages"]["evaluate"]["model_loads"] == 1 + 3 + 5
+
+
+def test_planner_code_names_no_task():
+    """No task name in the planner's code (docstrings and comments aside): per-task costs come from
+    the registry (``Task.plan()``, ``typical_tokens``, ``official_size``, ``expert``)."""
+    import ast
+    from pathlib import Path
+
+    import darts_bench.plan
+    from darts_bench.api import available_tasks
+
+    names = available_tasks()
+    files = sorted(Path(darts_bench.plan.__file__).parent.glob("*.py"))
+    assert {f.name for f in files} >= {"__init__.py", "stages.py", "resources.py", "measure.py"}
+    for f in files:
+        tree = ast.parse(f.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree)
+                if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body
+                and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        words = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                 and id(n) not in docs]
+        words += [n.id for n in ast.walk(tree) if isinstance(n, ast.Name)]
+        words += [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)]
+        hits = [(w, t) for w in words for t in names if t in w.lower()]
+        assert not hits, (f.name, hits)
+
+
+def test_old_planner_modules_are_gone():
+    """``darts_bench.plan_resources`` and ``darts_bench.measure`` moved into ``darts_bench/plan/``."""
+    from pathlib import Path
+
+    import darts_bench
+
+    pkg = Path(darts_bench.__file__).parent
+    assert (pkg / "plan" / "measure.py").is_file()
+    assert not (pkg / "plan.py").exists() and not (pkg / "plan_resources.py").exists()
+    assert not (pkg / "measure.py").exists()

@@ -307,8 +307,8 @@ def test_plan_memory_within_25_percent_of_measured_peaks(micro_pipeline, micro_c
     import yaml
 
     from darts_bench.config import load_config
-    from darts_bench.measure import stage_peaks
     from darts_bench.plan import make_plan
+    from darts_bench.plan.measure import stage_peaks
     from darts_bench.pool.rehearsal import REPO_IDS
 
     other = os.environ.get("DARTS_BENCH_PLAN_CHECK_CONFIG")

@@ -146,12 +146,19 @@ class AlpacaEvalTask(Task):
         return [config.judge.model]
 
     def plan(self, config: AlpacaEvalConfig, n_examples: int) -> dict[str, Any]:
-        """The judge reads the template, the instruction and both outputs, once per order."""
+        """One judge call per example and order (both orders with ``judge.both_orders``; a named
+        ``judge.annotator`` judges in alpaca_eval's single pass, outside this process). A call
+        reads the judge template (:attr:`judge_template_tokens`), the instruction, the model's
+        output (``max_new_tokens``) and the reference output, and writes ``judge.max_new_tokens``."""
         j = config.judge
-        per_pair = (self.judge_template_tokens + self.typical_tokens["prompt"] + config.max_new_tokens
-                    + self.typical_tokens["reference"] + j.max_new_tokens)
-        return {"judge_tokens_per_row": n_examples * (2 if j.both_orders else 1) * per_pair,
-                "models_loaded": 2, "what": f"AlpacaEval judge {j.model}"}
+        named = j.annotator
+        calls = n_examples * (2 if j.both_orders and named is None else 1)
+        reads = (self.judge_template_tokens + self.typical_tokens["prompt"] + config.max_new_tokens
+                 + self.typical_tokens["reference"])
+        return {"judge": {"label": named or f"local judge {j.model}", "model": None if named else j.model,
+                          "prompt_tokens_per_row": calls * reads, "new_tokens_per_row": calls * j.max_new_tokens},
+                "what": f"AlpacaEval judge {j.model}" if named is None else
+                        f"AlpacaEval annotator {named} (alpaca_eval, outside this process)"}
 
     # ------------------------------------------------------------------------------ data
     def examples(self, data_dir: Path | None, model: TextModel | None, limit: int | None) -> list[Example]:

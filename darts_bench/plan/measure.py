@@ -1,4 +1,4 @@
-"""Measured peak memory per pipeline stage, to hold the plan's estimates against.
+"""Measured peak memory per pipeline stage, to hold the plan's estimates (:mod:`darts_bench.plan`) against.
 
 :func:`stage_peaks` runs the stages of a config one after the other, each in a fresh Python
 process (``darts-bench``'s :class:`~darts_bench.pipeline.Pipeline` with ``run_until(stage)``), so
@@ -8,7 +8,7 @@ work; each reports its peak RSS (``VmHWM`` of ``/proc/self/status`` where there 
 across ``exec`` and so would report the caller's size; plus ``RUSAGE_CHILDREN`` for processes it
 started). Use a fresh work dir, or every stage is a cache hit.
 
-    python -m darts_bench.measure --config CONFIG [--suite gsm8k] [--set work_dir=DIR ...]
+    python -m darts_bench.plan.measure --config CONFIG [--suite gsm8k] [--set work_dir=DIR ...]
 """
 
 from __future__ import annotations

@@ -1,0 +1,545 @@
+"""One estimate per stage: what it runs, where, its memory, disk, tokens and time, each written once.
+
+:func:`plan_inputs` derives from the config what several stages read (architecture, tasks and
+their :meth:`~darts_bench.api.Task.plan` needs, evaluated rows, calibration sets, the vLLM
+engine); :func:`pool`, :func:`merge`, :func:`collect`, :func:`train`, :func:`evaluate` and
+:func:`report` each return one stage's dict. Sizes are bytes, token counts tokens, times seconds;
+the rates and constants are in :mod:`darts_bench.plan.resources`, the architecture helpers in
+:mod:`darts_bench.plan.architecture`. No stage estimate knows a task by name: per-task costs come
+from ``Task.typical_tokens``, ``Task.official_size``, ``Task.expert`` and ``Task.plan()``.
+
+A stage dict has ``what``, ``where``, ``memory_bytes`` (peak RSS of the working process: a
+measured process baseline plus the working set; None when the architecture is unknown),
+``memory_note``, ``disk_bytes``, ``process_baseline_bytes`` and, where it applies, ``gpu_bytes``
+(per actor / process on ``cuda``), token counts, ``model_loads``, ``load_seconds``, ``seconds``
+(device work, all workers together), ``wall_seconds`` and ``device_hours`` (GPU-hours on
+``cuda``, else CPU-core-hours).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from darts_bench.api import get_task, resolve_suite
+from darts_bench.config import EXPERT_NAMES, Config
+from darts_bench.plan.architecture import DTYPE_BYTES, activations, architecture, kv_cache, param_count
+from darts_bench.plan.resources import (ACTOR_START_S, DIAG_BATCH, DIAG_TEMPS, FEATURE_COLUMNS_BYTES,
+                                        LOAD_BYTES_PER_S, PROCESS_BASELINE, THROUGHPUT, decode_seconds,
+                                        device_kind, engine_starts, forward_seconds, vllm_engine,
+                                        vllm_generation_seconds)
+from darts_bench.plan.units import gb, num
+from darts_bench.positions import clamp_warning, resolve_max_len
+from darts_bench.rows import RowSpec, head_seeds, needs_merges, row_selected, row_specs, surgery_variants
+
+STAGE_ORDER = ("pool", "merge", "collect", "train", "evaluate", "report")
+# Typical token lengths (Llama-style BPE) shared by all tasks; per-task ones are Task.typical_tokens.
+TYPICAL_TOKENS = {
+    "training_prompt": 120,  # inductive calibration prompts from the experts' training data
+}
+# Which methods carry a position-bias table (as darts_bench.surgery.heads.METHODS; kept here so the
+# dry run does not import torch).
+POSITION_BIAS = {"surgery": False, "darts": True, "darts_ew_only": False, "darts_pos_only": True}
+_PLAN_KEYS = {"judge", "what", "where"}
+_JUDGE_KEYS = {"label", "model", "prompt_tokens_per_row", "new_tokens_per_row"}
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the stage estimates read, derived once from the config (:func:`plan_inputs`).
+
+    ``arch`` / ``params`` / ``largest_tensor`` / ``weights`` (bytes of one model in ``pool.dtype``)
+    are None when the architecture is unknown. ``tasks``: the plan's per-task entries (examples,
+    token lengths, protocol); ``needs``: each task's checked ``Task.plan()``; ``head_tasks``: the
+    tasks with an expert (they get calibration sets and heads); ``specs``: every row
+    (:func:`darts_bench.rows.row_specs`), ``evaluated`` the ones ``evaluate.rows`` selects;
+    ``calib``: per ``<task>/<split>`` and ``<task>/reference`` the sequences and tokens of a
+    calibration set; ``engine``: the vLLM engine (:func:`~darts_bench.plan.resources.vllm_engine`)
+    when a vLLM backend is configured and the architecture is known; ``max_len``: the position
+    table's rows (:func:`darts_bench.positions.resolve_max_len`).
+    """
+
+    cfg: Config
+    arch: dict[str, Any] | None
+    arch_source: str
+    params: int | None
+    largest_tensor: int | None
+    weights: int | None
+    tasks: dict[str, dict[str, Any]]
+    needs: dict[str, dict[str, Any]]
+    head_tasks: list[str]
+    specs: list[RowSpec]
+    evaluated: list[RowSpec]
+    calib: dict[str, dict[str, Any]]
+    engine: dict[str, Any] | None
+    max_len: int
+
+    @property
+    def kind(self) -> str:
+        return device_kind(self.cfg.device)
+
+    @property
+    def pool_bytes(self) -> int:
+        return DTYPE_BYTES[self.cfg.pool.dtype]
+
+    @property
+    def workers(self) -> int:
+        """Processes working at once in collect (and in evaluate unless vLLM runs in the driver)."""
+        return self.cfg.ray.num_actors if self.cfg.executor == "ray" else 1
+
+    @property
+    def checkpoint_load_seconds(self) -> float:
+        """One checkpoint load: the weights read, plus an actor group's start with Ray."""
+        return self.weights / LOAD_BYTES_PER_S + (ACTOR_START_S if self.cfg.executor == "ray" else 0.0)
+
+    @property
+    def local_judges(self) -> dict[str, str]:
+        """Task -> the judge model it loads in the evaluating process (tasks without one absent)."""
+        return {t: n["judge"]["model"] for t, n in self.needs.items() if n.get("judge", {}).get("model")}
+
+    @property
+    def splits(self) -> dict[str, dict[str, Any]]:
+        """The calibration sets heads train on (``calib`` less the reference answers)."""
+        return {k: v for k, v in self.calib.items() if not k.endswith("/reference")}
+
+
+def _checked_plan(name: str, got: Any) -> dict[str, Any]:
+    """``Task.plan()`` of task ``name``, checked against the contract in :meth:`darts_bench.api.Task.plan`.
+
+    Raises:
+        ValueError: not a dict, an unknown key, ``what`` / ``where`` not a str, or a ``judge`` that is
+            not a dict of exactly its four keys with the types the contract gives.
+    """
+    where = f"task {name}: Task.plan()"
+    if not isinstance(got, dict):
+        raise ValueError(f"{where} returned {type(got).__name__}, expected a dict")
+    if set(got) - _PLAN_KEYS:
+        raise ValueError(f"{where}: unknown key(s) {sorted(set(got) - _PLAN_KEYS)}; known: {sorted(_PLAN_KEYS)}")
+    for k in ("what", "where"):
+        if k in got and not isinstance(got[k], str):
+            raise ValueError(f"{where}: {k!r} must be a str, got {got[k]!r}")
+    if "judge" in got:
+        j = got["judge"]
+        if not isinstance(j, dict) or set(j) != _JUDGE_KEYS:
+            raise ValueError(f"{where}: 'judge' must be a dict with exactly the keys {sorted(_JUDGE_KEYS)}, got {j!r}")
+        if not isinstance(j["label"], str) or not (j["model"] is None or isinstance(j["model"], str)):
+            raise ValueError(f"{where}: judge 'label' must be a str and 'model' a str or None, got {j!r}")
+        for k in ("prompt_tokens_per_row", "new_tokens_per_row"):
+            if not isinstance(j[k], int) or j[k] < 0:
+                raise ValueError(f"{where}: judge {k!r} must be an int >= 0, got {j[k]!r}")
+    return got
+
+
+def _task_entries(cfg: Config, names: list[str], limit: int | None
+                  ) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    tasks: dict[str, dict[str, Any]] = {}
+    needs: dict[str, dict[str, Any]] = {}
+    for t in names:
+        tc = getattr(cfg.tasks, t)
+        task = get_task(t)
+        size = task.official_size
+        lim = limit if limit is not None else tc.limit
+        if size is None and lim is None:
+            raise ValueError(f"task {t} declares no official_size: give --limit or tasks.{t}.limit to plan it")
+        n = min(lim, size) if lim is not None and size is not None else (lim if lim is not None else size)
+        typ = task.typical_tokens
+        prompt = typ["prompt"] + (typ.get("per_shot", 0) * getattr(tc, "num_fewshot", 0))
+        tasks[t] = {"n_examples": n, "of": size, "max_new_tokens": getattr(tc, "max_new_tokens", 0),
+                    "n_samples": getattr(tc, "n_samples", 1), "prompt_tokens_est": prompt,
+                    "reference_tokens_est": typ["reference"], "expert": task.expert,
+                    "protocol": getattr(tc, "protocol", None)}
+        per_row_gen = n * tasks[t]["n_samples"] * (prompt + tasks[t]["max_new_tokens"])
+        tasks[t]["eval_forward_tokens_per_row"] = per_row_gen + n * (prompt + typ["reference"])
+        needs[t] = _checked_plan(t, task.plan(tc, n))
+        if "judge" in needs[t]:
+            tasks[t]["annotator"] = needs[t]["judge"]["label"]
+    return tasks, needs
+
+
+def calibration_sets(cfg: Config, tasks: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """``(calib, notes)``: per ``<task>/<split>`` of each task with an expert the calibration
+    sequences and their tokens (prompt, capped at ``calibration.max_prompt_tokens``, +
+    ``calibration.max_new_tokens``; ``train_tokens`` less the held-out share), and per
+    ``<task>/reference`` the evaluated examples with their reference answers (never trained on);
+    notes where the transductive set is capped by the task's limit."""
+    cal = cfg.calibration
+    calib: dict[str, dict[str, Any]] = {}
+    notes: list[str] = []
+    for t, ti in tasks.items():
+        if ti["expert"] is None:
+            continue
+        for split in cal.splits:
+            n = min(cal.n_prompts, ti["n_examples"]) if split == "transductive" else cal.n_prompts
+            if split == "transductive" and cal.n_prompts > ti["n_examples"]:
+                notes.append(f"calibration.n_prompts {cal.n_prompts} > {t} evaluated examples {ti['n_examples']}: "
+                             f"the transductive calibration set of {t} is its {n} evaluated inputs (raise "
+                             f"tasks.{t}.limit for more)")
+            p = min(ti["prompt_tokens_est"] if split == "transductive" else TYPICAL_TOKENS["training_prompt"],
+                    cal.max_prompt_tokens)
+            seq = n * (p + cal.max_new_tokens)
+            calib[f"{t}/{split}"] = {"sequences": n, "tokens": seq, "train_tokens": round(seq * (1 - cal.held_out_fraction))}
+        ref = ti["n_examples"] * (min(ti["prompt_tokens_est"], cal.max_prompt_tokens)
+                                  + min(ti["reference_tokens_est"], cal.max_prompt_tokens))
+        calib[f"{t}/reference"] = {"sequences": ti["n_examples"], "tokens": ref, "train_tokens": 0}
+    return calib, notes
+
+
+def plan_inputs(cfg: Config, suite: str = "all", limit: int | None = None) -> tuple[PlanInputs, list[str]]:
+    """``(inputs, notes)`` for the stage estimates of ``cfg`` run on ``suite`` with ``limit``.
+
+    Raises:
+        ValueError: unknown suite, no enabled task in it, a task with neither ``official_size`` nor
+            a limit, or a ``Task.plan()`` outside its contract.
+    """
+    names = resolve_suite(suite, cfg.tasks)
+    arch, arch_src = architecture(cfg)
+    pc = param_count(arch) if arch else None
+    weights = pc["total"] * DTYPE_BYTES[cfg.pool.dtype] if pc else None
+    tasks, needs = _task_entries(cfg, names, limit)
+    notes: list[str] = []
+    specs = row_specs(cfg)  # the one definition of rows
+    evaluated = [s for s in specs if row_selected(cfg, s.model)]
+    if cfg.evaluate.rows is not None:  # --rows: only the selected rows are evaluated
+        notes.append(f"evaluate.rows {cfg.evaluate.rows}: {len(evaluated)} of {len(specs)} "
+                     "rows evaluated" + ("" if needs_merges(cfg) else
+                                         "; no merge or corrected row, so merge, collect and train are skipped "
+                                         "(their lines above do not apply)"))
+    calib, cal_notes = calibration_sets(cfg, tasks)
+    notes += cal_notes
+    max_pos = arch.get("max_position_embeddings") if arch else None
+    enabled = resolve_suite("all", cfg.tasks)  # as the pipeline: not per suite
+    clamp = clamp_warning(cfg, enabled, max_pos)
+    if clamp:
+        notes.append(f"WARNING: {clamp}")
+    use_vllm = "vllm" in (cfg.evaluate.backend, cfg.calibration.backend)
+    x = PlanInputs(cfg=cfg, arch=arch, arch_source=arch_src, params=pc["total"] if pc else None,
+                   largest_tensor=pc["largest_tensor"] if pc else None, weights=weights, tasks=tasks, needs=needs,
+                   head_tasks=[t for t in names if tasks[t]["expert"] is not None], specs=specs, evaluated=evaluated,
+                   calib=calib, engine=vllm_engine(cfg, arch, pc["total"]) if use_vllm and arch else None,
+                   max_len=resolve_max_len(cfg, enabled, max_pos))
+    return x, notes
+
+
+# ------------------------------------------------------------------------------ helpers
+def where_executor(cfg: Config) -> str:
+    """Where collect and evaluate run: the Ray actors (count, resources, shard size) or in-process."""
+    if cfg.executor == "ray":
+        r = cfg.ray
+        res = f"CPU {r.num_cpus_per_actor:g}" + (f", GPU {r.num_gpus_per_actor:g}" if r.num_gpus_per_actor else "")
+        return (f"Ray ({r.address or 'local instance'}): {r.num_actors} actors x {{{res}}}, "
+                f"shards of {r.shard_size} prompts, device {cfg.device}")
+    return f"local, in-process (device {cfg.device}, {cfg.torch_threads or 'default'} torch threads)"
+
+
+def head_params(method: str, d: int, rank: int, max_len: int, overflow: str) -> int:
+    """Parameters of one head: ``W_down [r, d]`` + ``W_up [d, r]``, plus for a method with a
+    position bias (:data:`POSITION_BIAS`) the table ``b [max_len (+16 overflow buckets), d]``."""
+    n = 2 * d * rank  # W_down [r, d] + W_up [d, r]
+    if POSITION_BIAS[method]:  # b [max_len (+16 buckets), d]
+        n += (max_len + (16 if overflow == "bucket" else 0)) * d
+    return n
+
+
+def _finish(s: dict[str, Any], kind: str, workers: int = 1) -> dict[str, Any]:
+    """Wall time and device-hours of a stage with ``seconds`` (and ``load_seconds`` when it loads
+    models): work spread over ``workers``, loads on all of them at once."""
+    if "seconds" not in s:
+        return s
+    if "load_seconds" in s:
+        s["wall_seconds"] = s["seconds"] / workers + s["load_seconds"]
+        s["seconds"] += s["load_seconds"] * workers
+    else:
+        s["wall_seconds"] = s["seconds"]
+    s["device_hours"] = s["seconds"] * (1 if kind == "cuda" else 2) / 3600  # measured CPU rates are 2-core rates
+    return s
+
+
+def _max_dtype_bytes(x: PlanInputs) -> int:
+    """Bytes per element of the widest model dtype (the pool's and the merges')."""
+    return max(x.pool_bytes, max([DTYPE_BYTES[m.dtype] for m in x.cfg.merges] or [x.pool_bytes]))
+
+
+# ------------------------------------------------------------------------------ stages
+def pool(x: PlanInputs) -> dict[str, Any]:
+    """Building or checking the pool: the tiny tier trains a tokenizer and its models (fp32 weights,
+    gradients and Adam state + activations), a GGUF pool dequantizes and fine-tunes, a hub or local
+    pool is checked (one model's weights)."""
+    cfg, p, E, P = x.cfg, x.cfg.pool, len(EXPERT_NAMES), x.params
+    if p.kind == "tiny":
+        t = p.tiny
+        train_tok = t.pretrain_steps * t.batch_size * t.seq_len + E * t.finetune_steps * t.batch_size * t.seq_len
+        what = (f"train a BPE tokenizer (vocab {t.vocab_size}), pretrain a {num(P)}-param Llama "
+                f"({t.pretrain_steps} steps of {t.batch_size}x{t.seq_len}), fine-tune {E} experts "
+                f"({t.finetune_steps} steps each)")
+        mem = P * 16 + activations(x.arch, t.batch_size, t.seq_len, 4) * 3  # fp32 w, grad, Adam m, v
+    elif p.kind == "gguf":
+        ft = p.finetune
+        train_tok = E * ft.steps * ft.batch_size * ft.seq_len
+        what = (f"dequantize the base from {p.gguf_file} in the wheel {p.gguf_wheel}, fine-tune {E} experts "
+                f"({ft.mode}, {ft.steps} steps of {ft.batch_size}x{ft.seq_len})")
+        mem = (P * (16 if ft.mode == "full" else 4) + activations(x.arch, ft.batch_size, ft.seq_len, 4) * 3
+               if P else None)
+    else:
+        train_tok = 0
+        srcs = [p.base, *[p.experts[e] for e in EXPERT_NAMES]]
+        local = [s for s in srcs if s and Path(s).expanduser().is_dir()]
+        what = (f"use base {p.base} and experts " + ", ".join(f"{e}={p.experts[e]}" for e in EXPERT_NAMES)
+                + f" ({len(local)} local dirs, {len(srcs) - len(local)} from the hub); check architectures and tokenizers")
+        mem = x.weights
+    s = {"what": what, "where": "local" + (f" (device {cfg.device})" if train_tok else ""),
+         "memory_bytes": None if mem is None else mem + PROCESS_BASELINE["pool"],
+         "disk_bytes": (1 + E) * x.weights if x.weights else None, "train_tokens": train_tok,
+         "process_baseline_bytes": PROCESS_BASELINE["pool"]}
+    if train_tok and P:
+        s["seconds"] = train_tok * 6 * P / THROUGHPUT[x.kind]["train"]
+    return _finish(s, x.kind)
+
+
+def merge(x: PlanInputs) -> dict[str, Any]:
+    """The mergekit merges, tensor by tensor: peak memory is base + experts + output of the largest
+    tensor in fp32 (+ its copy in the pool dtype); disk one checkpoint per merge in its dtype."""
+    cfg, lt = x.cfg, x.largest_tensor
+    peak = ((len(EXPERT_NAMES) + 2) * lt * 4 + x.pool_bytes * lt) if lt else None
+    return {"what": f"{len(cfg.merges)} mergekit merges: "
+                    + ", ".join(f"{m.name} ({m.method}, {m.dtype})" for m in cfg.merges),
+            "where": "local, mergekit (tensor by tensor)",
+            "memory_bytes": None if peak is None else peak + PROCESS_BASELINE["merge"],
+            "memory_note": "peak: base + experts + output of the largest tensor in fp32",
+            "disk_bytes": sum(x.params * DTYPE_BYTES[m.dtype] for m in cfg.merges) if x.params else None,
+            "process_baseline_bytes": PROCESS_BASELINE["merge"]}
+
+
+def collect(x: PlanInputs) -> dict[str, Any]:
+    """Calibration: each task expert's greedy continuations (HF, or a vLLM engine beside the HF
+    model with ``calibration.backend: vllm``), then the final hidden states and entropies of the
+    expert and every merge, stored in ``pool.dtype``. One load per task expert and per merge
+    (model-major, the latest model kept loaded; with Ray one actor group each)."""
+    cfg, cal, W, P, kind = x.cfg, x.cfg.calibration, x.weights, x.params, x.kind
+    M, T = len(cfg.merges), len(x.head_tasks)
+    seq_tokens = sum(c["tokens"] for c in x.calib.values())  # tokens per feature set (one forward each)
+    feature_forward_tokens = seq_tokens * (1 + M)  # expert once, every merge once
+    d = x.arch["hidden_size"] if x.arch else None
+    calib = {k: {**c, "disk_bytes_per_merge": c["tokens"] * d * x.pool_bytes * 2 if d else None}  # expert + merged h
+             for k, c in x.calib.items()}
+    cal_seq = cal.max_prompt_tokens + cal.max_new_tokens
+    act = activations(x.arch, cal.batch_size, cal_seq, _max_dtype_bytes(x)) if x.arch else None
+    kv = kv_cache(x.arch, cal.batch_size, cal_seq, x.pool_bytes) if x.arch else None
+    s: dict[str, Any] = {
+        "what": (f"{T} tasks x {len(cal.splits)} splits ({', '.join(cal.splits)}) + reference answers: "
+                 f"expert greedy continuations ({cal.max_new_tokens} new tokens), then final hidden states and "
+                 f"entropies of the expert and {M} merges"),
+        "where": where_executor(cfg),
+        "memory_bytes": None,
+        "memory_note": (f"per worker: weights {gb(W)} + activations {gb(act)} "
+                        f"(batch {cal.batch_size} x {cal_seq} tokens, logits dominate) + KV cache {gb(kv)}"),
+        "disk_bytes": seq_tokens * d * x.pool_bytes * (1 + M) if d else None,  # expert features shared by merges
+        "calibration": calib,
+        "generation_tokens": sum(c["tokens"] for c in x.splits.values()),
+        "feature_forward_tokens": feature_forward_tokens,
+        "model_loads": T + M,
+        "process_baseline_bytes": PROCESS_BASELINE["collect"]}
+    if x.arch is None:
+        return s
+    L = x.arch["num_hidden_layers"]
+    if kind == "cuda":
+        s["gpu_bytes"] = W + (act + kv)
+        s["memory_bytes"] = PROCESS_BASELINE["collect"] + W  # weights pass through host memory on load
+    else:
+        s["memory_bytes"] = PROCESS_BASELINE["collect"] + W + (act + kv)
+    gen = s["generation_tokens"]  # prompt + new tokens
+    new = sum(c["sequences"] * cal.max_new_tokens for c in x.splits.values())
+    s["load_seconds"] = s["model_loads"] * x.checkpoint_load_seconds
+    if cal.backend == "vllm":  # the experts' continuations from a vLLM engine in the driver, beside the HF model
+        e = x.engine
+        gen_s = vllm_generation_seconds(gen - new, new, P, kind, cfg, e)
+        s["memory_bytes"] += e["ram"]
+        if e["gpu"] is not None:
+            s["gpu_bytes"] = s.get("gpu_bytes", 0) + e["gpu"]
+        s["memory_note"] += f"; calibration generation: {e['note']}"
+        s["vllm_engine"] = e
+        s["engine_starts"] = T  # one per task expert (model-major collection)
+        s["load_seconds"] += T * e["start_s"]
+    else:
+        gen_s = forward_seconds(gen - new, P, kind) + decode_seconds(new, P, kind, cal.batch_size, W, L)
+    s["seconds"] = gen_s + forward_seconds(feature_forward_tokens, P, kind)
+    return _finish(s, kind, x.workers)
+
+
+def train(x: PlanInputs) -> dict[str, Any]:
+    """Head training on the cached features and the diagnostics: one head per (merge, task with an
+    expert, split, method, sweep variant, head seed). Memory is the driver's: the lm_heads, the
+    largest split's buffers, the held-out copy, a reference shard, the diagnostics' logits (on the
+    GPU on ``cuda``), the head with its Adam state and, with DeepSpeed, the split's float32 copy."""
+    cfg, cal, scfg, ds, kind = x.cfg, x.cfg.calibration, x.cfg.surgery, x.cfg.deepspeed, x.kind
+    M, n_tasks, n_splits = len(cfg.merges), len(x.head_tasks), len(cal.splits)
+    runs = len(head_seeds(cfg)) * len(surgery_variants(cfg))  # heads per (merge, task, split, method)
+    d = x.arch["hidden_size"] if x.arch else None
+    hp = {m: head_params(m, d, scfg.rank, x.max_len, scfg.overflow) for m in scfg.methods} if d else {}
+    max_hp = max(hp.values(), default=0)
+    nprocs = ds.num_procs if ds.enabled else 1
+    # fp32 Adam (m, v) per proc; ZeRO 1 and above shard the optimizer state
+    opt_b = max_hp * 8 / (nprocs if ds.enabled and ds.zero_stage >= 1 else 1)
+    steps = sum(scfg.epochs * math.ceil(max(c["train_tokens"], 1) / scfg.batch_size)
+                for c in x.splits.values()) * M * len(scfg.methods) * runs
+    if ds.enabled:
+        where = (f"DeepSpeed, {ds.num_procs} procs via {ds.launcher}, ZeRO stage {ds.zero_stage}, "
+                 f"{'nccl' if cfg.device.startswith('cuda') else 'gloo'}; micro batch "
+                 f"{max(1, scfg.batch_size // ds.num_procs)} tokens per proc")
+    else:
+        where = "local, in-process (torch Adam on cached features)"
+    s: dict[str, Any] = {
+        "what": (f"{M * n_tasks * n_splits * len(scfg.methods) * runs} heads ({M} merges x {n_tasks} tasks x "
+                 f"{n_splits} splits x methods {', '.join(scfg.methods)}"
+                 + (f" x {runs} seeds/sweep variants" if runs > 1 else "")
+                 + f"), rank {scfg.rank}, position table {x.max_len} rows, {scfg.epochs} epochs of "
+                 f"{scfg.batch_size}-token batches ({steps} steps in all)"),
+        "where": where,
+        "head_params": hp,
+        "params_overhead": {m: p / x.params for m, p in hp.items()} if x.params else {},
+        "optimizer_state_bytes_per_proc": opt_b,
+        "head_train_tokens": steps * scfg.batch_size,
+        "disk_bytes": (M * n_tasks * n_splits * sum(hp.values()) * 4 * runs) if d else None,
+        "memory_bytes": None,
+        "steps": steps,
+        "process_baseline_bytes": PROCESS_BASELINE["train"]}
+    if x.arch is None:
+        return s
+    V = x.arch["vocab_size"]
+    feat_b = x.pool_bytes  # features are stored in the dtype the workers load every model in (pool.dtype)
+    n_split = max((c["tokens"] for c in x.splits.values()), default=0)
+    n_val = round(n_split * cal.held_out_fraction)
+    ref_seq_tokens = max((ti["prompt_tokens_est"] + ti["reference_tokens_est"] for ti in x.tasks.values()),
+                         default=0)
+    ref_shard = cfg.ray.shard_size * min(ref_seq_tokens, 2 * cal.max_prompt_tokens)
+    lm_heads = 2 * V * d * 4
+    buffers = 2 * n_split * (d * feat_b + FEATURE_COLUMNS_BYTES)
+    val_copy = 2 * n_val * d * 4
+    ref_b = 2 * ref_shard * (d * feat_b + FEATURE_COLUMNS_BYTES) + 2 * min(ref_shard, DIAG_BATCH) * d * 4
+    diag_tmp = DIAG_TEMPS * min(DIAG_BATCH, max(n_val, ref_shard)) * V * 4
+    kl_tmp = DIAG_TEMPS * 4096 * V * 4 if scfg.entropy_source == "kl" else 0
+    head_b = 16 * max_hp  # fp32 head, gradient, Adam m and v
+    ds_copy = 2 * round(n_split * (1 - cal.held_out_fraction)) * d * 4 + val_copy if ds.enabled else 0
+    host = PROCESS_BASELINE["train"] + lm_heads + buffers + val_copy + ref_b + head_b + ds_copy + kl_tmp
+    if kind == "cuda":
+        s["gpu_bytes"] = lm_heads + diag_tmp + head_b
+    else:
+        host += diag_tmp
+    s["memory_bytes"] = host
+    s["memory_note"] = (f"driver: lm_heads {gb(lm_heads)} + split buffers {gb(buffers)} ({n_split} tokens, "
+                        f"{cfg.pool.dtype}) + held-out float32 copy {gb(val_copy)} + reference shard "
+                        f"{gb(ref_b)} + diagnostics logits {gb(diag_tmp)}{' (GPU)' if kind == 'cuda' else ''}"
+                        + (f" + DeepSpeed float32 copy {gb(ds_copy)}" if ds_copy else "")
+                        + f" + head/Adam {gb(head_b)} + process {gb(PROCESS_BASELINE['train'])}")
+    ref_ans = sum(ti["n_examples"] * ti["reference_tokens_est"] for ti in x.tasks.values())
+    diag_tokens = sum(round(c["tokens"] * cal.held_out_fraction) for c in x.splits.values()) * M
+    diag_tokens += ref_ans * M * n_splits
+    diag_flops = diag_tokens * 2 * d * V * (2 * (1 + len(scfg.methods)) + 1)  # le, lm per call; floor once
+    head_flops = s["head_train_tokens"] * 6 * 2 * d * scfg.rank
+    s["seconds"] = diag_flops / THROUGHPUT[kind]["matmul"] + head_flops / THROUGHPUT[kind]["train"]
+    s["diagnostics_flops"] = diag_flops
+    return _finish(s, kind)
+
+
+def evaluate(x: PlanInputs) -> dict[str, Any]:
+    """Every evaluated row on every task: generation (HF, or one vLLM engine per evaluation
+    process / Ray actor), the reference-answer NLL, and each task's judge (``Task.plan()``). A
+    local judge is held beside the row's model in-process (Ray gives it its own actors); one load
+    (or engine start) per model dir in row order, the judges' kept."""
+    cfg, W, P, kind = x.cfg, x.weights, x.params, x.kind
+    rows, E, M = len(x.evaluated), len(EXPERT_NAMES), len(cfg.merges)
+    ray = cfg.executor == "ray"
+    vllm = cfg.evaluate.backend == "vllm"
+    judges = x.local_judges
+    eval_gen = eval_nll = judge_tokens = 0
+    for t, ti in x.tasks.items():
+        per_row_gen = ti["n_examples"] * ti["n_samples"] * (ti["prompt_tokens_est"] + ti["max_new_tokens"])
+        per_row_nll = ti["n_examples"] * (ti["prompt_tokens_est"] + ti["reference_tokens_est"])
+        eval_gen += rows * per_row_gen
+        eval_nll += rows * per_row_nll
+        j = x.needs[t].get("judge")
+        if j:
+            judge_tokens += rows * (j["prompt_tokens_per_row"] + j["new_tokens_per_row"])
+    what = ((f"{rows} rows (base, {E} experts, {M} merges, {sum(s.correction != 'none' for s in x.specs)} corrected) x "
+             if cfg.evaluate.rows is None else f"{rows} rows ({', '.join(cfg.evaluate.rows)}) x ")
+            + ", ".join(f"{t} ({ti['n_examples']}/{ti['of'] or '?'}, {ti['max_new_tokens']} new tokens)"
+                        for t, ti in x.tasks.items())
+            + "; reference-answer NLL" + "".join(f"; {n['what']}" for n in x.needs.values() if n.get("what")))
+    where = where_executor(cfg) + "".join(f"; {n['where']}" for n in x.needs.values() if n.get("where"))
+    row_dirs = [s.merge or s.model for s in x.evaluated]  # a corrected row runs on its merge's checkpoint
+    pinned = {j.split("+", 1)[0] for j in judges.values()}
+    s: dict[str, Any] = {
+        "what": what, "where": where, "memory_bytes": None,
+        "generation_tokens": eval_gen, "nll_tokens": eval_nll, "judge_tokens": judge_tokens,
+        # one load per model dir (ModelCache; with Ray an actor group per model dir, kept across its
+        # rows and tasks, the judges' pinned), whatever the executor
+        "model_loads": len(set(row_dirs) | pinned),
+        "process_baseline_bytes": PROCESS_BASELINE["evaluate"]}
+    if vllm:  # engine starts instead of HF loads (the engine runs in the evaluating process)
+        workers = x.workers if ray else 1  # vLLM in the driver: one
+        # one after the other; the judge's held (Ray: its pinned group; in-process on the CPU: pinned)
+        s["model_loads"] = engine_starts(row_dirs, list(x.tasks), judges, held=ray or kind == "cpu")
+        s["engine_starts"] = s["model_loads"] * workers  # with Ray actors: a group each time
+        s["where"] = (f"vLLM: one engine per Ray actor, {x.workers} actors per model dir" if ray else
+                      "vLLM: one engine in the driver process" + (" (not in the Ray actors)" if x.workers > 1 else "")
+                      ) + "; " + s["where"]
+    else:
+        workers = x.workers
+    if x.arch is None:
+        return s
+    L = x.arch["num_hidden_layers"]
+    if vllm:
+        e = x.engine
+        # in-process on the CPU each local judge's engine is kept beside the row's (engine_for(pin=True))
+        beside = len(pinned) if not ray and kind == "cpu" else 0
+        s["memory_bytes"] = PROCESS_BASELINE["evaluate"] + e["ram"] * (1 + beside)
+        if e["gpu"] is not None:
+            s["gpu_bytes"] = e["gpu"]
+        s["memory_note"] = (f"per evaluation process/actor: {e['note']}"
+                            + (f" (x {1 + beside}: the judge's engine beside the row's)" if beside else "")
+                            + f" + process {gb(PROCESS_BASELINE['evaluate'])}")
+        s["vllm_engine"] = e
+        s["load_seconds"] = s["model_loads"] * e["start_s"]
+
+        def gen(prompt_tokens: float, new_tokens: float) -> float:
+            return vllm_generation_seconds(prompt_tokens, new_tokens, P, kind, cfg, e)
+    else:
+        n_models = 1 if ray else 1 + len(pinned)  # Ray: a judge has its own actors
+        bs = cfg.tasks.batch_size
+        dtype_b = _max_dtype_bytes(x)
+        kv = kv_cache(x.arch, bs, max((ti["prompt_tokens_est"] + ti["max_new_tokens"] for ti in x.tasks.values()),
+                                      default=0), dtype_b)
+        act = activations(x.arch, bs, max((ti["prompt_tokens_est"] for ti in x.tasks.values()), default=0), dtype_b)
+        if kind == "cuda":
+            s["gpu_bytes"] = W * n_models + (kv + act)
+            s["memory_bytes"] = PROCESS_BASELINE["evaluate"] + W * n_models
+        else:
+            s["memory_bytes"] = PROCESS_BASELINE["evaluate"] + W * n_models + (kv + act)
+        s["memory_note"] = (f"per worker: weights x {n_models}{' (model + judge)' if n_models > 1 else ''} + KV cache "
+                            f"{gb(kv)} (batch {bs}) + prefill {gb(act)} + process {gb(PROCESS_BASELINE['evaluate'])}")
+        s["load_seconds"] = s["model_loads"] * x.checkpoint_load_seconds
+
+        def gen(prompt_tokens: float, new_tokens: float) -> float:
+            return forward_seconds(prompt_tokens, P, kind) + decode_seconds(new_tokens, P, kind, bs, W, L)
+    secs = 0.0
+    for t, ti in x.tasks.items():
+        n = ti["n_examples"] * ti["n_samples"]
+        secs += rows * (gen(n * ti["prompt_tokens_est"], n * ti["max_new_tokens"])
+                        + forward_seconds(ti["n_examples"] * (ti["prompt_tokens_est"] + ti["reference_tokens_est"]),
+                                          P, kind))
+        if t in judges:  # a judge outside the process (an API annotator) costs no local time
+            j = x.needs[t]["judge"]
+            secs += gen(rows * j["prompt_tokens_per_row"], rows * j["new_tokens_per_row"])
+    s["seconds"] = secs
+    return _finish(s, kind, workers)
+
+
+def report(x: PlanInputs) -> dict[str, Any]:
+    """The report: results, tables and plots in the output dir (no model)."""
+    return {"what": f"results.json, table.csv, table.md, plots in {x.cfg.resolved_out_dir()}",
+            "where": "local", "memory_bytes": None, "disk_bytes": None,
+            "process_baseline_bytes": PROCESS_BASELINE["report"]}
+
+
+STAGES = {"pool": pool, "merge": merge, "collect": collect, "train": train, "evaluate": evaluate, "report": report}
