@@ -385,3 +385,48 @@ def test_child_that_cannot_start_is_a_sandbox_error(monkeypatch, tmp_path, mode)
     monkeypatch.setattr(sandbox_host, "CHILD_PATH", tmp_path / "missing_child.py")
     with pytest.raises(SandboxError, match="did not start"):
         run("assert True", isolation=mode)
+
+
+# ------------------------------------------------------------------ the CLI: start-up check, records
+def _score_args(tmp_path) -> list[str]:
+    import json as _json
+
+    problems = tmp_path / "problem.jsonl"
+    problems.write_text(_json.dumps({"task_id": "t/0", "prompt": "def f():\n", "entry_point": "f",
+                                     "canonical_solution": "    return 1\n",
+                                     "test": "def check(c):\n    assert c() == 1\n"}) + "\n")
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text(_json.dumps({"task_id": "t/0", "completion": "    return 1\n"}) + "\n")
+    return ["score", "humaneval", str(samples), "--problems", str(problems), "--out", str(tmp_path / "res.json")]
+
+
+def test_score_out_records_isolation(tmp_path, monkeypatch, mode):
+    import json as _json
+
+    from darts_bench.cli import main
+
+    monkeypatch.setenv(ALLOW_UNISOLATED_ENV, "0")  # restored after the test (the CLI sets it)
+    if mode == "none":
+        monkeypatch.setattr(sandbox_host, "available_isolation", lambda: "none")
+    assert main(_score_args(tmp_path) + (["--allow-unisolated"] if mode == "none" else [])) == 0
+    res = _json.loads((tmp_path / "res.json").read_text())
+    assert res["pass@1"] == 1.0
+    assert res["isolation"] == isolation_record() and res["isolation"]["mode"] == available_isolation()
+
+
+def test_cli_refuses_unisolated_naming_the_risk_and_the_flag(tmp_path, monkeypatch, capsys):
+    import json as _json
+
+    from darts_bench.cli import main
+
+    monkeypatch.setenv(ALLOW_UNISOLATED_ENV, "0")  # restored after the test (the CLI sets it)
+    monkeypatch.setattr(sandbox_host, "available_isolation", lambda: "none")
+    assert main(_score_args(tmp_path)) == 2
+    err = capsys.readouterr().err
+    assert "IsolationError" in err and "--allow-unisolated" in err and "kill(-1)" in err
+    assert not (tmp_path / "res.json").exists()
+    # the config key (or the flag) runs it, says so loudly and records it
+    assert main(_score_args(tmp_path) + ["--set", "allow_unisolated=true"]) == 0
+    assert "NO isolation" in capsys.readouterr().err
+    rec = _json.loads((tmp_path / "res.json").read_text())["isolation"]
+    assert rec["mode"] == "none" and rec["allow_unisolated"] is True

@@ -28,6 +28,7 @@ from darts_bench.api import available_tasks, get_task
 from darts_bench.artifacts import atomic_write_text
 from darts_bench.report.protocols import protocol_header, protocol_summary
 from darts_bench.report.stats import metric_interval, paired_metric_interval
+from darts_bench.sandbox import isolation_record  # issue 30 (sandbox branch): the manifest's "isolation"
 
 log = logging.getLogger("darts_bench")
 SCHEMA_VERSION = 1
@@ -305,6 +306,8 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
         "packages": _versions(),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        # issue 30 (sandbox branch): what contained generated code in this process
+        "isolation": isolation_record(),
         "pool": {"key": pipe.pool().key, "build_report": pipe.pool().report},
         "merges": {m: p.name for m, p in pipe.merge().items()},
         "calibration": {"splits": pipe.cfg.calibration.splits,

@@ -462,7 +462,8 @@ def require_isolation(mode: str | None = None) -> dict[str, Any]:
             "refusing to execute generated code without isolation: as this user (uid "
             f"{os.geteuid()}) a completion could kill your processes (kill(-1)), write into your "
             "home and venv (a .pth file runs in your next Python) and leave processes behind. "
-            f"Why no namespaces: {_probe_bwrap(False)[2]}. Fix: install bubblewrap "
+            f"Why no namespaces: {_probe_bwrap(os.geteuid() == 0)[2] or 'mode none was requested'}. "
+            "Fix: install bubblewrap "
             "(Debian/Ubuntu: apt-get install bubblewrap) where user namespaces are enabled, or run "
             "in a container (README 'Clusters without user namespaces'); or accept the risk with "
             f"--allow-unisolated (config: allow_unisolated: true; env {ALLOW_UNISOLATED_ENV}=1)")
