@@ -147,7 +147,7 @@ def _run_hostile(as_user: bool) -> None:
                                 text=True, timeout=600, **run_as)
         elapsed = time.monotonic() - t0
         if "IsolationError" in driver.stderr:
-            _skip_or_fail("no namespace isolation for uid %d: %s" % (uid, driver.stderr.strip().splitlines()[-1]))
+            _skip_or_fail(f"no namespace isolation for uid {uid}: {driver.stderr.strip().splitlines()[-1]}")
         # the driver (the parent of every sandbox) was not killed and finished its work
         assert driver.returncode == 0, (driver.returncode, driver.stderr[-3000:])
         out = json.loads((src / "out.json").read_text())

