@@ -3,7 +3,7 @@
     darts-bench run --suite all|TASK|TASK,TASK... [--config NAME|PATH] [--limit N] [--out DIR] [--set K=V ...]
     darts-bench pool | merge | collect | train | evaluate | report   (each stage alone, same options)
     darts-bench score TASK SAMPLES.jsonl [--protocol NAME] [--problems FILE] [--out FILE] [--allow-unisolated]
-    darts-bench compare BASELINE_DIR NEW_DIR [--out FILE]   (exit 1 on a regression)
+    darts-bench compare BASELINE_DIR NEW_DIR [--out FILE] [--allow-config-change]   (exit 1 on a regression)
 
 Task names come from the registry (:func:`darts_bench.api.available_tasks`: the folders under
 ``tasks/`` and those in ``DARTS_BENCH_TASKS_PATH``), read when the parser is built.
@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("baseline", help="baseline results dir (results.json + table_<task>.csv)")
     c.add_argument("new", help="results dir of the new run")
     c.add_argument("--out", default=None, help="also write the markdown report here (e.g. a CI job summary)")
+    c.add_argument("--allow-config-change", action="store_true",
+                   help="compare runs whose config, suite, seed or limits differ (refused by default: moved cells "
+                        "would be the configuration's doing)")
     return ap
 
 
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compare":
             from darts_bench.report.compare import run_compare
 
-            return run_compare(args.baseline, args.new, args.out)
+            return run_compare(args.baseline, args.new, args.out, allow_config_change=args.allow_config_change)
         cfg = _load(args)
         if args.command == "evaluate" or (args.command == "run" and not args.dry_run):
             _check_isolation(args, cfg, resolve_suite(args.suite, cfg.tasks))
