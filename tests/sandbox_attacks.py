@@ -5,7 +5,8 @@
 ``secret`` (a 0600 file in it), ``victim_pid`` (a process of the same user that must survive),
 ``tag`` (unique name part for files the attacks try to leave in ``/tmp``), ``listen_port`` (a TCP
 port the test listens on), ``programs`` (extra programs that must pass, e.g. canonical
-solutions) and ``isolation`` (mode or null). OUT gets ``{"attacks": {name: result}, "programs":
+solutions), ``isolation`` (mode or null) and ``via`` (the namespaces backend, ``bwrap`` or
+``unshare``, or null). OUT gets ``{"attacks": {name: result}, "programs":
 [result...], "isolation": record, "purelib": site-packages of this interpreter}``; each result is
 ``{"status", "reason", "tail", "isolation"}``.
 
@@ -65,10 +66,11 @@ def main(argv: list[str]) -> None:
 
     spec = json.loads(open(argv[1], encoding="utf-8").read())
     purelib = sysconfig.get_paths()["purelib"]
-    mode = spec.get("isolation")
+    mode, via = spec.get("isolation"), spec.get("via")
 
     def one(program: str, timeout_s: float = 2.0) -> dict:
-        r = run_program(program, timeout_s=timeout_s, memory_mb=512, max_procs=32, isolation=mode)
+        r = run_program(program, timeout_s=timeout_s, memory_mb=512, max_procs=32, isolation=mode,
+                        namespaces_via=via)
         return {"status": r.status, "reason": r.reason, "tail": r.stdout_tail, "isolation": r.isolation}
 
     out = {"attacks": {name: one(prog) for name, prog in attacks(spec, purelib).items()},

@@ -106,9 +106,11 @@ def _procs_of_uid(uid: int) -> list[int]:
     return _live_pids_of_uid(uid)
 
 
-def _run_hostile(as_user: bool) -> None:
+def _run_hostile(as_user: bool, via: str) -> None:
     """Lay out the source, the home with a secret and a victim process, run the driver as the
-    target user, then check every side effect."""
+    target user with the namespaces backend ``via``, then check every side effect."""
+    if via == "bwrap" and shutil.which("bwrap") is None:
+        _skip_or_fail("bubblewrap (bwrap) is not installed (apt-get install bubblewrap)")
     tag = secrets.token_hex(6)
     src = Path(tempfile.mkdtemp(prefix="darts-hostile-src-", dir="/tmp"))
     victim = None
@@ -140,7 +142,7 @@ def _run_hostile(as_user: bool) -> None:
         listener.listen(5)
         spec = {"home": home, "secret": str(secret), "victim_pid": victim.pid, "tag": tag,
                 "listen_port": listener.getsockname()[1], "programs": _canonical_programs(20),
-                "isolation": None}
+                "isolation": None, "via": via}
         (src / "spec.json").write_text(json.dumps(spec))
         t0 = time.monotonic()
         driver = subprocess.run([python, str(src / "sandbox_attacks.py"), str(src / "spec.json"),
@@ -159,6 +161,7 @@ def _run_hostile(as_user: bool) -> None:
         assert out["uid"] == uid
         assert out["isolation"]["mode"] == "namespaces", out["isolation"]
         assert all(r["isolation"]["mode"] == "namespaces" for r in att.values())
+        assert all((r["isolation"].get("via") == "unshare") == (via == "unshare") for r in att.values())
         if uid == 0:
             assert all(r["isolation"]["uid"] not in (0, None) for r in att.values())
         # processes: the victim survived kill(-1) / kill(pid); nothing of the sandbox is left
@@ -207,11 +210,13 @@ def _run_hostile(as_user: bool) -> None:
 
 
 @pytest.mark.timeout(900)
-def test_hostile_set_as_unprivileged_user():
-    _run_hostile(as_user=True)
+@pytest.mark.parametrize("via", ["bwrap", "unshare"])
+def test_hostile_set_as_unprivileged_user(via):
+    """bubblewrap, and the child's own namespaces (the backend where bubblewrap is missing)."""
+    _run_hostile(as_user=True, via=via)
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not IS_ROOT, reason="the root case needs the tests to run as root")
 def test_hostile_set_as_root():
-    _run_hostile(as_user=False)
+    _run_hostile(as_user=False, via="bwrap")

@@ -34,8 +34,9 @@ import sys
 _write, _exit, _dumps, _getpid = os.write, os._exit, json.dumps, os.getpid
 
 CLONE_NEWNS, CLONE_NEWNET, CLONE_NEWUSER = 0x00020000, 0x40000000, 0x10000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_REMOUNT = 1, 2, 4, 32
-MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+CLONE_NEWIPC, CLONE_NEWUTS, CLONE_NEWPID = 0x08000000, 0x04000000, 0x20000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE, MS_RELATIME = 1024, 2048, 4096, 16384, 1 << 18, 1 << 21
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
 
@@ -165,6 +166,121 @@ def expose_imports(libc, stage_dir: str, iso: dict) -> None:
     iso["imports"] = "exposed read-only: " + ", ".join(shown)
 
 
+def _write_proc(path: str, text: str) -> None:
+    with open(path, "w", encoding="ascii") as f:
+        f.write(text)
+
+
+def _mount_points() -> list[str]:
+    """Mount points of this mount namespace (``/proc/self/mountinfo``, octal escapes undone),
+    shallowest first."""
+    out = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            mp = line.split()[4]
+            out.append(_unescape_octal(mp))
+    return sorted(set(out), key=lambda p: (p.count("/"), p))
+
+
+def _unescape_octal(s: str) -> str:
+    """Undo mountinfo's ``\\ooo`` escapes (space, tab, newline, backslash)."""
+    import re
+
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)
+
+
+def _under(path: str, roots) -> bool:
+    return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
+def enter_namespaces(libc, job: dict, iso: dict) -> None:
+    """The ``unshare`` backend of mode ``namespaces`` (no bubblewrap; not root): the same
+    isolation bubblewrap gives, made here. Fresh user (this uid mapped to itself), mount, PID,
+    network, IPC and UTS namespaces; ``job["hide"]`` (the home) and ``/tmp``, ``/dev/shm``
+    replaced by tmpfs, ``job["expose"]`` (import dirs under them) bound back read-only; every
+    other mount remounted read-only (keeping its locked flags); then a fork: this process waits
+    for the child and exits with its status, the child (PID 1 of the new PID namespace, its own
+    session, death signal on the parent) mounts a fresh ``/proc`` and returns. The capabilities
+    of the user namespace are dropped later, in :func:`setup` (:func:`drop_capabilities`).
+
+    Raises:
+        OSError: a namespace, a mount or a remount failed (the set-up fails closed).
+    """
+    import ctypes
+    import signal
+
+    uid, gid = os.getuid(), os.getgid()
+    flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | CLONE_NEWPID
+    if libc.unshare(flags) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"unshare(user, mount, pid, net, ipc, uts): {os.strerror(e)}")
+    _write_proc("/proc/self/setgroups", "deny")
+    _write_proc("/proc/self/uid_map", f"{uid} {uid} 1\n")
+    _write_proc("/proc/self/gid_map", f"{gid} {gid} 1\n")
+    _mount(libc, None, "/", None, MS_REC | MS_PRIVATE)  # nothing below propagates to the host
+    os.umask(0o022)
+    held = [(d, os.open(d, os.O_PATH | os.O_DIRECTORY)) for d in job["expose"]]
+    private = [*job["hide"], "/tmp"] + (["/dev/shm"] if os.path.isdir("/dev/shm") else [])
+    for d in private:
+        mode = "1777" if d in ("/tmp", "/dev/shm") else "0755"
+        _mount(libc, "tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, f"mode={mode},size=64m")
+    for d, fd in held:
+        os.makedirs(d, 0o755, exist_ok=True)
+        _mount(libc, f"/proc/self/fd/{fd}", d, None, MS_BIND | MS_REC)
+        os.close(fd)
+    # statvfs ST_* bit -> the MS_* flag a bind remount must keep (a user namespace cannot clear them)
+    kept = {2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: MS_NOATIME, 2048: MS_NODIRATIME, 4096: MS_RELATIME}
+    for mp in _mount_points():
+        if mp in private or _under(mp, ["/proc"]):
+            continue  # the private tmpfs stay writable; /proc is replaced below
+        try:
+            st = os.statvfs(mp)
+        except OSError:
+            continue  # covered by one of the tmpfs above (a host mount under /tmp or the home)
+        extra = 0
+        for st_bit, ms_bit in kept.items():
+            if st.f_flag & st_bit:
+                extra |= ms_bit
+        _mount(libc, None, mp, None, MS_REMOUNT | MS_BIND | MS_RDONLY | extra)
+    pid = os.fork()
+    if pid:  # outside the PID namespace: wait, then pass the child's status on
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _pid, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0:
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        _exit(code if code >= 0 else 128 - code)
+    libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    os.setsid()
+    _mount(libc, "proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    iso["via"] = "unshare"
+
+
+def drop_capabilities(libc) -> None:
+    """Drop every capability (effective, permitted, inheritable, ambient, bounding set) that the
+    user namespace gave this process, so the program cannot undo the mounts; checks
+    ``/proc/self/status``.
+
+    Raises:
+        RuntimeError: a capability is left.
+    """
+    import ctypes
+
+    for cap in range(64):
+        libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (EINVAL past the last capability: ignored)
+    libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # two {effective, permitted, inheritable}: all zero
+    if libc.capset(header, data) != 0:
+        raise RuntimeError(f"capset failed: {_errno_text()}")
+    with open("/proc/self/status", encoding="ascii") as f:
+        caps = {k: v.strip() for k, v in (ln.split(":", 1) for ln in f if ln.startswith("Cap"))}
+    left = {k: v for k, v in caps.items() if int(v, 16) != 0}
+    if left:
+        raise RuntimeError(f"capabilities left after the drop: {left}")
+
+
 def _limit(res: int, soft: int, hard: int | None = None) -> None:
     import resource
 
@@ -217,9 +333,12 @@ def setup(job: dict, iso: dict):
     is_root = os.geteuid() == 0
 
     iso["net"] = "open"
-    in_namespaces = bool(job.get("namespaces"))
+    via = job.get("namespaces") or ""
+    in_namespaces = bool(via)
+    if via == "unshare":
+        enter_namespaces(libc, job, iso)
     if in_namespaces:
-        iso["net"] = "netns"  # the host's bubblewrap made an empty network namespace
+        iso["net"] = "netns"  # an empty network namespace (bubblewrap's, or enter_namespaces')
     elif job["isolate_network"]:
         isolate_network(libc, is_root, iso)
 
@@ -238,6 +357,8 @@ def setup(job: dict, iso: dict):
     uid, gid = job["uid"], job["gid"]
     if is_root and uid is not None:
         drop_privileges(uid, gid)
+    if via == "unshare":
+        drop_capabilities(libc)
     if in_namespaces:  # a private tmpfs /tmp: the workdir is made by the (dropped) uid itself
         os.makedirs(job["workdir"], 0o700)
         os.chdir(job["workdir"])

@@ -114,7 +114,7 @@ from typing import Any
 
 __all__ = ["SandboxResult", "SandboxError", "IsolationError", "run_program", "run_programs", "DEFAULT_PRELOAD",
            "STATUSES", "MODES", "CHILD_PATH", "ALLOW_UNISOLATED_ENV", "available_isolation", "isolation_record",
-           "require_isolation", "allow_unisolated", "unisolated_allowed"]
+           "require_isolation", "allow_unisolated", "unisolated_allowed", "namespaces_backend"]
 
 STATUSES = ("passed", "failed", "timeout", "memory", "output_limit", "sys_exit", "crashed")
 
@@ -276,8 +276,8 @@ def _read_tail(path: Path, n: int) -> tuple[str, int]:
 
 def _parse_result(path: Path, token: str, pid: int) -> tuple[bool, dict[str, Any] | None]:
     """``(started, final record)`` from the result file: the child writes a ``started`` line
-    before any program code runs, then one final line; lines without this run's token and the
-    child's pid are ignored."""
+    before any program code runs, then one final line; lines without this run's token (and,
+    for the final line, the child's pid) are ignored."""
     try:
         with open(path, "rb") as f:
             data = f.read(_RESULT_CAP)
@@ -289,11 +289,12 @@ def _parse_result(path: Path, token: str, pid: int) -> tuple[bool, dict[str, Any
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and rec.get("token") == token and rec.get("pid") == pid:
-            if rec.get("started"):
-                started = True
-            else:
-                found = rec
+        if not isinstance(rec, dict) or rec.get("token") != token:
+            continue
+        if rec.get("started"):  # written before any namespace is entered (its pid may differ)
+            started = True
+        elif rec.get("pid") == pid:
+            found = rec
     return started, found
 
 
@@ -311,7 +312,9 @@ MODES = ("namespaces", "uid-drop", "none")
 #: ``--allow-unisolated`` and the config key ``allow_unisolated``; inherited by Ray workers
 #: started from that process)
 ALLOW_UNISOLATED_ENV = "DARTS_BENCH_ALLOW_UNISOLATED"
-_NS_PID = 2  # bubblewrap's reaper is PID 1 of the sandbox's PID namespace, the child PID 2
+#: the child's pid in its PID namespace: bubblewrap's reaper is PID 1 there; the unshare backend's
+#: child is PID 1 itself
+_NS_PID = {"bwrap": 2, "unshare": 1}
 _NS_WORKDIR = "/tmp/work"
 
 
@@ -417,13 +420,40 @@ def _bwrap_command(bwrap: str, root: bool) -> list[str]:
     return args + ["--chdir", "/tmp", "--"]
 
 
-def available_isolation() -> str:
-    """The strongest mode this process can use (:data:`MODES`): ``namespaces`` where bubblewrap
-    can make the namespaces, else ``uid-drop`` when running as root, else ``none``."""
+@functools.cache
+def _probe_unshare() -> tuple[bool, str]:
+    """``(works, why not)``: whether the child can make the namespaces itself (the ``unshare``
+    backend, for a non-root user without bubblewrap); one trivial program, once per process."""
+    if os.geteuid() == 0:
+        return False, "the unshare backend is for non-root users (root: bubblewrap or uid-drop)"
+    try:
+        res = _execute("assert True", mode="namespaces", via="unshare", timeout_s=10.0, memory_mb=256)
+    except SandboxError as e:
+        return False, f"the child cannot make the namespaces itself: {e}"
+    if not res.passed:
+        return False, f"the child cannot make the namespaces itself: {res.status} {res.reason}"
+    return True, ""
+
+
+def namespaces_backend() -> str | None:
+    """How mode ``namespaces`` is made here: ``"bwrap"`` (bubblewrap), ``"unshare"`` (the child
+    itself, non-root, where bubblewrap is missing or cannot run but user namespaces work), or
+    None (not available)."""
     root = os.geteuid() == 0
     if _probe_bwrap(root)[0]:
+        return "bwrap"
+    if not root and _probe_unshare()[0]:
+        return "unshare"
+    return None
+
+
+def available_isolation() -> str:
+    """The strongest mode this process can use (:data:`MODES`): ``namespaces`` where bubblewrap
+    (or, not as root, the child itself) can make the namespaces, else ``uid-drop`` when running
+    as root, else ``none``."""
+    if namespaces_backend() is not None:
         return "namespaces"
-    return "uid-drop" if root else "none"
+    return "uid-drop" if os.geteuid() == 0 else "none"
 
 
 def unisolated_allowed() -> bool:
@@ -462,11 +492,15 @@ def isolation_record(mode: str | None = None) -> dict[str, Any]:
     bwrap, ver, why = _probe_bwrap(root)
     rec: dict[str, Any] = {"mode": mode, "uid": uid, "allow_unisolated": unisolated_allowed()}
     if mode == "namespaces":
-        if bwrap is None:
-            raise IsolationError(f"sandbox isolation 'namespaces' is not available: {why}")
-        rec.update(via=ver or "bwrap", namespaces=(["mount", "pid", "net", "ipc", "uts"] if root else
-                                                    ["user", "mount", "pid", "net", "ipc", "uts"]),
-                   read_only=["/"], hidden=_hidden_dirs(), private=["/tmp", "/dev", "/proc"],
+        backend = namespaces_backend()
+        if backend is None:
+            why_unshare = "" if root else f"; {_probe_unshare()[1]}"
+            raise IsolationError(f"sandbox isolation 'namespaces' is not available: {why}{why_unshare}")
+        rec.update(via=(ver or "bwrap") if backend == "bwrap" else f"unshare in the child ({why})",
+                   namespaces=(["mount", "pid", "net", "ipc", "uts"] if root else
+                               ["user", "mount", "pid", "net", "ipc", "uts"]),
+                   read_only=["/"], hidden=_hidden_dirs(),
+                   private=["/tmp", "/dev", "/proc"] if backend == "bwrap" else ["/tmp", "/dev/shm", "/proc"],
                    note="no seccomp filter or cgroup: CPU, memory, file size and process count are "
                         "rlimits per program")
     elif mode == "uid-drop":
@@ -488,11 +522,14 @@ def require_isolation(mode: str | None = None) -> dict[str, Any]:
     work that ends in executing generated code."""
     rec = isolation_record(mode)
     if rec["mode"] == "none" and not rec["allow_unisolated"]:
+        why = _probe_bwrap(os.geteuid() == 0)[2] or "mode none was requested"
+        if os.geteuid() != 0 and _probe_bwrap(False)[2]:
+            why += f"; {_probe_unshare()[1]}"
         raise IsolationError(
             "refusing to execute generated code without isolation: as this user (uid "
             f"{os.geteuid()}) a completion could kill your processes (kill(-1)), write into your "
             "home and venv (a .pth file runs in your next Python) and leave processes behind. "
-            f"Why no namespaces: {_probe_bwrap(os.geteuid() == 0)[2] or 'mode none was requested'}. "
+            f"Why no namespaces: {why}. "
             "Fix: install bubblewrap "
             "(Debian/Ubuntu: apt-get install bubblewrap) where user namespaces are enabled, or run "
             "in a container (README 'Clusters without user namespaces'); or accept the risk with "
@@ -544,6 +581,7 @@ def run_program(
     tmp_dir: str | os.PathLike | None = None,
     expose_imports: bool = True,
     isolation: str | None = None,
+    namespaces_via: str | None = None,
 ) -> SandboxResult:
     """Execute ``program`` (Python source) in a sandboxed subprocess; see the module docstring.
 
@@ -567,6 +605,8 @@ def run_program(
         tmp_dir: where the host's private temp dir (job, output and result files) is made
             (default: the system temp dir).
         isolation: one of :data:`MODES`; None: :func:`available_isolation`.
+        namespaces_via: mode ``namespaces`` only: ``"bwrap"`` or ``"unshare"`` (non-root); None:
+            :func:`namespaces_backend`.
     Returns:
         :class:`SandboxResult`; ``passed`` is true only if the runner confirmed, with this run's
         token, that ``exec`` returned normally. ``isolation`` holds ``mode`` and what the child
@@ -580,12 +620,35 @@ def run_program(
     if timeout_s <= 0 or memory_mb <= 0:
         raise ValueError("run_program: timeout_s and memory_mb must be positive")
     mode = require_isolation(isolation)["mode"]
+    via = None
+    if mode == "namespaces":
+        via = namespaces_via or namespaces_backend()
+        if via not in ("bwrap", "unshare"):
+            raise ValueError(f"run_program: namespaces_via must be 'bwrap' or 'unshare', got {via!r}")
+        if via == "bwrap" and _probe_bwrap(os.geteuid() == 0)[0] is None:
+            raise IsolationError(f"bubblewrap is not usable here: {_probe_bwrap(os.geteuid() == 0)[2]}")
+        if via == "unshare" and os.geteuid() == 0:
+            raise ValueError("run_program: the unshare backend is for non-root users")
+    return _execute(program, mode=mode, via=via, timeout_s=timeout_s, memory_mb=memory_mb,
+                    output_limit_bytes=output_limit_bytes, max_procs=max_procs, max_open_files=max_open_files,
+                    grace_s=grace_s, isolate_uid=isolate_uid, isolate_network=isolate_network, guard=guard,
+                    preload=preload, tmp_dir=tmp_dir, expose_imports=expose_imports)
+
+
+def _execute(program: str, *, mode: str, via: str | None, timeout_s: float, memory_mb: int,
+             output_limit_bytes: int = 1 << 20, max_procs: int = 32, max_open_files: int = 64,
+             grace_s: float = 1.0, isolate_uid: bool = True, isolate_network: bool = True, guard: bool = True,
+             preload: Sequence[str] = DEFAULT_PRELOAD, tmp_dir: str | os.PathLike | None = None,
+             expose_imports: bool = True) -> SandboxResult:
+    """:func:`run_program` once the mode (and, for ``namespaces``, the backend ``via``) is
+    settled; no isolation check here."""
     t0 = time.monotonic()
     root = os.geteuid() == 0
     in_ns = mode == "namespaces"
     drop = isolate_uid and root and mode != "none"
     uid = _pick_uid() if drop else None
-    prefix = _bwrap_command(_probe_bwrap(root)[0], root) if in_ns else []
+    prefix = _bwrap_command(_probe_bwrap(root)[0], root) if via == "bwrap" else []
+    hide = _hidden_dirs() if via == "unshare" else []
     base = Path(tempfile.mkdtemp(prefix="darts-sandbox-", dir=tmp_dir))
     proc = None
     try:
@@ -604,7 +667,8 @@ def run_program(
             "as_bytes": int(memory_mb) * 1024 * 1024, "isolate_network": bool(isolate_network),
             "guard": bool(guard), "preload": list(preload), "timeout_s": float(timeout_s),
             "expose_imports": bool(expose_imports) and not in_ns, "stage_dir": str(base / "stage"),
-            "namespaces": in_ns,
+            "namespaces": via or "", "hide": hide,
+            "expose": _exposed_dirs([*hide, "/tmp", "/dev/shm"]) if via == "unshare" else [],
         }
         job_path = base / "job.json"
         fd = os.open(job_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -632,7 +696,7 @@ def run_program(
             _reap_uid(uid, uid)
         duration = time.monotonic() - t0
         tail, out_size = _read_tail(out_path, _TAIL_BYTES)
-        started, rec = _parse_result(res_path, token, _NS_PID if in_ns else proc.pid)
+        started, rec = _parse_result(res_path, token, _NS_PID[via] if in_ns else proc.pid)
         iso = {"mode": mode, **(dict(rec.get("isolation") or {}) if rec else {})}
         iso.setdefault("uid", uid if drop else os.geteuid())
         if rec and rec.get("setup_error"):
