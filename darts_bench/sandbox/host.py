@@ -15,10 +15,16 @@ Isolation modes (:data:`MODES`, chosen by :func:`available_isolation`, recorded 
   own processes, and every process of the namespace ends when the program does (the host kills
   the reaper on a timeout). As root there is no user namespace (uid 0 inside would own root's
   files outside): bubblewrap keeps only ``CAP_SETUID``/``CAP_SETGID`` and the child drops to a
-  fresh uid as below (the root path is the layer inside);
+  fresh uid as below (the root path is the layer inside). Not as root, where bubblewrap is
+  missing or cannot run but user namespaces work, the child makes the same namespaces itself
+  (the ``unshare`` backend, :func:`namespaces_backend`; ``darts_bench.sandbox.child.
+  enter_namespaces``): every mount remounted read-only, the home, ``/tmp`` and ``/dev/shm`` on
+  tmpfs, the program PID 1 of its PID namespace in its own session, a fresh ``/proc``, and all
+  capabilities of the user namespace dropped (checked) before the program runs;
 * ``uid-drop`` (root without a working bubblewrap): the pre-namespace design below -- a fresh
   unprivileged uid per program, a network namespace, a mount namespace only to expose imports;
-* ``none`` (not root, no bubblewrap or no user namespaces): the program runs as the calling user.
+* ``none`` (not root and no user namespaces, for bubblewrap or the child): the program runs as
+  the calling user.
   Refused (:class:`IsolationError`) unless allowed: :func:`allow_unisolated`, the CLI's
   ``--allow-unisolated``, the config's ``allow_unisolated``, ``$DARTS_BENCH_ALLOW_UNISOLATED=1``.
 
