@@ -304,10 +304,9 @@ def write_report(pipe, results: dict) -> pd.DataFrame:
         # the protocol on record per task (name, version, template, stops; AlpacaEval annotator, reference)
         "protocols": protocol_summary({t: results[rows[0]["model"]][t].meta for t in pipe.task_names}),
         "packages": _versions(),
+        "isolation": isolation_record(),  # issue 30 (sandbox branch): what contained generated code
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        # issue 30 (sandbox branch): what contained generated code in this process
-        "isolation": isolation_record(),
         "pool": {"key": pipe.pool().key, "build_report": pipe.pool().report},
         "merges": {m: p.name for m, p in pipe.merge().items()},
         "calibration": {"splits": pipe.cfg.calibration.splits,
