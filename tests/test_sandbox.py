@@ -474,3 +474,18 @@ def test_cli_refuses_unisolated_naming_the_risk_and_the_flag(tmp_path, monkeypat
     assert "NO isolation" in capsys.readouterr().err
     rec = _json.loads((tmp_path / "res.json").read_text())["isolation"]
     assert rec["mode"] == "none" and rec["allow_unisolated"] is True
+
+
+def test_run_refuses_before_any_stage_when_code_would_run_unisolated(tmp_path, monkeypatch, capsys):
+    """`run` with a task that executes code (Task.runs_code) refuses at start-up, before the pool or
+    any stage (nothing written); --dry-run only plans and is not refused."""
+    from darts_bench.cli import main
+
+    monkeypatch.setenv(ALLOW_UNISOLATED_ENV, "0")
+    monkeypatch.setattr(sandbox_host, "available_isolation", lambda: "none")
+    work = tmp_path / "work"
+    args = ["--config", "micro", "--out", str(tmp_path / "out"), "--set", f"work_dir={work}"]
+    assert main(["run", "--suite", "humaneval", *args]) == 2
+    assert "refusing to execute generated code" in capsys.readouterr().err
+    assert not work.exists() and not (tmp_path / "out").exists()
+    assert main(["run", "--suite", "humaneval", "--dry-run", *args]) == 0
