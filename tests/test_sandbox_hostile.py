@@ -47,9 +47,10 @@ def _ensure_user() -> pwd.struct_passwd:
         return pwd.getpwnam(USER)
     except KeyError:
         pass
-    if shutil.which("useradd") is None:
+    useradd = shutil.which("useradd") or shutil.which("useradd", path="/usr/sbin:/sbin")
+    if useradd is None:
         _skip_or_fail("useradd is not installed: cannot create the unprivileged test user")
-    subprocess.run(["useradd", "--create-home", "--home-dir", f"/home/{USER}", "--shell", "/bin/sh",
+    subprocess.run([useradd, "--create-home", "--home-dir", f"/home/{USER}", "--shell", "/bin/sh",
                     "--user-group", USER], check=True, capture_output=True)
     return pwd.getpwnam(USER)
 
