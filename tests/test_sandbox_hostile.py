@@ -114,7 +114,7 @@ def _run_hostile(as_user: bool, via: str) -> None:
         _skip_or_fail("bubblewrap (bwrap) is not installed (apt-get install bubblewrap)")
     tag = secrets.token_hex(6)
     src = Path(tempfile.mkdtemp(prefix="darts-hostile-src-", dir="/tmp"))
-    victim = None
+    victim = secret = None
     made_home = None
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -204,6 +204,8 @@ def _run_hostile(as_user: bool, via: str) -> None:
                 p.unlink()
         Path(f"/tmp/darts-stolen-{tag}").unlink(missing_ok=True)
         shutil.rmtree(src, ignore_errors=True)
+        if secret is not None:
+            secret.unlink(missing_ok=True)
         if made_home:
             shutil.rmtree(made_home, ignore_errors=True)
         for pid in _procs_with_cmdline(f"sleep\x00{987000 + int(tag[-3:], 16) % 1000}"):
