@@ -2,8 +2,8 @@
 
     darts-bench run --suite all|TASK|TASK,TASK... [--config NAME|PATH] [--limit N] [--out DIR] [--set K=V ...]
     darts-bench pool | merge | collect | train | evaluate | report   (each stage alone, same options)
-    darts-bench score TASK SAMPLES.jsonl [--protocol NAME] [--problems FILE] [--out FILE]
-    darts-bench compare BASELINE_DIR NEW_DIR [--out FILE]   (exit 1 on a regression)
+    darts-bench score TASK SAMPLES.jsonl [--protocol NAME] [--problems FILE] [--out FILE] [--allow-unisolated]
+    darts-bench compare BASELINE_DIR NEW_DIR [--out FILE] [--allow-config-change]   (exit 1 on a regression)
 
 Task names come from the registry (:func:`darts_bench.api.available_tasks`: the folders under
 ``tasks/`` and those in ``DARTS_BENCH_TASKS_PATH``), read when the parser is built.
@@ -21,6 +21,7 @@ import time
 
 from darts_bench.api import available_tasks, resolve_suite
 from darts_bench.config import Config, ConfigError, load_config
+from darts_bench.sandbox import SandboxError
 
 log = logging.getLogger("darts_bench")
 STAGE_HELP = {
@@ -70,6 +71,36 @@ def _common(p: argparse.ArgumentParser, tasks: list[str]) -> None:
                    help="evaluate only rows matching these patterns (evaluate.rows), e.g. 'base,expert:*'; "
                         "merges and heads are built only when a selected row needs them")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    _allow_unisolated_flag(p)
+
+
+def _allow_unisolated_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-unisolated", action="store_true",
+                   help="execute generated code (HumanEval) even where the sandbox has no namespace isolation "
+                        "(no bubblewrap / user namespaces, not root): such code can kill your processes and "
+                        "write your files (config: allow_unisolated: true)")
+
+
+def _check_isolation(args, cfg: Config, task_names: list[str]) -> dict | None:
+    """At start-up, before any stage: when a selected task executes generated code
+    (``Task.runs_code``), say which sandbox isolation is in effect, and refuse (IsolationError)
+    when there is none unless ``--allow-unisolated`` / ``allow_unisolated``. Returns the
+    isolation record, or None when no selected task runs code."""
+    from darts_bench import sandbox
+    from darts_bench.api import get_task
+
+    if getattr(args, "allow_unisolated", False) or cfg.allow_unisolated:
+        sandbox.allow_unisolated()  # the environment: inherited by local Ray workers and subprocesses
+    if not any(getattr(get_task(t), "runs_code", False) for t in task_names):
+        return None
+    rec = sandbox.require_isolation()
+    if rec["mode"] == "none":
+        log.warning("sandbox: NO isolation (--allow-unisolated): generated code runs as uid %s and can harm "
+                    "this user's files and processes; %s", rec["uid"], rec["note"])
+    else:
+        log.info("sandbox: isolation %s (%s; namespaces: %s; uid: %s)", rec["mode"], rec["via"],
+                 ", ".join(rec["namespaces"]), rec["uid"])
+    return rec
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,11 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default="tiny", help="config whose task settings (timeouts, k) apply")
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config entry (e.g. tasks.humaneval.timeout_s=10)")
+    _allow_unisolated_flag(s)
     c = sub.add_parser("compare", help="list the table cells of NEW_DIR that moved beyond tolerance from BASELINE_DIR; "
                        "exit 1 on a regression")
     c.add_argument("baseline", help="baseline results dir (results.json + table_<task>.csv)")
     c.add_argument("new", help="results dir of the new run")
     c.add_argument("--out", default=None, help="also write the markdown report here (e.g. a CI job summary)")
+    c.add_argument("--allow-config-change", action="store_true",
+                   help="compare runs whose config, suite, seed or limits differ (refused by default: moved cells "
+                        "would be the configuration's doing)")
     return ap
 
 
@@ -144,6 +179,7 @@ def cmd_score(args) -> int:
 
     cfg = _load(args)
     task = get_task(args.task)
+    isolation = _check_isolation(args, cfg, [args.task])
     if task.score_samples is None:
         log.error("darts-bench score %s: this task has no offline scorer (Task.score_samples; e.g. its protocol "
                   "needs a judge model: run `darts-bench evaluate` instead)", args.task)
@@ -159,6 +195,8 @@ def cmd_score(args) -> int:
             return 2
         opts["problems_file"] = args.problems
     res = task.score_samples(args.samples, getattr(cfg.tasks, args.task), cfg.resolved_data_dir(), **opts)
+    if isolation is not None:
+        res["isolation"] = isolation
     text = json.dumps(res, indent=1, default=str)
     if args.out:
         from pathlib import Path
@@ -184,8 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "compare":
             from darts_bench.report.compare import run_compare
 
-            return run_compare(args.baseline, args.new, args.out)
+            return run_compare(args.baseline, args.new, args.out, allow_config_change=args.allow_config_change)
         cfg = _load(args)
+        if args.command == "evaluate" or (args.command == "run" and not args.dry_run):
+            _check_isolation(args, cfg, resolve_suite(args.suite, cfg.tasks))
         if args.command == "run" and args.dry_run:
             from darts_bench.plan import print_plan
 
@@ -206,9 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             log.info("results written to %s (%.0f s): table.md, table.csv, claims.md", pipe.out_dir,
                      time.perf_counter() - t0)
         return 0
-    except (ConfigError, OSError, ValueError, KeyError, FloatingPointError) as e:
+    except (ConfigError, OSError, ValueError, KeyError, FloatingPointError, SandboxError) as e:
         log.error("%s: %s", type(e).__name__, e)
         return 2
+
 
 
 if __name__ == "__main__":

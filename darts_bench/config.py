@@ -351,6 +351,12 @@ class Config(_Strict):
         None, description="head seeds (head init, batch order, held-out split); one set of corrected rows "
         "per seed, reported as mean and spread. None: the single run seed `seed` (rows not tagged)")
     sweep: SweepConfig = SweepConfig()
+    # issue 30: not in model_dump (so not in results.json's config or any digest); the sandbox's
+    # isolation record (manifest "isolation") says whether it was used
+    allow_unisolated: bool = Field(
+        False, exclude=True, description="execute generated code (HumanEval) even without namespace isolation "
+        "(no bubblewrap / user namespaces and not root): such code can harm this user's files and "
+        "processes; CLI --allow-unisolated")
 
     @field_validator("seeds")
     @classmethod
@@ -428,6 +434,10 @@ def _format_error(err: ValidationError, source: str) -> str:
 def resolve_config_path(name_or_path: str) -> Path:
     """A packaged config name (``tiny``, ``smollm2-135m``, ``llama2-7b``) or a YAML path."""
     p = Path(name_or_path)
+    if p.is_dir():
+        raise ConfigError(f"--config {str(p)!r} is a directory, not a YAML file: pass a file such as "
+                          f"{str(p / 'my-config.yaml')!r} or a packaged config name "
+                          f"{sorted(x.stem for x in CONFIG_DIR.glob('*.yaml'))}")
     if p.suffix in (".yaml", ".yml") or p.exists():
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
@@ -443,13 +453,19 @@ def load_config(name_or_path: str = "tiny", overrides: list[str] | None = None) 
     """Load and validate a config; ``overrides`` are ``dotted.key=value`` strings (YAML-parsed).
 
     Raises:
-        ConfigError: unknown config, YAML syntax error, unknown key, wrong type or range.
+        ConfigError: unknown config, a directory, an empty file (no YAML document: it would
+            silently be the full default run; ``{}`` asks for the defaults explicitly), YAML
+            syntax error, unknown key, wrong type or range.
     """
     path = resolve_config_path(name_or_path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"YAML syntax error in {path}: {e}") from None
+    if raw is None:
+        raise ConfigError(f"config file {path} is empty (no YAML document): it would silently run the full "
+                          "default suite. Start from a packaged config (e.g. --config tiny, files in "
+                          f"{CONFIG_DIR}), or write `{{}}` to ask for the defaults explicitly")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(raw).__name__}")
     raw = copy.deepcopy(raw)

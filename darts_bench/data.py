@@ -34,15 +34,20 @@ def read_jsonl(path: Path, required: Iterable[str] = (),
     may return a problem description, reported with the file and line.
 
     Raises:
-        DataError: unreadable file, bad JSON on a line, a record missing a required field or failing
-            ``check``, or no records.
+        DataError: unreadable file, invalid UTF-8 or bad JSON on a line, a record missing a required
+            field or failing ``check``, or no records (each naming the file and line).
     """
     required = tuple(required)
     opener = gzip.open if str(path).endswith(".gz") else open
     out = []
     try:
-        with opener(path, "rt", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
+        with opener(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:  # decoded per line, so that invalid UTF-8 is reported by line, not byte offset
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not valid UTF-8 (byte {raw[e.start]:#04x} at column "
+                                    f"{e.start + 1}); save the file as UTF-8") from None
                 if not line.strip():
                     continue
                 try:

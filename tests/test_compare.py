@@ -142,3 +142,34 @@ def test_numeric_ci_columns_give_the_same_tolerances(tmp_path):
     cells, _ = compare(new, moved)
     assert {(c.row, c.column) for c in cells if c.status == "regression"} == \
         {("ties+darts - ties+surgery", "humaneval_ref_nll")}
+
+
+def test_runs_of_different_configs_are_refused_unless_allowed(tmp_path, capsys):
+    """Issue 30: comparing two experiments (here another rank, seed and limit) is refused with the
+    differences named, instead of hundreds of "regressions"; --allow-config-change compares anyway."""
+    from darts_bench.report.compare import ConfigChangeError, config_changes
+
+    new = _copy(tmp_path)
+
+    def other_experiment(rows, payload):
+        m = payload["manifest"]
+        m["config"]["surgery"]["rank"] += 8
+        m["seed"] += 1
+        m["limits"]["gsm8k"] -= 1
+        m["config"]["work_dir"] = "/elsewhere"  # a place, not the experiment
+        m["config"]["evaluate"]["a_key_added_later"] = 1  # one side only: a schema change, not a difference
+
+    _edit_rows(new, other_experiment)
+    base_m = json.loads((TINY / "results.json").read_text())["manifest"]
+    changes = config_changes(base_m, json.loads((new / "results.json").read_text())["manifest"])
+    assert len(changes) == 3 and any(c.startswith("config.surgery.rank: ") for c in changes), changes
+    with pytest.raises(ConfigChangeError, match="--allow-config-change") as e:
+        compare(TINY, new)
+    assert "config.surgery.rank" in str(e.value) and "seed: " in str(e.value) and "limits: " in str(e.value)
+    assert main(["compare", str(TINY), str(new)]) == 2
+    assert "refusing to compare" in capsys.readouterr().err
+    assert main(["compare", str(TINY), str(new), "--allow-config-change"]) == 0
+    assert "Warning: the two runs differ in seed, suite or config" in capsys.readouterr().out
+    same = _copy(tmp_path / "b")
+    _edit_rows(same, lambda rows, p: p["manifest"]["config"].update(work_dir="/elsewhere", out_dir="x"))
+    assert config_changes(base_m, json.loads((same / "results.json").read_text())["manifest"]) == []

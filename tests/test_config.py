@@ -78,3 +78,33 @@ def test_cli_rejects_non_positive_limit(capsys):
         with pytest.raises(SystemExit):
             main(["run", "--dry-run", "--limit", bad])
         assert "positive integer" in capsys.readouterr().err
+
+
+def test_empty_config_file_is_an_error(tmp_path):
+    """An empty file (or only comments) would silently be the full default run (issue 30)."""
+    for text in ("", "# nothing yet\n", "\n\n"):
+        p = tmp_path / "empty.yaml"
+        p.write_text(text)
+        with pytest.raises(ConfigError, match="is empty") as e:
+            load_config(str(p))
+        assert str(p) in str(e.value) and "--config tiny" in str(e.value)
+    p.write_text("{}\n")  # the defaults, asked for explicitly
+    assert load_config(str(p)).name == "empty"
+
+
+def test_directory_as_config_says_so(tmp_path, capsys):
+    from darts_bench.cli import main
+
+    with pytest.raises(ConfigError, match="is a directory, not a YAML file") as e:
+        load_config(str(tmp_path))
+    assert str(tmp_path) in str(e.value) and "tiny" in str(e.value)
+    assert main(["run", "--dry-run", "--config", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_allow_unisolated_key_stays_out_of_dumps_and_digests():
+    on, off = load_config("tiny", ["allow_unisolated=true"]), load_config("tiny")
+    assert on.allow_unisolated is True and off.allow_unisolated is False
+    assert "allow_unisolated" not in on.model_dump(mode="json") and on.digest() == off.digest()
+    with pytest.raises(ConfigError, match="allow_unisolated"):
+        load_config("tiny", ["allow_unisolated=maybe"])

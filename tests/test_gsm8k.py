@@ -291,3 +291,32 @@ def test_score_cli_on_external_samples(tmp_path, capsys):
     assert m["gsm8k_em_strict"] == pytest.approx(1 / 3) and m["gsm8k_em_flexible"] == pytest.approx(2 / 3)
     f.write_text('{"doc_id": 99999, "response": "x"}\n')
     assert main(["score", "gsm8k", str(f), "--data-dir", str(DATA)]) == 2
+
+
+@needs_data
+def test_score_bad_ids_and_encoding_name_the_line(tmp_path):
+    """A duplicate doc_id (or the same question twice), a string doc_id and invalid UTF-8 each fail
+    naming the file and line (issue 30), instead of counting twice or citing a byte offset."""
+    import json as _json
+
+    gsm8k_score = mod.score_samples
+
+    q1 = _json.loads((DATA / "gsm8k" / "test.jsonl").read_text().splitlines()[1])["question"]
+    f = tmp_path / "s.jsonl"
+    cases = [
+        ('{"doc_id": 0, "response": "#### 1"}\n\n{"doc_id": 0, "response": "#### 2"}\n', ":3: ", "already has a response"),
+        ('{"doc_id": 1, "response": "#### 1"}\n' + _json.dumps({"question": q1, "response": "x"}) + "\n",
+         ":2: ", "test question 1"),
+        ('{"doc_id": 0, "response": "#### 1"}\n{"doc_id": "0", "response": "#### 1"}\n', ":2: ",
+         "doc_id '0' is a str; expected an integer index"),
+        ('{"doc_id": true, "response": "#### 1"}\n', ":1: ", "is a bool"),
+        ('{"doc_id": 0, "response": 7}\n', ":1: ", "response must be a string"),
+    ]
+    for text, where, what in cases:
+        f.write_text(text)
+        with pytest.raises(DataError) as e:
+            gsm8k_score(f, data_dir=DATA)
+        assert f"{f}{where}" in str(e.value) and what in str(e.value), (text, str(e.value))
+    f.write_bytes(b'{"doc_id": 0, "response": "#### 1"}\n{"doc_id": 1, "response": "caf\xe9 #### 2"}\n')
+    with pytest.raises(DataError, match=r":2: not valid UTF-8 \(byte 0xe9 at column 31\)"):
+        gsm8k_score(f, data_dir=DATA)

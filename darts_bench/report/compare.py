@@ -28,7 +28,9 @@ Each numeric cell gets a tolerance from the rule of its column (:func:`tolerance
 
 Rows or columns of the baseline missing from the new run are regressions; new ones are listed.
 The manifests' platform, Python, package versions, seed, pool key, limits and task versions are
-shown side by side (a config or seed difference is flagged: the comparison then says little).
+shown side by side. Runs of different experiments (config values, suite, seed or limits:
+:func:`config_changes`) are refused (:class:`ConfigChangeError`, exit status 2) unless
+``--allow-config-change``; then the differences are flagged and the comparison says little.
 """
 
 from __future__ import annotations
@@ -70,6 +72,37 @@ class Cell:
 
 class CompareError(ValueError):
     """A results dir cannot be compared (missing or malformed ``results.json``)."""
+
+
+class ConfigChangeError(CompareError):
+    """The two runs were made with different configurations, suites, seeds or limits."""
+
+
+#: config keys that name places, not the experiment
+CONFIG_PLACES = ("work_dir", "out_dir", "data_dir")
+
+
+def _config_diff(a: Any, b: Any, where: str, out: list[str]) -> None:
+    """Differing values of keys present on both sides (a key on one side only is a newer or older
+    schema, whose default the other run used, not a change of the experiment)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) & set(b)):
+            _config_diff(a[k], b[k], f"{where}.{k}" if where else str(k), out)
+    elif a != b:
+        out.append(f"{where}: {json.dumps(a, sort_keys=True)} -> {json.dumps(b, sort_keys=True)}")
+
+
+def config_changes(mb: dict, mn: dict) -> list[str]:
+    """What makes two runs different experiments: the seed, the suite, the example limits and the
+    config's values (less :data:`CONFIG_PLACES`), as ``"key: baseline -> new"`` lines."""
+    out: list[str] = []
+    for key in ("seed", "suite", "limits"):
+        if key in mb and key in mn and mb[key] != mn[key]:
+            out.append(f"{key}: {json.dumps(mb[key], sort_keys=True)} -> {json.dumps(mn[key], sort_keys=True)}")
+    cb = {k: v for k, v in (mb.get("config") or {}).items() if k not in CONFIG_PLACES}
+    cn = {k: v for k, v in (mn.get("config") or {}).items() if k not in CONFIG_PLACES}
+    _config_diff(cb, cn, "config", out)
+    return out
 
 
 def parse_ci(text: Any) -> tuple[float, float] | None:
@@ -199,14 +232,23 @@ def _compare_cell(row: str, col: str, b: Any, n: Any, base_row: dict, ci) -> Cel
     return Cell(row, col, b, n, status, tol, rule, note)
 
 
-def compare(baseline_dir: Path, new_dir: Path) -> tuple[list[Cell], dict]:
+def compare(baseline_dir: Path, new_dir: Path, allow_config_change: bool = False) -> tuple[list[Cell], dict]:
     """Every cell of the baseline's rows and per-task tables against the new run's.
 
     Returns ``(cells, manifests)`` with ``manifests`` = ``{"baseline": ..., "new": ...}``.
     Raises:
         CompareError: either dir is not a readable results dir.
+        ConfigChangeError: the runs differ in config, suite, seed or limits
+            (:func:`config_changes`) and ``allow_config_change`` is false.
     """
     base, new = load_results(Path(baseline_dir)), load_results(Path(new_dir))
+    changes = config_changes(base.get("manifest") or {}, new.get("manifest") or {})
+    if changes and not allow_config_change:
+        listed = "; ".join(changes[:8]) + (f"; ... {len(changes) - 8} more" if len(changes) > 8 else "")
+        raise ConfigChangeError(
+            f"refusing to compare {new_dir} with {baseline_dir}: they are runs of different experiments "
+            f"({len(changes)} difference(s): {listed}), so moved cells would be the configuration's doing, "
+            "not regressions. Rerun with the baseline's config, or pass --allow-config-change to compare anyway")
     cells: list[Cell] = []
     b_rows = {r["model"]: r for r in base["rows"]}
     n_rows = {r["model"]: r for r in new["rows"]}
@@ -357,14 +399,15 @@ def render(cells: list[Cell], manifests: dict, baseline_dir: str, new_dir: str, 
     return "\n".join(lines) + "\n"
 
 
-def run_compare(baseline_dir: str, new_dir: str, out: str | None = None) -> int:
+def run_compare(baseline_dir: str, new_dir: str, out: str | None = None, allow_config_change: bool = False) -> int:
     """Compare, print the markdown, write it to ``out`` and append it to ``$GITHUB_STEP_SUMMARY``.
 
     Returns the exit status: 0 no regression, 1 regression.
     Raises:
         CompareError: a dir is not a readable results dir.
+        ConfigChangeError: different experiments and not ``allow_config_change`` (:func:`compare`).
     """
-    cells, manifests = compare(Path(baseline_dir), Path(new_dir))
+    cells, manifests = compare(Path(baseline_dir), Path(new_dir), allow_config_change)
     text = render(cells, manifests, baseline_dir, new_dir)
     print(text, end="")
     if out:

@@ -29,6 +29,7 @@ from darts_bench.artifacts import atomic_write_text
 from darts_bench.report.protocols import protocol_header, protocol_summary
 from darts_bench.report.record import RunRecord
 from darts_bench.report.stats import metric_interval, paired_metric_interval
+from darts_bench.sandbox import isolation_record  # issue 30 (sandbox branch): the manifest's "isolation"
 
 log = logging.getLogger("darts_bench")
 SCHEMA_VERSION = 1
@@ -307,6 +308,7 @@ def write_report(record: RunRecord) -> pd.DataFrame:
         # the protocol on record per task (name, version, template, stops; AlpacaEval annotator, reference)
         "protocols": protocol_summary({t: results[rows[0]["model"]][t].meta for t in record.task_names}),
         "packages": _versions(),
+        "isolation": isolation_record(),  # issue 30 (sandbox branch): what contained generated code
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "pool": {"key": record.pool.key, "build_report": record.pool.report},

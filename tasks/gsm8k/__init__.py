@@ -108,25 +108,43 @@ def score_samples(samples_path: str | Path, data_dir: Path | None = None, protoc
     ``question`` (its exact text).
 
     Raises:
-        DataError: bad JSON, a missing field, an unknown question or doc_id (naming the line).
+        DataError: bad JSON or invalid UTF-8, a missing field, a non-string response, a doc_id that
+            is not an integer in range, an unknown question, or a test question given twice
+            (each naming the file and line).
     """
     path = Path(samples_path)
     proto = get_protocol(protocol)
     test = _load_split(data_dir, "test")
     by_q = {r["question"]: i for i, r in enumerate(test)}
-    recs = read_jsonl(path, required=("response",))
-    strict, flexible, ids, no_answer = [], [], [], []
-    for lineno, r in enumerate(recs, 1):
+    seen: set[int] = set()  # test indices with a response so far
+
+    def check(r: dict[str, Any]) -> str | None:
+        if not isinstance(r["response"], str):
+            return f"response must be a string, got {type(r['response']).__name__}"
         if "doc_id" in r:
             i = r["doc_id"]
-            if not isinstance(i, int) or not 0 <= i < len(test):
-                raise DataError(f"{path}: record {lineno}: doc_id {i!r} is not in 0..{len(test) - 1}")
+            if isinstance(i, bool) or not isinstance(i, int):
+                return (f"doc_id {i!r} is a {type(i).__name__}; expected an integer index into the GSM8K "
+                        f"test split (0..{len(test) - 1})")
+            if not 0 <= i < len(test):
+                return f"doc_id {i} is not in 0..{len(test) - 1}"
         elif "question" in r:
             if r["question"] not in by_q:
-                raise DataError(f"{path}: record {lineno}: question not found in the GSM8K test split")
+                return "question not found in the GSM8K test split"
             i = by_q[r["question"]]
         else:
-            raise DataError(f"{path}: record {lineno}: needs doc_id or question")
+            return "needs doc_id or question"
+        if i in seen:
+            return (f"test question {i} (doc_id {i}) already has a response on an earlier line; each question "
+                    "may be scored once")
+        seen.add(i)
+        r["_index"] = i
+        return None
+
+    recs = read_jsonl(path, required=("response",), check=check)
+    strict, flexible, ids, no_answer = [], [], [], []
+    for r in recs:
+        i = r.pop("_index")
         gold = test[i]["answer"]
         st = proto.extract_strict(r["response"])
         strict.append(float(proto.is_correct(st, gold)))

@@ -130,6 +130,8 @@ class HumanEvalTask(Task):
     config_model = HumanEvalConfig
     official_size = 164
     typical_tokens = {"prompt": 130, "reference": 60}
+    # executes generated code: the CLI checks the sandbox's isolation at start-up (issue 30)
+    runs_code = True
     order = 1
 
     def score_samples(self, samples_path: str | Path, config: HumanEvalConfig | None = None,
