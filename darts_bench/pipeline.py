@@ -204,11 +204,8 @@ class Pipeline:
             fmt = PromptFormatter(tok)
             out = {}
             for name in self.task_names:
-                task = get_task(name)
                 tcfg = getattr(self.cfg.tasks, name, None)
-                proto = getattr(tcfg, "protocol", None)
-                if proto is not None:
-                    task.protocol = proto  # every row gets the prompts of this one protocol
+                task = get_task(name, tcfg)  # task.protocol from tcfg: every row gets this protocol's prompts
                 if callable(getattr(task, "preflight", None)):
                     task.preflight(tcfg)  # e.g. a named AlpacaEval annotator's API key, before any generation
                 ex = task.examples(self.cfg.resolved_data_dir(), fmt, self.task_limit(name))
