@@ -13,6 +13,8 @@ import pytest
 
 from darts_bench.sandbox import SandboxResult, _live_pids_of_uid, run_program, run_programs
 
+pytestmark = [pytest.mark.subprocess]  # tests/README.md: markers
+
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="uid isolation needs the host to run as root")
 

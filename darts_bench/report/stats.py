@@ -68,7 +68,7 @@ def bootstrap_indices(n: int, n_boot: int, seed: int) -> np.ndarray:
     every bootstrap in darts-bench. Row ``r`` is what the ``r``-th of ``n_boot`` successive
     ``integers(0, n, n)`` (or ``choice(units, n, replace=True)``) calls on that generator return
     (numpy's bounded draws consume the bit generator's stream in the same order however they are
-    split into calls; tests/test_stats.py pins it), so per-replicate loops give the same resamples.
+    split into calls; tests/test_report_stats.py pins it), so per-replicate loops give the same resamples.
 
     Raises:
         ValueError: ``n`` < 1 or ``n_boot`` < 1.

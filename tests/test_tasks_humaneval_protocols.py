@@ -23,6 +23,8 @@ import darts_bench_tasks.humaneval as he  # noqa: E402
 from darts_bench_tasks.humaneval.protocols import (MERGELM_CODE_TEMPLATE, PROTOCOLS,  # noqa: E402
                                                    extract_fenced_code, get_protocol, mergelm_postprocess)
 
+pytestmark = [pytest.mark.subprocess]  # tests/README.md: markers
+
 
 def mergelm_reference(gen_seq: str) -> str:
     """MergeLM test_human_eval, verbatim logic: generation split + the per-completion clean-up."""
