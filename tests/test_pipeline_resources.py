@@ -20,7 +20,7 @@ from darts_bench.surgery.heads import load_head
 from darts_bench.surgery.losses import entropy_weights, kl_divergence, token_l1
 from darts_bench.surgery.train import make_token_data, split_by_sequence, train_head, weight_source
 
-pytestmark = [pytest.mark.micro, pytest.mark.subprocess]  # tests/README.md: markers
+pytestmark = [pytest.mark.micro]  # tests/README.md: markers
 
 
 def _in_memory_split(calib, fs, tr_seq, source, W_e, W_m):
