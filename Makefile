@@ -1,4 +1,5 @@
-# darts-bench: `make run` (full default pipeline) and `make test` (pytest). Both create .venv if missing.
+# darts-bench: `make run` (full default pipeline), `make test` (pytest, the full suite CI runs) and
+# `make test-fast` (no micro pool, Ray, DeepSpeed or slow test: tests/README.md). All create .venv if missing.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -10,7 +11,7 @@ export HF_DATASETS_OFFLINE := 1
 export TORCH_EXTENSIONS_DIR ?= $(abspath .cache/torch_extensions)
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install install-dev run test bench clean
+.PHONY: install install-dev run test test-fast bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -33,6 +34,10 @@ run: install
 
 test: install-dev
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+# the markers are declared in pyproject.toml; tests/README.md lists what each leaves out
+test-fast: install-dev
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not micro and not ray and not deepspeed and not slow" tests
 
 # make bench BENCH_ARGS="--tier smollm2-135m --model-dir DIR" for a real SmolLM2 checkpoint dir
 BENCH_ARGS ?=

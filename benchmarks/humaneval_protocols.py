@@ -21,7 +21,7 @@ import torch
 from darts_bench.api import EvalContext, _import_task_folder
 from darts_bench.config import HumanEvalConfig
 from darts_bench.evaluate.hf_model import HFTextModel, PromptFormatter, load_causal_lm
-from darts_bench.report.tables import bootstrap_ci
+from darts_bench.report.stats import mean_ci
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -63,7 +63,8 @@ def main() -> None:
         t0 = time.perf_counter()
         res = task.evaluate(model, ex, EvalContext(config=cfg, data_dir=None, seed=0, work_dir=work))
         secs = time.perf_counter() - t0
-        mean, lo, hi = bootstrap_ci(res.per_example["pass@1"], 2000, 0)
+        iv = mean_ci(res.per_example["pass@1"], 2000, 0)
+        mean, lo, hi = iv.estimate, iv.lo, iv.hi
         out["protocols"][name] = {
             "pass@1": mean, "pass@1_ci95": [lo, hi], "empty_rate": res.metrics["humaneval_empty_rate"],
             "status_counts": res.meta["status_counts"], "seconds": secs,

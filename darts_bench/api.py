@@ -168,8 +168,9 @@ class Task(ABC):
     #: ``score_samples(samples_path, config, data_dir) -> dict`` in a subclass makes
     #: ``darts-bench score <name> FILE`` work (offline scoring of outputs made elsewhere).
     score_samples: ClassVar[Callable[..., dict[str, Any]] | None] = None
-    #: the named protocol (``tasks.<name>.protocol``) :meth:`examples` formats prompts with; the
-    #: runner sets it from the config before calling :meth:`examples` (``None``: the task has one).
+    #: the named protocol (``tasks.<name>.protocol``) :meth:`examples` formats prompts with and
+    #: :meth:`evaluate` scores under; the one route of a protocol into a task: :func:`get_task`
+    #: sets it from the task's config section (``None``: the task has one protocol).
     protocol: str | None = None
 
     @abstractmethod
@@ -189,6 +190,23 @@ class Task(ABC):
     @abstractmethod
     def evaluate(self, model: TextModel, examples: list[Example], ctx: EvalContext) -> TaskResult:
         """Run the benchmark protocol on ``model``."""
+
+    def check_protocol(self, examples: Sequence[Example]) -> str | None:
+        """This task's :attr:`protocol`, once every example is known to be built under it
+        (``Example.meta["protocol"]``, which :meth:`examples` records; an example without one
+        counts as the class's default protocol). Call it at the top of :meth:`evaluate`.
+
+        Raises:
+            ValueError: an example built under another protocol (e.g. by a task instance whose
+                ``protocol`` differs), naming the task, the examples' protocols and this one.
+        """
+        default = type(self).protocol
+        built = {e.meta.get("protocol", default) for e in examples}
+        if built - {self.protocol}:
+            raise ValueError(f"{self.name}: examples were built under protocol(s) {sorted(built, key=str)} but "
+                             f"this task's protocol (tasks.{self.name}.protocol) is {self.protocol!r}; build and "
+                             "evaluate the examples with one task instance (darts_bench.api.get_task(name, config))")
+        return self.protocol
 
     # ------------------------------------------------------------------ report / planner hooks
     def metric_columns(self) -> list[str]:
@@ -352,10 +370,22 @@ def resolve_suite(suite: str, tasks_config: Any = None) -> list[str]:
     return names
 
 
-def get_task(name: str) -> Task:
-    """Instantiate the task registered as ``name``.
+def get_task(name: str, config: TaskConfig | None = None) -> Task:
+    """Instantiate the task registered as ``name``. With ``config`` (its ``tasks.<name>`` section)
+    the instance's :attr:`Task.protocol` is ``config.protocol`` when the section has that field:
+    the one place a run gives a task its protocol (its :meth:`Task.examples` and
+    :meth:`Task.evaluate` both read ``task.protocol``, not the config).
 
     Raises:
         KeyError: no such task (the message lists the installed ones).
+        TypeError: ``config`` is not an instance of the task's ``config_model``.
     """
-    return task_class(name)()
+    cls = task_class(name)
+    if config is not None and not isinstance(config, cls.config_model):
+        raise TypeError(f"get_task({name!r}): config is a {type(config).__name__}, expected the task's "
+                        f"config_model {cls.config_model.__name__} (the tasks.{name} section)")
+    task = cls()
+    protocol = getattr(config, "protocol", None)
+    if protocol is not None:
+        task.protocol = protocol
+    return task

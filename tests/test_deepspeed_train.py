@@ -23,6 +23,8 @@ from darts_bench.surgery.heads import METHODS, build_head  # noqa: E402
 from darts_bench.surgery.train import TokenData, batch_order, evaluate_losses, head_loss, train_head  # noqa: E402
 from darts_bench.surgery.train_deepspeed import deepspeed_config, slice_loss, train_head_deepspeed  # noqa: E402
 
+pytestmark = [pytest.mark.deepspeed, pytest.mark.subprocess]  # tests/README.md: markers
+
 SCFG = SurgeryConfig(methods=["darts"], rank=4, max_len=32, epochs=3, batch_size=64, lr=1e-3)
 SEED = 7
 
@@ -165,6 +167,7 @@ def test_nan_loss_raises_floating_point_error(tmp_path):
         train_head_deepspeed("darts", train, val, SCFG, SEED, DeepSpeedConfig(enabled=True, num_procs=1), tmp_path)
 
 
+@pytest.mark.ray
 def test_ray_train_launcher_matches_in_process(tmp_path, monkeypatch):
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.train.torch")
@@ -183,6 +186,7 @@ def test_ray_train_launcher_matches_in_process(tmp_path, monkeypatch):
     assert got.history["world_size"] == 2
 
 
+@pytest.mark.micro
 def test_deepspeed_then_in_process_heads_are_both_kept(micro_pipeline, micro_cfg_path, monkeypatch):
     """DeepSpeed settings are in the head key: a DeepSpeed run and an in-process run in one work
     dir give two head artifacts, both kept and each served to its own kind of run."""

@@ -4,11 +4,14 @@ import json
 import math
 
 import pandas as pd
+import pytest
 
 from darts_bench.cli import main
 from darts_bench.config import load_config
 from darts_bench.pipeline import Pipeline
 from darts_bench.report.tables import contract_columns
+
+pytestmark = [pytest.mark.micro, pytest.mark.subprocess]  # tests/README.md: markers
 
 
 def test_feature_cache_reused_then_rebuilt_on_input_change(micro_pipeline, micro_cfg_path, monkeypatch):
@@ -109,6 +112,7 @@ def test_end_to_end_micro_run(micro_dir, micro_pipeline, capsys):
     assert rescored["pass@1"] == df.set_index("model").loc["ties+darts", "humaneval_pass@1"]
 
 
+@pytest.mark.ray
 def test_ray_executor_gives_the_local_table(tmp_path, data_dir):
     """The same micro run with executor=ray (2 actors) and executor=local: identical tables."""
     from conftest import micro_config_file

@@ -11,6 +11,8 @@ import pytest
 from darts_bench.config import Config, load_config
 from darts_bench.plan import POSITION_BIAS, STAGE_ORDER, make_plan, print_plan
 
+pytestmark = [pytest.mark.subprocess]  # tests/README.md: markers
+
 
 def test_llama2_7b_plan_is_7b_scale():
     plan = make_plan(load_config("llama2-7b"))

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.timeout(240)  # a scheduling hang fails the test instead of the whole run
+pytestmark = [pytest.mark.ray, pytest.mark.subprocess,
+              pytest.mark.timeout(240)]  # a scheduling hang fails the test instead of the whole run
 
 from darts_bench.config import CalibrationConfig, Config, RayConfig  # noqa: E402
 from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm  # noqa: E402

@@ -4,7 +4,7 @@ tasks and rows of the model and pinned for the judge; the table equals the local
 Also the plumbing of vLLM engines on Ray actors (``evaluate.backend: vllm``, ``executor: ray``)
 with a stand-in engine class (the HF model, loaded once per actor) injected through
 ``RayExecutor(engine_cls=...)``, so it runs without vllm; the real engine on an actor is in
-``tests/test_vllm_ray.py`` (vLLM venv).
+``tests/test_ray_vllm.py`` (vLLM venv).
 
 All on the run's shared local Ray instance (``ray_instance``: loopback, 2 CPUs, private temp dir).
 The file name sorts after ``test_ray_executor.py``, whose first test needs Ray not yet started.
@@ -26,6 +26,8 @@ from darts_bench.config import EvaluateConfig  # noqa: E402
 from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm  # noqa: E402
 from darts_bench.executors.ray_executor import RayExecutor, RayVLLMTextModel  # noqa: E402
 from darts_bench.surgery.heads import build_head, load_head, save_head  # noqa: E402
+
+pytestmark = [pytest.mark.ray]  # tests/README.md: markers
 
 
 def _head(d: int, seed: int, out: Path, method: str = "darts") -> Path:
@@ -78,6 +80,7 @@ def test_proxies_with_different_heads_share_one_group(models, ray_instance):
 
 
 # -------------------------------------------------------------- the evaluate stage on Ray
+@pytest.mark.micro
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ray_evaluate_loads_each_model_dir_once_and_gives_the_local_table(micro_pipeline, micro_cfg_path,

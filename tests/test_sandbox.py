@@ -24,6 +24,8 @@ from darts_bench.sandbox import (
 from darts_bench.sandbox import host as sandbox_host
 from darts_bench.sandbox.host import _live_pids_of_uid
 
+pytestmark = [pytest.mark.subprocess]  # tests/README.md: markers
+
 IS_ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not IS_ROOT, reason="uid isolation needs the host to run as root")
 

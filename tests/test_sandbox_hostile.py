@@ -28,6 +28,8 @@ import pytest
 
 from darts_bench.sandbox import CHILD_PATH
 
+pytestmark = [pytest.mark.subprocess]  # tests/README.md: markers
+
 REPO = Path(__file__).resolve().parents[1]
 USER = "darts-sbx"
 SYSTEM_PYTHON = "/usr/bin/python3"

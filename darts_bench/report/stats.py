@@ -1,4 +1,7 @@
-"""Bootstrap intervals the report tables use: per-example means, token-weighted ratios, and paired
+"""The bootstrap of darts-bench: every interval in the report, the claims and the surgery
+diagnostics resamples through this module (one draw, :func:`bootstrap_indices`).
+
+Per-example intervals the report tables use: per-example means, token-weighted ratios, and paired
 differences matched by example id, all NaN-robust.
 
 Every function returns an :class:`Interval`: the point estimate, a 95% percentile-bootstrap CI, the
@@ -16,6 +19,11 @@ interval by hand).
   example id (both sides must hold the same set of ids, else ``ValueError``); each bootstrap
   replicate resamples example ids once and applies them to both sides.
 
+Group (cluster) intervals for statistics over tokens, where the tokens of one sequence are not
+independent: :func:`sequence_bootstrap` resamples whole groups and recomputes any statistic on the
+tokens they hold (the behaviour signals in :mod:`darts_bench.surgery.intervals`, the position slope
+and the entropy contrast in :mod:`darts_bench.surgery.diagnostics`).
+
 Source: percentile bootstrap (Efron & Tibshirani, *An Introduction to the Bootstrap*, 1993, ch. 13);
 resampling whole examples for a ratio of sums is the standard treatment of a ratio estimator under
 cluster sampling (ibid. ch. 9 on the correlation/ratio; Cochran, *Sampling Techniques*, 1977, 6.2).
@@ -24,6 +32,7 @@ cluster sampling (ibid. ch. 9 on the correlation/ratio; Cochran, *Sampling Techn
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
@@ -53,6 +62,24 @@ class Interval:
         return text + (f" ({self.n_dropped} NaN dropped)" if self.n_dropped else "")
 
 
+def bootstrap_indices(n: int, n_boot: int, seed: int) -> np.ndarray:
+    """Resampling indices of ``n`` units, ``[n_boot, n]`` int64 in ``0..n-1`` (drawn with
+    replacement): ``numpy.random.default_rng(seed).integers(0, n, (n_boot, n))``, the one draw of
+    every bootstrap in darts-bench. Row ``r`` is what the ``r``-th of ``n_boot`` successive
+    ``integers(0, n, n)`` (or ``choice(units, n, replace=True)``) calls on that generator return
+    (numpy's bounded draws consume the bit generator's stream in the same order however they are
+    split into calls; tests/test_report_stats.py pins it), so per-replicate loops give the same resamples.
+
+    Raises:
+        ValueError: ``n`` < 1 or ``n_boot`` < 1.
+    """
+    if n < 1:
+        raise ValueError(f"bootstrap: nothing to resample (n = {n})")
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
+    return np.random.default_rng(seed).integers(0, n, (n_boot, n))
+
+
 def _indices(n: int, n_boot: int, seed: int, indices: np.ndarray | None) -> np.ndarray:
     if indices is not None:
         idx = np.asarray(indices, dtype=np.int64)
@@ -60,9 +87,7 @@ def _indices(n: int, n_boot: int, seed: int, indices: np.ndarray | None) -> np.n
             raise ValueError(f"bootstrap indices must be [n_boot, {n}] with values in 0..{n - 1}, "
                              f"got shape {idx.shape}")
         return idx
-    if n_boot < 1:
-        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
-    return np.random.default_rng(seed).integers(0, n, (n_boot, n))
+    return bootstrap_indices(n, n_boot, seed)
 
 
 def _percentiles(reps: np.ndarray) -> tuple[float, float]:
@@ -122,6 +147,57 @@ def ratio_ci(num: Sequence[float], den: Sequence[float], n_boot: int, seed: int,
     reps = reps[np.isfinite(reps)]
     lo, hi = _percentiles(reps)
     return Interval(float(a.sum() / d.sum() * scale), lo * scale, hi * scale, len(a), dropped)
+
+
+def group_members(groups: Sequence[int] | np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``(ids, members)``: the sorted distinct group ids of ``groups`` (``[N]``, e.g. the sequence
+    index of each token) and, per id, the positions holding it in ascending order (int64).
+
+    Raises:
+        ValueError: ``groups`` is empty or not 1-D.
+    """
+    g = np.asarray(groups)
+    if g.ndim != 1 or not len(g):
+        raise ValueError(f"groups must be a non-empty 1-D array of group ids, got shape {g.shape}")
+    ids, inverse = np.unique(g, return_inverse=True)
+    order = np.argsort(inverse, kind="stable").astype(np.int64)
+    return ids, np.split(order, np.cumsum(np.bincount(inverse, minlength=len(ids)))[:-1])
+
+
+def sequence_bootstrap(groups: Sequence[int] | np.ndarray, stat: Callable[[np.ndarray], float], n_boot: int,
+                       seed: int) -> dict[str, float | int]:
+    """``stat(token_indices)`` on all tokens and its 95% percentile CI over resamples of whole
+    groups (the cluster bootstrap: tokens of one sequence move together).
+
+    Replicate ``r`` picks groups by row ``r`` of :func:`bootstrap_indices` ``(n_groups, n_boot,
+    seed)`` (indices into the sorted group ids) and calls ``stat`` on the concatenated positions of
+    the picked groups, in pick order (a group picked twice appears twice). A replicate whose value
+    is not finite (e.g. an empty quartile, no closable gap) is left out and counted.
+
+    Args:
+        groups: ``[N]`` group id per token (e.g. the held-out sequence index).
+        stat: maps an int64 array of token positions (repeats allowed) to a float.
+    Returns:
+        ``{"value"`` (``stat`` on ``arange(N)``), ``"ci_low", "ci_high"`` (2.5 / 97.5 percentiles of the
+        finite replicates; NaN when none is), ``"n_sequences"`` (groups), ``"n_dropped"`` (replicates left
+        out)}``.
+    Raises:
+        ValueError: empty or non-1-D ``groups``, ``n_boot`` < 1.
+    """
+    ids, members = group_members(groups)
+    n_tokens = sum(len(m) for m in members)
+    singletons = len(ids) == n_tokens  # every token its own unit: the picks index the tokens directly
+    flat = np.concatenate(members) if singletons else None
+    boots, dropped = [], 0
+    for pick in bootstrap_indices(len(ids), n_boot, seed):
+        v = stat(flat[pick] if singletons else np.concatenate([members[i] for i in pick]))
+        if math.isfinite(v):
+            boots.append(v)
+        else:
+            dropped += 1
+    lo, hi = _percentiles(np.asarray(boots, dtype=np.float64)) if boots else (math.nan, math.nan)
+    return {"value": float(stat(np.arange(n_tokens))), "ci_low": float(lo), "ci_high": float(hi),
+            "n_sequences": int(len(ids)), "n_dropped": dropped}
 
 
 def align_by_id(ids_a: Sequence[str], ids_b: Sequence[str]) -> np.ndarray:

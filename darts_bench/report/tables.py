@@ -41,23 +41,6 @@ PACKAGES = ("torch", "transformers", "tokenizers", "mergekit", "lm_eval", "alpac
             "ray", "deepspeed", "pandas", "numpy", "safetensors", "darts-bench")
 
 
-def bootstrap_ci(values: list[float], n_boot: int, seed: int, scale: float = 1.0) -> tuple[float, float, float]:
-    """Mean and 95% percentile-bootstrap CI of ``values`` (times ``scale``)."""
-    v = np.asarray(values, dtype=np.float64)
-    rng = np.random.default_rng(seed)
-    means = v[rng.integers(0, len(v), (n_boot, len(v)))].mean(1)
-    lo, hi = np.percentile(means, [2.5, 97.5])
-    return float(v.mean() * scale), float(lo * scale), float(hi * scale)
-
-
-def paired_bootstrap_diff(a: list[float], b: list[float], n_boot: int, seed: int,
-                          scale: float = 1.0) -> tuple[float, float, float]:
-    """Mean of ``a - b`` over the same examples with a 95% paired-bootstrap CI."""
-    if len(a) != len(b):
-        raise ValueError(f"paired bootstrap needs equal lengths, got {len(a)} and {len(b)}")
-    return bootstrap_ci([x - y for x, y in zip(a, b)], n_boot, seed, scale)
-
-
 def _put_interval(rec: dict, m: str, iv) -> None:
     """``<m>_lo`` / ``<m>_hi`` (numbers, the metric's units) of a per-task table row from an
     :class:`~darts_bench.report.stats.Interval` (None: ``ref_nll`` of a result cached without token

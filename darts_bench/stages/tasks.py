@@ -21,8 +21,8 @@ class LoadedTasks:
 
 
 def load_tasks(cfg, task_names: list[str], base_dir: Path, limits: dict[str, int | None]) -> LoadedTasks:
-    """Instantiate each task in ``task_names``, set its protocol from ``tasks.<task>.protocol`` (one per
-    run: every row gets the same prompts), run its preflight check (e.g. a named AlpacaEval annotator's
+    """Instantiate each task in ``task_names`` with its config section (:func:`darts_bench.api.get_task`
+    sets its protocol from ``tasks.<task>.protocol``: one per run, every row gets the same prompts), run its preflight check (e.g. a named AlpacaEval annotator's
     API key, before any generation) and build its examples (at most ``limits[task]``).
 
     Raises:
@@ -36,11 +36,8 @@ def load_tasks(cfg, task_names: list[str], base_dir: Path, limits: dict[str, int
     fmt = PromptFormatter(tok)
     out = {}
     for name in task_names:
-        task = get_task(name)
         tcfg = getattr(cfg.tasks, name, None)
-        proto = getattr(tcfg, "protocol", None)
-        if proto is not None:
-            task.protocol = proto  # every row gets the prompts of this one protocol
+        task = get_task(name, tcfg)  # task.protocol from tcfg: every row gets this protocol's prompts
         if callable(getattr(task, "preflight", None)):
             task.preflight(tcfg)  # e.g. a named AlpacaEval annotator's API key, before any generation
         ex = task.examples(cfg.resolved_data_dir(), fmt, limits[name])

@@ -30,6 +30,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
+from darts_bench.report.stats import sequence_bootstrap
 from darts_bench.surgery.heads import CorrectionHead
 from darts_bench.surgery.losses import entropy_weights, kl_divergence, token_l1
 from darts_bench.surgery.train import TokenData
@@ -58,7 +59,13 @@ def position_slope(positions: np.ndarray, values: np.ndarray, n_boot: int = 1000
     """Least-squares slope of ``values`` against ``positions`` with a 95% bootstrap CI.
 
     Resampling is over ``groups`` (e.g. sequences: tokens of one sequence are not independent)
-    when given, else over points. Units: value units per position.
+    when given, else over points (:func:`darts_bench.report.stats.sequence_bootstrap`; a replicate
+    with a single distinct position is left out). Units: value units per position.
+
+    Returns:
+        ``{"slope", "ci_low", "ci_high"}``.
+    Raises:
+        ValueError: ``positions``, ``values`` (and ``groups``) are not 1-D of one length, or are empty.
     """
     positions = np.asarray(positions, dtype=np.float64)
     values = np.asarray(values, dtype=np.float64)
@@ -68,24 +75,14 @@ def position_slope(positions: np.ndarray, values: np.ndarray, n_boot: int = 1000
         den = (xc * xc).sum()
         return float((xc * (y - y.mean())).sum() / den) if den > 0 else float("nan")
 
-    est = slope(positions, values)
-    rng = np.random.default_rng(seed)
-    boots = []
-    if groups is None:
-        n = len(positions)
-        for _ in range(n_boot):
-            i = rng.integers(0, n, n)
-            boots.append(slope(positions[i], values[i]))
-    else:
-        uniq = np.unique(groups)
-        members = {g: np.nonzero(groups == g)[0] for g in uniq}
-        for _ in range(n_boot):
-            pick = rng.choice(uniq, size=len(uniq), replace=True)
-            i = np.concatenate([members[g] for g in pick])
-            boots.append(slope(positions[i], values[i]))
-    boots = np.array([b for b in boots if math.isfinite(b)])
-    lo, hi = (np.percentile(boots, [2.5, 97.5]) if len(boots) else (float("nan"), float("nan")))
-    return {"slope": est, "ci_low": float(lo), "ci_high": float(hi)}
+    if not (positions.ndim == values.ndim == 1 and len(positions) == len(values)):
+        raise ValueError(f"position_slope: positions {positions.shape} and values {values.shape} must be 1-D "
+                         "of one length")
+    units = np.arange(len(positions)) if groups is None else np.asarray(groups)
+    if units.shape != positions.shape:
+        raise ValueError(f"position_slope: groups {units.shape} must match positions {positions.shape}")
+    r = sequence_bootstrap(units, lambda i: slope(positions[i], values[i]), n_boot, seed)
+    return {"slope": r["value"], "ci_low": r["ci_low"], "ci_high": r["ci_high"]}
 
 
 class Diagnostics:
@@ -206,11 +203,17 @@ def entropy_contrast(entropy: np.ndarray, values: np.ndarray, groups: np.ndarray
         groups: ``[N]`` sequence index of each token.
     Returns:
         ``{"q4_minus_q1", "ci_low", "ci_high", "q1", "q4", "share_q4"`` (the top quartile's share of
-        the summed L1), ``"n_sequences"}``; NaN (and None shares) when a quartile is empty.
+        the summed L1), ``"n_sequences"}``; NaN (and None shares) when a quartile is empty. The
+        resampling is :func:`darts_bench.report.stats.sequence_bootstrap`'s.
+    Raises:
+        ValueError: the three arrays are not 1-D of one length, or are empty.
     """
     entropy = np.asarray(entropy, dtype=np.float64)
     values = np.asarray(values, dtype=np.float64)
     groups = np.asarray(groups)
+    if not (entropy.shape == values.shape == groups.shape and entropy.ndim == 1):
+        raise ValueError(f"entropy_contrast: entropy {entropy.shape}, values {values.shape} and groups "
+                         f"{groups.shape} must be 1-D of one length")
     q1_edge, q3_edge = np.quantile(entropy, [0.25, 0.75])
     low, high = entropy <= q1_edge, entropy > q3_edge
 
@@ -218,23 +221,14 @@ def entropy_contrast(entropy: np.ndarray, values: np.ndarray, groups: np.ndarray
         lo_v, hi_v = values[i][low[i]], values[i][high[i]]
         return float(hi_v.mean() - lo_v.mean()) if len(lo_v) and len(hi_v) else float("nan")
 
-    every = np.arange(len(values))
-    est = contrast(every)
-    uniq = np.unique(groups)
-    members = {g: np.nonzero(groups == g)[0] for g in uniq}
-    rng = np.random.default_rng(seed)
-    boots = []
-    for _ in range(n_boot):
-        pick = rng.choice(uniq, size=len(uniq), replace=True)
-        boots.append(contrast(np.concatenate([members[g] for g in pick])))
-    boots = np.array([b for b in boots if math.isfinite(b)])
-    lo, hi = (np.percentile(boots, [2.5, 97.5]) if len(boots) else (float("nan"), float("nan")))
+    r = sequence_bootstrap(groups, contrast, n_boot, seed)
+    est, lo, hi, uniq = r["value"], r["ci_low"], r["ci_high"], r["n_sequences"]
     total = float(values.sum())
     return {"q4_minus_q1": est, "ci_low": float(lo), "ci_high": float(hi),
             "q1": float(values[low].mean()) if low.any() else None,
             "q4": float(values[high].mean()) if high.any() else None,
             "share_q4": float(values[high].sum() / total) if total > 0 else None,
-            "n_sequences": int(len(uniq))}
+            "n_sequences": uniq}
 
 
 @torch.no_grad()

@@ -8,43 +8,18 @@ sequences (with replacement) and recomputes the statistic on the tokens they hol
   ratio of means, so resampling the ratio's parts together keeps the interval around the point);
 * DARTS - Surgery paired differences of the three, on the same resampled sequences for both heads.
 
-Percentile intervals (2.5, 97.5) over ``n_boot`` resamples; a resample where a statistic is not finite
-(e.g. no closable gap) is dropped, and ``n_dropped`` says how many were.
+Percentile intervals (2.5, 97.5) over ``n_boot`` resamples, from the one bootstrap of
+:func:`darts_bench.report.stats.sequence_bootstrap` (re-exported here); a resample where a statistic
+is not finite (e.g. no closable gap) is dropped, and ``n_dropped`` says how many were.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
-
 import numpy as np
 
+from darts_bench.report.stats import sequence_bootstrap
 
-def sequence_bootstrap(groups: np.ndarray, stat: Callable[[np.ndarray], float], n_boot: int,
-                       seed: int) -> dict[str, float | int]:
-    """``stat(token_indices)`` on all tokens and its 95% percentile CI over resamples of ``groups``.
-
-    Args:
-        groups: ``[N]`` sequence index per token.
-        stat: maps an int array of token indices (repeats allowed) to a float.
-    Returns:
-        ``{"value", "ci_low", "ci_high", "n_sequences", "n_dropped"}``.
-    """
-    groups = np.asarray(groups)
-    uniq = np.unique(groups)
-    members = [np.nonzero(groups == g)[0] for g in uniq]
-    rng = np.random.default_rng(seed)
-    boots, dropped = [], 0
-    for _ in range(n_boot):
-        pick = rng.integers(0, len(uniq), len(uniq))
-        v = stat(np.concatenate([members[i] for i in pick]))
-        if math.isfinite(v):
-            boots.append(v)
-        else:
-            dropped += 1
-    lo, hi = (np.percentile(boots, [2.5, 97.5]) if boots else (float("nan"), float("nan")))
-    return {"value": float(stat(np.arange(len(groups)))), "ci_low": float(lo), "ci_high": float(hi),
-            "n_sequences": int(len(uniq)), "n_dropped": dropped}
+__all__ = ["behaviour_intervals", "sequence_bootstrap"]
 
 
 def _gap(kl_none: np.ndarray, kl_head: np.ndarray, floor: np.ndarray, i: np.ndarray) -> float:

@@ -126,7 +126,7 @@ class AlpacaEvalTask(Task):
     name = "alpacaeval"
     expert = "instruction"
     version = "2"
-    protocol = "chat_template"  # tasks.alpacaeval.protocol; set by the runner before examples()
+    protocol = "chat_template"  # tasks.alpacaeval.protocol: get_task(name, config) sets it, examples() and evaluate() read it
     primary_metrics = ("alpacaeval_win_rate",)
     config_model = AlpacaEvalConfig
     per_example_keys = {"alpacaeval_win_rate": "win"}
@@ -229,11 +229,7 @@ class AlpacaEvalTask(Task):
         if not examples:
             raise ValueError("alpacaeval: no examples")
         n = len(examples)
-        protocol = getattr(cfg, "protocol", "chat_template")
-        built = {e.meta.get("protocol", "chat_template") for e in examples}
-        if built != {protocol}:
-            raise ValueError(f"alpacaeval: examples were built under protocol(s) {sorted(built)} but "
-                             f"tasks.alpacaeval.protocol is {protocol!r}")
+        protocol = self.check_protocol(examples)
         instructions = [e.meta["instruction"] for e in examples]
         # 1. references and the judge first: a misaligned set or a missing key fails before any generation
         refs, ref_meta = self.reference_outputs(examples, cfg.reference, ctx)

@@ -164,7 +164,7 @@ class GSM8KTask(Task):
     version = "2"
     primary_metrics = ("gsm8k_em_strict", "gsm8k_em_flexible")
     extra_columns = ("gsm8k_no_answer_rate",)  # no extractable answer under the strict filter
-    protocol = "lm-eval"  # tasks.gsm8k.protocol; set by the runner before examples()
+    protocol = "lm-eval"  # tasks.gsm8k.protocol: get_task(name, config) sets it, examples() and evaluate() read it
     config_model = GSM8KConfig
     data_folders = ("gsm8k",)
     official_size = 1319  # test split
@@ -249,7 +249,8 @@ class GSM8KTask(Task):
 
     def evaluate(self, model: TextModel, examples: list[Example], ctx: EvalContext) -> TaskResult:
         """lm-eval ``simple_evaluate`` on exactly ``examples`` with the :class:`DartsBenchLM` adapter
-        (greedy), plus the reference NLL. ``ctx.config``: a ``GSM8KConfig`` (defaults if None)."""
+        (greedy), plus the reference NLL, under ``self.protocol`` (:meth:`Task.check_protocol`: the examples
+        must be built under it). ``ctx.config``: a ``GSM8KConfig`` (defaults if None) for the other settings."""
         import lm_eval
         from lm_eval.tasks import TaskManager
 
@@ -258,11 +259,7 @@ class GSM8KTask(Task):
         if not examples:
             raise ValueError("gsm8k.evaluate: no examples")
         cfg = ctx.config if ctx.config is not None else GSM8KConfig()
-        proto = get_protocol(getattr(cfg, "protocol", "lm-eval"))
-        built = {e.meta.get("protocol", "lm-eval") for e in examples}
-        if built != {proto.name}:
-            raise ValueError(f"gsm8k: examples were built under protocol(s) {sorted(built)} but "
-                             f"tasks.gsm8k.protocol is {proto.name!r}")
+        proto = get_protocol(self.check_protocol(examples))
         if proto.zero_shot_only and (cfg.num_fewshot or cfg.apply_chat_template):
             raise ValueError(f"gsm8k protocol {proto.name!r} is zero-shot with its own prompt format: "
                              f"tasks.gsm8k.num_fewshot must be 0 and apply_chat_template false "

@@ -126,7 +126,7 @@ class HumanEvalTask(Task):
     version = "2"
     primary_metrics = ("humaneval_pass@1",)
     extra_columns = ("humaneval_empty_rate",)  # no code after the protocol's extraction
-    protocol = "codex"  # tasks.humaneval.protocol; set by the runner before examples()
+    protocol = "codex"  # tasks.humaneval.protocol: get_task(name, config) sets it, examples() and evaluate() read it
     config_model = HumanEvalConfig
     official_size = 164
     typical_tokens = {"prompt": 130, "reference": 60}
@@ -178,14 +178,18 @@ class HumanEvalTask(Task):
         return [model.format_chat(t) for t in texts] if model is not None else texts
 
     def evaluate(self, model: TextModel, examples: list[Example], ctx: EvalContext) -> TaskResult:
+        """Generate, extract and sandbox-check completions of ``examples`` under ``self.protocol``
+        (:meth:`Task.check_protocol`: the examples must be built under it); ``ctx.config``: a
+        ``HumanEvalConfig`` (defaults if None) for the other settings.
+
+        Raises:
+            ValueError: no examples, or examples built under another protocol.
+            RuntimeError: the model returned the wrong number of completions.
+        """
         if not examples:
             raise ValueError("humaneval.evaluate: no examples")
         cfg = ctx.config if ctx.config is not None else HumanEvalConfig()
-        proto = get_protocol(getattr(cfg, "protocol", "codex"))
-        built = {e.meta.get("protocol", "codex") for e in examples}
-        if built != {proto.name}:
-            raise ValueError(f"humaneval: examples were built under protocol(s) {sorted(built)} but "
-                             f"tasks.humaneval.protocol is {proto.name!r}")
+        proto = get_protocol(self.check_protocol(examples))
         stop = tuple(cfg.stop) if proto.stop is None else proto.stop
         n = cfg.n_samples
         temperature = 0.0 if n == 1 else cfg.temperature

@@ -22,6 +22,8 @@ from darts_bench.pool.hashing import HashMemo, checkpoint_fingerprint, hub_revis
 
 from conftest import micro_config_file
 
+pytestmark = [pytest.mark.micro]  # tests/README.md: markers
+
 STAGE_DIRS = ("merges", "calibration", "features", "heads", "eval")
 
 

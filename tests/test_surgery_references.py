@@ -126,6 +126,7 @@ def counting_worker():
     return CountingWorker
 
 
+@pytest.mark.ray
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("max_restarts", [1, 0], ids=["ray-restarts-actor", "driver-resubmits"])
 def test_killed_actor_reruns_only_its_shard_once(tiny_ckpt, ray_instance, tmp_path, max_restarts):

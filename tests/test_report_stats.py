@@ -132,3 +132,50 @@ def test_per_benchmark_tables_use_ratio_ci_and_id_pairing():
     assert df1.loc[2].to_dict() == df2.loc[2].to_dict()
     assert df1.loc[2, "humaneval_ref_nll"] == pytest.approx(sum(sums) / sum(toks) - sum(sur_sums) / sum(toks))
     assert df1.loc[2, "humaneval_pass@1"] == pytest.approx(1 / 6)
+
+
+@pytest.mark.parametrize("n, n_boot", [(1, 5), (3, 7), (13, 50), (1000, 3)])
+def test_one_draw_matches_per_replicate_loops(n, n_boot):
+    """bootstrap_indices is the draw every bootstrap makes; the loops it replaced drew one replicate
+    per call (``integers(0, n, n)`` or ``choice(units, n, replace=True)``). Same generator stream,
+    same resamples: the reason their numbers did not move."""
+    from darts_bench.report.stats import bootstrap_indices
+
+    idx = bootstrap_indices(n, n_boot, seed=11)
+    assert idx.shape == (n_boot, n) and idx.dtype == np.int64
+    rng = np.random.default_rng(11)
+    assert (idx == np.stack([rng.integers(0, n, n) for _ in range(n_boot)])).all()
+    units = np.arange(n) * 3 + 5
+    rng = np.random.default_rng(11)
+    assert (units[idx] == np.stack([rng.choice(units, size=n, replace=True) for _ in range(n_boot)])).all()
+    with pytest.raises(ValueError, match="n_boot"):
+        bootstrap_indices(n, 0, seed=0)
+    with pytest.raises(ValueError, match="nothing to resample"):
+        bootstrap_indices(0, 5, seed=0)
+
+
+def test_sequence_bootstrap_resamples_whole_groups_by_hand():
+    from darts_bench.report.stats import group_members, sequence_bootstrap
+
+    groups = np.array([7, 2, 7, 9, 2, 7])  # unsorted, non-contiguous ids
+    ids, members = group_members(groups)
+    assert ids.tolist() == [2, 7, 9] and [m.tolist() for m in members] == [[1, 4], [0, 2, 5], [3]]
+    vals = np.array([1.0, 10.0, 3.0, 100.0, 20.0, 5.0])
+    seen = []
+
+    def stat(i):
+        seen.append(i.tolist())
+        return float(vals[i].mean())
+
+    r = sequence_bootstrap(groups, stat, n_boot=4, seed=3)
+    picks = np.random.default_rng(3).integers(0, 3, (4, 3))
+    want = [np.concatenate([members[j] for j in row]).tolist() for row in picks]
+    assert seen[:4] == want and seen[4] == list(range(6))  # replicates in pick order, then all tokens
+    lo, hi = np.percentile([vals[w].mean() for w in want], [2.5, 97.5])
+    assert (r["value"], r["ci_low"], r["ci_high"]) == (vals.mean(), lo, hi)
+    assert (r["n_sequences"], r["n_dropped"]) == (3, 0)
+    # a replicate with a non-finite value is left out and counted; singleton groups take the fast path
+    r2 = sequence_bootstrap(np.arange(6), lambda i: math.nan if 3 in i else float(vals[i].sum()), 40, 0)
+    assert 0 < r2["n_dropped"] < 40 and r2["n_sequences"] == 6 and math.isnan(r2["value"])
+    with pytest.raises(ValueError, match="non-empty 1-D"):
+        sequence_bootstrap(np.array([], dtype=int), stat, 4, 0)

@@ -18,6 +18,8 @@ TASK_DIR = Path(__file__).resolve().parent.parent / "tasks" / "humaneval"
 _import_task_folder(TASK_DIR)
 import darts_bench_tasks.humaneval as he  # noqa: E402  (registered by the import above)
 
+pytestmark = [pytest.mark.subprocess]  # tests/README.md: markers
+
 WRONG = "    return None\n"
 
 

@@ -22,6 +22,8 @@ from darts_bench.config import GSM8KConfig, load_config  # noqa: E402
 from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm  # noqa: E402
 from darts_bench.surgery.heads import build_head, save_head  # noqa: E402
 
+pytestmark = [pytest.mark.micro]  # tests/README.md: markers
+
 needs_data = pytest.mark.skipif(not (DATA_DIR / "gsm8k" / "test.jsonl").is_file(), reason="shared data not present")
 
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips to "
@@ -32,7 +34,7 @@ NEW = 24
 HEAD_MAX_LEN = 8  # DARTS table length: most generated positions are past it
 
 
-# vLLM-sized engine settings for the micro pool (also used by tests/test_vllm_ray.py)
+# vLLM-sized engine settings for the micro pool (also used by tests/test_ray_vllm.py)
 VLLM_SMALL = ["evaluate.vllm.max_num_batched_tokens=32", "evaluate.vllm.max_num_seqs=4",
               "evaluate.vllm.kv_cache_gb=1", "evaluate.vllm.cpu_threads_bind=0"]
 

@@ -19,6 +19,8 @@ from darts_bench.api import available_tasks, resolve_suite
 from darts_bench.cli import main
 from darts_bench.config import ConfigError, load_config
 
+pytestmark = [pytest.mark.subprocess]  # tests/README.md: markers
+
 TINYCODE = '''
 """tinycode: four one-line Python functions, pass@1 in the sandbox (a worked example)."""
 from pydantic import Field
@@ -156,6 +158,7 @@ def test_task_named_in_config_but_not_installed(micro_cfg_path, monkeypatch):
         main(["run", "--dry-run", "--suite", "tinycode"])
 
 
+@pytest.mark.micro
 def test_added_tasks_run_get_heads_report_and_score(extra_tasks, micro_dir, micro_pipeline, tmp_path, capsys):
     out = tmp_path / "results"
     rc = main(["run", "--config", str(micro_dir / "micro.yaml"), "--suite", "tinycode,tinyplain",

@@ -18,6 +18,8 @@ from darts_bench.evaluate.hf_model import load_causal_lm
 
 from conftest import micro_config_file
 
+pytestmark = [pytest.mark.subprocess]  # tests/README.md: markers
+
 
 def _run_cli(cfg: Path, log: Path, kill_on: str | None = None, timeout: float = 600) -> int:
     """Run ``darts-bench run`` in a subprocess; SIGKILL it when ``kill_on`` appears in its log."""
@@ -52,6 +54,7 @@ def reference_run(tmp_path_factory, data_dir):
     return d
 
 
+@pytest.mark.micro
 def test_kill_at_several_points_then_resume_gives_identical_table(reference_run, tmp_path):
     cfg = micro_config_file(tmp_path)
     log = tmp_path / "log.txt"
@@ -72,6 +75,7 @@ def test_kill_at_several_points_then_resume_gives_identical_table(reference_run,
     assert not leftovers
 
 
+@pytest.mark.micro
 def test_same_seed_gives_bitwise_identical_tables(reference_run, tmp_path):
     cfg = micro_config_file(tmp_path)
     assert main(["run", "--config", str(cfg)]) == 0
@@ -124,6 +128,7 @@ def test_data_dir_error_message(tmp_path, data_dir):
         load_expert_records(tmp_path, "code")
 
 
+@pytest.mark.micro
 def test_missing_and_corrupt_safetensors(micro_pipeline, tmp_path):
     import shutil
 
@@ -142,6 +147,7 @@ def test_missing_and_corrupt_safetensors(micro_pipeline, tmp_path):
         load_causal_lm(tmp_path)
 
 
+@pytest.mark.micro
 def test_corrupt_expert_rejected_before_merging(micro_pipeline, tmp_path):
     import shutil
 
@@ -155,6 +161,7 @@ def test_corrupt_expert_rejected_before_merging(micro_pipeline, tmp_path):
         check_compatible(pool.base, {"code": bad})
 
 
+@pytest.mark.micro
 def test_nan_features_fail_naming_the_shard(micro_pipeline, tmp_path):
     import shutil
 

@@ -199,6 +199,7 @@ def test_darts_table_covers_the_longest_sequence_and_planner_warns_when_set_shor
     assert sequence_lengths(load_config("tiny"), tasks, 512)["evaluation"] == 512 + 96  # tiny.yaml: 96 new at most
 
 
+@pytest.mark.micro
 def test_pipeline_trains_darts_heads_with_the_derived_table(micro_pipeline, caplog):
     from darts_bench.positions import required_max_len
 

@@ -403,9 +403,10 @@ def test_formatting_protocols(three, protocol, head, tail):
     assert stub.prompts == [e.prompt for e in ex]
     assert res.meta["protocol"] == protocol and res.meta["example_prompt"] == ex[0].prompt
     assert res.metrics["alpacaeval_win_rate"] == pytest.approx(100 / 3)
+    other = AlpacaEvalTask()  # a task of another protocol
+    other.protocol = "vicuna" if protocol != "vicuna" else "alpaca"
     with pytest.raises(ValueError, match="built under protocol"):
-        t.evaluate(stub, ex, _ctx(AlpacaEvalConfig(limit=3, protocol="vicuna" if protocol != "vicuna" else "alpaca"),
-                                  LengthJudge()))
+        other.evaluate(stub, ex, _ctx(AlpacaEvalConfig(limit=3, protocol=other.protocol), LengthJudge()))
 
 
 @pytest.mark.parametrize("name, var", [("weighted_alpaca_eval_gpt4_turbo", "OPENAI_API_KEY"),

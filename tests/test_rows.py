@@ -47,6 +47,7 @@ def test_cli_rows_sets_config(tmp_path):
     assert _load(args).evaluate.rows == ["base", "expert:*"]
 
 
+@pytest.mark.micro
 def test_experts_only_run_builds_no_merge_and_keeps_keys(tmp_path, data_dir):
     """Base + the code expert on HumanEval: no merge, feature or head artifact is built, the table
     has exactly those rows, and each row's eval artifact is the one a full run would use."""

@@ -23,6 +23,8 @@ import darts_bench_tasks.humaneval as he  # noqa: E402
 from darts_bench_tasks.humaneval.protocols import (MERGELM_CODE_TEMPLATE, PROTOCOLS,  # noqa: E402
                                                    extract_fenced_code, get_protocol, mergelm_postprocess)
 
+pytestmark = [pytest.mark.subprocess]  # tests/README.md: markers
+
 
 def mergelm_reference(gen_seq: str) -> str:
     """MergeLM test_human_eval, verbatim logic: generation split + the per-completion clean-up."""
@@ -205,8 +207,9 @@ def test_evaluate_under_protocol_greedy_and_sampled(tmp_path, protocol):
     # MergeLM's post-processing keeps prose (it is not empty); the chat extraction finds no code in it
     want = {"instruct": 0.0, "chat": 0.5}[protocol]
     assert res2.metrics["humaneval_empty_rate"] == want and res2.per_example["empty"] == [want] * 3
-    with pytest.raises(ValueError, match="built under protocol"):
-        task.evaluate(model, ex, EvalContext(config=HumanEvalConfig(), data_dir=None, seed=0, work_dir=tmp_path))
+    with pytest.raises(ValueError, match="built under protocol"):  # a task of another protocol
+        he.HumanEvalTask().evaluate(model, ex, EvalContext(config=HumanEvalConfig(), data_dir=None, seed=0,
+                                                           work_dir=tmp_path))
 
 
 def test_score_samples_with_protocol(tmp_path):
@@ -261,3 +264,20 @@ def test_score_cli_human_eval_example_files(tmp_path, capsys):
     assert res["pass@1"] == pytest.approx(0.5) and res["n_samples"] == 6 and res["scored_task_ids"] == ["test/0"]
     assert [r["passed"] for r in res["per_problem"]["test/0"]["results"]] == [False, False, False, True, True, True]
     assert json.loads(capsys.readouterr().out)["pass@1"] == pytest.approx(0.5) and res["protocol"] == "codex"
+
+
+def test_get_task_sets_protocol_from_config():
+    """The one route of a protocol into a task: get_task(name, config) sets task.protocol, which both
+    examples() and evaluate() read; a section of another task is refused."""
+    from darts_bench.api import get_task
+    from darts_bench.config import GSM8KConfig
+
+    assert get_task("humaneval").protocol == "codex"
+    task = get_task("humaneval", HumanEvalConfig(protocol="chat"))
+    assert task.protocol == "chat" and type(task).protocol == "codex"
+    ex = task.examples(None, Formatter(), 2)
+    assert {e.meta["protocol"] for e in ex} == {"chat"} and task.check_protocol(ex) == "chat"
+    with pytest.raises(ValueError, match=r"humaneval: examples were built under protocol\(s\) \['chat'\].*'codex'"):
+        get_task("humaneval").check_protocol(ex)
+    with pytest.raises(TypeError, match="HumanEvalConfig"):
+        get_task("humaneval", GSM8KConfig())

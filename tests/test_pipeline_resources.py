@@ -21,6 +21,8 @@ from darts_bench.surgery.heads import load_head
 from darts_bench.surgery.losses import entropy_weights, kl_divergence, token_l1
 from darts_bench.surgery.train import make_token_data, split_by_sequence, train_head, weight_source
 
+pytestmark = [pytest.mark.micro]  # tests/README.md: markers
+
 
 def _in_memory_split(calib, fs, tr_seq, source, W_e, W_m):
     """The dcca732 path: shards concatenated whole, train / val as copies."""
@@ -296,7 +298,7 @@ def test_plan_memory_within_25_percent_of_measured_peaks(micro_pipeline, micro_c
     rehearsal pool (Ray executor, DeepSpeed through Ray Train, hub ids; ~5 min on 2 shared cores,
     so not in ``make test``) the hub is laid out here (the ``rehearsal_hub`` fixture, HF_HOME)::
 
-        DARTS_BENCH_PLAN_CHECK_CONFIG=llama2-7b-rehearsal pytest -s tests/test_resources.py -k within_25
+        DARTS_BENCH_PLAN_CHECK_CONFIG=llama2-7b-rehearsal pytest -s tests/test_pipeline_resources.py -k within_25
 
     Measured 2026-12-01 on the rehearsal pool, plan / measured MB: pool 455/467, merge 446/511,
     collect 445/560, train 496/612, evaluate 582/621 (dbd6029 planned 13.9 / 3.3 / 16.0 / 4.0 /

@@ -13,6 +13,8 @@ from darts_bench.evaluate.nll import reference_nll
 from darts_bench.pool.build import PoolMismatchError, check_compatible
 from darts_bench.pool.tiny import train_tokenizer
 
+pytestmark = [pytest.mark.micro]  # tests/README.md: markers
+
 
 def test_tokenizer_deterministic():
     texts = ["def add(a, b):\n    return a + b\n", "Question: 2+2?\nAnswer: 4", "Write a poem."] * 20

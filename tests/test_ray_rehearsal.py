@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("ray")
 pytest.importorskip("deepspeed")
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.micro, pytest.mark.ray, pytest.mark.deepspeed, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 from darts_bench.pool.checkpoint import read_tensor  # noqa: E402
 from darts_bench.pool.rehearsal import REPO_IDS  # noqa: E402

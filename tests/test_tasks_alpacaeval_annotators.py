@@ -19,8 +19,8 @@ import pytest
 from conftest import DATA_DIR as DATA
 
 REPO = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(not (DATA / "alpaca_eval/gpt4_1106_preview_model_outputs.json").is_file(),
-                                reason="shared AlpacaEval data not available")
+pytestmark = [pytest.mark.skipif(not (DATA / "alpaca_eval/gpt4_1106_preview_model_outputs.json").is_file(),
+                                 reason="shared AlpacaEval data not available"), pytest.mark.subprocess]
 
 SCRIPT = r'''
 import json, os, re, sys, threading

@@ -81,6 +81,7 @@ def test_comparison_pairs_by_merge_split_variant_seed():
     assert tab.loc["primary", "p_sign"] == pytest.approx(1.0)
 
 
+@pytest.mark.micro
 @pytest.mark.slow
 def test_seeds_and_sweep_run_reuse_features_and_default_heads(micro_dir, micro_pipeline, capsys):
     """seeds [0, 1] x sweep w_max=1,5 on one merge: seed 0 at the default w_max is the default run's
@@ -166,6 +167,7 @@ def test_plan_counts_seed_and_sweep_heads_and_rows():
     assert grid["stages"]["train"]["steps"] == 6 * one["stages"]["train"]["steps"]
 
 
+@pytest.mark.micro
 def test_default_head_key_is_unchanged_and_variants_resolve_max_len(micro_cfg_path, micro_pipeline):
     """Without sweep or seeds the head key is the pre-sweep key (the same dict hashed), so cached
     heads stay valid; each sweep variant gets max_len resolved like Pipeline.surgery_config (a swept
