@@ -55,11 +55,13 @@ def hf_config(tmp: Path, pool_dir: Path, *overrides: str):
 
 
 def no_model_work(pipe: Pipeline, monkeypatch) -> None:
+    import darts_bench.evaluate.engines.hf as hf
+
     def boom(*a, **k):
         raise AssertionError("model work although every artifact is cached")
 
     monkeypatch.setattr(pipe.executor, "map", boom)
-    monkeypatch.setattr(pipe.executor, "text_model", boom)
+    monkeypatch.setattr(hf, "load_text_model", boom)  # the HF backend's in-process loads
 
 
 def test_overwritten_expert_weights_rebuild_what_depends_on_them(hf_pool_dir, tmp_path, monkeypatch):

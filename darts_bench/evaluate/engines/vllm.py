@@ -378,8 +378,8 @@ class VLLMBackend(Backend):
             batch_size=...)`` and ``shutdown()``).
 
     Raises:
-        ValueError: Ray layout with ``evaluate.vllm.tensor_parallel_size`` above the GPUs of an
-            actor (:func:`check_ray_vllm`).
+        ValueError: (from :meth:`get` in the Ray layout) ``evaluate.vllm.tensor_parallel_size`` above
+            the GPUs of an actor (:func:`check_ray_vllm`).
     """
 
     name = "vllm"
@@ -390,8 +390,6 @@ class VLLMBackend(Backend):
         self.vcfg, self.dtype, self.seed = cfg.evaluate.vllm, cfg.pool.dtype, cfg.seed
         self._engine: VLLMEngine | None = None
         self._pinned: dict[str, VLLMEngine] = {}  # model dir -> engine kept alive beside _engine (the judge)
-        if not executor.in_process:
-            check_ray_vllm(cfg)
 
     @classmethod
     def check(cls, cfg, role: str) -> None:
@@ -448,6 +446,7 @@ class VLLMBackend(Backend):
 
     # ------------------------------------------------------------------ Ray engine actors
     def _open_proxy(self, name: str, model_dir: str, head_dir: str | None):
+        check_ray_vllm(self.cfg)
         kw: dict[str, Any] = dict(vcfg=self.vcfg, dtype=self.dtype, seed=self.seed)
         if self.vcfg.tensor_parallel_size > 1 and self.engine_cls is VLLMEngine:
             kw["distributed_executor_backend"] = "mp"  # the engine's workers on the actor's GPUs
