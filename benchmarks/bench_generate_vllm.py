@@ -33,7 +33,7 @@ import sys
 import common  # noqa: F401  (sets sys.path and env first)
 import torch
 
-from darts_bench.evaluate.backends import vllm_available
+from darts_bench.evaluate.engines.vllm import vllm_available
 from darts_bench.evaluate.hf_model import HFTextModel, format_chat
 from darts_bench.surgery.heads import build_head, load_head, save_head
 
@@ -65,7 +65,7 @@ def main() -> None:
     threads = common.set_threads(args.threads)
 
     from darts_bench.config import VLLMConfig
-    from darts_bench.evaluate.backends.vllm import VLLMEngine
+    from darts_bench.evaluate.engines.vllm import VLLMEngine
 
     mdir = common.model_dir(args)
     model, tok = common.load(mdir)

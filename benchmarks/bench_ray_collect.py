@@ -108,7 +108,8 @@ def run(args, ckpt: Path) -> None:
 
     import ray
 
-    from darts_bench.executors.ray_executor import RayExecutor, init_ray
+    from darts_bench.executors.ray_executor import RayExecutor
+    from darts_bench.ray_instance import init_ray
 
     t_init, _ = timed(lambda: init_ray(None, num_cpus=2))
     identical = True

@@ -5,9 +5,9 @@ dir), ``--suite`` (default ``gsm8k,alpacaeval``: 14 rows, the AlpacaEval judge i
 ``expert:instruction``), evaluated three times, each into a fresh eval dir, on one local Ray
 instance (loopback, private temp dir, started before the timings):
 
-  local        ``executor: local`` (the in-process reference; ``ModelCache`` shares the weights)
+  local        ``executor: local`` (the in-process reference; ``HFBackend`` shares the weights)
   ray-request  ``executor: ray``, a new actor group for every (row, task) request and every judge
-               request, as on dbd6029 (``ModelCache.holds_proxies`` forced off here)
+               request, as on dbd6029 (``HFBackend.hold_groups`` forced off here)
   ray-held     ``executor: ray`` as now: one group per model dir, heads swapped per call, the
                judge's group pinned
 
@@ -46,9 +46,9 @@ def main() -> int:
     import ray
 
     from darts_bench.config import RayConfig, load_config
-    from darts_bench.evaluate.loaded import ModelCache
-    from darts_bench.executors.ray_executor import init_ray
+    from darts_bench.evaluate.engines.hf import HFBackend
     from darts_bench.pipeline import Pipeline
+    from darts_bench.ray_instance import init_ray
     from darts_bench.report.tables import build_rows
 
     tmp = Path(tempfile.mkdtemp(prefix="bre-", dir="/tmp"))  # short: Ray's socket paths must fit
@@ -66,12 +66,12 @@ def main() -> int:
         res, figures = {}, {}
         for mode, cfg, held in (("local", base, None), ("ray-request", ray_cfg, False), ("ray-held", ray_cfg, True)):
             pipe = Pipeline(cfg, suite=args.suite)
-            orig = ModelCache.holds_proxies
+            orig = HFBackend.hold_groups
             try:
                 pipe.train()  # cached: no model work
                 pipe.work_dir = tmp / f"eval-{mode}"
                 if held is False:
-                    ModelCache.holds_proxies = property(lambda self: False)
+                    HFBackend.hold_groups = False
                 starts = getattr(pipe.executor, "actor_starts", None)
                 if starts is not None:
                     starts.clear()
@@ -84,7 +84,7 @@ def main() -> int:
                                  "actor_starts": sum(starts.values()) if starts is not None else None}
                 print(f"{mode}: {secs:.1f} s, actors started: {figures[mode]['actor_starts']}", flush=True)
             finally:
-                ModelCache.holds_proxies = orig
+                HFBackend.hold_groups = orig
                 pipe.close()
         ray.shutdown()
         identical = {m: res[m] == res["local"] for m in ("ray-request", "ray-held")}

@@ -70,7 +70,7 @@ def child(mode: str, a) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from darts_bench.collect.features import ShardedFeatures, load_shards
+    from darts_bench.collect.store import ShardedFeatures, load_shards
     from darts_bench.config import SurgeryConfig
     from darts_bench.surgery.data import answer_prediction_mask, load_split, reference_answer_batches
     from darts_bench.surgery.diagnostics import Diagnostics, agreement

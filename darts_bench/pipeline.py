@@ -20,7 +20,7 @@ import torch
 from darts_bench.api import get_task, resolve_suite
 from darts_bench.artifacts import clean_stale_temps, stable_hash
 from darts_bench.config import EXPERT_NAMES, Config
-from darts_bench.evaluate.backends import check_backends
+from darts_bench.evaluate.engines import check_backends
 from darts_bench.executors.local import make_executor
 from darts_bench.rows import (Row, bind_rows, head_seeds, needs_merges, row_names, row_specs,
                               selected_specs, surgery_variants)
@@ -72,14 +72,10 @@ class Pipeline:
         return self._executor
 
     def close(self) -> None:
-        """Stop the executor (its actors) and any generation engine the run started."""
+        """Stop the executor (its actors); each stage closes the generation backend it opened."""
         if self._executor is not None:
             self._executor.close()
             self._executor = None
-        if "vllm" in (self.cfg.evaluate.backend, self.cfg.calibration.backend):
-            from darts_bench.evaluate.backends.vllm import shutdown_engines
-
-            shutdown_engines()
 
     def _stage(self, name: str, fn):
         """Run a stage once (cached in memory). ``timings[name]``: its exclusive wall time (s): the

@@ -186,7 +186,7 @@ def generation_speed(cfg, pipe, device: str, dtype: str, batch: int, max_new: in
     """Greedy generation tokens/s of one merged model with its DARTS head, batch 1 and ``batch``."""
     import torch
 
-    from darts_bench.executors.local import LocalExecutor
+    from darts_bench.evaluate.engines.hf import load_text_model
 
     merges = pipe.merge()
     m = next(iter(merges))
@@ -196,8 +196,8 @@ def generation_speed(cfg, pipe, device: str, dtype: str, batch: int, max_new: in
     prompts = [e.prompt for e in pipe.tasks()[task][1]][: max(batch, 4)]
     out = {"model": f"{m}+darts ({task} head)", "prompts": len(prompts), "max_new_tokens": max_new}
     for bs in sorted({1, batch}):
-        ex = LocalExecutor(batch_size=bs, device=device, torch_threads=cfg.torch_threads, dtype=dtype)
-        tm = ex.text_model("speed", str(merges[m]), str(head) if head else None, batch_size=bs)
+        tm = load_text_model(merges[m], "speed", head, device=device, dtype=dtype, batch_size=bs,
+                             torch_threads=cfg.torch_threads)
         n_params = sum(p.numel() for p in tm.model.parameters())
         use = prompts if bs > 1 else prompts[:4]
         tm.generate_ids(use[:bs], max_new_tokens=4)  # warm-up (kernels, allocator)

@@ -117,7 +117,7 @@ def ray_instance():
     test that asks for it; start-up is retried when Ray's fixed 30 s node start-up wait runs out
     on a loaded machine. Everything it started is stopped by pid at the end of the run."""
     ray = pytest.importorskip("ray")
-    from darts_bench.executors.ray_executor import init_ray
+    from darts_bench.ray_instance import init_ray
 
     if ray.is_initialized():
         pytest.skip("Ray already initialised in this process by a test that owns it")

@@ -1,6 +1,7 @@
-"""Backend selection: ``evaluate.backend`` / ``calibration.backend`` validated; ``vllm`` without the
-extra fails before any stage with the install command; the vLLM plugin is declared for vLLM's
-spawned workers."""
+"""Backend selection: ``evaluate.backend`` / ``calibration.backend`` validated and resolved through
+the backend registry; ``vllm`` without the extra fails before any stage with the install command;
+the vLLM plugin is declared for vLLM's spawned workers; the in-process vLLM engines are the open
+backend's state (no module globals), stopped when it closes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from darts_bench.config import ConfigError, load_config
-from darts_bench.evaluate.backends import vllm_available
+from darts_bench.evaluate.engines import BACKENDS, backend_class, backend_key, open_models
+from darts_bench.evaluate.engines.vllm import vllm_available
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,9 +53,9 @@ def test_vllm_plugin_entry_point_declared_and_light():
 
 def test_in_process_engines_keep_the_pinned_judge(monkeypatch):
     """One unpinned engine at a time, plus the pinned judge's: the judge is started once for all
-    rows (not once per row) and also serves its own row; shutdown stops both."""
-    import darts_bench.evaluate.backends.vllm as vb
-    from darts_bench.config import VLLMConfig
+    rows (not once per row) and also serves its own row; closing the backend stops both."""
+    import darts_bench.evaluate.engines.vllm as vb
+    from darts_bench.executors.local import LocalExecutor
 
     events = []
 
@@ -66,29 +68,49 @@ def test_in_process_engines_keep_the_pinned_judge(monkeypatch):
             self.llm = None
             events.append(("stop", self.model_dir))
 
-    monkeypatch.setattr(vb, "VLLMEngine", FakeEngine)
     monkeypatch.setattr(vb, "_on_cpu", lambda: True)  # on a GPU pinning is off (two engines cannot share it)
-    monkeypatch.setattr(vb, "_ENGINE", None)
-    monkeypatch.setattr(vb, "_PINNED", {})
-    v = VLLMConfig()
-    a = vb.engine_for("A", v)
-    judge = vb.engine_for("J", v, pin=True)
-    assert vb.engine_for("A", v) is a  # the row's engine survived the judge's start
-    b = vb.engine_for("B", v)
-    assert vb.engine_for("J", v, pin=True) is judge and vb.engine_for("J", v) is judge  # the judge's own row
-    assert vb.engine_for("B", v) is b
-    vb.shutdown_engines()
+    cfg = load_config("tiny", ["evaluate.backend=vllm"])
+
+    def backend():
+        return open_models(cfg, LocalExecutor(), engine_cls=FakeEngine)
+
+    with backend() as be:
+        assert isinstance(be, vb.VLLMBackend)
+        a = be.engine_for("A")
+        judge = be.engine_for("J", pin=True)
+        assert be.engine_for("A") is a  # the row's engine survived the judge's start
+        b = be.engine_for("B")
+        assert be.engine_for("J", pin=True) is judge and be.engine_for("J") is judge  # the judge's own row
+        assert be.engine_for("B") is b
     assert events == [("start", "A"), ("start", "J"), ("stop", "A"), ("start", "B"), ("stop", "B"), ("stop", "J")]
+    with pytest.raises(RuntimeError, match="closed"):
+        be.engine_for("A")
     # the current engine pinned later becomes the judge (no second start)
     events.clear()
-    j2 = vb.engine_for("J", v)
-    assert vb.engine_for("J", v, pin=True) is j2 and vb.engine_for("C", v) is not j2
-    vb.shutdown_engines()
+    with backend() as be:
+        j2 = be.engine_for("J")
+        assert be.engine_for("J", pin=True) is j2 and be.engine_for("C") is not j2
     assert events == [("start", "J"), ("start", "C"), ("stop", "C"), ("stop", "J")]
     monkeypatch.setattr(vb, "_on_cpu", lambda: False)
     events.clear()
-    vb.engine_for("A", v)
-    vb.engine_for("J", v, pin=True)
-    vb.engine_for("A", v)
-    vb.shutdown_engines()
+    with backend() as be:
+        be.engine_for("A")
+        be.engine_for("J", pin=True)
+        be.engine_for("A")
     assert events == [("start", "A"), ("stop", "A"), ("start", "J"), ("stop", "J"), ("start", "A"), ("stop", "A")]
+
+
+def test_backends_chosen_by_name_from_the_config():
+    """The registry holds both backends lazily; the config's names choose them per role, and each
+    backend names its engine in cache keys (HF: nothing, so HF keys are unchanged)."""
+    from darts_bench.evaluate.engines.hf import HFBackend
+    from darts_bench.evaluate.engines.vllm import VLLMBackend
+
+    assert BACKENDS.names() == ["hf", "vllm"]
+    cfg = load_config("tiny", ["calibration.backend=vllm"])
+    assert backend_class(cfg, "evaluate") is HFBackend and backend_class(cfg, "calibration") is VLLMBackend
+    assert backend_key(cfg, "evaluate") == {}
+    assert backend_key(cfg, "calibration") == {"backend": "vllm", "vllm": cfg.evaluate.vllm.model_dump(mode="json"),
+                                               "dtype": cfg.pool.dtype}
+    with pytest.raises(ValueError, match="unknown backend role 'train'"):
+        backend_class(cfg, "train")

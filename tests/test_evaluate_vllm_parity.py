@@ -64,7 +64,7 @@ def _nontrivial(method: str, d: int, overflow: str, seed: int):
 def setup(tmp_path_factory):
     if not (DATA_DIR / "gsm8k" / "test.jsonl").is_file():
         pytest.skip("shared data not present")
-    from darts_bench.evaluate.backends.vllm import VLLMEngine
+    from darts_bench.evaluate.engines.vllm import VLLMEngine
 
     tmp = tmp_path_factory.mktemp("vllm")
     cfg, pool = vllm_micro_pool(tmp)

@@ -12,8 +12,8 @@ import torch
 from darts_bench.artifacts import file_sha256
 from darts_bench.collect.features import calibration_key, merged_key
 from darts_bench.config import EXPERT_NAMES, load_config
+from darts_bench.evaluate.engines import backend_key, open_models
 from darts_bench.executors.worker import hidden_state_features
-from darts_bench.evaluate.loaded import ModelCache
 from darts_bench.pipeline import Pipeline
 from darts_bench.rows import Row
 from darts_bench.stages.evaluate import evaluate_one
@@ -25,6 +25,11 @@ from conftest import micro_config_file
 pytestmark = [pytest.mark.micro]  # tests/README.md: markers
 
 STAGE_DIRS = ("merges", "calibration", "features", "heads", "eval")
+
+
+def _calib_key(cfg, task, split: str) -> str:
+    """The calibration key of one prompt ``"p"`` of expert key ``"k"`` with ``cfg``'s calibration backend."""
+    return calibration_key(cfg, task, split, ["p"], "k", engine_key=backend_key(cfg, "calibration"))
 
 
 def artifacts(work: Path) -> dict[str, set[str]]:
@@ -54,11 +59,13 @@ def hf_config(tmp: Path, pool_dir: Path, *overrides: str):
 
 
 def no_model_work(pipe: Pipeline, monkeypatch) -> None:
+    import darts_bench.evaluate.engines.hf as hf
+
     def boom(*a, **k):
         raise AssertionError("model work although every artifact is cached")
 
     monkeypatch.setattr(pipe.executor, "map", boom)
-    monkeypatch.setattr(pipe.executor, "text_model", boom)
+    monkeypatch.setattr(hf, "load_text_model", boom)  # the HF backend's in-process loads
 
 
 def test_overwritten_expert_weights_rebuild_what_depends_on_them(hf_pool_dir, tmp_path, monkeypatch):
@@ -176,9 +183,8 @@ def test_tasks_batch_size_rebuilds_sampled_evaluations(micro_pipeline, micro_cfg
         pool = pipe.pool()
         row = Row("base", model_dir=pool.base, model_key=pool.model_key("base"))
         task, examples = pipe.tasks()["humaneval"]
-        models = ModelCache(pipe.executor, pipe.cfg.tasks.batch_size, cfg=pipe.cfg)
-        res = evaluate_one(pipe.cfg, row, task, examples, {"base": row}, {}, models, pipe.work_dir)
-        models.close()
+        with open_models(pipe.cfg, pipe.executor) as models:  # what the evaluate stage opens
+            res = evaluate_one(pipe.cfg, row, task, examples, {"base": row}, {}, models, pipe.work_dir)
         out[bs] = (pipe.eval_key(row, task, examples), [c for s in res.samples for c in s["completions"]])
         pipe.close()
     assert out[4][0] != out[1][0]
@@ -198,7 +204,7 @@ def test_calibration_batch_size_changes_features_and_their_keys(micro_pipeline, 
     assert not torch.equal(one["h"], two["h"])
     c4, c2 = (load_config(str(micro_cfg_path), [f"calibration.batch_size={b}"]) for b in (4, 2))
     task = micro_pipeline.tasks()["gsm8k"][0]
-    assert calibration_key(c4, task, "transductive", ["p"], "k") != calibration_key(c2, task, "transductive", ["p"], "k")
+    assert _calib_key(c4, task, "transductive") != _calib_key(c2, task, "transductive")
     assert merged_key(c4, "m", "c") != merged_key(c2, "m", "c")
 
 
@@ -206,7 +212,7 @@ def test_device_is_in_feature_and_evaluation_keys(micro_pipeline, micro_cfg_path
     """Keys for ``device: cuda`` differ from ``cpu`` ones (computed here without a GPU)."""
     cpu, cuda = (load_config(str(micro_cfg_path), [f"device={d}"]) for d in ("cpu", "cuda"))
     task, examples = micro_pipeline.tasks()["gsm8k"]
-    assert calibration_key(cpu, task, "inductive", ["p"], "k") != calibration_key(cuda, task, "inductive", ["p"], "k")
+    assert _calib_key(cpu, task, "inductive") != _calib_key(cuda, task, "inductive")
     assert merged_key(cpu, "m", "c") != merged_key(cuda, "m", "c")
     row = Row("base", model_dir=Path("x"), model_key="k")
     assert Pipeline(cpu).eval_key(row, task, examples) != Pipeline(cuda).eval_key(row, task, examples)
@@ -234,7 +240,7 @@ def test_torch_threads_change_no_feature_and_stay_out_of_the_keys(micro_pipeline
     assert all(torch.equal(feats[1][k], feats[2][k]) for k in feats[1])
     c1, c2 = (load_config(str(micro_cfg_path), [f"torch_threads={n}"]) for n in (1, 2))
     task = micro_pipeline.tasks()["gsm8k"][0]
-    assert calibration_key(c1, task, "transductive", ["p"], "k") == calibration_key(c2, task, "transductive", ["p"], "k")
+    assert _calib_key(c1, task, "transductive") == _calib_key(c2, task, "transductive")
 
 
 def test_sharded_bf16_checkpoint_fingerprint_covers_index_and_every_shard(micro_pipeline, tmp_path):

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from darts_bench.collect.features import ShardedFeatures, _run_sharded, decode_features, encode_features, load_shards
+from darts_bench.collect.features import _run_sharded
+from darts_bench.collect.store import ShardedFeatures, decode_features, encode_features, load_shards
 from darts_bench.executors.local import LocalExecutor
 from darts_bench.pool.checkpoint import lm_head_weight
 from darts_bench.stages import derive_seed
@@ -235,17 +236,16 @@ def test_evaluate_loads_each_checkpoint_once(micro_cfg_path, micro_pipeline, tmp
     """Evaluating 14 rows on AlpacaEval (judge: expert:instruction) loads each of the 6 model dirs
     once (dcca732: one load per (row, task) plus one judge load per row, 28 here), with the same
     samples, verdicts and metrics as one load per request."""
-    import darts_bench.executors.worker as worker
+    import darts_bench.evaluate.engines.hf as hf
     import darts_bench.pipeline as pipeline
     from darts_bench.config import load_config
-    from darts_bench.evaluate.loaded import ModelCache
 
     loads = []
-    real_load = worker.load_causal_lm
-    monkeypatch.setattr(worker, "load_causal_lm", lambda path, **kw: (loads.append(str(path)), real_load(path, **kw))[1])
+    real_load = hf.load_causal_lm
+    monkeypatch.setattr(hf, "load_causal_lm", lambda path, **kw: (loads.append(str(path)), real_load(path, **kw))[1])
     results = {}
     for label, shared in (("cached", True), ("per-request", False)):
-        monkeypatch.setattr(ModelCache, "shares_weights", property(lambda self, s=shared: s))
+        monkeypatch.setattr(hf.HFBackend, "share_weights", shared)
         pipe = pipeline.Pipeline(load_config(str(micro_cfg_path)), suite="alpacaeval")
         pipe.train()  # upstream artifacts from the shared work dir ...
         pipe.work_dir = tmp_path / label  # ... every evaluation artifact built anew here
@@ -349,12 +349,12 @@ def test_collect_loads_each_model_once(micro_pipeline, tmp_path, monkeypatch):
     reference features, and 3 feature sets per merge)."""
     import shutil
 
-    import darts_bench.executors.worker as worker
+    import darts_bench.evaluate.engines.hf as hf
     from darts_bench.pipeline import Pipeline
 
     loads = []
-    real_load = worker.load_causal_lm
-    monkeypatch.setattr(worker, "load_causal_lm", lambda path, **kw: (loads.append(str(path)), real_load(path, **kw))[1])
+    real_load = hf.load_causal_lm
+    monkeypatch.setattr(hf, "load_causal_lm", lambda path, **kw: (loads.append(str(path)), real_load(path, **kw))[1])
     pipe = Pipeline(micro_pipeline.cfg, suite="gsm8k")
     pipe.work_dir = tmp_path / "work"
     for sub in ("pool", "merges"):  # the session's pool and merges; every feature artifact built anew

@@ -30,8 +30,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.subprocess,
 from darts_bench.config import CalibrationConfig, Config, RayConfig  # noqa: E402
 from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm  # noqa: E402
 from darts_bench.executors.local import LocalExecutor  # noqa: E402
-from darts_bench.executors.ray_executor import (RayExecutor, RayTextModel, head_processes, init_ray,  # noqa: E402
-                                               stop_head)
+from darts_bench.executors.ray_executor import RayExecutor, RayTextModel, head_processes, stop_head  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent

@@ -3,7 +3,7 @@ tasks and rows of the model and pinned for the judge; the table equals the local
 
 Also the plumbing of vLLM engines on Ray actors (``evaluate.backend: vllm``, ``executor: ray``)
 with a stand-in engine class (the HF model, loaded once per actor) injected through
-``RayExecutor(engine_cls=...)``, so it runs without vllm; the real engine on an actor is in
+``open_models(cfg, executor, engine_cls=...)`` (the vLLM backend's option), so it runs without vllm; the real engine on an actor is in
 ``tests/test_ray_vllm.py`` (vLLM venv).
 
 All on the run's shared local Ray instance (``ray_instance``: loopback, 2 CPUs, private temp dir).
@@ -150,12 +150,12 @@ def test_vllm_engine_actors_kept_per_model_dir(models, ray_instance):
     of b: one engine actor group per model dir (2 actors each, prompts split between them), every
     output equal to the in-process HF model with the row's head, each engine shut down before its
     actor is killed."""
-    from darts_bench.evaluate.loaded import ModelCache
+    from darts_bench.evaluate.engines import open_models
 
     a, b, h1, h2 = models["a"], models["b"], models["h1"], models["h2"]
     cfg = make_cfg(num_actors=2, num_cpus_per_actor=0.5).model_copy(update={"evaluate": EvaluateConfig(backend="vllm")})
-    ex = RayExecutor(cfg, engine_cls=hf_engine_cls())
-    cache = ModelCache(ex, BATCH, cfg=cfg)
+    ex = RayExecutor(cfg)
+    cache = open_models(cfg, ex, batch_size=BATCH, engine_cls=hf_engine_cls())
     try:
         calls = [(a, None, False), (a, h1, False), (b, None, True), (a, h2, False), (b, None, True),
                  (b, None, False), (b, h1, False), (b, None, True)]
@@ -177,7 +177,7 @@ def test_vllm_engine_actors_kept_per_model_dir(models, ray_instance):
 
 
 def test_tensor_parallel_needs_the_gpus_of_an_actor():
-    from darts_bench.evaluate.backends import check_ray_vllm
+    from darts_bench.evaluate.engines.vllm import check_ray_vllm
 
     cfg = make_cfg(num_gpus_per_actor=1).model_copy(update={
         "executor": "ray", "evaluate": EvaluateConfig(backend="vllm", vllm={"tensor_parallel_size": 2})})

@@ -52,13 +52,13 @@ def pool(tmp_path_factory):
 
 
 def test_engine_on_a_ray_actor_swaps_heads_and_matches_hf(pool, ray_instance):
-    from darts_bench.evaluate.loaded import ModelCache
+    from darts_bench.evaluate.engines import open_models
     from darts_bench.executors.ray_executor import RayExecutor, RayVLLMTextModel
 
     torch.set_num_threads(1)
     hf, tok = load_causal_lm(pool["base"])
     ex = RayExecutor(pool["cfg"])
-    cache = ModelCache(ex, 4, cfg=pool["cfg"])
+    cache = open_models(pool["cfg"], ex, batch_size=4)
     engine_procs: list[psutil.Process] = []
     try:
         for head in (None, "darts", "surgery", None):  # rows of one merge: plain, corrected, plain again

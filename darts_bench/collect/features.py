@@ -12,12 +12,16 @@ Surgery paper; ``inductive``: prompts from the expert's training data):
 3. each merged model's final hidden state and entropy on the same tokens — one artifact per
    (merge, task, split).
 
-Features are stored as safetensors shards (fixed-order shards of ``ray.shard_size`` sequences)
-with an ``index.json`` (shard names, tokens per shard, feature dtype); shards are persisted as they
+Features are stored in the layout of :mod:`darts_bench.collect.store` (safetensors shards of
+``ray.shard_size`` sequences in a fixed order, an ``index.json``); shards are persisted as they
 finish so a resumed run redoes only missing shards. NaN/inf features fail the run, naming the shard.
-Readers never concatenate a whole artifact: :class:`ShardedFeatures` reads it shard by shard
-through safetensors' memory-mapped ``safe_open`` (into one preallocated buffer, or as a stream of
-token batches).
+Readers never concatenate a whole artifact: :class:`~darts_bench.collect.store.ShardedFeatures`
+reads it shard by shard.
+
+The continuations come from the calibration backend (``calibration.backend``, passed in as an
+open :class:`~darts_bench.evaluate.engines.Backend`), the features from the executor; both are
+handed in, so this module imports neither ``evaluate`` nor ``executors`` (no import circle with
+them: ``tests/test_import_graph.py``).
 """
 
 from __future__ import annotations
@@ -30,14 +34,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from darts_bench.api import Task
 from darts_bench.artifacts import cached, stable_hash
-from darts_bench.evaluate.backends import backend_key
+from darts_bench.collect import store
+from darts_bench.collect.store import ShardedFeatures, load_shards
 
 log = logging.getLogger("darts_bench")
 
@@ -46,148 +48,32 @@ def _shard_payloads(sequences: list[list[int]], shard_size: int) -> list[dict[st
     return [{"sequences": sequences[i:i + shard_size]} for i in range(0, len(sequences), shard_size)]
 
 
-def _check_finite(feats: dict[str, torch.Tensor], where: str) -> None:
-    for k, v in feats.items():
-        if v.is_floating_point() and not torch.isfinite(v).all():
-            n = int((~torch.isfinite(v)).sum())
-            raise FloatingPointError(f"{n} non-finite values in {k} of {where}; the model produced NaN/inf "
-                                     "(check the checkpoint and dtype)")
-
-
 def _run_sharded(executor, model_dir: Path, sequences: list[list[int]], shard_size: int, out: Path,
                  partial: Path, prefix: str, desc: str) -> None:
     """Compute features shard by shard (persisted in ``partial`` as they finish), then move the
-    shards into ``out`` with an index."""
+    shards into ``out`` with an index (the layout of :mod:`darts_bench.collect.store`).
+
+    Raises:
+        FloatingPointError: a shard holds NaN/inf (named by index and ``desc``).
+    """
     payloads = _shard_payloads(sequences, shard_size)
     partial.mkdir(parents=True, exist_ok=True)
-    done = set()
-    for i in range(len(payloads)):
-        p = partial / f"{prefix}-{i:05d}.safetensors"
-        if p.is_file():
-            try:
-                load_file(str(p))
-                done.add(i)
-            except Exception:  # a torn shard from a killed run: redo it
-                p.unlink()
+    done = {i for i in range(len(payloads)) if store.shard_is_complete(partial / store.shard_name(prefix, i))}
 
     def persist(i: int, res: dict) -> None:
-        feats = decode_features(res)
+        feats = store.decode_features(res)
         feats["seq_index"] = feats["seq_index"] + i * shard_size
-        _check_finite(feats, f"shard {i} of {desc}")
-        tmp = partial / f".tmp-{prefix}-{i:05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in feats.items()}, str(tmp))
-        tmp.replace(partial / f"{prefix}-{i:05d}.safetensors")
+        store.check_finite(feats, f"shard {i} of {desc}")
+        store.write_shard(partial, prefix, i, feats)
 
     if done:
         log.info("%s: resuming, %d/%d shards already done", desc, len(done), len(payloads))
     executor.map(str(model_dir), "features", payloads, skip=done, on_result=persist, desc=desc)
-    index = {"shards": [], "n_sequences": len(sequences), "n_tokens": [], "dtype": None}
-    for i in range(len(payloads)):
-        name = f"{prefix}-{i:05d}.safetensors"
+    names = [store.shard_name(prefix, i) for i in range(len(payloads))]
+    for name in names:
         (partial / name).replace(out / name)
-        index["shards"].append(name)
-        with safe_open(str(out / name), "pt") as st:
-            sl = st.get_slice("h")
-            index["n_tokens"].append(int(sl.get_shape()[0]))
-            index["dtype"] = _ST_DTYPES[sl.get_dtype()]
-    (out / "index.json").write_text(json.dumps(index))
+    store.write_index(out, names, len(sequences))
     shutil.rmtree(partial, ignore_errors=True)
-
-
-_ST_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "I64": "int64"}
-
-
-def encode_features(feats: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Features as numpy arrays for the trip from a worker (numpy has no bfloat16: a bf16 tensor
-    travels as its int16 bit pattern, its dtype named under ``"dtypes"``). Inverse:
-    :func:`decode_features`."""
-    out: dict[str, Any] = {"dtypes": {}}
-    for k, v in feats.items():
-        if v.dtype == torch.bfloat16:
-            out["dtypes"][k] = "bfloat16"
-            v = v.view(torch.int16)
-        out[k] = v.numpy()
-    return out
-
-
-def decode_features(res: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Tensors from :func:`encode_features`' output (bit-exact)."""
-    dtypes = res.get("dtypes", {})
-    out = {}
-    for k, v in res.items():
-        if k == "dtypes":
-            continue
-        t = torch.from_numpy(np.asarray(v))
-        out[k] = t.view(getattr(torch, dtypes[k])) if k in dtypes else t
-    return out
-
-
-def load_shards(root: Path) -> dict[str, torch.Tensor]:
-    """Concatenate the shards listed in ``root/index.json`` (tokens in sequence order).
-
-    Holds every shard and the concatenation at once (about twice the artifact): small artifacts
-    and tests only; the pipeline reads through :class:`ShardedFeatures`."""
-    index = json.loads((root / "index.json").read_text())
-    parts = [load_file(str(root / s)) for s in index["shards"]]
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
-
-
-class ShardedFeatures:
-    """Read-only access to one feature artifact (``index.json`` + safetensors shards) without
-    concatenating it: each shard is opened memory-mapped with ``safetensors.safe_open``.
-
-    Columns: ``h`` ``[N, d]`` in the stored dtype (the model's), ``entropy`` ``[N]`` float32
-    (nats), ``positions`` / ``seq_index`` ``[N]`` int64; N = tokens over all shards, in sequence order.
-
-    Raises:
-        FileNotFoundError: no ``index.json`` or a listed shard is missing.
-    """
-
-    def __init__(self, root: Path):
-        self.root = Path(root)
-        f = self.root / "index.json"
-        if not f.is_file():
-            raise FileNotFoundError(f"feature index missing: {f}")
-        index = json.loads(f.read_text())
-        self.files = [self.root / s for s in index["shards"]]
-        lengths, dtype, d = [], None, None
-        for p in self.files:
-            if not p.is_file():
-                raise FileNotFoundError(f"feature shard missing: {p} (listed in {f})")
-            with safe_open(str(p), "pt") as st:
-                sl = st.get_slice("h")
-                shape = sl.get_shape()
-                lengths.append(int(shape[0]))
-                dtype, d = _ST_DTYPES[sl.get_dtype()], int(shape[1])
-        self.lengths = lengths
-        self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        self.dtype, self.d = index.get("dtype") or dtype, d
-
-    def __len__(self) -> int:
-        return int(self.offsets[-1])
-
-    def column(self, key: str) -> torch.Tensor:
-        """A 1-D column (``entropy``, ``positions``, ``seq_index``) for all tokens (small: ``[N]``)."""
-        parts = []
-        for p in self.files:
-            with safe_open(str(p), "pt") as st:
-                parts.append(st.get_tensor(key))
-        return torch.cat(parts)
-
-    def read_h(self) -> torch.Tensor:
-        """``h`` for all tokens, ``[N, d]`` in the stored dtype, filled shard by shard into one
-        preallocated tensor (peak: the tensor + one shard)."""
-        out = torch.empty((len(self), self.d), dtype=getattr(torch, self.dtype))
-        for p, o, n in zip(self.files, self.offsets, self.lengths):
-            with safe_open(str(p), "pt") as st:
-                out[o:o + n] = st.get_tensor("h")
-        return out
-
-    def shards(self, keys: tuple[str, ...] = ("h", "entropy", "positions", "seq_index")):
-        """Yield ``(offset, {key: tensor})`` per shard, one shard in memory at a time."""
-        for p, o in zip(self.files, self.offsets):
-            with safe_open(str(p), "pt") as st:
-                yield int(o), {k: st.get_tensor(k) for k in keys}
 
 
 @dataclass
@@ -262,15 +148,17 @@ def numerics_key(cfg) -> dict[str, Any]:
 
 
 def calibration_key(cfg, task: Task, split: str, prompts: list[str], expert_key: str,
-                    references: list[str] | None = None) -> str:
+                    references: list[str] | None = None, *, engine_key: dict[str, Any]) -> str:
     """Cache key of a calibration set: expert model key, task (name, version), split, prompts,
-    references, token caps, shard size, :func:`numerics_key` and the generation backend (empty for
-    ``hf``, so HF keys are unchanged by it)."""
+    references, token caps, shard size, :func:`numerics_key` and ``engine_key``, the generation
+    backend's part (``Backend.key`` of the calibration backend,
+    :func:`darts_bench.evaluate.engines.backend_key` ``(cfg, "calibration")``: empty for ``hf``, so
+    HF keys are unchanged by it)."""
     cal = cfg.calibration
     return stable_hash({"expert": expert_key, "task": task.name, "version": task.version, "split": split,
                         "prompts": stable_hash(prompts), "refs": stable_hash(references), "max_new": cal.max_new_tokens,
                         "max_prompt": cal.max_prompt_tokens, "shard": cfg.ray.shard_size,
-                        "numerics": numerics_key(cfg), **backend_key(cal.backend, cfg.evaluate.vllm, cfg.pool.dtype)})
+                        "numerics": numerics_key(cfg), **engine_key})
 
 
 def merged_key(cfg, merge_key: str, calib_key: str) -> str:
@@ -280,15 +168,20 @@ def merged_key(cfg, merge_key: str, calib_key: str) -> str:
 
 def collect_calibration(cfg, task: Task, split: str, prompts: list[str], expert_dir: Path, executor,
                         tokenizer, work_dir: Path, expert_key: str,
-                        references: list[str] | None = None) -> CalibrationSet:
+                        references: list[str] | None = None, *, backend) -> CalibrationSet:
     """Expert continuations and expert features for one (task, split); cached.
+
+    ``backend``: the run's calibration backend (:func:`darts_bench.evaluate.engines.open_models`
+    with ``role="calibration"``, kept open across calls so an engine serves every split of an
+    expert): it makes the expert's greedy continuations (``Backend.continuations``) and names its
+    engine in the cache key (``Backend.key``). The features always come from ``executor`` (HF).
 
     With ``references`` (split ``reference``) each prompt is continued by its reference answer
     (at most ``max_prompt_tokens`` tokens) instead of the expert's generation: these sequences
     are for evaluation signals only, never for training.
     """
     cal = cfg.calibration
-    key = calibration_key(cfg, task, split, prompts, expert_key, references)
+    key = calibration_key(cfg, task, split, prompts, expert_key, references, engine_key=backend.key)
     final = work_dir / "calibration" / f"{task.name}-{split}-{key}"
 
     def build(tmp: Path) -> None:
@@ -298,19 +191,9 @@ def collect_calibration(cfg, task: Task, split: str, prompts: list[str], expert_
         if references is not None:
             gen_ids = [tokenizer(r, add_special_tokens=False)["input_ids"][:cal.max_prompt_tokens]
                        for r in references]
-        elif cal.backend == "vllm":  # the same continuation from the expert's vLLM engine
-            from darts_bench.evaluate.backends.vllm import engine_for
-
-            eng = engine_for(expert_dir, cfg.evaluate.vllm, cfg.pool.dtype, seed=cfg.seed)
-            gens = eng.text_model(task.expert).generate_ids(prompt_ids, max_new_tokens=cal.max_new_tokens)
-            gen_ids = [s[0] for s in gens]
         else:  # the expert's greedy continuation of exactly these (truncated) prompt tokens
-            gen_payloads = [{"prompts": prompt_ids[i:i + cfg.ray.shard_size],
-                             "kwargs": {"max_new_tokens": cal.max_new_tokens}}
-                            for i in range(0, len(prompt_ids), cfg.ray.shard_size)]
-            gens = executor.map(str(expert_dir), "generate_ids", gen_payloads,
-                                desc=f"calibrate {task.name}/{split}")
-            gen_ids = [s[0] for shard in gens for s in shard]
+            gen_ids = backend.continuations(task.expert, expert_dir, prompt_ids, cal.max_new_tokens,
+                                            desc=f"calibrate {task.name}/{split}")
         sequences = [p + g for p, g in zip(prompt_ids, gen_ids)]
         (tmp / "sequences.json").write_text(json.dumps({
             "task": task.name, "split": split, "prompts": prompts, "prompt_len": [len(p) for p in prompt_ids],

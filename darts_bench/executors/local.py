@@ -14,9 +14,17 @@ class LocalExecutor:
 
     The worker of the latest ``map`` call stays loaded, so consecutive calls on the same model
     (expert generation then expert features, or every split of one merge) load it once; a call on
-    another model or :meth:`close` drops it."""
+    another model or :meth:`close` drops it.
+
+    Evaluation models are not made here: the backends (:mod:`darts_bench.evaluate.engines`) load
+    them in-process themselves when :attr:`in_process` is True.
+
+    Attributes:
+        in_process: True: work runs in this process (backends use their in-process layout).
+    """
 
     name = "local"
+    in_process = True
 
     def __init__(self, batch_size: int = 8, device: str = "cpu", torch_threads: int | None = None,
                  dtype: str = "float32"):
@@ -52,12 +60,6 @@ class LocalExecutor:
             if on_result:
                 on_result(i, results[i])
         return results
-
-    def text_model(self, name: str, model_dir: str, head_dir: str | None = None, batch_size: int | None = None):
-        """An in-process :class:`HFTextModel` (with the head attached when ``head_dir``)."""
-        w = ModelWorker(str(model_dir), head_dir=head_dir, name=name, device=self.device,
-                        batch_size=batch_size or self.batch_size, torch_threads=self.torch_threads, dtype=self.dtype)
-        return w.text_model
 
     def release_idle(self) -> None:
         """Drop the kept worker (frees its model)."""

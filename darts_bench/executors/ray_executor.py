@@ -37,10 +37,10 @@ Resources. Actor groups (``num_actors`` actors of one model) live in an LRU pool
 (:meth:`ModelWorker.set_head <darts_bench.executors.worker.ModelWorker.set_head>`), so a merge and
 all its corrected rows share one group and each actor loads its checkpoint once. A
 :class:`RayTextModel` holds its group until closed (proxies of the same model share one, whatever
-their heads; ``evaluate``'s :class:`~darts_bench.evaluate.loaded.ModelCache` keeps one open per
-current model dir and one for the judge). ``map`` releases its group when done, like the
-local executor drops its worker, so no actor holds CPUs/GPUs between calls (other Ray work of the
-run, e.g. DeepSpeed through Ray Train in ``train``, shares the instance); ``keep_idle=True`` keeps
+their heads; the evaluate stage's backend keeps one open per current model dir and one for the
+judge: :class:`~darts_bench.evaluate.engines.base.HeldProxies`). ``map`` releases its group when
+done, like the local executor drops its worker, so no actor holds CPUs/GPUs between calls (other
+Ray work of the run, e.g. DeepSpeed through Ray Train in ``train``, shares the instance); ``keep_idle=True`` keeps
 the most recent such group loaded for the next call instead (expert generation, then expert
 features). A group that would not fit next to the resident ones (in the cluster's total CPUs/GPUs)
 first evicts the least recently used groups that have no call in flight; a proxy whose group was
@@ -48,14 +48,19 @@ evicted recreates it on its next call. On a local instance the number of actors 
 capped at what the machine can hold (a warning says so) instead of waiting forever for resources.
 :attr:`RayExecutor.actor_starts` counts the actors started per model dir (each one loads it).
 
-vLLM engines (``evaluate.backend: vllm``). :meth:`RayExecutor.vllm_text_model` returns a
-:class:`RayVLLMTextModel` over a group of ``num_actors`` actors each holding one
-:class:`~darts_bench.evaluate.backends.vllm.VLLMEngine` of the model dir (with ``num_gpus_per_actor``
-GPUs, ``evaluate.vllm.tensor_parallel_size`` of them used by the engine); the head travels in each
-call's payload and is swapped in the running engine (``set_head``). Prompts are split into one
-contiguous chunk per actor (data parallel), chunk ``s`` seeded ``seed + s`` (the engine seeds
-request ``i`` with ``seed + i``): outputs equal one engine's. Engine groups are shut down
-(engine-core and worker processes stopped by pid) before their actors are killed.
+Engines (``evaluate.backend: vllm``). :meth:`RayExecutor.vllm_text_model` returns a
+:class:`RayVLLMTextModel` over a group of ``num_actors`` actors each holding one engine of the
+model dir (:class:`~darts_bench.executors.vllm_worker.VLLMWorker`; the engine class and settings
+come from the caller, the vLLM backend :class:`~darts_bench.evaluate.engines.vllm.VLLMBackend`,
+which also checks ``evaluate.vllm.tensor_parallel_size`` against ``num_gpus_per_actor``); the head
+travels in each call's payload and is swapped in the running engine (``set_head``). Prompts are
+split into one contiguous chunk per actor (data parallel), chunk ``s`` seeded ``seed + s`` (the
+engine seeds request ``i`` with ``seed + i``): outputs equal one engine's. Engine groups are shut
+down (engine-core and worker processes stopped by pid) before their actors are killed.
+
+Which text models a row gets (and which group it holds) is the backends' decision
+(:mod:`darts_bench.evaluate.engines`); this module only runs what it is asked to, and says it is
+not in-process (:attr:`RayExecutor.in_process` False).
 
 ``python -m darts_bench.executors.ray_executor stop-head --temp-dir DIR --port PORT`` stops one
 head node started with ``ray start --head --temp-dir DIR`` by pid (the alternative to ``ray stop``,
@@ -78,14 +83,16 @@ from ray.exceptions import RayActorError, RayTaskError
 from tqdm.auto import tqdm
 
 from darts_bench.api import ScoreContinuation
+from darts_bench.executors.vllm_worker import VLLMWorker
 from darts_bench.executors.worker import ModelWorker
+from darts_bench.ray_instance import init_ray
 
 log = logging.getLogger("darts_bench")
 
 
 class _WorkerActor:
     """Body of one Ray actor: a :class:`ModelWorker` (or a subclass, or a
-    :class:`~darts_bench.evaluate.backends.vllm.VLLMWorker`) holding one model."""
+    :class:`~darts_bench.executors.vllm_worker.VLLMWorker`) holding one model."""
 
     def __init__(self, worker_cls: type, kwargs: dict[str, Any]):
         self.worker = worker_cls(**kwargs)
@@ -109,7 +116,7 @@ _RemoteWorker = ray.remote(_WorkerActor)
 @dataclass
 class _Group:
     """``num_actors`` actors serving one key: ``("hf", model_dir, batch_size)`` or
-    ``("vllm", model_dir, engine settings)``."""
+    ``("engine", model_dir, batch_size, engine class, engine settings)``."""
 
     key: tuple
     kwargs: dict[str, Any]
@@ -123,64 +130,6 @@ class _Group:
         return self.key[1]
 
 
-def _local_cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
-def init_ray(address: str | None, num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
-    """Start (``address`` None) or join (``"auto"``, ``ray://...``, ``host:port``) a Ray instance.
-
-    A local instance has node IP 127.0.0.1 and listens on loopback only (see :func:`_loopback_only`),
-    runs without dashboard, with ``num_cpus`` (default: the CPUs this process may use) and its
-    session files under ``temp_dir`` (default Ray's, ``/tmp/ray``; keep it short: Ray's socket paths
-    must fit in 107 bytes). Returns
-    whether this call initialised Ray (False when this process was already connected, in which
-    case the caller must not shut it down).
-    """
-    if ray.is_initialized():
-        return False
-    if address is None:
-        kwargs = dict(address="local", num_cpus=num_cpus or _local_cpu_count(), include_dashboard=False,
-                      log_to_driver=False, _node_ip_address="127.0.0.1")
-        if temp_dir:
-            kwargs["_temp_dir"] = str(temp_dir)
-        with _loopback_only():
-            try:
-                ray.init(**kwargs)
-            except TypeError:  # a Ray without the private option: the loopback switch alone suffices
-                kwargs.pop("_node_ip_address")
-                ray.init(**kwargs)
-    else:
-        ray.init(address=address, log_to_driver=False)
-    return True
-
-
-@contextlib.contextmanager
-def _loopback_only():
-    """Make a single-node Ray started in this block use 127.0.0.1 as its node IP.
-
-    Ray resolves ``127.0.0.1`` given as node IP to the machine's routable address (and its servers
-    then listen on every interface) unless multi-node clusters are off, which is what
-    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` does for ``ray start``. Here Ray is already imported, so
-    the switch it reads from that variable is flipped for the duration of ``ray.init``; afterwards
-    every process of the instance has 127.0.0.1 and binds to it.
-    """
-    try:
-        from ray._private import ray_constants
-    except ImportError:  # pragma: no cover - layout changed: fall back to Ray's defaults
-        yield
-        return
-    old = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = old
-
-
 class RayExecutor:
     """Runs shards on Ray actors, one model per actor (see the module docstring).
 
@@ -191,24 +140,24 @@ class RayExecutor:
             one that fails on purpose).
         keep_idle: keep the actors of the last ``map`` call loaded for the next call (see the
             module docstring); :meth:`release_idle` frees them.
-        engine_cls: the engine class of :meth:`vllm_text_model`'s actors (default
-            :class:`~darts_bench.evaluate.backends.vllm.VLLMEngine`; tests inject a stand-in).
 
     Attributes:
+        in_process: False: models live in Ray actors (backends use their Ray layout).
         actor_starts: ``Counter`` model dir -> actors started for it so far (each loads the
             checkpoint or starts an engine; replacements of dead actors included).
     """
 
     name = "ray"
+    in_process = False
 
-    def __init__(self, cfg, worker_cls: type = ModelWorker, keep_idle: bool = False, engine_cls: type | None = None):
+    def __init__(self, cfg, worker_cls: type = ModelWorker, keep_idle: bool = False):
         self.cfg, self.rcfg = cfg, cfg.ray
         self.batch_size = cfg.calibration.batch_size
         self.device = cfg.device
         # one torch thread per reserved CPU unless the config says otherwise
         self.torch_threads = cfg.torch_threads or max(1, int(self.rcfg.num_cpus_per_actor))
         self.dtype = cfg.pool.dtype
-        self.worker_cls, self.keep_idle, self.engine_cls = worker_cls, keep_idle, engine_cls
+        self.worker_cls, self.keep_idle = worker_cls, keep_idle
         self._owns_ray = init_ray(self.rcfg.address)
         self._local = self.rcfg.address is None
         self._groups: OrderedDict[tuple, _Group] = OrderedDict()
@@ -425,30 +374,25 @@ class RayExecutor:
                             batch_size or self.batch_size)
 
     def vllm_text_model(self, name: str, model_dir: str, head_dir: str | None = None,
-                        batch_size: int | None = None, *, engine_cls: type | None = None) -> "RayVLLMTextModel":
-        """A :class:`RayVLLMTextModel` proxy over ``num_actors`` actors each holding one vLLM engine
-        of ``model_dir`` (settings ``cfg.evaluate.vllm``, dtype ``pool.dtype``, seed ``cfg.seed``),
-        applying ``head_dir``'s head on every call; close it to release the actors.
+                        batch_size: int | None = None, *, engine_cls: type,
+                        engine_kwargs: dict[str, Any]) -> "RayVLLMTextModel":
+        """A :class:`RayVLLMTextModel` proxy over ``num_actors`` actors each holding one engine of
+        ``model_dir`` (:class:`~darts_bench.executors.vllm_worker.VLLMWorker`), started unless
+        another open proxy with the same engine settings holds them, applying ``head_dir``'s head on
+        every call (None: plain); close it to release the actors.
 
         Args:
-            engine_cls: the engine class the actors build (default: the executor's ``engine_cls``,
-                else :class:`~darts_bench.evaluate.backends.vllm.VLLMEngine`; anything with its
-                constructor and ``text_model(name, head_dir, batch_size=...)``/``shutdown()``).
-        Raises:
-            ValueError: ``evaluate.vllm.tensor_parallel_size`` exceeds ``ray.num_gpus_per_actor``
-                on a GPU config (see :func:`~darts_bench.evaluate.backends.check_backends`).
+            engine_cls: the engine class the actors build
+                (:class:`~darts_bench.evaluate.engines.vllm.VLLMEngine`, or anything with its
+                constructor, ``text_model(name, head_dir, batch_size=...)`` and ``shutdown()``).
+            engine_kwargs: its keyword arguments besides ``model_dir`` (``vcfg``, ``dtype``,
+                ``seed``, ...); part of the group key with the class.
         """
-        from darts_bench.evaluate.backends import check_ray_vllm
-        from darts_bench.evaluate.backends.vllm import VLLMWorker
-
-        check_ray_vllm(self.cfg)
-        engine_cls = engine_cls or self.engine_cls
-        vcfg = self.cfg.evaluate.vllm
         bs = batch_size or self.batch_size
-        kwargs = dict(model_dir=str(model_dir), vcfg=vcfg, dtype=self.dtype, seed=self.cfg.seed,
-                      batch_size=bs, engine_cls=engine_cls)
-        key = ("vllm", str(model_dir), bs, self.dtype, self.cfg.seed,
-               getattr(engine_cls, "__qualname__", None), repr(sorted(vcfg.model_dump(mode="json").items())))
+        kwargs = dict(model_dir=str(model_dir), engine_cls=engine_cls, engine_kwargs=dict(engine_kwargs),
+                      batch_size=bs)
+        key = ("engine", str(model_dir), bs, f"{engine_cls.__module__}.{engine_cls.__qualname__}",
+               repr(sorted(engine_kwargs.items())))
         spec = dict(worker_cls=VLLMWorker, kwargs=kwargs, graceful=True)
         return RayVLLMTextModel(self, name, str(model_dir), str(head_dir) if head_dir else None, bs,
                                 key=key, spec=spec)
@@ -605,7 +549,7 @@ class RayTextModel:
 
 class RayVLLMTextModel(RayTextModel):
     """:class:`darts_bench.api.TextModel` on a group of Ray actors each holding one vLLM engine of
-    ``model_dir`` (made by :meth:`RayExecutor.vllm_text_model`).
+    ``model_dir`` (made by :meth:`RayExecutor.vllm_text_model` for the vLLM backend).
 
     Data parallel: the prompts of a call are split into one contiguous chunk per actor (vLLM
     batches and schedules inside each engine), chunk ``s`` seeded ``seed + s``; the engine seeds

@@ -1,4 +1,7 @@
-"""A worker holding one model (optionally with a correction head) and serving shard operations."""
+"""The HF worker: one model (optionally with a correction head) serving shard operations, in
+process (:class:`~darts_bench.executors.local.LocalExecutor`) or as the body of a Ray actor. The
+vLLM engine worker is :class:`~darts_bench.executors.vllm_worker.VLLMWorker`; both serve the
+text-model ops through :func:`run_text_op`."""
 
 from __future__ import annotations
 
@@ -6,7 +9,9 @@ from typing import Any
 
 import torch
 
-from darts_bench.evaluate.hf_model import HFTextModel, left_pad, load_causal_lm
+from darts_bench.collect.store import encode_features
+from darts_bench.evaluate.engines.hf import load_text_model
+from darts_bench.evaluate.hf_model import HFTextModel, left_pad
 from darts_bench.surgery.heads import load_head, positions_from_mask
 from darts_bench.surgery.losses import next_token_entropy
 
@@ -53,7 +58,8 @@ TEXT_OPS = ("generate_ids", "generate", "score")
 def run_text_op(tm, op: str, payload: dict[str, Any]) -> Any:
     """One :class:`~darts_bench.api.TextModel` call of a worker payload: ``generate_ids`` /
     ``generate`` (``prompts``, ``kwargs``) or ``score`` (``contexts``, ``continuations``); shared by
-    the HF :class:`ModelWorker` and the vLLM engine worker.
+    the HF :class:`ModelWorker` and the vLLM engine worker
+    (:class:`~darts_bench.executors.vllm_worker.VLLMWorker`).
 
     Raises:
         ValueError: ``op`` is not one of :data:`TEXT_OPS`.
@@ -76,7 +82,8 @@ class ModelWorker:
     for the plain model), which is put in place before the op runs, so one worker (one Ray actor)
     serves a merge and all its corrected rows, and a call's result depends only on its payload.
 
-    Used in-process by the local executor and as the body of a Ray actor.
+    Used in-process by the local executor and as the body of a Ray actor. The checkpoint is loaded
+    by :func:`~darts_bench.evaluate.engines.hf.load_text_model` (the HF backend's loader).
 
     Attributes:
         checkpoint_loads: checkpoints this worker loaded (1).
@@ -86,11 +93,9 @@ class ModelWorker:
     def __init__(self, model_dir: str, head_dir: str | None = None, name: str = "model",
                  device: str = "cpu", batch_size: int = 8, torch_threads: int | None = None,
                  dtype: str = "float32"):
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
-        model, tok = load_causal_lm(model_dir, dtype=getattr(torch, dtype), device=device)
+        self._plain = load_text_model(model_dir, name, None, device=device, dtype=dtype, batch_size=batch_size,
+                                      torch_threads=torch_threads)
         self.checkpoint_loads, self.head_loads = 1, 0
-        self._plain = HFTextModel(name, model, tok, head=None, batch_size=batch_size)
         self.text_model, self.head_dir = self._plain, None
         self.set_head(head_dir)
 
@@ -124,8 +129,6 @@ class ModelWorker:
             return run_text_op(tm, op, payload)
         if op == "features":
             feats = hidden_state_features(tm.model, payload["sequences"], tm.tokenizer.pad_token_id, tm.batch_size)
-            from darts_bench.collect.features import encode_features
-
             return encode_features(feats)
         if op == "set_head":
             return self.head_dir

@@ -19,7 +19,7 @@ Memory (bytes, 1e9 = 1 GB):
   to the launcher.
 
 vLLM (``evaluate.backend: vllm``, ``calibration.backend: vllm``; :func:`vllm_engine`): per
-evaluation process or actor one engine (:func:`darts_bench.evaluate.backends.vllm.engine_for`
+evaluation process or actor one engine (:meth:`darts_bench.evaluate.engines.vllm.VLLMBackend.engine_for`
 keeps one alive at a time, and on the CPU the judge's beside it; on a GPU the judge swaps it). On the CPU the engine's processes (the driver's
 ``LLM``, engine-core, worker) hold the weights in the engine dtype, the KV cache
 (``evaluate.vllm.kv_cache_gb`` GiB, ``VLLM_CPU_KVCACHE_SPACE``, allocated at start-up) and a fixed
@@ -88,9 +88,9 @@ VLLM_START_RANGE = {"cpu": "25-120 s per engine measured on CPU with enforce_eag
 # fp32, 3.04x; LAB-NOTES 4.9x on an idler box): the CPU generation time is divided by it.
 VLLM_CPU_SPEEDUP = 3.0
 # With ``executor: ray`` each Ray actor holds one vLLM engine, ``ray.num_actors`` of them per model dir,
-# data-parallel over prompts (``RayExecutor.vllm_text_model``; the ``ModelCache`` holds one group per
+# data-parallel over prompts (``RayExecutor.vllm_text_model``; the vLLM backend holds one group per
 # current and pinned model dir). In-process, one engine per model dir and the pinned judge's beside it
-# (:func:`darts_bench.evaluate.backends.vllm.engine_for`).
+# (:meth:`darts_bench.evaluate.engines.vllm.VLLMBackend.engine_for`).
 DIAG_BATCH = 2048  # tokens per diagnostics matmul (darts_bench.surgery.diagnostics.Diagnostics)
 DIAG_TEMPS = 8  # [DIAG_BATCH, V] float32 tensors alive at once (logits, log-softmaxes, products)
 FEATURE_COLUMNS_BYTES = 4 + 8 + 8  # entropy fp32, positions and seq_index int64 per token

@@ -472,7 +472,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     s: dict[str, Any] = {
         "what": what, "where": where, "memory_bytes": None,
         "generation_tokens": eval_gen, "nll_tokens": eval_nll, "judge_tokens": judge_tokens,
-        # one load per model dir (ModelCache; with Ray an actor group per model dir, kept across its
+        # one load per model dir (the backend's model cache; with Ray an actor group per model dir, kept across its
         # rows and tasks, the judges' pinned), whatever the executor
         "model_loads": len(set(row_dirs) | pinned),
         "process_baseline_bytes": PROCESS_BASELINE["evaluate"]}

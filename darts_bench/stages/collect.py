@@ -15,6 +15,7 @@ from pathlib import Path
 
 from darts_bench.collect.features import (CalibrationSet, FeatureSet, calibration_prompts, collect_calibration,
                                           collect_merged)
+from darts_bench.evaluate.engines import open_models
 from darts_bench.progress import overall_bar
 
 
@@ -22,6 +23,7 @@ def collect(cfg, pool, merges: dict[str, Path], loaded, executor, work_dir: Path
     """Returns ``{"calibration": {(task, split): CalibrationSet}, "features": {(merge, task, split):
     FeatureSet}}``; ``split`` runs over ``calibration.splits`` and ``"reference"``. ``loaded`` is the
     tasks stage's :class:`~darts_bench.stages.tasks.LoadedTasks`. Tasks without an expert get no sets.
+    The continuations come from the ``calibration.backend`` (opened here, closed at the end).
 
     Order is model-major (every artifact of one model in a row), so an executor that keeps the latest
     model loaded loads each expert and each merge once; an executor with ``release_idle`` releases its
@@ -32,7 +34,8 @@ def collect(cfg, pool, merges: dict[str, Path], loaded, executor, work_dir: Path
     n_tasks = sum(t.expert is not None for t, _ in tasks.values())
     calib: dict[tuple[str, str], CalibrationSet] = {}
     feats: dict[tuple[str, str, str], FeatureSet] = {}
-    with overall_bar(n_tasks * n_sets * (1 + len(merges)), "collect", unit="feature set") as bar:
+    with overall_bar(n_tasks * n_sets * (1 + len(merges)), "collect", unit="feature set") as bar, \
+            open_models(cfg, executor, role="calibration") as backend:  # the experts' continuations
         for name, (task, examples) in tasks.items():
             if task.expert is None:
                 continue  # no expert, no calibration: the task gets no heads
@@ -42,11 +45,11 @@ def collect(cfg, pool, merges: dict[str, Path], loaded, executor, work_dir: Path
             for split in cfg.calibration.splits:
                 prompts = calibration_prompts(task, split, cfg, fmt, examples)
                 calib[(name, split)] = collect_calibration(cfg, task, split, prompts, expert_dir, executor, tok,
-                                                           work_dir, expert_key)
+                                                           work_dir, expert_key, backend=backend)
                 bar.update(1)
             calib[(name, "reference")] = collect_calibration(
                 cfg, task, "reference", [e.prompt for e in examples], expert_dir, executor, tok,
-                work_dir, expert_key, references=[e.reference for e in examples])
+                work_dir, expert_key, references=[e.reference for e in examples], backend=backend)
             bar.update(1)
         for m, mdir in merges.items():
             for name in tasks:

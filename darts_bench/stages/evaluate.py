@@ -1,7 +1,8 @@
 """The evaluate stage: every selected row on every selected task, cached per (row, task).
 
-A row's text model comes from the run's :class:`~darts_bench.evaluate.loaded.ModelCache` (each
-checkpoint loaded once; a corrected row is its merge's model with the task's head). A task may use
+A row's text model comes from the ``evaluate.backend`` the stage opens
+(:func:`darts_bench.evaluate.engines.open_models`: each checkpoint loaded once, a corrected row is its
+merge's model with the task's head; the backend's engines end with the stage). A task may use
 other models (an AlpacaEval judge, by row name or checkpoint dir) and other rows' outputs (a
 reference row evaluated before it); their identities are part of the cache key.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from darts_bench.api import EvalContext, Example, Task, TaskResult
 from darts_bench.artifacts import cached, stable_hash
-from darts_bench.evaluate.backends import backend_key
+from darts_bench.evaluate.engines import backend_key, open_models
 from darts_bench.progress import overall_bar
 from darts_bench.rows import Row
 from darts_bench.stages import derive_seed
@@ -33,30 +34,24 @@ def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str 
                         "seed": cfg.seed, "judge": judge_key,
                         "ex": stable_hash([(e.id, e.prompt, e.reference) for e in examples]),
                         "numerics": {"device": cfg.device, "batch_size": cfg.tasks.batch_size},
-                        **backend_key(cfg.evaluate.backend, cfg.evaluate.vllm, cfg.pool.dtype)})
+                        **backend_key(cfg, "evaluate")})
 
 
 def evaluate(cfg, rows: list[Row], all_rows: list[Row], tasks: dict, executor, work_dir: Path) -> dict[str, dict[str, TaskResult]]:
     """``{row name: {task: TaskResult}}`` for ``rows`` x ``tasks``, in row order (a reference row,
     e.g. ``base``, comes before the rows that compare against it). ``all_rows`` keeps every row
     reachable by name (the AlpacaEval judge ``expert:instruction`` is a row even when not selected)."""
-    from darts_bench.evaluate.loaded import ModelCache
-
     results: dict[str, dict[str, TaskResult]] = {}
     by_name = {r.model: r for r in all_rows}
     # each checkpoint loaded once (rows of one model dir share it; the judge stays loaded)
-    models = ModelCache(executor, cfg.tasks.batch_size, cfg=cfg)
-    try:
-        with overall_bar(len(rows) * len(tasks), "evaluate", unit="row x task") as bar:
-            for row in rows:
-                results[row.model] = {}
-                for name, (task, examples) in tasks.items():
-                    bar.set_postfix_str(f"{row.model} / {name}")
-                    results[row.model][name] = evaluate_one(cfg, row, task, examples, by_name, results, models,
-                                                            work_dir)
-                    bar.update(1)
-    finally:
-        models.close()
+    with open_models(cfg, executor) as models, \
+            overall_bar(len(rows) * len(tasks), "evaluate", unit="row x task") as bar:
+        for row in rows:
+            results[row.model] = {}
+            for name, (task, examples) in tasks.items():
+                bar.set_postfix_str(f"{row.model} / {name}")
+                results[row.model][name] = evaluate_one(cfg, row, task, examples, by_name, results, models, work_dir)
+                bar.update(1)
     return results
 
 

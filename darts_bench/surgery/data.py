@@ -20,7 +20,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from darts_bench.collect.features import ShardedFeatures
+from darts_bench.collect.store import ShardedFeatures
 from darts_bench.surgery.train import TokenData, weight_source
 
 

@@ -371,7 +371,7 @@ def _run_ray(method: str, train: TokenData, val: TokenData, scfg, seed: int, ds_
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from darts_bench.executors.ray_executor import init_ray
+    from darts_bench.ray_instance import init_ray
 
     owns = init_ray(ray_address)  # no-op when this process is already connected (e.g. the Ray executor's)
     try:

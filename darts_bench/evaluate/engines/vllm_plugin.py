@@ -9,11 +9,11 @@ plugin imports neither torch models nor vLLM's model code.
 from __future__ import annotations
 
 ARCH = "DartsLlamaForCausalLM"
-MODEL_CLASS = "darts_bench.evaluate.backends.vllm_model:DartsLlamaForCausalLM"
+MODEL_CLASS = "darts_bench.evaluate.engines.vllm_model:DartsLlamaForCausalLM"
 
 
 def register() -> None:
-    """Register :class:`~darts_bench.evaluate.backends.vllm_model.DartsLlamaForCausalLM` with vLLM."""
+    """Register :class:`~darts_bench.evaluate.engines.vllm_model.DartsLlamaForCausalLM` with vLLM."""
     from vllm import ModelRegistry
 
     if ARCH not in ModelRegistry.get_supported_archs():

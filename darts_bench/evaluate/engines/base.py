@@ -1,0 +1,153 @@
+"""What every generation backend offers (:class:`Backend`) and the Ray layout they share
+(:class:`HeldProxies`).
+
+A backend is opened once per use (:func:`darts_bench.evaluate.engines.open_models`: the
+evaluate stage's rows, or the collect stage's calibration continuations) over the run's executor,
+and closed at the end of it. The open backend owns everything it starts: the models it loaded,
+its engines, the Ray actor groups it holds. It picks its layout from the executor's capability
+``executor.in_process`` (True: :class:`~darts_bench.executors.local.LocalExecutor`; False:
+:class:`~darts_bench.executors.ray_executor.RayExecutor`), never from the executor's name.
+
+This module imports no executor: executors are handed in and used through their methods
+(``map``, ``text_model``, ``vllm_text_model``), so ``evaluate`` does not depend on ``executors``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+
+class Backend(ABC):
+    """A generation engine for one run (subclasses: ``HFBackend``, ``VLLMBackend``).
+
+    Class-level (no instance, nothing started): :meth:`check` (can this environment run it?) and
+    :meth:`cache_key` (what it adds to artifact keys). An instance is an open session: use it as a
+    context manager or call :meth:`close`.
+
+    Args:
+        cfg: the run's :class:`~darts_bench.config.Config`.
+        executor: the run's executor (``in_process`` says which layout the backend uses).
+        batch_size: prompts per forward / ``generate`` call of the text models it hands out
+            (default ``cfg.tasks.batch_size``).
+
+    Attributes:
+        name: the registry name (``hf`` | ``vllm``).
+        hold_groups: Ray layout: keep one proxy open per current model dir and per pinned one, so a
+            model's actor group serves all its rows and tasks (False: one group per request, the
+            reference ``benchmarks/bench_ray_evaluate.py`` compares against).
+        loads: model loads so far (in-process checkpoint loads; with Ray, actor groups opened;
+            not counted for an in-process vLLM engine).
+    """
+
+    name: ClassVar[str] = ""
+    hold_groups: ClassVar[bool] = True
+
+    def __init__(self, cfg, executor, batch_size: int | None = None):
+        self.cfg, self.executor = cfg, executor
+        self.batch_size = batch_size or cfg.tasks.batch_size
+        self._loads = 0
+        self._held = HeldProxies(self._open_proxy)
+        self._closed = False
+
+    # ------------------------------------------------------------------ class-level
+    @classmethod
+    def check(cls, cfg, role: str) -> None:
+        """Fail before any stage runs if ``cfg`` cannot use this backend for ``role``
+        (``evaluate`` | ``calibration``). The base backend needs nothing beyond the base install."""
+
+    @classmethod
+    @abstractmethod
+    def cache_key(cls, cfg) -> dict[str, Any]:
+        """The part of an artifact's cache key that names this engine (``{}``: keys unchanged)."""
+
+    @property
+    def key(self) -> dict[str, Any]:
+        """:meth:`cache_key` of this session's config."""
+        return self.cache_key(self.cfg)
+
+    @property
+    def loads(self) -> int:
+        return self._loads + self._held.loads
+
+    # ------------------------------------------------------------------ models
+    @abstractmethod
+    def get(self, name: str, model_dir: str | Path, head_dir: str | Path | None = None, pin: bool = False):
+        """A :class:`~darts_bench.api.TextModel` of ``model_dir`` with the correction head saved in
+        ``head_dir`` (None: the plain model), labelled ``name``; close it when done (the weights or
+        engine stay with the backend). ``pin``: keep this model loaded beside the next rows' until
+        :meth:`close` (the AlpacaEval judge); otherwise a request for another model dir may release
+        it.
+
+        Raises:
+            RuntimeError: the backend is closed.
+        """
+
+    @abstractmethod
+    def continuations(self, name: str, model_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
+                      desc: str = "") -> list[list[int]]:
+        """Greedy continuation token ids of ``model_dir`` for each prompt (token ids, already
+        truncated), one list per prompt in prompt order, stopping before the first eos/pad token
+        (the experts' calibration continuations). ``name`` and ``desc`` label logs and progress."""
+
+    @abstractmethod
+    def _open_proxy(self, name: str, model_dir: str, head_dir: str | None):
+        """Ray layout: a new proxy on the actor group of ``model_dir`` (started unless open)."""
+
+    # ------------------------------------------------------------------ lifecycle
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the {self.name} backend is closed")
+
+    def close(self) -> None:
+        """Release everything this backend holds (models, engines and their processes, actor groups)."""
+        self._closed = True
+        self._held.close()
+
+    def __enter__(self) -> "Backend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class HeldProxies:
+    """The Ray layout's cache: one open proxy per current model dir and per pinned one (the judge)
+    keeps that model's actor group alive across its tasks and rows; every request is a new light
+    proxy on the same group carrying its own head, which the actors swap per call. Proxies with
+    different heads can be open at once.
+
+    Args:
+        open_proxy: ``(name, model_dir, head_dir) -> proxy``: opens a proxy (and the group when no
+            open proxy holds it).
+
+    Attributes:
+        loads: actor groups opened so far (one per model dir while it stays held).
+    """
+
+    def __init__(self, open_proxy: Callable[[str, str, str | None], Any]):
+        self._open = open_proxy
+        self._held: dict[str, Any] = {}  # model dir -> proxy kept open
+        self._pinned: set[str] = set()
+        self.loads = 0
+
+    def get(self, name: str, model_dir: str, head_dir: str | None, pin: bool):
+        """A proxy on the held group of ``model_dir`` (opened first, releasing the previous
+        unpinned model dir's group unless this request pins)."""
+        if pin:
+            self._pinned.add(model_dir)
+        if model_dir not in self._held:
+            if not pin:
+                for k in [k for k in self._held if k not in self._pinned]:
+                    self._held.pop(k).close()  # frees the previous model's actors first
+            self._held[model_dir] = self._open(name, model_dir, None)
+            self.loads += 1
+        return self._open(name, model_dir, head_dir)  # same group: no load
+
+    def close(self) -> None:
+        """Close the held proxies (their actor groups are released once no request proxy is open)."""
+        held, self._held = self._held, {}
+        for p in held.values():
+            p.close()
+        self._pinned.clear()
