@@ -5,6 +5,9 @@
 * :func:`check_output_dir`: the output and work dirs must be (or be creatable as) writable
   directories. ``create=False`` (the dry run) creates nothing: the nearest existing ancestor must be a
   writable directory and nothing on the way may be a file.
+* :func:`check_task_experts`: each selected task maps to an expert the pool has (or to none).
+
+``darts-bench validate`` (:func:`darts_bench.listing.validate`) runs all of them without a run.
 """
 
 from __future__ import annotations
@@ -15,6 +18,17 @@ from pathlib import Path
 from darts_bench.data import DataError
 
 
+def check_task_experts(tasks: list[str]) -> None:
+    """Raises ValueError naming the task when a selected task maps (``Task.expert``) to an expert
+    the pool does not have (``config.EXPERT_NAMES``); ``None`` (no heads) passes."""
+    from darts_bench.api import task_class
+    from darts_bench.config import EXPERT_NAMES
+
+    for t in tasks:
+        e = task_class(t).expert
+        if e is not None and e not in EXPERT_NAMES:
+            raise ValueError(f"task {t} maps to expert {e!r}, which the pool does not have (experts: "
+                             f"{list(EXPERT_NAMES)}); set the task's `expert` to one of them or to None (no heads)")
 
 def check_data_dir(data_dir: Path | None, tasks: list[str]) -> None:
     """Raises DataError naming the dir when a given data dir, or a task's folder in it, is missing.

@@ -4,6 +4,8 @@
     darts-bench pool | merge | collect | train | evaluate | report   (each stage alone, same options)
     darts-bench score TASK SAMPLES.jsonl [--protocol NAME] [--problems FILE] [--out FILE] [--allow-unisolated]
     darts-bench compare BASELINE_DIR NEW_DIR [--out FILE] [--allow-config-change]   (exit 1 on a regression)
+    darts-bench ls tasks|protocols|configs|annotators|rows [--config C] [--task T] [--json]
+    darts-bench validate [run's options]   (the checks run makes before any stage; exit 0: one OK line)
 
 Task names come from the registry (:func:`darts_bench.api.available_tasks`: the folders under
 ``tasks/`` and those in ``DARTS_BENCH_TASKS_PATH``), read when the parser is built.
@@ -138,7 +140,62 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--allow-config-change", action="store_true",
                    help="compare runs whose config, suite, seed or limits differ (refused by default: moved cells "
                         "would be the configuration's doing)")
+    ls = sub.add_parser("ls", help="list installed tasks, their protocols, packaged configs, AlpacaEval "
+                        "annotators, or a config's rows")
+    from darts_bench.listing import LISTINGS
+
+    ls.add_argument("what", choices=LISTINGS, help="what to list (rows: of --config)")
+    ls.add_argument("--config", default="tiny", help="config whose rows are listed (rows only; default tiny)")
+    ls.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config entry (rows only)")
+    ls.add_argument("--task", default=None, choices=tasks, help="protocols of this task only")
+    ls.add_argument("--json", action="store_true", help="print a JSON list of objects instead of a table")
+    v = sub.add_parser("validate", help="check a config, its data and output dirs as `run` does before any "
+                       "stage, without running; exit 0 with one OK line, else 2 with the messages",
+                       description="the checks `darts-bench run` makes before any stage, with the same options")
+    _common(v, tasks)
     return ap
+
+
+def cmd_ls(args) -> int:
+    from darts_bench import listing
+
+    if args.what != "rows" and (args.overrides or args.config != "tiny"):
+        raise ConfigError(f"darts-bench ls {args.what}: --config / --set apply to `ls rows` only")
+    if args.task and args.what != "protocols":
+        raise ConfigError(f"darts-bench ls {args.what}: --task applies to `ls protocols` only")
+    if args.what == "rows":
+        items = listing.list_rows(_load(args))
+    elif args.what == "protocols":
+        items = listing.list_protocols(args.task)
+    else:
+        items = getattr(listing, f"list_{args.what}")()
+    print(json.dumps(items, indent=1) if args.json else listing.format_table(items))
+    return 0
+
+
+def cmd_validate(args) -> int:
+    """``darts-bench validate``: :func:`darts_bench.listing.validate` plus the sandbox isolation check."""
+    from darts_bench.listing import validate
+    from darts_bench.rows import row_names, selected_specs
+
+    cfg = _load(args)
+    errors = validate(cfg, args.suite, args.out)
+    try:
+        _check_isolation(args, cfg, resolve_suite(args.suite, cfg.tasks))
+    except SandboxError as e:
+        errors.append(f"sandbox: {type(e).__name__}: {e}")
+    except ValueError:
+        pass  # a bad suite: already in errors
+    if errors:
+        for e in errors:
+            print(f"error: {e}", file=sys.stderr)
+        print(f"validate {cfg.name}: {len(errors)} check(s) failed", file=sys.stderr)
+        return 2
+    names = resolve_suite(args.suite, cfg.tasks)
+    print(f"OK: config {cfg.name}: tasks {','.join(names)}; {len(selected_specs(cfg))} of {len(row_names(cfg))} "
+          f"rows evaluated; data dir {cfg.resolved_data_dir() or '(hub)'}; nothing was run")
+    return 0
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -219,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "score":
             return cmd_score(args)
+        if args.command == "ls":
+            return cmd_ls(args)
+        if args.command == "validate":
+            return cmd_validate(args)
         if args.command == "compare":
             from darts_bench.report.compare import run_compare
 

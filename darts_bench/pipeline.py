@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from darts_bench.api import get_task, resolve_suite
+from darts_bench.api import resolve_suite
 from darts_bench.artifacts import clean_stale_temps, stable_hash
-from darts_bench.config import EXPERT_NAMES, Config
+from darts_bench.checks import check_task_experts
+from darts_bench.config import Config
 from darts_bench.evaluate.engines import check_backends
 from darts_bench.executors.local import make_executor
 from darts_bench.rows import (Row, bind_rows, head_seeds, needs_merges, row_names, row_specs,
@@ -50,11 +51,7 @@ class Pipeline:
         self.out_dir = Path(out_dir) if out_dir else cfg.resolved_out_dir()
         self.work_dir = Path(cfg.work_dir)
         self.task_names = resolve_suite(suite, cfg.tasks)
-        for t in self.task_names:
-            e = get_task(t).expert
-            if e is not None and e not in EXPERT_NAMES:
-                raise ValueError(f"task {t} maps to expert {e!r}, which the pool does not have (experts: "
-                                 f"{list(EXPERT_NAMES)}); set the task's `expert` to one of them or to None (no heads)")
+        check_task_experts(self.task_names)
         self._cache: dict[str, Any] = {}
         self._stage_stack: list[float] = []
         self.timings: dict[str, float] = {}
