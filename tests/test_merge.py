@@ -179,3 +179,51 @@ def test_appended_vocab_merges_on_the_base_vocab(padded_toy, method):
     assert merged[T2].shape == base[T2].shape
     if method == "ties":  # embeddings equal the base's in every model: unchanged by the merge
         torch.testing.assert_close(merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"])
+
+
+def test_every_merge_dir_holds_mergekit_config_that_mergekit_rebuilds(toy, tmp_path):
+    """``mergekit_config.yml`` in each merge dir: mergekit's own schema accepts it and names the
+    method; `mergekit-yaml` (its click command, in process) rebuilds the same weights from it with
+    the seed the file's comment names; the file is outside the manifest, so a merge cached before
+    it (file removed here) is reused as it is, unrebuilt, and gets the file back."""
+    import hashlib
+    import json
+
+    import yaml
+    from click.testing import CliRunner
+    from mergekit.config import MergeConfiguration
+    from mergekit.scripts.run_yaml import main as mergekit_yaml
+
+    from darts_bench.artifacts import MANIFEST, verify
+    from darts_bench.config import load_config
+    from darts_bench.merge import build_merges
+    from darts_bench.merge.mergekit_merge import MERGEKIT_CONFIG
+
+    pool = toy[0]
+    cfg = load_config("micro", ['merges=[{"name": "dare", "method": "dare_ties", "density": 0.5}, '
+                                '{"name": "lin", "method": "linear"}]', "seed=3"])
+    merges = build_merges(cfg, pool, tmp_path / "work")
+    sha = {m: hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest() for m, d in merges.items()}
+    for spec in cfg.merges:
+        d = merges[spec.name]
+        text = (d / MERGEKIT_CONFIG).read_text()
+        conf = MergeConfiguration.model_validate(yaml.safe_load(text))
+        assert conf.merge_method == spec.method
+        assert f"--random-seed {cfg.seed}" in text
+        assert MERGEKIT_CONFIG not in json.loads((d / MANIFEST).read_text())["files"]
+        assert verify(d) is None
+    # mergekit alone, from the file, with the seed it names: the same tensors
+    out = tmp_path / "rebuilt"
+    res = CliRunner().invoke(mergekit_yaml, [str(merges["dare"] / MERGEKIT_CONFIG), str(out), "--random-seed",
+                                             str(cfg.seed), "--no-lazy-unpickle", "--quiet"])
+    assert res.exit_code == 0, res.output
+    ours, theirs = load_file(str(merges["dare"] / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    # a merge cached before the file existed: reused (same dir, untouched weights), file written
+    (merges["dare"] / MERGEKIT_CONFIG).unlink()
+    mtime = (merges["dare"] / "model.safetensors").stat().st_mtime_ns
+    again = build_merges(cfg, pool, tmp_path / "work")
+    assert again == merges
+    assert (merges["dare"] / "model.safetensors").stat().st_mtime_ns == mtime
+    assert hashlib.sha256((merges["dare"] / "model.safetensors").read_bytes()).hexdigest() == sha["dare"]
+    assert (merges["dare"] / MERGEKIT_CONFIG).is_file() and verify(merges["dare"]) is None

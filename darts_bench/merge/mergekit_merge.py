@@ -4,6 +4,14 @@ Methods (mergekit names) and their sources: ``linear`` (weight averaging, Wortsm
 ``task_arithmetic`` (Ilharco et al., ICLR 2023), ``ties`` (Yadav et al., NeurIPS 2023),
 ``dare_ties`` / ``dare_linear`` (Yu et al., ICML 2024). DARE's random drop masks come from
 mergekit's ``random_seed`` option, set from the run seed, so merges are reproducible.
+
+Every merge dir also holds ``mergekit_config.yml`` (:data:`MERGEKIT_CONFIG`), mergekit's own
+``MergeConfiguration.to_yaml()`` of the merge with a comment naming the command that rebuilds it
+(``mergekit-yaml mergekit_config.yml OUT --random-seed <seed>``; the base's generation config and
+eos ids, which darts-bench carries over, are not part of it). It is written after the cached
+build, outside the artifact's manifest, so an already-cached merge gets it on its next use, the
+merge's cache key, weights and ``_manifest.json`` are unchanged, and a moved pool (other absolute
+paths) rewrites it.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from darts_bench.config import EXPERT_NAMES, Config, MergeSpec
 from darts_bench.pool.build import Pool
 
 log = logging.getLogger("darts_bench")
+#: mergekit's own name for the merge config it writes beside a merge (``write_model_card``)
+MERGEKIT_CONFIG = "mergekit_config.yml"
 
 
 def merge_config_dict(spec: MergeSpec, pool: Pool, vocab_alignment: str = "error") -> dict:
@@ -70,8 +80,37 @@ def run_one_merge(cfg_dict: dict, out: Path, seed: int, base_dir: Path) -> None:
             shutil.copy(base_dir / f, out / f)
 
 
+def mergekit_config_text(cfg_dict: dict, seed: int) -> str:
+    """The ``mergekit_config.yml`` of a merge: a comment with the rebuild command, then mergekit's
+    ``MergeConfiguration.model_validate(cfg_dict).to_yaml()`` (what ``mergekit-yaml`` reads).
+
+    Raises:
+        pydantic.ValidationError: ``cfg_dict`` is not a valid mergekit configuration.
+    """
+    from mergekit.config import MergeConfiguration
+
+    body = MergeConfiguration.model_validate(cfg_dict).to_yaml()
+    return (f"# written by darts-bench; rebuild the weights with mergekit alone:\n"
+            f"#   mergekit-yaml {MERGEKIT_CONFIG} OUT_DIR --random-seed {seed} --copy-tokenizer\n"
+            f"# (darts-bench then copies the base's generation_config.json and eos ids into the merge dir)\n"
+            + body)
+
+
+def write_mergekit_config(merge_dir: Path, cfg_dict: dict, seed: int) -> Path:
+    """Write :func:`mergekit_config_text` to ``merge_dir/mergekit_config.yml`` when it is missing or
+    differs (atomically; not in the artifact manifest, so a cached merge stays valid). Returns the path."""
+    from darts_bench.artifacts import atomic_write_text
+
+    path = merge_dir / MERGEKIT_CONFIG
+    text = mergekit_config_text(cfg_dict, seed)
+    if not path.is_file() or path.read_text(encoding="utf-8") != text:
+        atomic_write_text(path, text)
+    return path
+
+
 def build_merges(cfg: Config, pool: Pool, work_dir: Path) -> dict[str, Path]:
-    """Every configured merge, cached by (pool key, merge spec, seed): name -> checkpoint dir."""
+    """Every configured merge, cached by (pool key, merge spec, seed): name -> checkpoint dir, each
+    with its ``mergekit_config.yml`` (:func:`write_mergekit_config`)."""
     out: dict[str, Path] = {}
     for spec in cfg.merges:
         cd = merge_config_dict(spec, pool, cfg.pool.vocab_alignment)
@@ -79,5 +118,6 @@ def build_merges(cfg: Config, pool: Pool, work_dir: Path) -> dict[str, Path]:
         final = work_dir / "merges" / f"{spec.name}-{key}"
         cached(final, lambda tmp, cd=cd: run_one_merge(cd, tmp, cfg.seed, pool.base),
                what=f"merge {spec.name} ({spec.method})", meta={"kind": "merge", "mergekit": cd})
+        write_mergekit_config(final, cd, cfg.seed)  # after the cached build: also for merges cached before it
         out[spec.name] = final
     return out

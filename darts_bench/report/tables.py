@@ -291,6 +291,9 @@ def write_report(record: RunRecord) -> pd.DataFrame:
         # the protocol on record per task (name, version, template, stops; AlpacaEval annotator, reference)
         "protocols": protocol_summary({t: results[rows[0]["model"]][t].meta for t in record.task_names}),
         "packages": _versions(),
+        # issue 29: mergekit is LGPL-3.0 (its package metadata); merge dirs hold its mergekit_config.yml
+        "licences": {"mergekit": metadata.metadata("mergekit").get("License-Expression")
+                     or metadata.metadata("mergekit")["License"]},
         "isolation": isolation_record(),  # issue 30 (sandbox branch): what contained generated code
         "python": sys.version.split()[0],
         "platform": platform.platform(),
