@@ -189,3 +189,17 @@ def test_validate_reports_every_failed_check(tmp_path, capsys, monkeypatch):
 def test_validate_a_bad_config_names_the_key(capsys):
     assert main(["validate", "--config", "micro", "--set", "surgery.rnak=2"]) == 2
     assert "surgery.rnak: unknown key (typo?)" in capsys.readouterr().err
+
+
+def test_validate_names_a_task_mapped_to_an_expert_the_pool_lacks(tmp_path, monkeypatch, capsys):
+    """The expert check `run` makes when the pipeline starts (checks.check_task_experts), on a
+    folder task whose `expert` is not a pool expert."""
+    d = tmp_path / "extra_tasks" / "lsbadexpert"
+    d.mkdir(parents=True)
+    (d / "__init__.py").write_text(textwrap.dedent(LSDEMO).replace('"lsdemo', '"lsbadexpert')
+                                   .replace("expert = None", 'expert = "law"'))
+    monkeypatch.setenv("DARTS_BENCH_TASKS_PATH", str(d.parent))
+    assert main(["validate", "--config", "micro", "--suite", "lsbadexpert", "--out", str(tmp_path / "o"),
+                 "--set", f"work_dir={tmp_path / 'w'}"]) == 2
+    err = capsys.readouterr().err
+    assert "error: tasks: ValueError: task lsbadexpert maps to expert 'law', which the pool does not have" in err
