@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     from darts_bench.listing import LISTINGS
 
     ls.add_argument("what", choices=LISTINGS, help="what to list (rows: of --config)")
-    ls.add_argument("--config", default="tiny", help="config whose rows are listed (rows only; default tiny)")
+    ls.add_argument("--config", default=None, help="config whose rows are listed (rows only; default tiny)")
     ls.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config entry (rows only)")
     ls.add_argument("--task", default=None, choices=tasks, help="protocols of this task only")
@@ -160,11 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_ls(args) -> int:
     from darts_bench import listing
 
-    if args.what != "rows" and (args.overrides or args.config != "tiny"):
+    if args.what != "rows" and (args.overrides or args.config is not None):
         raise ConfigError(f"darts-bench ls {args.what}: --config / --set apply to `ls rows` only")
     if args.task and args.what != "protocols":
         raise ConfigError(f"darts-bench ls {args.what}: --task applies to `ls protocols` only")
     if args.what == "rows":
+        args.config = args.config or "tiny"
         items = listing.list_rows(_load(args))
     elif args.what == "protocols":
         items = listing.list_protocols(args.task)
