@@ -25,3 +25,47 @@ def test_extraction_matches_gsm8k_filters():
     assert normalize_number("The answer is #### 1,234") == mod.normalize_number("The answer is #### 1,234") == "1234"
     assert regex_extract(r"#### (\-?[0-9\.\,]+)", "x #### 12 y #### 13") == "12"
     assert regex_extract(r"(\d+)", "none") is None
+
+
+# ------------------------------------------------------------------ MergeLM's GSM8K extraction
+from darts_bench.scoring.extract import mergelm_answer_number, mergelm_is_correct  # noqa: E402
+
+MERGELM_CASES = [
+    # (completion, MergeLM's extract_answer_number) -- worked through its code by hand
+    ("The answer is: 5.\n...\nThe answer is: 18.", 18),    # the LAST marker
+    ("The answer is: $18", 18),                            # '$' skipped by re.search
+    ("The answer is: +18", 18),
+    ("The answer is: -7", -7),
+    ("The answer is: **18**", 18),
+    ("The answer is: \\boxed{18}", 18),
+    ("The answer is: x = 18", 18),
+    ("The answer is: 36/2", 18),                           # fraction
+    ("The answer is: 5/0", 5),                             # denominator '0': round(numerator)
+    ("The answer is: 18.0", 18),
+    ("The answer is: 17.5", 18),                           # Python round: half to even
+    ("The answer is: 16.5", 16),
+    ("The answer is: 1,018 dollars", 1018),                # thousands separator
+    ("The answer is: 1,234,567", 1234),                    # one separator only, as in MergeLM
+    ("The answer is: eighteen, that is 18 apples", 18),    # first number anywhere after the marker
+    ("The answer is: /2", None),                           # numerator '' is not a number
+    ("The answer is: 5/00", None),                         # MergeLM's Fraction raises; no answer here
+    ("The answer is: eighteen", None),
+    ("The answer is:18", None),                            # the marker has a space after the colon
+    ("the answer is: 18", None),                           # case-sensitive
+    ("So the total is 18.", None),
+    ("#### 18", None),
+]
+
+
+@pytest.mark.parametrize("completion,want", MERGELM_CASES)
+def test_mergelm_answer_number(completion, want):
+    assert mergelm_answer_number(completion) == want
+
+
+def test_mergelm_is_correct_compares_numbers():
+    assert mergelm_is_correct(18, "so 9 * 2 = 18\n#### 18") is True
+    assert mergelm_is_correct(1018, "#### 1,018") is True
+    assert mergelm_is_correct(None, "#### 18") is False
+    assert mergelm_is_correct(17, "18") is False
+    with pytest.raises(ValueError, match="'18.5' is not an integer"):
+        mergelm_is_correct(18, "#### 18.5")

@@ -2,8 +2,9 @@
 
 Fixed responses in; the strict / flexible extraction and the exact-match verdict out. The
 extraction is checked against lm-eval's own ``RegexFilter`` run with each protocol YAML's
-filters, and for ``alpaca-cot`` against MergeLM's ``extract_answer_number`` (transcribed below from
-``yule-BUAA/MergeLM`` ``utils/evaluate_llms_utils.py``, as the source protocol's reference).
+filters, ``alpaca-cot``'s strict verdict against MergeLM's ``extract_answer_number`` (transcribed below
+from ``yule-BUAA/MergeLM`` ``utils/evaluate_llms_utils.py`` @6d49ad96, as the source protocol's
+reference) and ``chat-cot``'s against lm-eval's chat variant ``gsm8k-cot-llama.yaml``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import json
 import re
 import sys
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
+import yaml
 from conftest import DATA_DIR as DATA
 
 from darts_bench.api import EvalContext, ScoreContinuation, get_task
@@ -76,7 +79,7 @@ COT_RESPONSES = [
 
 
 @pytest.mark.parametrize("name", ["alpaca-cot", "chat-cot"])
-def test_cot_filters_are_lm_evals_and_agree_with_mergelm(name):
+def test_cot_filters_are_lm_evals(name):
     from lm_eval.filters.extraction import RegexFilter
 
     proto = protocols.get_protocol(name)
@@ -92,9 +95,59 @@ def test_cot_filters_are_lm_evals_and_agree_with_mergelm(name):
         assert proto.extract_strict(resp) == want and (want or "[invalid]") == ls
         assert (proto.extract_flexible(resp) or "[invalid]") == lf
         assert proto.is_correct(proto.extract_strict(resp), "x\n#### " + gold) is verdict
-        ref = mergelm_extract_answer_number(resp)
-        # MergeLM: rounded int of the number after the last "The answer is: "; same verdict on integers
-        assert (ref is not None and float(ref) == float(gold.replace(",", ""))) is verdict
+        assert proto.score_strict(resp, "x\n#### " + gold)[1] is verdict  # one marker: every source agrees
+
+
+# (response, gold, MergeLM's verdict = alpaca-cot strict, lm-eval first match = alpaca-cot
+#  gsm8k_em_strict_lmeval, lm-eval chat variant's last match with '$' = chat-cot strict)
+SOURCE_CASES = [
+    ("The answer is: 5.\n...\nThe answer is: 18.", "18", True, False, True),
+    ("The answer is: $18", "18", True, False, True),
+    ("The answer is: 18.0", "18", True, False, False),
+    ("The answer is: 17.5", "18", True, False, False),
+    ("The answer is: 36/2", "18", True, False, False),
+    ("The answer is: **18**", "18", True, False, False),
+    ("The answer is: \\boxed{18}", "18", True, False, False),
+    ("The answer is: x = 18", "18", True, False, False),
+    ("The answer is: 1,018", "1018", True, True, True),
+    ("The answer is: $1,018.", "1018", True, False, True),
+    ("The answer is: 1,234,567", "1234567", False, True, True),
+    ("The answer is: 70,000.", "70000", True, True, True),
+    ("The answer is: -7", "-7", True, True, True),
+    ("The answer is: 18\nThe answer is: 20", "18", False, True, False),
+    ("So the total is 18.", "18", False, False, False),
+]
+
+
+@pytest.mark.parametrize("resp,gold,mergelm,lmeval_first,lmeval_chat", SOURCE_CASES)
+def test_each_protocol_scores_as_its_source(resp, gold, mergelm, lmeval_first, lmeval_chat):
+    from lm_eval.filters.extraction import RegexFilter
+
+    sol = "x\n#### " + gold
+    alp, chat = protocols.get_protocol("alpaca-cot"), protocols.get_protocol("chat-cot")
+    # alpaca-cot strict: MergeLM's extract_answer_number and comparison (the transcription above)
+    ref = mergelm_extract_answer_number(resp)
+    assert (ref is not None and float(ref) == float(gold)) is mergelm
+    assert alp.score_strict(resp, sol) == ((None if ref is None else str(ref)), mergelm)
+    # alpaca-cot's lm-eval column: the YAML's first-match strict-match filter
+    assert alp.is_correct(alp.extract_strict(resp), sol) is lmeval_first
+    # chat-cot: lm-eval's RegexFilter with gsm8k-cot-llama.yaml's number pattern and group_select -1
+    llama = RegexFilter(regex_pattern="The answer is: ((-?[$0-9.,]{2,})|(-?[0-9]+))", group_select=-1)
+    got = llama.apply([[resp]], [{}])[0][0]
+    assert (chat.extract_strict(resp) or "[invalid]") == got
+    assert chat.score_strict(resp, sol)[1] is lmeval_chat is chat.is_correct(got, sol)
+
+
+def test_chat_cot_filter_is_lm_eval_chat_variants():
+    """chat-cot's strict number pattern and group are those of lm-eval's gsm8k-cot-llama.yaml (its
+    marker 'The final answer is' replaced by the one chat-cot's prompt asks for)."""
+    import lm_eval
+
+    path = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k-cot-llama.yaml"
+    llama = {f["name"]: f["filter"][0] for f in yaml.safe_load(path.read_text())["filter_list"]}["strict-match"]
+    ours = {f["name"]: f["filter"][0] for f in protocols.get_protocol("chat-cot").config["filter_list"]}["strict-match"]
+    assert ours["regex_pattern"] == llama["regex_pattern"].replace("The final answer is ", "The answer is: ")
+    assert ours["group_select"] == llama["group_select"] == -1
 
 
 def test_della_regex_quirk_is_not_copied():
@@ -168,7 +221,9 @@ def test_evaluate_under_cot_protocol(tmp_path, name):
     assert res.per_example["em_flexible"] == [1.0, 1.0, 1.0, 0.0, 1.0]
     assert res.per_example["no_answer"] == [0.0, 0.0, 1.0, 0.0, 0.0]
     assert res.metrics["gsm8k_no_answer_rate"] == pytest.approx(0.2)
-    assert [s["strict"] for s in res.samples] == ["18", "3.", None, "541", "20"]
+    # alpaca-cot: MergeLM's rounded integer; chat-cot: lm-eval's filter (raw)
+    assert [s["strict"] for s in res.samples] == ["18", "3" if name == "alpaca-cot" else "3.", None, "541", "20"]
+    assert task.version == "3" and res.meta["task_version"] == "3" and res.meta["protocol_version"] == "2"
     (call,) = model.calls
     assert sorted(call["prompts"]) == sorted(e.prompt for e in ex)  # lm-eval's prompt == examples()
     assert call["stop"] == protocols.get_protocol(name).stop
@@ -179,6 +234,34 @@ def test_evaluate_under_cot_protocol(tmp_path, name):
                                              seed=0, work_dir=tmp_path))
     with pytest.raises(ValueError, match="built under protocol"):  # a task of another protocol
         type(gsm8k)().evaluate(model, ex, EvalContext(config=GSM8KConfig(), data_dir=DATA, seed=0, work_dir=tmp_path))
+
+
+DIVERGING = {"Janet": "The answer is: 5.\nSo 9 * 2 = 18.\nThe answer is: 18.", "A robe": "The answer is: $3",
+             "Josh": "The answer is: 70,000.0", "James": "The answer is: \\boxed{540}", "Wendi": "The answer is: 20"}
+
+
+@needs_data
+def test_evaluate_alpaca_cot_scores_as_mergelm(tmp_path):
+    """A run under alpaca-cot: gsm8k_em_strict is MergeLM's verdict, gsm8k_em_strict_lmeval lm-eval's
+    first-match filter (the lm-eval run's own strict-match), chat-cot lm-eval's chat variant."""
+    model = StandIn(DIVERGING)
+    got = {}
+    for name in ("alpaca-cot", "chat-cot"):
+        task = type(gsm8k)()
+        task.protocol = name
+        ex = task.examples(DATA, model, 5)
+        got[name] = task.evaluate(model, ex, EvalContext(config=GSM8KConfig(protocol=name), data_dir=DATA, seed=0,
+                                                         work_dir=tmp_path / name))
+    alp, chat = got["alpaca-cot"], got["chat-cot"]
+    assert alp.per_example["em_strict"] == [1.0, 1.0, 1.0, 1.0, 1.0]
+    assert [s["strict"] for s in alp.samples] == ["18", "3", "70000", "540", "20"]
+    assert alp.per_example["em_strict_lmeval"] == [0.0, 0.0, 0.0, 0.0, 1.0]
+    assert [s["strict_lmeval"] for s in alp.samples] == ["5.", None, "70,000.0", None, "20"]
+    assert alp.metrics["gsm8k_em_strict"] == 1.0 and alp.metrics["gsm8k_em_strict_lmeval"] == pytest.approx(0.2)
+    assert alp.per_example["no_answer"] == [0.0] * 5 and alp.meta["strict_scoring"] == "mergelm"
+    assert chat.per_example["em_strict"] == [1.0, 1.0, 0.0, 0.0, 1.0]
+    assert [s["strict"] for s in chat.samples] == ["18.", "$3", "70,000.0", None, "20"]
+    assert "gsm8k_em_strict_lmeval" not in chat.metrics and "strict_scoring" not in chat.meta
 
 
 @needs_data
@@ -196,3 +279,22 @@ def test_score_cli_protocol_and_per_example_lists(tmp_path, capsys):
     assert m["no_answer"] == [0.0, 1.0, 0.0] and m["gsm8k_no_answer_rate"] == pytest.approx(1 / 3)
     assert main(["score", "gsm8k", str(f), "--data-dir", str(DATA), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["em_strict"] == [0.0, 1.0, 0.0]  # lm-eval: #### N
+    assert "gsm8k_em_strict_lmeval" not in json.loads(out.read_text())  # lm-eval: one strict column
+
+
+@needs_data
+@pytest.mark.parametrize("resp,gold,mergelm,lmeval_first,lmeval_chat", [c for c in SOURCE_CASES if c[1] == "18"])
+def test_score_cli_gives_each_sources_verdict(tmp_path, resp, gold, mergelm, lmeval_first, lmeval_chat):
+    """``darts-bench score gsm8k --protocol P`` on test question 0 (gold 18)."""
+    from darts_bench.cli import main
+
+    f = tmp_path / "s.jsonl"
+    f.write_text(json.dumps({"doc_id": 0, "response": resp}) + "\n")
+    out = tmp_path / "m.json"
+    assert main(["score", "gsm8k", str(f), "--data-dir", str(DATA), "--protocol", "alpaca-cot", "--out", str(out)]) == 0
+    m = json.loads(out.read_text())
+    assert (m["em_strict"], m["em_strict_lmeval"]) == ([float(mergelm)], [float(lmeval_first)])
+    assert m["gsm8k_em_strict"] == float(mergelm) and m["gsm8k_em_strict_lmeval"] == float(lmeval_first)
+    assert m["no_answer"] == [float(mergelm_extract_answer_number(resp) is None)]
+    assert main(["score", "gsm8k", str(f), "--data-dir", str(DATA), "--protocol", "chat-cot", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["em_strict"] == [float(lmeval_chat)]

@@ -21,7 +21,8 @@ TASK_DIR = Path(__file__).resolve().parent.parent / "tasks" / "humaneval"
 _import_task_folder(TASK_DIR)
 import darts_bench_tasks.humaneval as he  # noqa: E402
 from darts_bench_tasks.humaneval.protocols import (MERGELM_CODE_TEMPLATE, PROTOCOLS,  # noqa: E402
-                                                   extract_fenced_code, get_protocol, mergelm_postprocess)
+                                                   extract_fenced_code, fenced_blocks, get_protocol,
+                                                   mergelm_postprocess)
 
 pytestmark = [pytest.mark.subprocess]  # tests/README.md: markers
 
@@ -97,6 +98,12 @@ def responses(p):
         "solution_marker": f"The solution is:\n{full}\n\nThe answer is: done",
         "prose": "I would loop over all pairs and compare their distance with the threshold.",
         "unterminated": f"```python\n{full}",
+        # issue 28: chat extraction bugs (version 1 gave an empty completion / indented code / prose)
+        "crlf": f"Here is the solution:\r\n```python\r\n{full}```\r\n".replace("\n", "\r\n").replace("\r\r", "\r"),
+        "indented_in_list": "Steps:\n1. Write the function:\n   ```python\n"
+                            + "".join("   " + ln if ln else ln for ln in full.splitlines(True)) + "   ```\n2. Done.",
+        "javascript_first": "In JavaScript:\n```javascript\nconst f = (xs, t) => false;\n```\nAnd in Python, "
+                            f"as asked:\n```python\n{full}```\n",
     }
 
 
@@ -110,6 +117,9 @@ EXPECTED = {
     "solution_marker": (True, False, True),  # chat: prose around code does not parse, no fence -> no code
     "prose": (False, False, True),
     "unterminated": (True, True, False),
+    "crlf": (True, True, False),
+    "indented_in_list": (False, True, False),  # MergeLM strips only the first line's indentation
+    "javascript_first": (True, True, False),
 }
 
 
@@ -134,6 +144,25 @@ def test_chat_extraction_known_strings():
     assert extract_fenced_code("```\ndef f():\n    return 2\n```") == "def f():\n    return 2\n"
     assert extract_fenced_code("def f():\n    return 3\n\nif __name__ == '__main__':\n    f()") == "def f():\n    return 3\n"
     assert extract_fenced_code("no code here") == ""
+
+
+def test_chat_extraction_crlf_indent_and_other_languages(p0):
+    """Issue 28: CRLF line endings, a fence indented in a list item, a non-Python block first."""
+    full = _full(p0)
+    rs = responses(p0)
+    assert extract_fenced_code(rs["crlf"]) == extract_fenced_code(rs["fenced_full"]) == full
+    assert extract_fenced_code("```python\r\ndef f():\r\n    return 1\r\n```") == "def f():\n    return 1\n"
+    assert extract_fenced_code(rs["indented_in_list"]) == full
+    # up to the fence's indentation is removed, deeper indentation kept
+    assert extract_fenced_code("- a:\n  ```py\n      return 1\n  ```") == "    return 1\n"
+    got = extract_fenced_code(rs["javascript_first"])
+    assert got == full and "JavaScript" not in got and "as asked" not in got
+    assert extract_fenced_code("```js\nlet x = 1;\n```\nno python here") == ""  # another language only
+    assert extract_fenced_code("Use `x` or ```y``` inline.\n```python\nx = 1\n```") == "x = 1\n"
+    # a bare block before a python one is still the first block taken (as in version 1)
+    assert extract_fenced_code("```\nx = 1\n```\n```python\ny = 2\n```") == "x = 1\n"
+    assert fenced_blocks("a\n```javascript\nj\n```\nb\n  ```python\n  p\n  ```") == [("javascript", "j\n"),
+                                                                                       ("python", "p\n")]
 
 
 def test_instruct_prompt_is_mergelm_verbatim(p0):

