@@ -71,7 +71,7 @@ def _field(obj: Any, key: str) -> Any:
 
 def list_tasks() -> list[dict[str, Any]]:
     """One dict per installed task, in registry order: ``task``, ``expert`` (``-`` for none: no
-    heads), ``version``, ``protocols`` (comma-separated, default first; ``-`` when it has one),
+    heads), ``version`` (of the default protocol), ``protocols`` (comma-separated, default first; ``-`` when it has one),
     ``metrics`` (headline columns) and ``folder`` (the task's folder)."""
     out = []
     for name in available_tasks():
@@ -79,7 +79,10 @@ def list_tasks() -> list[dict[str, Any]]:
         reg = task_protocols(name)
         default = _default_protocol(name)
         protos = ([default] if default else []) + [p for p in reg if p != default]
-        out.append({"task": name, "expert": cls.expert or "-", "version": cls.version,
+        task = cls()  # a task's version may depend on its protocol (a property): read it on an instance
+        if default:
+            task.protocol = default
+        out.append({"task": name, "expert": cls.expert or "-", "version": str(task.version),
                     "protocols": ",".join(protos) or "-", "metrics": ",".join(cls.primary_metrics) or "-",
                     "folder": str(Path(_task_module(name).__file__).resolve().parent)})
     return out
