@@ -95,6 +95,14 @@ class Backend(ABC):
     def _open_proxy(self, name: str, model_dir: str, head_dir: str | None):
         """Ray layout: a new proxy on the actor group of ``model_dir`` (started unless open)."""
 
+    def _get_remote(self, name: str, model_dir: str, head_dir: str | None, pin: bool):
+        """Ray layout of :meth:`get`: a proxy on the group held for ``model_dir`` (``hold_groups``),
+        else a new group per request (counted as a load)."""
+        if self.hold_groups:
+            return self._held.get(name, model_dir, head_dir, pin)
+        self._loads += 1
+        return self._open_proxy(name, model_dir, head_dir)
+
     # ------------------------------------------------------------------ lifecycle
     def _check_open(self) -> None:
         if self._closed:

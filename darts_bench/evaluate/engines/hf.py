@@ -96,10 +96,7 @@ class HFBackend(Backend):
         self._check_open()
         key, head = str(model_dir), str(head_dir) if head_dir else None
         if not self.executor.in_process:
-            if self.hold_groups:
-                return self._held.get(name, key, head, pin)
-            self._loads += 1
-            return self._open_proxy(name, key, head)
+            return self._get_remote(name, key, head, pin)
         if not self.share_weights:
             return self._load(name, key, head)
         if pin:

@@ -460,10 +460,7 @@ class VLLMBackend(Backend):
         self._check_open()
         key, head = str(model_dir), str(head_dir) if head_dir else None
         if not self.executor.in_process:
-            if self.hold_groups:
-                return self._held.get(name, key, head, pin)
-            self._loads += 1
-            return self._open_proxy(name, key, head)
+            return self._get_remote(name, key, head, pin)
         return self.engine_for(key, pin=pin).text_model(name, head, batch_size=self.batch_size)
 
     def continuations(self, name: str, model_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
