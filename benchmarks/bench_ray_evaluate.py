@@ -78,7 +78,7 @@ def main() -> int:
                 t0 = time.perf_counter()
                 out = pipe.evaluate()
                 secs = time.perf_counter() - t0
-                res[mode] = (build_rows(pipe.record(), out), {r: {t: v.samples for t, v in d.items()} for r, d in out.items()})
+                res[mode] = (build_rows(pipe.record()), {r: {t: v.samples for t, v in d.items()} for r, d in out.items()})
                 n_rows = len(pipe.rows())
                 figures[mode] = {"seconds": round(secs, 2),
                                  "actor_starts": sum(starts.values()) if starts is not None else None}

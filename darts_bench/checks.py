@@ -30,6 +30,7 @@ def check_task_experts(tasks: list[str]) -> None:
             raise ValueError(f"task {t} maps to expert {e!r}, which the pool does not have (experts: "
                              f"{list(EXPERT_NAMES)}); set the task's `expert` to one of them or to None (no heads)")
 
+
 def check_data_dir(data_dir: Path | None, tasks: list[str]) -> None:
     """Raises DataError naming the dir when a given data dir, or a task's folder in it, is missing.
     ``None`` (no data dir given) passes: the tasks report it when they need a file."""

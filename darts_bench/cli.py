@@ -313,6 +313,5 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-
 if __name__ == "__main__":
     sys.exit(main())

