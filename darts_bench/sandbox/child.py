@@ -110,12 +110,13 @@ def isolate_network(libc, is_root: bool, iso: dict) -> None:
     iso["net"] = "socket-patch"
 
 
-def blocked_import_dirs() -> dict[str, list[str]]:
-    """``{blocking dir: [import dirs below it]}``: the outermost directory above each ``sys.path``
-    entry that others cannot traverse (no ``o+x``, e.g. a ``0700`` ``/root`` holding pyenv), with
-    nested import dirs collapsed to the outermost one."""
+def blocked_import_dirs(paths=None) -> dict[str, list[str]]:
+    """``{blocking dir: [import dirs below it]}``: the outermost directory above each import dir
+    (``paths``, default ``sys.path``) that others cannot traverse (no ``o+x``, e.g. a ``0700``
+    ``/root`` holding pyenv, or a ``0700`` ``mktemp -d`` holding a venv), with nested import dirs
+    collapsed to the outermost one. The host's bubblewrap command uses it too."""
     blocked: dict[str, list[str]] = {}
-    for p in sys.path:
+    for p in sys.path if paths is None else paths:
         if not os.path.isdir(p):
             continue
         p = os.path.realpath(p)

@@ -409,6 +409,13 @@ def _exposed_dirs(hidden: Sequence[str]) -> list[str]:
 
 def _bwrap_command(bwrap: str, root: bool) -> list[str]:
     hidden = _hidden_dirs()
+    if root:  # the program runs as a fresh uid inside: a directory it cannot traverse above an
+        # import dir is covered as the home is (the uid-drop mode's expose_imports, done by bwrap)
+        from darts_bench.sandbox.child import blocked_import_dirs
+
+        hidden += [b for b in blocked_import_dirs(_child_import_dirs())
+                   if not any(b == x or b.startswith(x + os.sep) for x in hidden)]
+        hidden.sort(key=len)  # an outer tmpfs before the ones inside it
     args = _base_bwrap_args(bwrap, root)
     for h in hidden:
         args += ["--tmpfs", h]
