@@ -188,6 +188,28 @@ class HFTextModel:
                              truncation=True, max_length=self.max_length)
         return {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask")}
 
+    def _encode_batch(self, batch: Sequence[str] | Sequence[Sequence[int]]) -> dict[str, torch.Tensor]:
+        """One chunk of prompts as ``generate`` gets it: ``input_ids`` / ``attention_mask``
+        ``[batch, max_len]`` int64, left-padded (strings tokenized with truncation to ``max_length``)."""
+        if batch and not isinstance(batch[0], str):
+            ids, mask = left_pad(batch, self.tokenizer.pad_token_id)
+            return {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
+        return self._encode(batch)
+
+    def _generation_config(self, max_new_tokens: int, stop: Sequence[str], num_samples: int,
+                           temperature: float) -> GenerationConfig:
+        if temperature == 0.0 and num_samples != 1:
+            raise ValueError("greedy decoding (temperature 0) gives one sample; set temperature > 0")
+        return GenerationConfig(
+            max_new_tokens=max_new_tokens, do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
+            num_return_sequences=num_samples, pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.model.generation_config.eos_token_id, stop_strings=list(stop) or None)
+
+    def _eos_ids(self) -> set[int]:
+        eos = self.model.generation_config.eos_token_id
+        return set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+
     # --------------------------------------------------------------- generation
     @torch.inference_mode()
     def generate_ids(self, prompts: Sequence[str] | Sequence[Sequence[int]], *, max_new_tokens: int,
@@ -195,25 +217,14 @@ class HFTextModel:
                      seed: int = 0) -> list[list[list[int]]]:
         """Generated token ids (prompt excluded, cut at the first eos, trailing padding stripped:
         :func:`strip_generated`), ``[prompt][sample][token]``.
-        ``prompts`` are strings (tokenized here) or token-id lists (used as they are)."""
-        if temperature == 0.0 and num_samples != 1:
-            raise ValueError("greedy decoding (temperature 0) gives one sample; set temperature > 0")
+        ``prompts`` are strings (tokenized here) or token-id lists (used as they are); they run in
+        chunks of ``batch_size`` (the chunking every path that must match this one copies)."""
+        gen_cfg = self._generation_config(max_new_tokens, stop, num_samples, temperature)
         out: list[list[list[int]]] = []
-        eos = self.model.generation_config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-        pad = self.tokenizer.pad_token_id
+        eos_ids, pad = self._eos_ids(), self.tokenizer.pad_token_id
         for start in range(0, len(prompts), self.batch_size):
             batch = prompts[start:start + self.batch_size]
-            if batch and not isinstance(batch[0], str):
-                ids, mask = left_pad(batch, pad)
-                enc = {"input_ids": ids.to(self.device), "attention_mask": mask.to(self.device)}
-            else:
-                enc = self._encode(batch)
-            gen_cfg = GenerationConfig(
-                max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
-                num_return_sequences=num_samples, pad_token_id=pad, eos_token_id=eos,
-                stop_strings=list(stop) or None)
+            enc = self._encode_batch(batch)
             if temperature > 0:
                 torch.manual_seed(seed + start)  # per-batch seed derived from the call's seed
             seqs = self.model.generate(**enc, generation_config=gen_cfg,

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import threading
 from pathlib import Path
+from typing import Sequence
 
-from darts_bench.api import EvalContext, Example, Task, TaskResult
+from darts_bench.api import EvalContext, Example, ScoreContinuation, Task, TaskResult
 from darts_bench.artifacts import cached, stable_hash
 from darts_bench.evaluate.engines import backend_key, open_models
 from darts_bench.progress import overall_bar
@@ -40,29 +42,44 @@ def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str 
 def evaluate(cfg, rows: list[Row], all_rows: list[Row], tasks: dict, executor, work_dir: Path) -> dict[str, dict[str, TaskResult]]:
     """``{row name: {task: TaskResult}}`` for ``rows`` x ``tasks``, in row order (a reference row,
     e.g. ``base``, comes before the rows that compare against it). ``all_rows`` keeps every row
-    reachable by name (the AlpacaEval judge ``expert:instruction`` is a row even when not selected)."""
-    results: dict[str, dict[str, TaskResult]] = {}
+    reachable by name (the AlpacaEval judge ``expert:instruction`` is a row even when not selected).
+
+    ``evaluate.one_pass`` (default): rows that share a model dir (a merge and its corrected rows)
+    form a group, taken in the order of their first row; for each task the group's rows run
+    together (:func:`evaluate_group`), every generate / score call of theirs served by one
+    multi-head model. False: row by row, each row on each task in turn."""
+    results: dict[str, dict[str, TaskResult]] = {r.model: {} for r in rows}
     by_name = {r.model: r for r in all_rows}
     # each checkpoint loaded once (rows of one model dir share it; the judge stays loaded)
     with open_models(cfg, executor) as models, \
             overall_bar(len(rows) * len(tasks), "evaluate", unit="row x task") as bar:
-        for row in rows:
-            results[row.model] = {}
+        if not cfg.evaluate.one_pass:
+            for row in rows:
+                for name, (task, examples) in tasks.items():
+                    bar.set_postfix_str(f"{row.model} / {name}")
+                    results[row.model][name] = evaluate_one(cfg, row, task, examples, by_name, results, models,
+                                                            work_dir)
+                    bar.update(1)
+            return results
+        for group in model_groups(rows):
             for name, (task, examples) in tasks.items():
-                bar.set_postfix_str(f"{row.model} / {name}")
-                results[row.model][name] = evaluate_one(cfg, row, task, examples, by_name, results, models, work_dir)
-                bar.update(1)
+                for row, res in zip(group, evaluate_group(cfg, group, task, examples, by_name, results, models,
+                                                          work_dir, bar)):
+                    results[row.model][name] = res
     return results
 
 
-def evaluate_one(cfg, row: Row, task: Task, examples: list[Example], by_name: dict[str, Row], results: dict,
-                 models, work_dir: Path) -> TaskResult:
-    """One (row, task) evaluation, cached under ``eval/<row>-<task>-<key>/result.json``.
+def model_groups(rows: list[Row]) -> list[list[Row]]:
+    """``rows`` grouped by model dir (a merge with its corrected rows; base and each expert alone),
+    groups in the order of their first row, rows in row order within a group."""
+    groups: dict[str, list[Row]] = {}
+    for r in rows:
+        groups.setdefault(str(r.model_dir), []).append(r)
+    return list(groups.values())
 
-    Raises:
-        KeyError: the task asks for a model that is no row and no checkpoint dir, or for the outputs of
-            a row not evaluated before this one.
-    """
+
+def _target(cfg, row: Row, task: Task, examples: list[Example], by_name: dict[str, Row], work_dir: Path) -> Path:
+    """The artifact dir of one (row, task) evaluation: ``eval/<row>-<task>-<key>``."""
     tcfg = getattr(cfg.tasks, task.name)
     # other models the protocol uses (e.g. a judge): their identity is part of the cache key
     judge_key = "|".join(by_name[d].model_key if d in by_name else d for d in task.models_used(tcfg))
@@ -72,7 +89,22 @@ def evaluate_one(cfg, row: Row, task: Task, examples: list[Example], by_name: di
     key = eval_key(cfg, row, task, examples, judge_key, model_key=model_key)
     # row names of seeds / sweeps carry [ ] # , (glob and URL characters in data-file paths): not in paths
     safe = re.sub(r"[^A-Za-z0-9_.+@=-]", "_", row.model)
-    final = work_dir / "eval" / f"{safe}-{task.name}-{key}"
+    return work_dir / "eval" / f"{safe}-{task.name}-{key}"
+
+
+def evaluate_one(cfg, row: Row, task: Task, examples: list[Example], by_name: dict[str, Row], results: dict,
+                 models, work_dir: Path, text_model=None) -> TaskResult:
+    """One (row, task) evaluation, cached under ``eval/<row>-<task>-<key>/result.json``.
+
+    Args:
+        text_model: the row's model as the task sees it (None: ``models.get`` of the row, closed
+            afterwards; the one-pass path passes its per-row view).
+    Raises:
+        KeyError: the task asks for a model that is no row and no checkpoint dir, or for the outputs of
+            a row not evaluated before this one.
+    """
+    tcfg = getattr(cfg.tasks, task.name)
+    final = _target(cfg, row, task, examples, by_name, work_dir)
 
     def build(tmp: Path) -> None:
         opened = []
@@ -91,10 +123,11 @@ def evaluate_one(cfg, row: Row, task: Task, examples: list[Example], by_name: di
         def get_outputs(name: str) -> list[str]:
             if name not in results or task.name not in results[name]:
                 raise KeyError(f"reference model {name!r} has no {task.name} outputs yet; it must be a row "
-                               "evaluated before this one (base or an expert)")
+                               "evaluated before this one (base or an expert; with evaluate.one_pass, a row of "
+                               "another model dir)")
             return [s["output"] for s in results[name][task.name].samples]
 
-        tm = models.get(row.model, row.model_dir, row.heads.get(task.name))
+        tm = text_model if text_model is not None else models.get(row.model, row.model_dir, row.heads.get(task.name))
         try:
             ctx = EvalContext(config=tcfg, data_dir=cfg.resolved_data_dir(),
                               seed=derive_seed(cfg.seed, "eval", task.name), work_dir=tmp / "scratch",
@@ -116,3 +149,183 @@ def evaluate_one(cfg, row: Row, task: Task, examples: list[Example], by_name: di
     d = json.loads((final / "result.json").read_text())
     return TaskResult(metrics=d["metrics"], per_example=d["per_example"], samples=d["samples"], meta=d["meta"],
                       example_ids=d.get("example_ids", []))
+
+
+# --------------------------------------------------------------------------- one pass
+def evaluate_group(cfg, group: list[Row], task: Task, examples: list[Example], by_name: dict[str, Row],
+                   results: dict, models, work_dir: Path, bar=None) -> list[TaskResult]:
+    """``task`` on every row of ``group`` (rows of one model dir) at once, results in row order.
+
+    Each row's :func:`evaluate_one` (cache check, ``task.evaluate``, ``result.json``) runs in its
+    own thread on a :class:`RowView` of the group's multi-head model
+    (``models.multi_head_model(name, model_dir, [each row's head dir for the task])``, opened on
+    the first model call, so a fully cached group loads nothing). The threads take turns (one runs
+    at a time, in row order: a task's own code, its judge calls and its RNG use are never
+    interleaved with another row's); a thread's turn ends when it calls its view's ``generate`` /
+    ``score`` or finishes, and once every unfinished row waits on a call the calls are executed
+    together: calls with equal generation arguments as one multi-head call, one entry per row.
+    Tasks stay unchanged (they see a TextModel); other models a task asks for through
+    ``ctx.get_model`` (a judge) are ordinary models used during its turn.
+
+    Raises:
+        Exception: the first failing row's exception (row order), with a note naming the row and
+            the task; the other rows still finish (their results are cached).
+    """
+    n = len(group)
+    holder: dict[str, object] = {}
+
+    def model():
+        if "m" not in holder:
+            holder["m"] = models.multi_head_model(group[0].merge or group[0].model, group[0].model_dir,
+                                                  [r.heads.get(task.name) for r in group])
+        return holder["m"]
+
+    gather = _Gather(n, model)
+    out: list[TaskResult | None] = [None] * n
+    errors: list[BaseException | None] = [None] * n
+
+    def run(i: int) -> None:
+        gather.enter(i)
+        try:
+            view = RowView(group[i].model, i, gather)
+            out[i] = evaluate_one(cfg, group[i], task, examples, by_name, results, models, work_dir, text_model=view)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread below
+            errors[i] = e
+        finally:
+            if bar is not None:
+                bar.set_postfix_str(f"{group[i].model} / {task.name}")
+                bar.update(1)
+            gather.finish(i)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"eval-{group[i].model}-{task.name}", daemon=True)
+               for i in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        if "m" in holder and hasattr(holder["m"], "close"):
+            holder["m"].close()
+    for row, e in zip(group, errors):
+        if e is not None:
+            e.add_note(f"while evaluating row {row.model!r} on task {task.name!r} "
+                       f"(one-pass evaluation of the rows of {row.model_dir})")
+            raise e
+    return out  # type: ignore[return-value]
+
+
+class RowView:
+    """One row's model as its task sees it in the one-pass path (a
+    :class:`~darts_bench.api.TextModel`): ``generate`` and ``score`` are gathered with the other
+    rows' calls and served by the group's multi-head model on this row's head slot; ``format_chat``,
+    ``tokenizer``, ``max_length`` and ``device`` are the shared model's."""
+
+    def __init__(self, name: str, slot: int, gather: "_Gather"):
+        self.name, self._slot, self._gather = name, slot, gather
+
+    @property
+    def tokenizer(self):
+        return getattr(self._gather.model(), "tokenizer", None)
+
+    @property
+    def max_length(self):
+        return getattr(self._gather.model(), "max_length", None)
+
+    @property
+    def device(self):
+        return getattr(self._gather.model(), "device", "cpu")
+
+    def format_chat(self, user_message: str) -> str:
+        return self._gather.model().format_chat(user_message)
+
+    def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
+                 num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
+        """See :meth:`darts_bench.api.TextModel.generate`; waits for the gathered call."""
+        kw = {"max_new_tokens": int(max_new_tokens), "stop": tuple(stop), "num_samples": int(num_samples),
+              "temperature": float(temperature), "seed": int(seed)}
+        return self._gather.call(self._slot, "generate", kw, list(prompts))
+
+    def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:
+        """See :meth:`darts_bench.api.TextModel.score`; waits for the gathered call."""
+        if len(contexts) != len(continuations):
+            raise ValueError(f"{len(contexts)} contexts vs {len(continuations)} continuations")
+        return self._gather.call(self._slot, "score", {}, list(zip(contexts, continuations)))
+
+    def close(self) -> None:
+        """Nothing: the multi-head model is closed with the group."""
+
+
+class _Gather:
+    """The turn-taking of :func:`evaluate_group`'s row threads and the batching of their calls.
+
+    Thread ``i`` runs only while ``current == i``. When the running thread calls (``call``) or ends
+    (``finish``), the next ready thread in row order gets the turn; when none is ready, the
+    waiting calls are executed (grouped by kind and arguments, one multi-head call per group) by
+    the thread giving up its turn, and every waiting thread becomes ready again.
+    """
+
+    def __init__(self, n: int, model):
+        self.model = model
+        self._cond = threading.Condition()
+        self._state = ["ready"] * n  # ready | waiting | done
+        self._current: int | None = 0 if n else None
+        self._pending: dict[int, tuple[str, dict, list]] = {}
+        self._answers: dict[int, tuple[bool, object]] = {}
+
+    def enter(self, i: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._current == i)
+
+    def call(self, i: int, kind: str, kwargs: dict, payload: list):
+        with self._cond:
+            if self._current != i:
+                raise RuntimeError(f"row thread {i} called its model outside its turn")
+            self._pending[i] = (kind, kwargs, payload)
+            self._state[i] = "waiting"
+            self._next()
+            self._cond.wait_for(lambda: self._current == i)
+            ok, value = self._answers.pop(i)
+        if not ok:
+            raise value  # type: ignore[misc]
+        return value
+
+    def finish(self, i: int) -> None:
+        with self._cond:
+            self._state[i] = "done"
+            self._next()
+
+    def _next(self) -> None:
+        ready = [j for j, s in enumerate(self._state) if s == "ready"]
+        if not ready and self._pending:
+            self._flush()
+            ready = [j for j, s in enumerate(self._state) if s == "ready"]
+        self._current = ready[0] if ready else None
+        self._cond.notify_all()
+
+    def _flush(self) -> None:
+        calls: dict[tuple, list[int]] = {}
+        for i, (kind, kw, _) in sorted(self._pending.items()):
+            calls.setdefault((kind, tuple(sorted(kw.items()))), []).append(i)
+        for (kind, kw), rows in calls.items():
+            try:
+                m = self.model()
+                if kind == "generate":
+                    reqs = [(i, p) for i in rows for p in self._pending[i][2]]
+                    res = m.generate(reqs, **dict(kw))
+                else:
+                    reqs = [(i, c, x) for i in rows for c, x in self._pending[i][2]]
+                    res = m.score(reqs)
+                if len(res) != len(reqs):
+                    raise RuntimeError(f"multi-head {kind} returned {len(res)} results for {len(reqs)} requests")
+                o = 0
+                for i in rows:
+                    k = len(self._pending[i][2])
+                    self._answers[i] = (True, list(res[o:o + k]))
+                    o += k
+            except Exception as e:  # noqa: BLE001 - handed to every row of the call
+                for i in rows:
+                    self._answers[i] = (False, e)
+        for i in self._pending:
+            self._state[i] = "ready"
+        self._pending.clear()

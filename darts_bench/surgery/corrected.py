@@ -34,7 +34,7 @@ def final_norm(model: nn.Module) -> nn.Module:
 class HeadAttachment:
     """Handle for an attached head; :meth:`remove` restores the plain model."""
 
-    def __init__(self, model: nn.Module, head: CorrectionHead):
+    def __init__(self, model: nn.Module, head: CorrectionHead | None):
         self.model, self.head = model, head
         self._state: dict[str, torch.Tensor | None] = {}
         self._handles = [
@@ -74,6 +74,56 @@ class HeadAttachment:
         for hd in self._handles:
             hd.remove()
         self._handles = []
+
+
+class MultiHeadAttachment(HeadAttachment):
+    """Several heads on one model at once, the head chosen per sequence of the batch (the HF
+    counterpart of multi-LoRA serving: one batched forward, a different small module per row).
+
+    :attr:`rows` says which head acts on each sequence of the next forwards: a list with one entry
+    per batch row (a head index into ``heads``, or None: that row stays the plain model), or one
+    index / None for every row (a sampled ``generate`` expands its batch by ``num_return_sequences``).
+    Positions come from the same forward's attention mask exactly as in :class:`HeadAttachment`, so
+    a row's corrected hidden state equals that of a single-head attachment on its own batch (each
+    head runs on the ``[n_k, seq, d_model]`` block of its rows).
+
+    Args:
+        model: an HF causal LM with a Llama-style final norm (:func:`final_norm`).
+        heads: the heads, index ``0..k-1`` (each ``d_model`` = the model's hidden size).
+    Raises:
+        ValueError: a head's width differs from the model's hidden size, or (at forward time)
+            :attr:`rows` has a length other than the batch size or an index out of range.
+    """
+
+    def __init__(self, model: nn.Module, heads: list[CorrectionHead]):
+        d = model.config.hidden_size
+        dev = next(model.parameters()).device
+        for i, hd in enumerate(heads):
+            if hd.cfg.d_model != d:
+                raise ValueError(f"head {i}: d_model {hd.cfg.d_model} != model hidden_size {d}")
+            hd.to(dev).eval()
+        self.heads = list(heads)
+        self.rows: list[int | None] | int | None = None
+        super().__init__(model, None)
+
+    def _apply(self, module, args, output):
+        h = output[0] if isinstance(output, tuple) else output  # [batch, seq, d_model]
+        rows, B = self.rows, h.shape[0]
+        if not isinstance(rows, list):
+            if rows is None:
+                return output
+            h2 = self.heads[rows](h, self._positions(h))
+        else:
+            if len(rows) != B:
+                raise ValueError(f"MultiHeadAttachment.rows has {len(rows)} entries for a batch of {B}")
+            pos = self._positions(h)  # [batch, seq]
+            h2 = h.clone()
+            for k in sorted({r for r in rows if r is not None}):
+                if not 0 <= k < len(self.heads):
+                    raise ValueError(f"head index {k} out of range ({len(self.heads)} heads)")
+                idx = torch.tensor([i for i, r in enumerate(rows) if r == k], device=h.device)
+                h2[idx] = self.heads[k](h[idx], pos[idx])  # [n_k, seq, d_model]
+        return (h2, *output[1:]) if isinstance(output, tuple) else h2
 
 
 def attach_head(model: nn.Module, head: CorrectionHead) -> HeadAttachment:

@@ -84,6 +84,26 @@ class Backend(ABC):
             RuntimeError: the backend is closed.
         """
 
+    def multi_head_model(self, name: str, model_dir: str | Path, head_dirs: list[str | Path | None]):
+        """A multi-head model of ``model_dir`` with one slot per entry of ``head_dirs`` (a head dir,
+        or None: the plain model), serving requests that name their slot (the evaluate stage's
+        one-pass path: every row of a merge through one model). Its interface
+        (:class:`LoopedMultiHead` here; ``HFMultiHeadModel`` for the in-process HF backend):
+        ``generate(requests: list[(slot, prompt)], *, max_new_tokens, stop, num_samples,
+        temperature, seed) -> list[list[str]]`` and ``generate_ids`` (one entry per request),
+        ``score(requests: list[(slot, context, continuation)]) -> list[ScoreContinuation]``,
+        ``format_chat``, ``tokenizer``, ``close()``.
+
+        This generic implementation serves each slot with :meth:`get` (one text model per slot,
+        opened on first use, closed with the multi-head model): the row-by-row semantics, for
+        backends and layouts without per-request heads (the Ray layout, vLLM until it has them).
+
+        Raises:
+            RuntimeError: the backend is closed.
+        """
+        self._check_open()
+        return LoopedMultiHead(self, name, str(model_dir), [str(h) if h else None for h in head_dirs])
+
     @abstractmethod
     def continuations(self, name: str, model_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
                       desc: str = "") -> list[list[int]]:
@@ -159,3 +179,78 @@ class HeldProxies:
         for p in held.values():
             p.close()
         self._pinned.clear()
+
+
+class LoopedMultiHead:
+    """The generic multi-head model (:meth:`Backend.multi_head_model`): each slot is the backend's
+    own text model of ``model_dir`` with that slot's head (``backend.get``), called one slot at a
+    time in slot order, so outputs are the row-by-row path's by construction.
+
+    Args:
+        backend: the open backend whose :meth:`Backend.get` serves the slots.
+        name: label; slot ``k``'s text model is named ``<name>[k]``.
+        model_dir: the checkpoint every slot runs.
+        head_dirs: one entry per slot (None: the plain model).
+    """
+
+    def __init__(self, backend: Backend, name: str, model_dir: str, head_dirs: list[str | None]):
+        self.backend, self.name, self.model_dir, self.head_dirs = backend, name, model_dir, list(head_dirs)
+        self._models: dict[int | None, Any] = {}
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.head_dirs)
+
+    def _model(self, idx: int | None):
+        if idx is not None and not 0 <= idx < len(self.head_dirs):
+            raise ValueError(f"{self.name}: head index {idx} out of range ({len(self.head_dirs)} slots; None = plain)")
+        if idx not in self._models:
+            head = None if idx is None else self.head_dirs[idx]
+            self._models[idx] = self.backend.get(f"{self.name}[{'plain' if idx is None else idx}]",
+                                                 self.model_dir, head)
+        return self._models[idx]
+
+    @property
+    def tokenizer(self):
+        return getattr(self._model(None if not self.head_dirs else 0), "tokenizer", None)
+
+    def format_chat(self, user_message: str) -> str:
+        return self._model(None if not self.head_dirs else 0).format_chat(user_message)
+
+    def _by_slot(self, requests) -> dict[int | None, list[int]]:
+        by: dict[int | None, list[int]] = {}
+        for r, req in enumerate(requests):
+            by.setdefault(req[0], []).append(r)
+        return by
+
+    def _gen(self, meth: str, requests, kwargs) -> list:
+        out: list = [None] * len(requests)
+        for idx, rs in self._by_slot(requests).items():
+            res = getattr(self._model(idx), meth)([requests[r][1] for r in rs], **kwargs)
+            for r, x in zip(rs, res):
+                out[r] = x
+        return out
+
+    def generate(self, requests, **kwargs) -> list[list[str]]:
+        """``[request][sample]`` continuations; each slot's prompts in one call of its text model."""
+        return self._gen("generate", requests, kwargs)
+
+    def generate_ids(self, requests, **kwargs) -> list[list[list[int]]]:
+        """``[request][sample][token]``; each slot's prompts in one ``generate_ids`` of its text model."""
+        return self._gen("generate_ids", requests, kwargs)
+
+    def score(self, requests) -> list:
+        """:class:`~darts_bench.api.ScoreContinuation` per ``(slot, context, continuation)``."""
+        out: list = [None] * len(requests)
+        for idx, rs in self._by_slot(requests).items():
+            res = self._model(idx).score([requests[r][1] for r in rs], [requests[r][2] for r in rs])
+            for r, x in zip(rs, res):
+                out[r] = x
+        return out
+
+    def close(self) -> None:
+        """Close every slot's text model (the weights or engines stay with the backend)."""
+        models, self._models = self._models, {}
+        for m in models.values():
+            if hasattr(m, "close"):
+                m.close()

@@ -115,6 +115,34 @@ class HFBackend(Backend):
         live.append(w)
         return w
 
+    def multi_head_model(self, name: str, model_dir: str | Path, head_dirs: list[str | Path | None]):
+        """See :meth:`Backend.multi_head_model`. In-process: an
+        :class:`~darts_bench.evaluate.multi_head.HFMultiHeadModel` over the shared weights of
+        ``model_dir`` (loaded once, as :meth:`get` loads it) with every slot's head, each chosen per
+        sequence of one batched forward; its hooks exist only during its calls, so it shares the
+        weights with the plain wrappers :meth:`get` hands out. Ray: the generic per-slot loop.
+
+        Raises:
+            FileNotFoundError / ValueError: a missing or corrupt checkpoint or head.
+        """
+        self._check_open()
+        if not self.executor.in_process:
+            return super().multi_head_model(name, model_dir, head_dirs)
+        from darts_bench.evaluate.multi_head import HFMultiHeadModel
+
+        key = str(model_dir)
+        if not self.share_weights:
+            base = self._load(name, key, None)
+        else:
+            if key not in self._base:
+                for k in [k for k in self._base if k not in self._pinned]:
+                    del self._base[k]
+                self._base[key] = self._load(name, key, None)
+            base = self._base[key]
+        dirs = [str(h) if h else None for h in head_dirs]
+        loaded = {d: load_head(d) for d in dict.fromkeys(d for d in dirs if d)}
+        return HFMultiHeadModel(base, [loaded[d] if d else None for d in dirs], name=name, keys=dirs)
+
     def continuations(self, name: str, model_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
                       desc: str = "") -> list[list[int]]:
         """See :meth:`Backend.continuations`: ``generate_ids`` shards of ``ray.shard_size`` prompts

@@ -1,0 +1,257 @@
+"""Every head of a merge on one HF model: requests that each name their head, served in one pass.
+
+The rows of a merge (``ties``, ``ties+surgery``, ``ties+darts``, their seeds and sweep variants)
+share the frozen transformer and differ only in the small head applied to its final hidden state
+(the input of ``lm_head``), so the key/value cache of a token depends only on the tokens. A
+:class:`HFMultiHeadModel` holds the merge's weights once and ``k`` heads (index ``0..k-1``; a slot
+may be None: the plain merge) and serves requests ``(head index, ...)``:
+
+* greedy :meth:`~HFMultiHeadModel.generate`: the (head, prompt) pairs of all heads in one batched
+  ``model.generate`` whose head is chosen per sequence
+  (:class:`~darts_bench.surgery.corrected.MultiHeadAttachment`, as multi-LoRA serving chooses an
+  adapter per request). Each head's prompts are chunked exactly as the row-by-row path chunks them
+  (``batch_size`` per chunk, the same left padding), and chunks of one padded length are stacked
+  over the heads, so every sequence sees the batch rows it would see alone;
+* :meth:`~HFMultiHeadModel.score`: teacher-forced NLL; the transformer runs once per distinct
+  (context, continuation) pair and every requested head is applied to the cached final hidden
+  states (``[batch, seq, d_model]``, a rank-``r`` matmul) before ``lm_head``.
+
+The shared checkpoint is only modified (hooked) for the duration of a call, so a plain wrapper
+over the same weights (e.g. a judge) is never affected between calls.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from darts_bench.api import ScoreContinuation
+from darts_bench.evaluate.hf_model import HFTextModel, cut_at_stop, left_pad, score_pairs, strip_generated
+from darts_bench.surgery.corrected import MultiHeadAttachment, final_norm
+from darts_bench.surgery.heads import CorrectionHead, positions_from_mask
+
+#: a request's prompt: text (tokenized like ``HFTextModel.generate``) or token ids (used as they are)
+Prompt = str | Sequence[int]
+
+
+class HFMultiHeadModel:
+    """One merge's HF weights with ``len(heads)`` head slots (None: the plain merge), serving
+    requests that name their slot (the model behind ``Backend.multi_head_model``).
+
+    Args:
+        base: the plain :class:`~darts_bench.evaluate.hf_model.HFTextModel` of the merge (its
+            model, tokenizer, ``batch_size`` and ``max_length`` are used; it stays unhooked
+            between calls).
+        heads: one entry per slot: a :class:`~darts_bench.surgery.heads.CorrectionHead` or None.
+            Slots may repeat a head (two rows with the same head): they are computed once.
+        name: label (logs).
+        keys: optional identity per slot (e.g. the head dir) so equal heads are recognised; by
+            default slots are equal when they hold the same object (or both None).
+
+    Raises:
+        ValueError: a head's ``d_model`` differs from the model's hidden size.
+    """
+
+    def __init__(self, base: HFTextModel, heads: Sequence[CorrectionHead | None], name: str = "merge",
+                 keys: Sequence[object] | None = None):
+        self.base, self.name = base, name
+        self.model, self.tokenizer = base.model, base.tokenizer
+        self.batch_size, self.max_length, self.device = base.batch_size, base.max_length, base.device
+        final_norm(self.model)  # fails early for an architecture without a Llama-style final norm
+        self.slots = list(heads)
+        uniq: list[CorrectionHead] = []
+        self._slot_head: list[int | None] = []  # slot -> index into uniq (None: plain)
+        seen: dict[object, int] = {}
+        for i, hd in enumerate(self.slots):
+            if hd is None:
+                self._slot_head.append(None)
+                continue
+            key = keys[i] if keys is not None and keys[i] is not None else id(hd)
+            if key not in seen:
+                seen[key] = len(uniq)
+                uniq.append(hd)
+            self._slot_head.append(seen[key])
+        self._heads = uniq
+        d = self.model.config.hidden_size
+        for i, hd in enumerate(uniq):
+            if hd.cfg.d_model != d:
+                raise ValueError(f"{name}: head {i} d_model {hd.cfg.d_model} != model hidden_size {d}")
+            hd.to(self.device).eval()
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.slots)
+
+    def format_chat(self, user_message: str) -> str:
+        return self.base.format_chat(user_message)
+
+    def close(self) -> None:
+        """Nothing to release: the weights belong to whoever loaded ``base``; hooks live per call."""
+
+    def _check(self, idx: int | None) -> None:
+        if idx is not None and not 0 <= idx < len(self.slots):
+            raise ValueError(f"{self.name}: head index {idx} out of range ({len(self.slots)} slots; None = plain)")
+
+    def _head_of(self, idx: int | None) -> int | None:
+        self._check(idx)
+        return None if idx is None else self._slot_head[idx]
+
+    # --------------------------------------------------------------- generation
+    @torch.inference_mode()
+    def generate_ids(self, requests: Sequence[tuple[int | None, Prompt]], *, max_new_tokens: int,
+                     stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
+                     seed: int = 0) -> list[list[list[int]]]:
+        """Generated ids per request, ``[request][sample][token]`` (as ``HFTextModel.generate_ids``).
+
+        Greedy (``temperature == 0``): each slot's prompts (its requests in order) are chunked by
+        ``batch_size`` as the row-by-row path chunks them; equal (head, chunk) pairs are generated
+        once, and chunks of equal padded length are stacked into one ``model.generate`` call with
+        the head chosen per sequence, so outputs equal the row-by-row path's token for token (test:
+        ``tests/test_evaluate_one_pass.py``). Sampled (``temperature > 0``): one head at a time,
+        exactly the row-by-row call (its per-chunk seeds ``seed + start``), so samples equal the
+        row-by-row path's too; batching them would change which random numbers each sequence draws.
+
+        Raises:
+            ValueError: a head index out of range; greedy with ``num_samples != 1``.
+        """
+        by_slot: dict[int | None, list[int]] = defaultdict(list)  # slot -> request indices, in order
+        for r, (idx, _) in enumerate(requests):
+            self._check(idx)
+            by_slot[idx].append(r)
+        out: list[list[list[int]] | None] = [None] * len(requests)
+        if temperature > 0:
+            for idx, rs in by_slot.items():
+                with self._hooked() as att:
+                    att.rows = self._head_of(idx)
+                    gens = self.base.generate_ids([requests[r][1] for r in rs], max_new_tokens=max_new_tokens,
+                                                  stop=stop, num_samples=num_samples, temperature=temperature,
+                                                  seed=seed)
+                for r, g in zip(rs, gens):
+                    out[r] = g
+            return out  # type: ignore[return-value]
+        gen_cfg = self.base._generation_config(max_new_tokens, stop, num_samples, temperature)
+        # the row-by-row chunks: (head, chunk prompts) -> the request indices it serves (per slot)
+        chunks: dict[tuple, list[list[int]]] = {}
+        for idx, rs in by_slot.items():
+            hd = self._head_of(idx)
+            for s in range(0, len(rs), self.batch_size):
+                part = rs[s:s + self.batch_size]
+                key = (hd, tuple(p if isinstance(p, str) else tuple(p) for p in (requests[r][1] for r in part)))
+                chunks.setdefault(key, []).append(part)
+        encoded = {key: self.base._encode_batch([requests[r][1] for r in parts[0]]) for key, parts in chunks.items()}
+        by_len: dict[int, list[tuple]] = defaultdict(list)  # padded length -> chunks stacked in one call
+        for key, enc in encoded.items():
+            by_len[enc["input_ids"].shape[1]].append(key)
+        eos_ids, pad = self.base._eos_ids(), self.tokenizer.pad_token_id
+        for L, keys in by_len.items():
+            ids = torch.cat([encoded[k]["input_ids"] for k in keys])  # [sum of chunk sizes, L]
+            mask = torch.cat([encoded[k]["attention_mask"] for k in keys])
+            rows = [k[0] for k in keys for _ in range(encoded[k]["input_ids"].shape[0])]
+            with self._hooked() as att:
+                att.rows = rows
+                seqs = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg,
+                                           tokenizer=self.tokenizer if stop else None)
+            new = seqs[:, L:].tolist()
+            i = 0
+            for k in keys:
+                n = encoded[k]["input_ids"].shape[0]
+                gens = [[strip_generated(s, eos_ids, pad)] for s in new[i:i + n]]
+                i += n
+                for part in chunks[k]:
+                    for r, g in zip(part, gens):
+                        out[r] = g
+        return out  # type: ignore[return-value]
+
+    def generate(self, requests: Sequence[tuple[int | None, Prompt]], *, max_new_tokens: int,
+                 stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
+                 seed: int = 0) -> list[list[str]]:
+        """Continuations per request, ``[request][sample]`` strings cut before the first stop
+        sequence (:meth:`generate_ids` decoded as ``HFTextModel.generate`` decodes)."""
+        ids = self.generate_ids(requests, max_new_tokens=max_new_tokens, stop=stop, num_samples=num_samples,
+                                temperature=temperature, seed=seed)
+        return [[cut_at_stop(self.tokenizer.decode(s, skip_special_tokens=True), stop) for s in row] for row in ids]
+
+    # ------------------------------------------------------------------ scoring
+    @torch.inference_mode()
+    def score(self, requests: Sequence[tuple[int | None, str, str]]) -> list[ScoreContinuation]:
+        """Teacher-forced NLL (nats) of each request's continuation given its context under its
+        head, lm-eval's tokenization (:func:`~darts_bench.evaluate.hf_model.score_pairs`).
+
+        The distinct (context, continuation) pairs, in first-request order, run through the
+        transformer (``model.model``: embeddings, layers, final norm) once per chunk of
+        ``batch_size`` pairs, left-padded with ``position_ids`` from the mask as
+        ``HFTextModel.score``; each head requested for a pair of the chunk is then applied to the
+        final hidden states ``[batch, seq, d_model]`` at the positions that predict continuation
+        tokens, followed by ``lm_head`` and a float32 log-softmax. Values equal the row-by-row
+        ``HFTextModel.score`` within float rounding (tested within 1e-6 relative), not bitwise:
+        the head and ``lm_head`` run on the gathered positions, not the whole padded batch.
+
+        Raises:
+            ValueError: a head index out of range, an empty continuation.
+        """
+        for idx, _, _ in requests:
+            self._check(idx)
+        distinct: dict[tuple[str, str], int] = {}
+        for _, c, x in requests:
+            distinct.setdefault((c, x), len(distinct))
+        pairs = score_pairs(self.tokenizer, [c for c, _ in distinct], [x for _, x in distinct], self.max_length)
+        wanted: dict[int, set[int | None]] = defaultdict(set)  # pair -> heads asked for it
+        for idx, c, x in requests:
+            wanted[distinct[(c, x)]].add(self._head_of(idx))
+        body, lm_head = self.model.model, self.model.get_output_embeddings()
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
+        per: dict[tuple[int, int | None], ScoreContinuation] = {}
+        pad = self.tokenizer.pad_token_id
+        for start in range(0, len(pairs), self.batch_size):
+            chunk = pairs[start:start + self.batch_size]
+            input_ids, mask = left_pad([ids for ids, _ in chunk], pad)
+            L = input_ids.shape[1]
+            pos = positions_from_mask(mask).to(self.device)
+            h = body(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
+                     position_ids=pos).last_hidden_state  # [batch, seq, d_model], after the final norm
+            for hd in sorted({k for i in range(len(chunk)) for k in wanted[start + i]}, key=lambda k: -1 if k is None else k):
+                rows = [i for i in range(len(chunk)) if hd in wanted[start + i]]
+                # positions L-n-1 .. L-2 of each row predict its n continuation tokens
+                sel = [(i, t) for i in rows for t in range(L - chunk[i][1] - 1, L - 1)]
+                bi = torch.tensor([i for i, _ in sel], device=self.device)
+                ti = torch.tensor([t for _, t in sel], device=self.device)
+                hs = h[bi, ti][None]  # [1, n_sel, d_model]
+                if hd is not None:
+                    hs = self._heads[hd](hs, pos[bi, ti][None])
+                logits = lm_head(hs)[0]  # [n_sel, vocab]
+                if cap:  # Gemma-2-style final logit soft-capping, as the model's own forward applies it
+                    logits = torch.tanh(logits / cap) * cap
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                tgt = input_ids.to(self.device)[bi, ti + 1]  # [n_sel]
+                tok_nll = -logp.gather(-1, tgt[:, None])[:, 0]
+                hit = logp.argmax(-1) == tgt
+                o = 0
+                for i in rows:
+                    n = chunk[i][1]
+                    per[(start + i, hd)] = ScoreContinuation(nll=float(tok_nll[o:o + n].sum()), n_tokens=n,
+                                                             greedy=bool(hit[o:o + n].all()),
+                                                             token_nll=tok_nll[o:o + n].tolist())
+                    o += n
+        return [per[(distinct[(c, x)], self._head_of(idx))] for idx, c, x in requests]
+
+    # ------------------------------------------------------------------ hooks
+    def _hooked(self):
+        return _Hooked(self.model, self._heads)
+
+
+class _Hooked:
+    """Context manager: a :class:`MultiHeadAttachment` on ``model`` for one call."""
+
+    def __init__(self, model: nn.Module, heads: list[CorrectionHead]):
+        self.model, self.heads = model, heads
+        self.att: MultiHeadAttachment | None = None
+
+    def __enter__(self) -> MultiHeadAttachment:
+        self.att = MultiHeadAttachment(self.model, self.heads)
+        return self.att
+
+    def __exit__(self, *exc) -> None:
+        self.att.remove()
