@@ -4,8 +4,6 @@ row by row on the micro pool."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -180,3 +178,147 @@ def test_multi_head_rejects_a_bad_slot(model_and_tok, heads):
         mh.generate([(3, "hi")], max_new_tokens=2)
     with pytest.raises(ValueError, match="head index 1 out of range"):
         mh.score([(1, "hi", " there")])
+
+
+# --------------------------------------------------------------------------- the stage's one-pass path
+class _FakeMultiHead:
+    """Records every multi-head call; generate answers '<slot>:<prompt>', score nll = slot + len(context)."""
+
+    def __init__(self, log, head_dirs):
+        self.log, self.head_dirs, self.tokenizer = log, head_dirs, None
+
+    def format_chat(self, m):
+        return f"<{m}>"
+
+    def generate(self, requests, **kw):
+        self.log.append(("generate", [r[0] for r in requests], kw["max_new_tokens"]))
+        return [[f"{self.head_dirs[k]}:{p}"] for k, p in requests]
+
+    def score(self, requests):
+        from darts_bench.api import ScoreContinuation
+
+        self.log.append(("score", [r[0] for r in requests], None))
+        return [ScoreContinuation(nll=float(k + len(c)), n_tokens=1, greedy=False) for k, c, _ in requests]
+
+    def close(self):
+        self.log.append(("close", [], None))
+
+
+class _FakeModels:
+    def __init__(self):
+        self.log, self.opened = [], []
+
+    def multi_head_model(self, name, model_dir, head_dirs):
+        self.opened.append((name, str(model_dir), list(head_dirs)))
+        return _FakeMultiHead(self.log, head_dirs)
+
+
+def _echo_task(fail_row=None):
+    from darts_bench.api import Task, TaskResult
+
+    class Echo(Task):
+        name, expert, version = "gsm8k", "math", "t"  # a config section that exists
+
+        def examples(self, data_dir, model, limit):
+            return []
+
+        def training_prompts(self, data_dir, model, n, seed):
+            return []
+
+        def evaluate(self, model, examples, ctx):
+            short = model.generate([e.prompt for e in examples], max_new_tokens=3)
+            if model.name == fail_row:
+                raise ZeroDivisionError("boom")
+            long = model.generate([model.format_chat(e.prompt) for e in examples], max_new_tokens=7)
+            nll = model.score([e.prompt for e in examples], [e.reference for e in examples])
+            return TaskResult(metrics={"gsm8k_em_strict": sum(s.nll for s in nll)},
+                              samples=[{"output": s[0] + "|" + g[0]} for s, g in zip(short, long)])
+
+    return Echo()
+
+
+def _group(tmp_path):
+    from darts_bench.rows import Row
+
+    d = tmp_path / "ties"
+    return [Row("ties", merge="ties", model_dir=d, model_key="k"),
+            Row("ties+surgery", merge="ties", correction="surgery", model_dir=d, model_key="k1",
+                heads={"gsm8k": tmp_path / "h1"}),
+            Row("ties+darts", merge="ties", correction="darts", model_dir=d, model_key="k2",
+                heads={"gsm8k": tmp_path / "h2"})]
+
+
+def test_group_calls_are_gathered_into_one_multi_head_call_each(tmp_path):
+    """Three rows of a merge: each of their generate / score calls is served by one multi-head call
+    holding every row's requests (slots = row order, head dirs = the rows' heads); results are
+    each row's own and cached; a second run loads nothing."""
+    from darts_bench.api import Example
+    from darts_bench.config import Config
+    from darts_bench.stages.evaluate import evaluate_group
+
+    cfg = Config()
+    group = _group(tmp_path)
+    by_name = {r.model: r for r in group}
+    ex = [Example("a", "p1", "r1"), Example("b", "p22", "r2")]
+    models = _FakeModels()
+    res = evaluate_group(cfg, group, _echo_task(), ex, by_name, {}, models, tmp_path / "work")
+    assert models.opened == [("ties", str(tmp_path / "ties"), [None, tmp_path / "h1", tmp_path / "h2"])]
+    assert models.log == [("generate", [0, 0, 1, 1, 2, 2], 3), ("generate", [0, 0, 1, 1, 2, 2], 7),
+                          ("score", [0, 0, 1, 1, 2, 2], None), ("close", [], None)]
+    assert [r.samples[0]["output"] for r in res] == [
+        f"{h}:p1|{h}:<p1>" for h in (None, tmp_path / "h1", tmp_path / "h2")]
+    assert [r.metrics["gsm8k_em_strict"] for r in res] == [0 + 2 + 0 + 3, 1 + 2 + 1 + 3, 2 + 2 + 2 + 3]
+    again = _FakeModels()
+    res2 = evaluate_group(cfg, group, _echo_task(), ex, by_name, {}, again, tmp_path / "work")
+    assert again.opened == [] and [r.metrics for r in res2] == [r.metrics for r in res]
+
+
+def test_group_row_failure_names_row_and_task_and_others_finish(tmp_path):
+    from darts_bench.api import Example
+    from darts_bench.config import Config
+    from darts_bench.stages.evaluate import evaluate_group
+
+    group = _group(tmp_path)
+    ex = [Example("a", "p1", "r1")]
+    models = _FakeModels()
+    with pytest.raises(ZeroDivisionError, match="boom") as ei:
+        evaluate_group(Config(), group, _echo_task(fail_row="ties+surgery"), ex, {r.model: r for r in group}, {},
+                       models, tmp_path / "work")
+    assert any("'ties+surgery'" in n and "'gsm8k'" in n for n in ei.value.__notes__)
+    # the failed row left the later calls to the other two rows, which finished and were cached
+    assert models.log[1] == ("generate", [0, 2], 7) and models.log[2] == ("score", [0, 2], None)
+    assert len(list((tmp_path / "work" / "eval").glob("ties*-gsm8k-*"))) == 2
+
+
+@pytest.mark.micro
+def test_micro_one_pass_equals_row_by_row(micro_pipeline, tmp_path):
+    """On the micro pool, the rows of merge ``ties`` (plain, Surgery and DARTS on both calibration
+    splits) and ``base`` on every task: one-pass and row-by-row give identical completions and
+    task metrics, reference NLLs within 1e-6 relative."""
+    from darts_bench.stages.evaluate import evaluate
+
+    pipe = micro_pipeline
+    all_rows, tasks = pipe.all_rows(), pipe.tasks()
+    rows = [r for r in all_rows if r.model == "base" or r.merge == "ties"]
+    assert len(rows) == 6 and sum(bool(r.heads) for r in rows) == 4
+    out = {}
+    for one_pass in (False, True):
+        cfg = pipe.cfg.model_copy(update={"evaluate": pipe.cfg.evaluate.model_copy(update={"one_pass": one_pass})})
+        out[one_pass] = evaluate(cfg, rows, all_rows, tasks, pipe.executor, tmp_path / f"work-{one_pass}")
+    n = 0
+    for r in rows:
+        for t in tasks:
+            a, b = out[False][r.model][t], out[True][r.model][t]
+            assert [s.get("output") for s in a.samples] == [s.get("output") for s in b.samples], (r.model, t)
+            for k, v in a.metrics.items():
+                if isinstance(v, float) and "nll" in k:
+                    assert b.metrics[k] == pytest.approx(v, rel=1e-6), (r.model, t, k)
+                else:
+                    assert b.metrics[k] == v, (r.model, t, k)
+            n += 1
+    assert n == 6 * len(tasks)
+    # the corrected rows really differ from their merge (the heads act in the one-pass path)
+    for r in rows:
+        if r.heads:
+            assert all(out[True][r.model][t].metrics[f"{t}_ref_nll"] != out[True]["ties"][t].metrics[f"{t}_ref_nll"]
+                       for t in r.heads), r.model

@@ -19,6 +19,7 @@ measured process baseline plus the working set; None when the architecture is un
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -442,22 +443,37 @@ def train(x: PlanInputs) -> dict[str, Any]:
     return _finish(s, kind)
 
 
+def one_pass_native(cfg) -> bool:
+    """Whether the evaluate stage serves a model dir's rows in one engine pass per task
+    (``evaluate.one_pass`` with a backend whose ``multi_head_model`` batches heads: the in-process
+    HF backend); otherwise the rows of a merge run one after another (the generic per-slot loop)."""
+    return cfg.evaluate.one_pass and cfg.evaluate.backend == "hf" and cfg.executor != "ray"
+
+
 def evaluate(x: PlanInputs) -> dict[str, Any]:
     """Every evaluated row on every task: generation (HF, or one vLLM engine per evaluation
     process / Ray actor), the reference-answer NLL, and each task's judge (``Task.plan()``). A
     local judge is held beside the row's model in-process (Ray gives it its own actors); one load
-    (or engine start) per model dir in row order, the judges' kept."""
+    (or engine start) per model dir in row order, the judges' kept.
+
+    ``engine_passes`` counts (model dir, task) passes when :func:`one_pass_native` (a merge's rows
+    share one batched ``generate`` per task, greedy decoding at ``batch_size`` x its rows sequences a
+    step, and one transformer forward over the reference answers with each further head costing
+    only its ``lm_head``; sampled generation still runs per row), else (row, task) passes."""
     cfg, W, P, kind = x.cfg, x.weights, x.params, x.kind
     rows, E, M = len(x.evaluated), len(EXPERT_NAMES), len(cfg.merges)
     ray = cfg.executor == "ray"
     vllm = cfg.evaluate.backend == "vllm"
     judges = x.local_judges
+    native = one_pass_native(cfg)
+    group_sizes = list(Counter(s.merge or s.model for s in x.evaluated).values())  # rows per model dir
+    n_groups = len(group_sizes)
     eval_gen = eval_nll = judge_tokens = 0
     for t, ti in x.tasks.items():
         per_row_gen = ti["n_examples"] * ti["n_samples"] * (ti["prompt_tokens_est"] + ti["max_new_tokens"])
         per_row_nll = ti["n_examples"] * (ti["prompt_tokens_est"] + ti["reference_tokens_est"])
         eval_gen += rows * per_row_gen
-        eval_nll += rows * per_row_nll
+        eval_nll += (n_groups if native else rows) * per_row_nll  # transformer tokens
         j = x.needs[t].get("judge")
         if j:
             judge_tokens += rows * (j["prompt_tokens_per_row"] + j["new_tokens_per_row"])
@@ -465,7 +481,10 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
              if cfg.evaluate.rows is None else f"{rows} rows ({', '.join(cfg.evaluate.rows)}) x ")
             + ", ".join(f"{t} ({ti['n_examples']}/{ti['of'] or '?'}, {ti['max_new_tokens']} new tokens)"
                         for t, ti in x.tasks.items())
-            + "; reference-answer NLL" + "".join(f"; {n['what']}" for n in x.needs.values() if n.get("what")))
+            + "; reference-answer NLL" + "".join(f"; {n['what']}" for n in x.needs.values() if n.get("what"))
+            + (f"; one pass per model dir ({n_groups} model dirs x {len(x.tasks)} tasks = "
+               f"{n_groups * len(x.tasks)} engine passes for {rows * len(x.tasks)} row x task evaluations)"
+               if native else ""))
     where = where_executor(cfg) + "".join(f"; {n['where']}" for n in x.needs.values() if n.get("where"))
     row_dirs = [s.merge or s.model for s in x.evaluated]  # a corrected row runs on its merge's checkpoint
     pinned = {j.split("+", 1)[0] for j in judges.values()}
@@ -475,6 +494,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         # one load per model dir (the backend's model cache; with Ray an actor group per model dir, kept across its
         # rows and tasks, the judges' pinned), whatever the executor
         "model_loads": len(set(row_dirs) | pinned),
+        "engine_passes": (n_groups if native else rows) * len(x.tasks), "one_pass": native,
         "process_baseline_bytes": PROCESS_BASELINE["evaluate"]}
     if vllm:  # engine starts instead of HF loads (the engine runs in the evaluating process)
         workers = x.workers if ray else 1  # vLLM in the driver: one
@@ -508,26 +528,37 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         n_models = 1 if ray else 1 + len(pinned)  # Ray: a judge has its own actors
         bs = cfg.tasks.batch_size
         dtype_b = _max_dtype_bytes(x)
-        kv = kv_cache(x.arch, bs, max((ti["prompt_tokens_est"] + ti["max_new_tokens"] for ti in x.tasks.values()),
+        gen_batch = bs * max(group_sizes, default=1) if native else bs  # one-pass: a chunk x a merge's rows
+        kv = kv_cache(x.arch, gen_batch, max((ti["prompt_tokens_est"] + ti["max_new_tokens"] for ti in x.tasks.values()),
                                       default=0), dtype_b)
-        act = activations(x.arch, bs, max((ti["prompt_tokens_est"] for ti in x.tasks.values()), default=0), dtype_b)
+        act = activations(x.arch, gen_batch, max((ti["prompt_tokens_est"] for ti in x.tasks.values()), default=0), dtype_b)
         if kind == "cuda":
             s["gpu_bytes"] = W * n_models + (kv + act)
             s["memory_bytes"] = PROCESS_BASELINE["evaluate"] + W * n_models
         else:
             s["memory_bytes"] = PROCESS_BASELINE["evaluate"] + W * n_models + (kv + act)
         s["memory_note"] = (f"per worker: weights x {n_models}{' (model + judge)' if n_models > 1 else ''} + KV cache "
-                            f"{gb(kv)} (batch {bs}) + prefill {gb(act)} + process {gb(PROCESS_BASELINE['evaluate'])}")
+                            f"{gb(kv)} (batch {gen_batch}) + prefill {gb(act)} + process {gb(PROCESS_BASELINE['evaluate'])}")
         s["load_seconds"] = s["model_loads"] * x.checkpoint_load_seconds
 
-        def gen(prompt_tokens: float, new_tokens: float) -> float:
-            return forward_seconds(prompt_tokens, P, kind) + decode_seconds(new_tokens, P, kind, bs, W, L)
+        def gen(prompt_tokens: float, new_tokens: float, batch: int = bs) -> float:
+            return forward_seconds(prompt_tokens, P, kind) + decode_seconds(new_tokens, P, kind, batch, W, L)
     secs = 0.0
+    lm_head = x.arch["hidden_size"] * x.arch["vocab_size"]  # a further head's cost on cached hidden states
     for t, ti in x.tasks.items():
         n = ti["n_examples"] * ti["n_samples"]
-        secs += rows * (gen(n * ti["prompt_tokens_est"], n * ti["max_new_tokens"])
-                        + forward_seconds(ti["n_examples"] * (ti["prompt_tokens_est"] + ti["reference_tokens_est"]),
-                                          P, kind))
+        nll_tokens = ti["n_examples"] * (ti["prompt_tokens_est"] + ti["reference_tokens_est"])
+        if native:
+            if ti["n_samples"] == 1:  # greedy: a model dir's rows in one generate, batch x its rows a step
+                secs += sum(gen(g * n * ti["prompt_tokens_est"], g * n * ti["max_new_tokens"],
+                                batch=cfg.tasks.batch_size * g) for g in group_sizes)
+            else:  # sampled: one head at a time (the row-by-row samples)
+                secs += rows * gen(n * ti["prompt_tokens_est"], n * ti["max_new_tokens"])
+            secs += n_groups * forward_seconds(nll_tokens, P, kind) + (rows - n_groups) * forward_seconds(
+                ti["n_examples"] * ti["reference_tokens_est"], lm_head, kind)
+        else:
+            secs += rows * (gen(n * ti["prompt_tokens_est"], n * ti["max_new_tokens"])
+                            + forward_seconds(nll_tokens, P, kind))
         if t in judges:  # a judge outside the process (an API annotator) costs no local time
             j = x.needs[t]["judge"]
             secs += gen(rows * j["prompt_tokens_per_row"], rows * j["new_tokens_per_row"])

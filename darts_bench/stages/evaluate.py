@@ -5,6 +5,11 @@ A row's text model comes from the ``evaluate.backend`` the stage opens
 merge's model with the task's head; the backend's engines end with the stage). A task may use
 other models (an AlpacaEval judge, by row name or checkpoint dir) and other rows' outputs (a
 reference row evaluated before it); their identities are part of the cache key.
+
+With ``evaluate.one_pass`` (the default) the rows of one model dir (a merge and its corrected rows)
+run each task together (:func:`evaluate_group`): their calls are gathered into calls of the
+backend's multi-head model (``Backend.multi_head_model``), so on the in-process HF backend one
+batched ``generate`` and one transformer forward serve every row of the merge.
 """
 
 from __future__ import annotations
@@ -29,7 +34,13 @@ def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str 
     """Cache key of one (row, task) evaluation: the row's model key (``model_key`` overrides it, e.g.
     a corrected row on a task without heads is its merge), task name/version/config, examples, seed,
     judge, and the device and ``tasks.batch_size`` (both change generations: left padding and
-    kernels; sampled generations draw per batch), and the generation engine (empty for ``hf``)."""
+    kernels; sampled generations draw per batch), and the generation engine (empty for ``hf``).
+
+    ``evaluate.one_pass`` is not in the key: the one-pass path gives the row-by-row path's greedy
+    and sampled completions token for token (each head's prompts in the same ``batch_size`` chunks,
+    the same left padding, samples drawn one head at a time with the same seeds) and its scores
+    within float rounding (tested within 1e-6 relative: ``tests/test_evaluate_one_pass.py``), so a
+    result cached by either path serves the other."""
     tcfg = getattr(cfg.tasks, task.name)
     return stable_hash({"model": model_key if model_key is not None else row.model_key, "task": task.name,
                         "version": task.version, "cfg": tcfg.model_dump(mode="json"), "n": len(examples),
