@@ -32,6 +32,7 @@ BENCHES = {
     "collect": "bench_collect.py",
     "train": "bench_train.py",
     "generate": "bench_generate.py",
+    "eval_heads": "bench_eval_heads.py",
     "merge_memory": "bench_merge_memory.py",
     "generate_vllm": "bench_generate_vllm.py",  # SKIPPED without vllm (run it from .venv-vllm)
 }
