@@ -410,3 +410,20 @@ def test_old_planner_modules_are_gone():
     assert (pkg / "plan" / "measure.py").is_file()
     assert not (pkg / "plan.py").exists() and not (pkg / "plan_resources.py").exists()
     assert not (pkg / "measure.py").exists()
+
+
+def test_evaluate_counts_engine_passes_per_model_dir_with_one_pass():
+    """``evaluate.one_pass`` on the in-process HF backend: one engine pass per (model dir, task),
+    the reference NLL's transformer tokens once per model dir; row by row, Ray or vLLM (the generic
+    per-slot loop): one pass per (row, task)."""
+    one = make_plan(load_config("smollm2-135m"))
+    rbr = make_plan(load_config("smollm2-135m", ["evaluate.one_pass=false"]))
+    e1, e0 = one["stages"]["evaluate"], rbr["stages"]["evaluate"]
+    assert one["rows"] == 13 and e1["one_pass"] and not e0["one_pass"]
+    assert e1["engine_passes"] == 7 * 3 and e0["engine_passes"] == 13 * 3
+    assert "7 model dirs x 3 tasks = 21 engine passes for 39 row x task evaluations" in e1["what"]
+    assert e1["generation_tokens"] == e0["generation_tokens"]
+    assert e1["nll_tokens"] * 13 == e0["nll_tokens"] * 7
+    assert e1["seconds"] < e0["seconds"]
+    ray = make_plan(load_config("llama2-7b"))["stages"]["evaluate"]  # executor ray: per-slot loop
+    assert not ray["one_pass"] and ray["engine_passes"] == make_plan(load_config("llama2-7b"))["rows"] * 3
