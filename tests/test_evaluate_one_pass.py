@@ -322,3 +322,16 @@ def test_micro_one_pass_equals_row_by_row(micro_pipeline, tmp_path):
         if r.heads:
             assert all(out[True][r.model][t].metrics[f"{t}_ref_nll"] != out[True]["ties"][t].metrics[f"{t}_ref_nll"]
                        for t in r.heads), r.model
+
+
+def test_one_pass_is_not_in_the_eval_key(tmp_path):
+    """Both paths give the same completions (tests above), so a result cached by one serves the other."""
+    from darts_bench.api import Example
+    from darts_bench.config import Config
+    from darts_bench.stages.evaluate import eval_key
+
+    row, ex = _group(tmp_path)[1], [Example("a", "p", "r")]
+    on = Config()
+    off = on.model_copy(update={"evaluate": on.evaluate.model_copy(update={"one_pass": False})})
+    assert on.evaluate.one_pass and not off.evaluate.one_pass
+    assert eval_key(on, row, _echo_task(), ex) == eval_key(off, row, _echo_task(), ex)
