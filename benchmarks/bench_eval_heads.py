@@ -134,8 +134,8 @@ def main() -> None:
           f"{sc_rbr_ratio:.2f}x; NLLs within 1e-6 relative {within}/{n}")
     common.summary("eval_heads",
                    f"7 rows of a merge, {n_prompts} prompts: generation row-by-row/one-pass {gen_ratio:.2f}x "
-                   f"({identical}/{n} identical); scoring 7 heads one-pass / 1 row {sc_ratio:.2f}x, row-by-row/one-pass "
-                   f"{sc_rbr_ratio:.2f}x ({within}/{n} within 1e-6)",
+                   f"({identical}/{n} identical); scoring 7 heads one-pass / 1 row {sc_ratio:.2f}x, "
+                   f"row-by-row/one-pass {sc_rbr_ratio:.2f}x ({within}/{n} within 1e-6)",
                    eval_heads_one_pass={"ratio": round(gen_ratio, 3), "cpu_ratio": round(gen_cpu, 3),
                                         "identical": identical, "n": n},
                    ref_signals_one_forward={"ratio": round(sc_ratio, 3), "cpu_ratio": round(sc_cpu, 3),

@@ -212,7 +212,8 @@ class HFMultiHeadModel:
             pos = positions_from_mask(mask).to(self.device)
             h = body(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
                      position_ids=pos).last_hidden_state  # [batch, seq, d_model], after the final norm
-            for hd in sorted({k for i in range(len(chunk)) for k in wanted[start + i]}, key=lambda k: -1 if k is None else k):
+            asked = {k for i in range(len(chunk)) for k in wanted[start + i]}
+            for hd in sorted(asked, key=lambda k: -1 if k is None else k):  # plain first, then head order
                 rows = [i for i in range(len(chunk)) if hd in wanted[start + i]]
                 # positions L-n-1 .. L-2 of each row predict its n continuation tokens
                 sel = [(i, t) for i in rows for t in range(L - chunk[i][1] - 1, L - 1)]

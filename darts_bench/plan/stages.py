@@ -529,16 +529,18 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         bs = cfg.tasks.batch_size
         dtype_b = _max_dtype_bytes(x)
         gen_batch = bs * max(group_sizes, default=1) if native else bs  # one-pass: a chunk x a merge's rows
-        kv = kv_cache(x.arch, gen_batch, max((ti["prompt_tokens_est"] + ti["max_new_tokens"] for ti in x.tasks.values()),
-                                      default=0), dtype_b)
-        act = activations(x.arch, gen_batch, max((ti["prompt_tokens_est"] for ti in x.tasks.values()), default=0), dtype_b)
+        kv = kv_cache(x.arch, gen_batch, max((ti["prompt_tokens_est"] + ti["max_new_tokens"]
+                                              for ti in x.tasks.values()), default=0), dtype_b)
+        act = activations(x.arch, gen_batch, max((ti["prompt_tokens_est"] for ti in x.tasks.values()), default=0),
+                          dtype_b)
         if kind == "cuda":
             s["gpu_bytes"] = W * n_models + (kv + act)
             s["memory_bytes"] = PROCESS_BASELINE["evaluate"] + W * n_models
         else:
             s["memory_bytes"] = PROCESS_BASELINE["evaluate"] + W * n_models + (kv + act)
         s["memory_note"] = (f"per worker: weights x {n_models}{' (model + judge)' if n_models > 1 else ''} + KV cache "
-                            f"{gb(kv)} (batch {gen_batch}) + prefill {gb(act)} + process {gb(PROCESS_BASELINE['evaluate'])}")
+                            f"{gb(kv)} (batch {gen_batch}) + prefill {gb(act)} + process "
+                            f"{gb(PROCESS_BASELINE['evaluate'])}")
         s["load_seconds"] = s["model_loads"] * x.checkpoint_load_seconds
 
         def gen(prompt_tokens: float, new_tokens: float, batch: int = bs) -> float:
