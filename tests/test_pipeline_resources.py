@@ -258,7 +258,8 @@ def test_evaluate_loads_each_checkpoint_once(micro_cfg_path, micro_pipeline, tmp
         if shared:
             assert len(rows) == 14 and len(loads) == len({str(r.model_dir) for r in rows}) == 6, loads
         else:
-            assert len(loads) == 2 * len(rows)  # the row and its judge, each loaded per request
+            # one-pass (evaluate.one_pass): a model dir's multi-head model and each row's judge, loaded per request
+            assert len(loads) == len({str(r.model_dir) for r in rows}) + len(rows), loads
     for row, res in results["cached"].items():
         other = results["per-request"][row]["alpacaeval"]
         assert res["alpacaeval"].samples == other.samples, row

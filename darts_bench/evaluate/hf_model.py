@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from darts_bench.api import ScoreContinuation
-from darts_bench.surgery.corrected import attach_head
+from darts_bench.surgery.corrected import attach_head, final_norm
 from darts_bench.surgery.heads import CorrectionHead, positions_from_mask
 
 DEFAULT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -247,22 +247,84 @@ class HFTextModel:
         """Per-pair NLL of the continuation tokens given the context (lm-eval's convention:
         context and continuation are tokenized separately and concatenated; the context is
         truncated from the left to fit ``max_length``). Batches are left-padded with ``position_ids``
-        from the attention mask, so a pair's NLL does not depend on the pairs batched with it."""
+        from the attention mask, so a pair's NLL does not depend on the pairs batched with it.
+        The final hidden states are read at the final norm (after the head's hook, if any);
+        ``lm_head`` runs only at the positions that predict continuation tokens
+        (:func:`continuation_scores`, shared with the one-pass ``HFMultiHeadModel.score``)."""
         pairs = score_pairs(self.tokenizer, contexts, continuations, self.max_length)
         results: list[ScoreContinuation] = []
         pad = self.tokenizer.pad_token_id
+        lm_head = self.model.get_output_embeddings()
+        try:
+            norm = final_norm(self.model)
+        except ValueError:
+            norm = None  # not Llama-style: the full forward's logits
         for start in range(0, len(pairs), self.batch_size):
             chunk = pairs[start:start + self.batch_size]
             input_ids, mask = left_pad([ids for ids, _ in chunk], pad)  # left padding, like generation
-            L = input_ids.shape[1]
-            logits = self.model(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
-                                position_ids=positions_from_mask(mask).to(self.device)).logits
-            logp = torch.log_softmax(logits.float(), dim=-1)  # [batch, seq, vocab]
-            for i, (ids, n) in enumerate(chunk):
-                tgt = input_ids[i, L - n:].to(self.device)  # [n]
-                lp = logp[i, L - n - 1:L - 1]  # predictions for the continuation tokens
-                tok_nll = -lp.gather(-1, tgt[:, None])[:, 0]
-                greedy = bool((lp.argmax(-1) == tgt).all())
-                results.append(ScoreContinuation(nll=float(tok_nll.sum()), n_tokens=n, greedy=greedy,
-                                                 token_nll=tok_nll.tolist()))
+            kw = {"input_ids": input_ids.to(self.device), "attention_mask": mask.to(self.device),
+                  "position_ids": positions_from_mask(mask).to(self.device)}
+            if norm is not None and lm_head is not None:
+                grab: dict[str, torch.Tensor] = {}
+
+                def keep(module, args, output):  # after any head hook: the corrected final hidden state
+                    grab["h"] = output[0] if isinstance(output, tuple) else output
+
+                hd = norm.register_forward_hook(keep)
+                try:
+                    self.model(**kw, logits_to_keep=1)  # the head's hooks see this forward's mask
+                finally:
+                    hd.remove()
+                results += continuation_scores(grab["h"], kw["input_ids"], [n for _, n in chunk], lm_head,
+                                               getattr(self.model.config, "final_logit_softcapping", None))
+            else:
+                logits = self.model(**kw).logits
+                results += _scores_from_logits(logits, kw["input_ids"], [n for _, n in chunk])
         return results
+
+
+def continuation_scores(h: torch.Tensor, input_ids: torch.Tensor, n_cont: Sequence[int], lm_head,
+                        softcap: float | None = None) -> list[ScoreContinuation]:
+    """Scores of one left-padded chunk from its final hidden states.
+
+    Args:
+        h: ``[batch, seq, d_model]`` final hidden states (after the final norm and any head).
+        input_ids: ``[batch, seq]`` int64, left-padded; row ``i`` ends with its ``n_cont[i]``
+            continuation tokens.
+        n_cont: continuation tokens per row.
+        lm_head: the output projection (``d_model -> vocab``), applied only at the positions
+            ``seq - n - 1 .. seq - 2`` of each row (those that predict its continuation).
+        softcap: Gemma-2-style ``final_logit_softcapping`` (None: none), as the model's forward.
+    Returns:
+        One :class:`ScoreContinuation` per row: NLL in nats (float32 log-softmax), ``greedy`` when
+        every continuation token is the argmax.
+    """
+    L = input_ids.shape[1]
+    bi = torch.tensor([i for i, n in enumerate(n_cont) for _ in range(n)], device=h.device)
+    ti = torch.tensor([t for n in n_cont for t in range(L - n - 1, L - 1)], device=h.device)
+    logits = lm_head(h[bi, ti])  # [n_sel, vocab]
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    tgt = input_ids[bi, ti + 1]  # [n_sel]
+    tok_nll = -logp.gather(-1, tgt[:, None])[:, 0]
+    hit = logp.argmax(-1) == tgt
+    out, o = [], 0
+    for n in n_cont:
+        out.append(ScoreContinuation(nll=float(tok_nll[o:o + n].sum()), n_tokens=n, greedy=bool(hit[o:o + n].all()),
+                                     token_nll=tok_nll[o:o + n].tolist()))
+        o += n
+    return out
+
+
+def _scores_from_logits(logits: torch.Tensor, input_ids: torch.Tensor,
+                        n_cont: Sequence[int]) -> list[ScoreContinuation]:
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [batch, seq, vocab]
+    L, out = input_ids.shape[1], []
+    for i, n in enumerate(n_cont):
+        tgt = input_ids[i, L - n:]  # [n]
+        lp = logp[i, L - n - 1:L - 1]  # predictions for the continuation tokens
+        tok_nll = -lp.gather(-1, tgt[:, None])[:, 0]
+        out.append(ScoreContinuation(nll=float(tok_nll.sum()), n_tokens=n, greedy=bool((lp.argmax(-1) == tgt).all()),
+                                     token_nll=tok_nll.tolist()))
+    return out

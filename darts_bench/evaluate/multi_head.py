@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from darts_bench.api import ScoreContinuation
-from darts_bench.evaluate.hf_model import HFTextModel, cut_at_stop, left_pad, score_pairs, strip_generated
+from darts_bench.evaluate.hf_model import (HFTextModel, continuation_scores, cut_at_stop, left_pad, score_pairs,
+                                           strip_generated)
 from darts_bench.surgery.corrected import MultiHeadAttachment, final_norm
 from darts_bench.surgery.heads import CorrectionHead, positions_from_mask
 
@@ -184,10 +185,11 @@ class HFMultiHeadModel:
         transformer (``model.model``: embeddings, layers, final norm) once per chunk of
         ``batch_size`` pairs, left-padded with ``position_ids`` from the mask as
         ``HFTextModel.score``; each head requested for a pair of the chunk is then applied to the
-        final hidden states ``[batch, seq, d_model]`` at the positions that predict continuation
-        tokens, followed by ``lm_head`` and a float32 log-softmax. Values equal the row-by-row
-        ``HFTextModel.score`` within float rounding (tested within 1e-6 relative), not bitwise:
-        the head and ``lm_head`` run on the gathered positions, not the whole padded batch.
+        cached final hidden states ``[batch, seq, d_model]`` of the whole chunk (as its hook does
+        in the row-by-row forward), and ``lm_head`` with a float32 log-softmax runs at the positions
+        that predict continuation tokens (:func:`~darts_bench.evaluate.hf_model.continuation_scores`,
+        the function ``HFTextModel.score`` uses): values equal the row-by-row path's bitwise when a
+        row scores the same pairs (tested).
 
         Raises:
             ValueError: a head index out of range, an empty continuation.
@@ -208,34 +210,16 @@ class HFMultiHeadModel:
         for start in range(0, len(pairs), self.batch_size):
             chunk = pairs[start:start + self.batch_size]
             input_ids, mask = left_pad([ids for ids, _ in chunk], pad)
-            L = input_ids.shape[1]
+            input_ids = input_ids.to(self.device)
             pos = positions_from_mask(mask).to(self.device)
-            h = body(input_ids=input_ids.to(self.device), attention_mask=mask.to(self.device),
-                     position_ids=pos).last_hidden_state  # [batch, seq, d_model], after the final norm
+            h = body(input_ids=input_ids, attention_mask=mask.to(self.device),
+                     position_ids=pos).last_hidden_state  # [batch, seq, d_model], after the final norm: once
             asked = {k for i in range(len(chunk)) for k in wanted[start + i]}
             for hd in sorted(asked, key=lambda k: -1 if k is None else k):  # plain first, then head order
-                rows = [i for i in range(len(chunk)) if hd in wanted[start + i]]
-                # positions L-n-1 .. L-2 of each row predict its n continuation tokens
-                sel = [(i, t) for i in rows for t in range(L - chunk[i][1] - 1, L - 1)]
-                bi = torch.tensor([i for i, _ in sel], device=self.device)
-                ti = torch.tensor([t for _, t in sel], device=self.device)
-                hs = h[bi, ti][None]  # [1, n_sel, d_model]
-                if hd is not None:
-                    hs = self._heads[hd](hs, pos[bi, ti][None])
-                logits = lm_head(hs)[0]  # [n_sel, vocab]
-                if cap:  # Gemma-2-style final logit soft-capping, as the model's own forward applies it
-                    logits = torch.tanh(logits / cap) * cap
-                logp = torch.log_softmax(logits.float(), dim=-1)
-                tgt = input_ids.to(self.device)[bi, ti + 1]  # [n_sel]
-                tok_nll = -logp.gather(-1, tgt[:, None])[:, 0]
-                hit = logp.argmax(-1) == tgt
-                o = 0
-                for i in rows:
-                    n = chunk[i][1]
-                    per[(start + i, hd)] = ScoreContinuation(nll=float(tok_nll[o:o + n].sum()), n_tokens=n,
-                                                             greedy=bool(hit[o:o + n].all()),
-                                                             token_nll=tok_nll[o:o + n].tolist())
-                    o += n
+                # the head on the whole chunk, as its hook does in the row-by-row forward
+                h2 = h if hd is None else self._heads[hd](h, pos)
+                for i, sc in enumerate(continuation_scores(h2, input_ids, [n for _, n in chunk], lm_head, cap)):
+                    per[(start + i, hd)] = sc
         return [per[(distinct[(c, x)], self._head_of(idx))] for idx, c, x in requests]
 
     # ------------------------------------------------------------------ hooks

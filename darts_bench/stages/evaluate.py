@@ -38,9 +38,10 @@ def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str 
 
     ``evaluate.one_pass`` is not in the key: the one-pass path gives the row-by-row path's greedy
     and sampled completions token for token (each head's prompts in the same ``batch_size`` chunks,
-    the same left padding, samples drawn one head at a time with the same seeds) and its scores
-    within float rounding (tested within 1e-6 relative: ``tests/test_evaluate_one_pass.py``), so a
-    result cached by either path serves the other."""
+    the same left padding, samples drawn one head at a time with the same seeds) and the same
+    scores bitwise (one body forward, the head on the whole chunk, ``lm_head`` through the same
+    ``continuation_scores``), tested in ``tests/test_evaluate_one_pass.py``, so a result cached by
+    either path serves the other."""
     tcfg = getattr(cfg.tasks, task.name)
     return stable_hash({"model": model_key if model_key is not None else row.model_key, "task": task.name,
                         "version": task.version, "cfg": tcfg.model_dump(mode="json"), "n": len(examples),
