@@ -318,7 +318,7 @@ class EvaluateConfig(_Strict):
     one_pass: bool = Field(
         True, description="evaluate a merge's rows together: each task runs on every row of a model dir at once "
         "and their generate / score calls go to the backend's multi-head model in one pass (in-process HF: "
-        "one batched forward with the head chosen per sequence). False: row by row. Greedy outputs are "
+        "one batched forward with the head chosen per sequence). False: row by row. Outputs "
         "and scores are identical, so it is in no cache key")
     rows: list[str] | None = Field(
         None, description="evaluate only the rows whose names match one of these fnmatch patterns (e.g. "
