@@ -168,17 +168,19 @@ def test_plan_counts_seed_and_sweep_heads_and_rows():
 
 
 @pytest.mark.micro
-def test_default_head_key_is_unchanged_and_variants_resolve_max_len(micro_cfg_path, micro_pipeline):
-    """Without sweep or seeds the head key is the pre-sweep key (the same dict hashed), so cached
-    heads stay valid; each sweep variant gets max_len resolved like Pipeline.surgery_config (a swept
+def test_default_head_key_is_the_plain_dict_and_variants_resolve_max_len(micro_cfg_path, micro_pipeline):
+    """Without sweep or seeds the head key is the pre-sweep key (the same dict hashed, plus the
+    diagnostics version: the heads artifact holds diagnostics.json); each sweep variant gets max_len resolved like Pipeline.surgery_config (a swept
     max_len is kept), and the variant at the default settings with seed = cfg.seed has the default key."""
     from darts_bench.artifacts import stable_hash
     from darts_bench.pipeline import Pipeline
+    from darts_bench.stages.train import DIAGNOSTICS_VERSION
 
     pipe, cfg = micro_pipeline, micro_pipeline.cfg
     assert not cfg.deepspeed.enabled
     before = stable_hash({"features": "f", "reference": "r", "surgery": pipe.surgery_config().model_dump(mode="json"),
-                          "held_out": cfg.calibration.held_out_fraction, "seed": cfg.seed})
+                          "held_out": cfg.calibration.held_out_fraction, "seed": cfg.seed,
+                          "diagnostics": DIAGNOSTICS_VERSION})
     assert pipe.head_key("f", "r") == before
     [(tag, scfg)] = pipe.surgery_variants()
     assert tag == "" and scfg == pipe.surgery_config() and scfg.max_len is not None
