@@ -11,3 +11,10 @@ from __future__ import annotations
 
 #: fewest held-out sequences behind a per-cell interval that may carry a verdict
 MIN_SEQUENCES = 20
+
+
+def held_out_count(n_sequences: int, held_out_fraction: float) -> int:
+    """Sequences held out of ``n_sequences`` (>= 2) at ``held_out_fraction``: the rounded share, at
+    least one and leaving at least one to train on (what
+    :func:`darts_bench.surgery.train.split_by_sequence` holds out; the planner counts with it)."""
+    return min(max(1, round(n_sequences * held_out_fraction)), n_sequences - 1)
