@@ -6,7 +6,9 @@ One artifact per (merge, task, split, variant, seed) — ``heads/<merge>-<task>-
 holds one head per method (``<method>/``) and ``diagnostics.json``: representation L1 (plain and
 entropy-weighted), KL to the expert and top-1 agreement per row (``none`` = the uncorrected merge,
 then each method), per-position L1 slope, entropy contrast, gap closed, and sequence-bootstrap CIs of
-the behaviour signals (:func:`darts_bench.surgery.intervals.behaviour_intervals`). Methods and losses:
+the behaviour signals (:mod:`darts_bench.surgery.intervals`), each also on the expert-continuation
+(``gen``) and prompt positions with a shared chat template left out (:func:`diagnose_rows`), and the
+per-sequence sums those intervals are computed from (``per_sequence``). Methods and losses:
 :mod:`darts_bench.surgery`.
 """
 
