@@ -315,9 +315,9 @@ def plot_diagnostics(record: RunRecord, out_dir: Path) -> list[str]:
                     handles.append(h)
                     labels.append(lab)
         axes[0][-1].legend(handles, labels, fontsize=6)
-        fig.suptitle(f"{t}: L1 by position, split {split}, head seed {seed}, all positions of the held-out "
-                     "calibration sequences (prompt + expert continuation)", fontsize=8)
-        fig.tight_layout()
+        fig.suptitle(f"{t}: L1 by position, split {split}, head seed {seed}\nall positions of the held-out "
+                     "calibration sequences (prompt + expert continuation)", fontsize=7)
+        fig.tight_layout(rect=(0, 0, 1, 0.9))
         f = plots / f"{t}_l1_by_position.png"
         fig.savefig(f, dpi=110)
         plt.close(fig)

@@ -161,7 +161,8 @@ def diagnose_rows(heads: dict[str, Any], val, meta: dict, template: dict[int, in
         seed: of every bootstrap (``N_BOOT`` resamples).
     Returns:
         per row the signals on all held-out tokens, ``gen`` / ``prompt`` (the
-        :func:`~darts_bench.surgery.data.position_sets`) and ``reference``; ``template``,
+        :func:`~darts_bench.surgery.data.position_sets`) and ``reference`` (per-position
+        ``l1_by_position`` / ``kl_by_position`` on all held-out tokens and ``gen`` only); ``template``,
         ``per_sequence`` (set -> :func:`~darts_bench.surgery.intervals.sequence_sums`), ``intervals``
         (all held-out tokens), ``intervals_gen``, ``intervals_prompt``, ``intervals_reference``,
         ``bootstrap``, ``n_val_tokens``, ``n_reference_tokens``.
@@ -188,8 +189,9 @@ def diagnose_rows(heads: dict[str, Any], val, meta: dict, template: dict[int, in
         for s_name in POSITION_SETS:
             mk = masks[s_name].numpy()
             d[s_name].update(_trends(pos_np[mk], per_token[row]["l1"][mk], ent_np[mk], seq_np[mk], seed))
-        d["reference"] = {k: r[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor",
-                                            "kl_by_position", "n_tokens")}
+        for k in ("l1_by_position", "kl_by_position"):  # per-position curves: all positions and gen only (size)
+            d["prompt"].pop(k)
+        d["reference"] = {k: r[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor", "n_tokens")}
         per_token_ref[row] = {k: np.asarray(r[f"per_token_{k}"]) for k in keys}
         rows[row] = d
     for row in rows:
