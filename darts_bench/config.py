@@ -149,10 +149,16 @@ class CalibrationConfig(_Strict):
     """Calibration set for the correction heads (Surgery paper: unlabeled test inputs)."""
 
     splits: list[Literal["transductive", "inductive"]] = ["transductive"]
-    n_prompts: int = Field(32, ge=2, description="prompts per task and split")
+    n_prompts: int = Field(80, ge=2, description="prompts per task and split (80 x held_out_fraction 0.25 = 20 "
+                           "held-out sequences, darts_bench.evidence.MIN_SEQUENCES)")
+    transductive_inputs: Literal["benchmark", "evaluated"] = Field(
+        "benchmark", description="transductive prompts: the benchmark's first n_prompts inputs (the evaluated ones "
+        "first, then the next ones; inputs only, never their references) or only the evaluated inputs (capped by "
+        "the task's limit)")
     max_new_tokens: int = Field(64, ge=1, description="expert greedy continuation cap, tokens")
     max_prompt_tokens: int = Field(384, ge=8)
-    held_out_fraction: float = Field(0.25, gt=0, lt=1, description="sequences kept for validation")
+    held_out_fraction: float = Field(0.25, gt=0, lt=1, description="sequences kept for validation (the behaviour "
+                                     "signals' held-out sequences)")
     batch_size: int = Field(8, ge=1)
     backend: Literal["hf", "vllm"] = Field(
         "hf", description="engine for the experts' greedy continuations; vllm uses evaluate.vllm settings")

@@ -86,6 +86,17 @@ def test_end_to_end_micro_run(micro_dir, micro_pipeline, capsys):
             for t in ("humaneval", "gsm8k", "alpacaeval"):
                 assert not pd.isna(r[f"{t}_gap_closed"]) and math.isfinite(r[f"{t}_gap_closed"])
     assert (df["n_humaneval"] == 4).all() and (df["n_gsm8k"] == 4).all()
+    # behaviour where the model decides: expert-continuation / prompt positions, the shared template counted
+    merged = df[df["merge"].notna()]
+    for t in ("humaneval", "gsm8k", "alpacaeval"):
+        for c in (f"{t}_kl_expert_gen", f"{t}_agree_top1_gen", f"{t}_kl_expert_gen_lo", f"{t}_rep_l1_prompt",
+                  f"{t}_n_heldout", f"{t}_n_template_positions"):
+            assert merged[c].notna().all(), c
+        assert (merged[f"{t}_n_heldout"] >= 1).all() and (merged[f"{t}_n_template_positions"] >= 0).all()
+        d = res["diagnostics"][f"ties/{t}/transductive"]
+        assert d["template"]["n_positions"] == merged[f"{t}_n_template_positions"].iloc[0]
+        assert set(d["per_sequence"]) >= {"all", "gen", "reference"} and "kl_by_position" in d["darts"]["gen"]
+        assert res["manifest"]["heldout"][f"ties/{t}/transductive"]["n_heldout"] == d["n_heldout"]
     md = (out / "table.md").read_text()
     assert "| base |" in md and "ties+darts - ties+surgery" in md
     # the protocol on record: manifest and table header (defaults: codex, lm-eval, chat_template)

@@ -138,13 +138,17 @@ def test_behaviour_table_rows_and_paired_cis():
         "kl_expert": ci(-0.1, -0.2, -0.05), "agree_top1": ci(0.1, 0.0, 0.2), "gap_closed": ci(0.25, 0.1, 0.4),
         "pair": "darts - surgery"}}, "intervals_reference": {"paired": {
         "kl_expert": ci(-0.3, -0.5, -0.1), "agree_top1": ci(0.0, -0.1, 0.1), "gap_closed": ci(0.2, 0.0, 0.3),
+        "pair": "darts - surgery"}}, "intervals_gen": {"paired": {
+        "kl_expert": ci(0.2, 0.1, 0.3), "agree_top1": ci(-0.1, -0.2, 0.0), "gap_closed": ci(-0.2, -0.3, -0.1),
         "pair": "darts - surgery"}}}}
     bt = behaviour_table(df, "gsm8k", runs, meta).set_index("model")
     assert list(bt.index) == ["ties", "ties+surgery", "ties+darts", "ties+darts - ties+surgery"]
     p = bt.loc["ties+darts - ties+surgery"]
     assert (p["gsm8k_kl_expert"], p["gsm8k_kl_expert_lo"], p["gsm8k_kl_expert_hi"]) == (-0.1, -0.2, -0.05)
     assert (p["gsm8k_kl_expert_ref"], p["gsm8k_kl_expert_ref_lo"], p["gsm8k_kl_expert_ref_hi"]) == (-0.3, -0.5, -0.1)
-    assert p["favours_darts"] == ("gsm8k_kl_expert{,_ref} < 0; gsm8k_agree_top1{,_ref} > 0; "
-                                  "gsm8k_gap_closed{,_ref} > 0")
+    assert (p["gsm8k_gap_closed_gen"], p["gsm8k_gap_closed_gen_lo"], p["gsm8k_gap_closed_gen_hi"]) == (-0.2, -0.3, -0.1)
+    assert pd.isna(p["gsm8k_kl_expert_prompt"])  # no intervals_prompt in these diagnostics
+    assert p["favours_darts"] == ("gsm8k_kl_expert{,_gen,_prompt,_ref} < 0; gsm8k_agree_top1{,_gen,_prompt,_ref} > 0; "
+                                  "gsm8k_gap_closed{,_gen,_prompt,_ref} > 0")
     shown = ci_display(bt.reset_index(), ["gsm8k_kl_expert"])
     assert shown.loc[3, "gsm8k_kl_expert 95% CI"] == "[-0.2, -0.05]" and shown.loc[1, "gsm8k_kl_expert 95% CI"] == ""

@@ -137,33 +137,79 @@ def test_experts_summary_null_values_on_the_committed_runs(tmp_path):
 
 
 def test_plan_says_when_the_limit_caps_the_transductive_calibration_set(tmp_path):
-    """Transductive calibration prompts are the evaluated inputs: n_prompts above the limit is capped,
-    and the plan says so (the rerun of smollm2-135m asked for 48 prompts at limit 24 and got 24)."""
+    """With ``transductive_inputs: evaluated`` the transductive prompts are the evaluated inputs:
+    n_prompts above the limit is capped, and the plan says so (the rerun of smollm2-135m asked for 48
+    prompts at limit 24 and got 24); with the default ``benchmark`` they are the benchmark's first
+    n_prompts inputs, uncapped by the limit. The plan counts the held-out sequences and notes fewer
+    than MIN_SEQUENCES."""
+    from darts_bench.evidence import MIN_SEQUENCES
     from darts_bench.plan import make_plan
 
-    cfg = load_config(str(micro_config_file(tmp_path)), ["calibration.n_prompts=10", "tasks.humaneval.limit=4"])
+    ev = ["calibration.transductive_inputs=evaluated"]
+    cfg = load_config(str(micro_config_file(tmp_path)), ["calibration.n_prompts=10", "tasks.humaneval.limit=4", *ev])
     plan = make_plan(cfg, "humaneval")
     assert any("calibration.n_prompts 10 > humaneval evaluated examples 4" in n for n in plan["notes"])
     assert plan["stages"]["collect"]["calibration"]["humaneval/transductive"]["sequences"] == 4
     assert plan["stages"]["collect"]["calibration"]["humaneval/inductive"]["sequences"] == 10
-    ok = make_plan(load_config(str(micro_config_file(tmp_path)), ["calibration.n_prompts=4", "tasks.humaneval.limit=4"]),
-                   "humaneval")
-    assert not any("calibration.n_prompts" in n for n in ok["notes"])
+    ok = make_plan(load_config(str(micro_config_file(tmp_path)), ["calibration.n_prompts=4", "tasks.humaneval.limit=4",
+                                                                 *ev]), "humaneval")
+    assert not any("> humaneval" in n for n in ok["notes"])
+    bench = make_plan(load_config(str(micro_config_file(tmp_path)), ["calibration.n_prompts=10",
+                                                                    "tasks.humaneval.limit=4"]), "humaneval")
+    cal = bench["stages"]["collect"]["calibration"]
+    assert cal["humaneval/transductive"]["sequences"] == 10 and not any("> humaneval" in n for n in bench["notes"])
+    assert cal["humaneval/transductive"]["held_out"] == 2  # round(10 * 0.25)
+    assert any(f"humaneval/transductive: 2 held-out calibration sequences < {MIN_SEQUENCES}" in n for n in bench["notes"])
+    many = make_plan(load_config(str(micro_config_file(tmp_path)), ["calibration.n_prompts=200",
+                                                                   "tasks.humaneval.limit=4"]), "humaneval")
+    assert many["stages"]["collect"]["calibration"]["humaneval/transductive"]["sequences"] == 164  # all of HumanEval
+    assert any("n_prompts 200 > humaneval benchmark inputs 164" in n for n in many["notes"])
+    assert not any("humaneval/transductive:" in n and "held-out" in n for n in many["notes"])
+
+
+@pytest.mark.parametrize("config", ["micro", "tiny", "smollm2-135m", "llama2-7b"])
+def test_packaged_tiers_hold_out_at_least_min_sequences(config):
+    """Every packaged tier (the llama2-7b rehearsal, a plumbing check, aside) holds out at least
+    MIN_SEQUENCES calibration sequences per (merge, task, split) by default."""
+    from darts_bench.evidence import MIN_SEQUENCES
+    from darts_bench.plan import make_plan
+
+    plan = make_plan(load_config(config), "all")
+    sets = {k: v for k, v in plan["stages"]["collect"]["calibration"].items() if not k.endswith("/reference")}
+    assert sets and all(v["held_out"] >= MIN_SEQUENCES for v in sets.values()), sets
+
+
+def test_transductive_inputs_reach_past_the_limit(tmp_path):
+    """The default transductive calibration inputs are the benchmark's first n_prompts prompts (the
+    evaluated ones first), read without references; ``evaluated`` keeps the evaluated ones only."""
+    from darts_bench.api import get_task
+    from darts_bench.stages.tasks import calibration_inputs
+
+    task = get_task("gsm8k")
+    cfg = load_config(str(micro_config_file(tmp_path)), ["calibration.n_prompts=7"])
+    evaluated = task.examples(cfg.resolved_data_dir(), None, 3)
+    got = calibration_inputs(cfg, task, evaluated, None)
+    assert len(got) == 7 and got[:3] == [e.prompt for e in evaluated]
+    assert got == [e.prompt for e in task.examples(cfg.resolved_data_dir(), None, 7)]
+    ev = load_config(str(micro_config_file(tmp_path)), ["calibration.n_prompts=7",
+                                                       "calibration.transductive_inputs=evaluated"])
+    assert calibration_inputs(ev, task, evaluated, None) == [e.prompt for e in evaluated]
+    only_inductive = load_config(str(micro_config_file(tmp_path)), ["calibration.splits=[inductive]"])
+    assert calibration_inputs(only_inductive, task, evaluated, None) == []
 
 
 def test_collect_warns_when_the_limit_caps_the_transductive_calibration_set(tmp_path, caplog):
-    from types import SimpleNamespace
-
     from darts_bench.api import get_task
     from darts_bench.collect.features import calibration_prompts
 
-    cfg = load_config(str(micro_config_file(tmp_path)), ["calibration.n_prompts=5"])
-    examples = [SimpleNamespace(prompt=f"p{i}") for i in range(3)]
+    cfg = load_config(str(micro_config_file(tmp_path)), ["calibration.n_prompts=5",
+                                                         "calibration.transductive_inputs=evaluated"])
+    inputs = [f"p{i}" for i in range(3)]
     with caplog.at_level("WARNING", logger="darts_bench"):
-        got = calibration_prompts(get_task("humaneval"), "transductive", cfg, None, examples)
+        got = calibration_prompts(get_task("humaneval"), "transductive", cfg, None, inputs)
     assert got == ["p0", "p1", "p2"]
     assert "calibration humaneval/transductive: 3 prompts (the evaluated inputs), not calibration.n_prompts 5" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="darts_bench"):
-        assert calibration_prompts(get_task("humaneval"), "transductive", cfg, None, examples * 2) == ["p0", "p1", "p2", "p0", "p1"]
+        assert calibration_prompts(get_task("humaneval"), "transductive", cfg, None, inputs * 2) == ["p0", "p1", "p2", "p0", "p1"]
     assert "calibration humaneval" not in caplog.text

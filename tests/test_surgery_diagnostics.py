@@ -54,3 +54,166 @@ def test_slope_on_synthetic_linear_curve():
     assert r2["ci_low"] < 0.03 < r2["ci_high"]
     r3 = position_slope(x, noisy, n_boot=200)
     assert r3["ci_low"] < r3["slope"] < r3["ci_high"]
+
+
+# ------------------------------------------------------------------ position sets, shared template
+def _prefix_case(n_seq=24, prefix=6, d=8, V=11, seed=0):
+    """A synthetic calibration set: every sequence starts with the same ``prefix`` token ids (a chat
+    template), then a prompt tail and a continuation of varying lengths. The expert's hidden state is
+    random per token except that on the shared prefix it is the same in every sequence (its context is
+    the same); the merged model's state equals the expert's everywhere except on the prefix, where it
+    is off by a per-position offset."""
+    from darts_bench.surgery.data import TokenView
+    from darts_bench.surgery.train import TokenData
+
+    g = torch.Generator().manual_seed(seed)
+    template = torch.randint(0, V, (prefix,), generator=g).tolist()
+    seqs, plens = [], []
+    for i in range(n_seq):
+        tail, cont = 3 + i % 4, 4 + (i * 7) % 5
+        body = [(i * 13 + 5 * k + 1) % V for k in range(tail + cont)]
+        seqs.append(template + body)
+        plens.append(prefix + tail)
+    meta = {"sequences": seqs, "prompt_len": plens}
+    pre_e = torch.randn(prefix, d, generator=g)  # the prefix's expert state, the same in every sequence
+    offset = torch.randn(prefix, d, generator=g)  # the merged model's bias on the prefix only
+    he, hm, pos, sq = [], [], [], []
+    for i, s in enumerate(seqs):
+        e = torch.randn(len(s), d, generator=g)
+        e[:prefix] = pre_e
+        m = e.clone()
+        m[:prefix] += offset
+        he.append(e), hm.append(m), pos.append(torch.arange(len(s))), sq.append(torch.full((len(s),), i))
+    data = TokenData(torch.cat(hm), torch.cat(he), torch.cat(pos), torch.cat(sq),
+                     torch.rand(sum(map(len, seqs)), generator=g) + 0.1)
+    W_e = torch.randn(V, d, generator=g)
+    W_m = W_e + 0.3 * torch.randn(V, d, generator=g)
+    return meta, TokenView(data, torch.arange(len(data.positions))), offset, W_e, W_m
+
+
+def test_shared_template_and_position_sets():
+    from darts_bench.surgery.data import position_sets, shared_template, template_mask
+
+    meta = {"sequences": [[7, 8, 1, 2, 3], [7, 8, 4, 2, 5, 6], [7, 8, 9, 2]], "prompt_len": [3, 3, 2]}
+    # positions 0, 1 (prefix) and 3 (token 2 in every sequence) are shared; position 4 is past the shortest
+    assert shared_template(meta) == {0: 7, 1: 8, 3: 2}
+    assert shared_template({"sequences": [[1, 2]], "prompt_len": [1]}) == {}
+    pos = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3])
+    sq = torch.tensor([0] * 5 + [1] * 6 + [2] * 4)
+    tmpl = shared_template(meta)
+    assert template_mask(pos, sq, meta, tmpl).tolist() == [1, 1, 0, 1, 0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 1]
+    sets = position_sets(pos, sq, meta, tmpl)
+    # gen: prompt_len - 1 .. len - 2 without the template: seq 0 -> 2 (3 is template); seq 1 -> 2, 4;
+    # seq 2 (prompt_len 2) -> 1 is template, 2 -> kept; last positions never
+    assert pos[sets["gen"]].tolist() == [2, 2, 4, 2] and sq[sets["gen"]].tolist() == [0, 1, 1, 2]
+    # prompt: 0 .. prompt_len - 2, without the template: nothing left here (all prefix)
+    assert sets["prompt"].sum() == 0
+    # another set's token at a template position that differs from the template is kept
+    ref = {"sequences": [[7, 8, 3, 5]], "prompt_len": [2]}
+    assert template_mask(torch.arange(4), torch.zeros(4, dtype=torch.long), ref, tmpl).tolist() == [1, 1, 0, 0]
+    with pytest.raises(IndexError, match="outside the 3 sequences"):
+        template_mask(torch.tensor([9]), torch.tensor([0]), meta, tmpl)
+
+
+def test_gen_signals_unchanged_by_a_head_that_fixes_the_shared_prefix():
+    """Merged and expert states differ only on a shared prefix; a DARTS head whose position bias
+    undoes that offset closes the whole all-position gap, yet every `_gen` (and `_prompt`) signal and
+    interval equals the uncorrected merge's: the template is excluded, so memorising it scores nothing."""
+    from darts_bench.stages.train import diagnose_rows
+    from darts_bench.surgery.data import shared_template
+    from darts_bench.surgery.heads import build_head
+
+    meta, val, offset, W_e, W_m = _prefix_case()
+    template = shared_template(meta)
+    assert sorted(template) == list(range(6))
+    fix = build_head("darts", val.dim, rank=2, max_len=32)
+    with torch.no_grad():
+        fix.pos_bias[:6] = -offset  # exactly the prefix's offset, nothing elsewhere
+    heads = {"none": None, "darts": fix, "surgery": build_head("surgery", val.dim, rank=2)}  # surgery: identity
+    # the reference set: one sequence's continuation
+    ref_meta = {"sequences": [meta["sequences"][0]], "prompt_len": [meta["prompt_len"][0]]}
+    from darts_bench.surgery.data import answer_prediction_mask
+
+    one = val.base.select(torch.nonzero(val.base.seq_index == 0)[:, 0])
+    keep = answer_prediction_mask(one.positions, one.seq_index, ref_meta).nonzero()[:, 0]
+    ref = one.select(keep)
+    d = diagnose_rows(heads, val, meta, template, lambda: iter([ref]), ref.seq_index.numpy(), 0,
+                      mean_h=0.6, w_max=5.0, W_e=W_e, W_m=W_m, seed=3)
+    assert d["template"]["n_positions"] == 6 == d["template"]["prefix_len"]
+    assert d["template"]["n_excluded_tokens"]["held_out"] == 6 * 24
+    # all positions: the head fixes the prefix, so it reaches the expert everywhere (gap closed 1)
+    assert d["none"]["rep_l1"] > 0 and d["darts"]["rep_l1"] == pytest.approx(0.0, abs=1e-6)
+    assert d["darts"]["gap_closed"] == pytest.approx(1.0, abs=1e-5)
+    assert d["intervals"]["paired"]["kl_expert"]["value"] < 0
+    # gen / prompt: the merged states already equal the expert's there; the head changes nothing
+    for s in ("gen", "prompt"):
+        assert d["none"][s]["n_tokens"] > 0 and d["none"][s]["rep_l1"] == 0.0
+        for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor"):
+            assert d["darts"][s][k] == d["none"][s][k], (s, k)
+        if s == "gen":
+            assert d["darts"][s]["kl_by_position"] == d["none"][s]["kl_by_position"]
+        assert d["darts"][s]["gap_closed"] is None  # no closable gap: KL already at the floor
+        assert d["darts"][s]["slope"] == d["none"][s]["slope"]
+        iv = d[f"intervals_{s}"]
+        assert iv["darts"]["kl_expert"] == iv["none"]["kl_expert"]
+        assert iv["paired"]["kl_expert"]["value"] == 0.0 == iv["paired"]["agree_top1"]["value"]
+        assert iv["darts"]["kl_expert"]["n_sequences"] == 24
+    # the template is in no per-position curve of gen / prompt
+    assert min(int(p) for p in d["none"]["gen"]["l1_by_position"]) >= 6
+    assert "kl_by_position" not in d["none"]["prompt"]  # per-position curves: all positions and gen only
+    assert 0 in d["none"]["kl_by_position"]  # the all-position curve keeps it
+
+
+def test_intervals_recompute_from_per_sequence():
+    """Every interval in the diagnostics is a function of `per_sequence` alone: recomputed with
+    `sequence_bootstrap` over sequences (token mean = sum of sums / sum of counts; gap closed from the
+    same means), after a JSON round trip, it gives the same numbers, bitwise."""
+    import json
+
+    from darts_bench.report.stats import sequence_bootstrap
+    from darts_bench.stages.train import diagnose_rows
+    from darts_bench.surgery.data import answer_prediction_mask, shared_template
+    from darts_bench.surgery.heads import build_head
+
+    meta, val, offset, W_e, W_m = _prefix_case(seed=1)
+    val.base.h_merged[val.base.positions >= 6] += 0.2 * torch.randn(int((val.base.positions >= 6).sum()), val.dim)
+    template = shared_template(meta)
+    heads = {"none": None}
+    for k, method in enumerate(("surgery", "darts")):
+        h = build_head(method, val.dim, rank=2, max_len=32, seed=k)
+        with torch.no_grad():
+            h.up.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(k))
+        heads[method] = h
+    ref_meta = {"sequences": meta["sequences"][:3], "prompt_len": meta["prompt_len"][:3]}
+    part = val.base.select(torch.nonzero(val.base.seq_index < 3)[:, 0])
+    ref = part.select(answer_prediction_mask(part.positions, part.seq_index, ref_meta).nonzero()[:, 0])
+    d = json.loads(json.dumps(diagnose_rows(heads, val, meta, template, lambda: iter([ref]), ref.seq_index.numpy(),
+                                            0, mean_h=0.6, w_max=5.0, W_e=W_e, W_m=W_m, seed=5)))
+    nb, seed = d["bootstrap"]["n_boot"], d["bootstrap"]["seed"]
+    for s_name, key in (("gen", "intervals_gen"), ("prompt", "intervals_prompt"), ("all", "intervals"),
+                        ("reference", "intervals_reference")):
+        ps = d["per_sequence"][s_name]
+        n = np.asarray(ps["n_tokens"], dtype=np.float64)
+        units = np.arange(len(n))
+
+        def mean(row, k, i):
+            return float(np.asarray(ps[row][k])[i].sum() / n[i].sum())
+
+        def gap(row, i):
+            g = mean("none", "kl_sum", i) - mean("none", "floor_sum", i)
+            return (mean("none", "kl_sum", i) - mean(row, "kl_sum", i)) / g if g > 1e-12 else float("nan")
+
+        for row in ("none", "surgery", "darts"):
+            assert sequence_bootstrap(units, lambda i: mean(row, "kl_sum", i), nb, seed) == d[key][row]["kl_expert"]
+            assert sequence_bootstrap(units, lambda i: mean(row, "agree_sum", i), nb, seed) == d[key][row]["agree_top1"]
+            if row != "none":
+                assert sequence_bootstrap(units, lambda i: gap(row, i), nb, seed) == d[key][row]["gap_closed"]
+        p = d[key]["paired"]
+        assert sequence_bootstrap(units, lambda i: mean("darts", "kl_sum", i) - mean("surgery", "kl_sum", i),
+                                  nb, seed) == p["kl_expert"]
+        assert sequence_bootstrap(units, lambda i: gap("darts", i) - gap("surgery", i), nb, seed) == p["gap_closed"]
+        # the point values are the token means of the set itself
+        if s_name != "all" and s_name != "reference":
+            assert d["darts"][s_name]["kl_expert"] == pytest.approx(p["kl_expert"]["value"] + d["surgery"][s_name]["kl_expert"])
+            assert sum(ps["n_tokens"]) == d["none"][s_name]["n_tokens"]
+    assert len(d["per_sequence"]["gen"]["sequence"]) == 24 and len(d["per_sequence"]["reference"]["sequence"]) == 3

@@ -1,7 +1,8 @@
 """Calibration sequences and cached hidden-state features.
 
 For each task and calibration split (``transductive``: the benchmark's own inputs, as in the
-Surgery paper; ``inductive``: prompts from the expert's training data):
+Surgery paper, by default its first ``calibration.n_prompts`` inputs whether evaluated or not,
+prompts only; ``inductive``: prompts from the expert's training data):
 
 1. the prompts, formatted exactly as at evaluation (chat template where the task uses one), each
    continued by the task expert's greedy generation (``calibration.max_new_tokens`` at most), so
@@ -117,19 +118,23 @@ class FeatureSet:
         return ShardedFeatures(self.root)
 
 
-def calibration_prompts(task: Task, split: str, cfg, text_model, examples) -> list[str]:
-    """Prompts of one split: ``transductive`` = the first ``n_prompts`` evaluated benchmark inputs
-    (fewer when the task's limit is smaller, with a warning); ``inductive`` = ``n_prompts`` prompts
-    sampled from the expert's training data.
+def calibration_prompts(task: Task, split: str, cfg, text_model, inputs: list[str]) -> list[str]:
+    """Prompts of one split: ``transductive`` = the first ``n_prompts`` of ``inputs``, the benchmark
+    prompts of :func:`darts_bench.stages.tasks.calibration_inputs` (fewer when there are fewer, with a
+    warning); ``inductive`` = ``n_prompts`` prompts sampled from the expert's training data.
 
     Raises:
         ValueError: fewer than 2 prompts."""
-    n = cfg.calibration.n_prompts
+    cal = cfg.calibration
+    n = cal.n_prompts
     if split == "transductive":
-        prompts = [e.prompt for e in examples[:n]]
+        prompts = list(inputs[:n])
         if len(prompts) < n:
-            log.warning("calibration %s/transductive: %d prompts (the evaluated inputs), not calibration.n_prompts "
-                        "%d; raise tasks.%s.limit for more", task.name, len(prompts), n, task.name)
+            what = "the evaluated inputs" if cal.transductive_inputs == "evaluated" else "the benchmark's inputs"
+            log.warning("calibration %s/transductive: %d prompts (%s), not calibration.n_prompts %d; %s",
+                        task.name, len(prompts), what, n,
+                        f"raise tasks.{task.name}.limit or set calibration.transductive_inputs=benchmark"
+                        if cal.transductive_inputs == "evaluated" else "the benchmark has no more")
     else:
         prompts = task.training_prompts(cfg.resolved_data_dir(), text_model, n, cfg.seed)
     if len(prompts) < 2:

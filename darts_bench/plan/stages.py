@@ -161,10 +161,16 @@ def _task_entries(cfg: Config, names: list[str], limit: int | None
 
 def calibration_sets(cfg: Config, tasks: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """``(calib, notes)``: per ``<task>/<split>`` of each task with an expert the calibration
-    sequences and their tokens (prompt, capped at ``calibration.max_prompt_tokens``, +
+    sequences, the held-out ones among them (``held_out``: what the behaviour signals' intervals
+    resample) and their tokens (prompt, capped at ``calibration.max_prompt_tokens``, +
     ``calibration.max_new_tokens``; ``train_tokens`` less the held-out share), and per
-    ``<task>/reference`` the evaluated examples with their reference answers (never trained on);
-    notes where the transductive set is capped by the task's limit."""
+    ``<task>/reference`` the evaluated examples with their reference answers (never trained on).
+    Transductive prompts are the benchmark's first ``n_prompts`` inputs (``transductive_inputs =
+    benchmark``: capped by its size) or its evaluated ones (``evaluated``: capped by the limit).
+    Notes: where a set is capped, and where fewer than
+    :data:`darts_bench.evidence.MIN_SEQUENCES` sequences are held out (intervals are then descriptive)."""
+    from darts_bench.evidence import MIN_SEQUENCES, held_out_count
+
     cal = cfg.calibration
     calib: dict[str, dict[str, Any]] = {}
     notes: list[str] = []
@@ -172,18 +178,31 @@ def calibration_sets(cfg: Config, tasks: dict[str, dict[str, Any]]) -> tuple[dic
         if ti["expert"] is None:
             continue
         for split in cal.splits:
-            n = min(cal.n_prompts, ti["n_examples"]) if split == "transductive" else cal.n_prompts
-            if split == "transductive" and cal.n_prompts > ti["n_examples"]:
-                notes.append(f"calibration.n_prompts {cal.n_prompts} > {t} evaluated examples {ti['n_examples']}: "
-                             f"the transductive calibration set of {t} is its {n} evaluated inputs (raise "
-                             f"tasks.{t}.limit for more)")
+            n = cal.n_prompts
+            if split == "transductive":
+                avail = ti["n_examples"] if cal.transductive_inputs == "evaluated" else (ti["of"] or ti["n_examples"])
+                n = min(cal.n_prompts, avail)
+                if cal.n_prompts > avail:
+                    notes.append(
+                        f"calibration.n_prompts {cal.n_prompts} > {t} evaluated examples {avail}: the transductive "
+                        f"calibration set of {t} is its {n} evaluated inputs (raise tasks.{t}.limit or set "
+                        "calibration.transductive_inputs=benchmark)" if cal.transductive_inputs == "evaluated" else
+                        f"calibration.n_prompts {cal.n_prompts} > {t} benchmark inputs {avail}: the transductive "
+                        f"calibration set of {t} is all {n} of them")
+            held = held_out_count(n, cal.held_out_fraction) if n >= 2 else 0
+            if held < MIN_SEQUENCES:
+                notes.append(f"{t}/{split}: {held} held-out calibration sequences < {MIN_SEQUENCES}: its behaviour "
+                             "intervals are descriptive, not verdicts (raise calibration.n_prompts or "
+                             "calibration.held_out_fraction)")
             p = min(ti["prompt_tokens_est"] if split == "transductive" else TYPICAL_TOKENS["training_prompt"],
                     cal.max_prompt_tokens)
             seq = n * (p + cal.max_new_tokens)
-            calib[f"{t}/{split}"] = {"sequences": n, "tokens": seq, "train_tokens": round(seq * (1 - cal.held_out_fraction))}
+            calib[f"{t}/{split}"] = {"sequences": n, "held_out": held, "tokens": seq,
+                                     "train_tokens": round(seq * (1 - cal.held_out_fraction))}
         ref = ti["n_examples"] * (min(ti["prompt_tokens_est"], cal.max_prompt_tokens)
                                   + min(ti["reference_tokens_est"], cal.max_prompt_tokens))
-        calib[f"{t}/reference"] = {"sequences": ti["n_examples"], "tokens": ref, "train_tokens": 0}
+        calib[f"{t}/reference"] = {"sequences": ti["n_examples"], "held_out": ti["n_examples"], "tokens": ref,
+                                   "train_tokens": 0}
     return calib, notes
 
 

@@ -54,7 +54,8 @@ def format_plan(plan: dict[str, Any]) -> str:
             lines.append(f"    memory: {s['memory_note']}")
         if name == "collect":
             for k, c in s["calibration"].items():
-                lines.append(f"    {k}: {c['sequences']} sequences, ~{num(c['tokens'])} tokens, "
+                held = f" ({c['held_out']} held out)" if "held_out" in c and not k.endswith("/reference") else ""
+                lines.append(f"    {k}: {c['sequences']} sequences{held}, ~{num(c['tokens'])} tokens, "
                              f"features {gb(c['disk_bytes_per_merge'])} per merge (expert + merged, "
                              f"{plan['model']['dtype']})")
         if name == "train" and s["head_params"]:

@@ -119,14 +119,19 @@ def annotate_task_table(tdf: pd.DataFrame, task_name: str, rows: list[dict[str, 
 
 
 BEHAVIOUR = ("kl_expert", "agree_top1", "gap_closed")
+#: column suffix -> intervals key in diagnostics.json: all held-out positions, expert-continuation
+#: positions, prompt positions (shared template left out of both), reference answers
+SETS = {"": "intervals", "_gen": "intervals_gen", "_prompt": "intervals_prompt", "_ref": "intervals_reference"}
 
 
 def behaviour_table(df: pd.DataFrame, task_name: str, runs: dict[tuple, dict],
                     meta: dict[str, dict[str, Any]]) -> pd.DataFrame:
     """Behaviour on held-out calibration tokens for one task: each merged / corrected row's
     ``kl_expert`` (nats), ``agree_top1`` and ``gap_closed`` with sequence-bootstrap 95% CIs
-    (numeric ``_lo`` / ``_hi``), then a paired ``DARTS - Surgery`` row per (merge, split, variant,
-    seed) from the same resampled sequences, with ``favours_darts``."""
+    (numeric ``_lo`` / ``_hi``) on all held-out positions, on the expert-continuation (``_gen``) and
+    prompt (``_prompt``) positions and on the reference answers (``_ref``), then a paired
+    ``DARTS - Surgery`` row per (merge, split, variant, seed) from the same resampled sequences,
+    with ``favours_darts``."""
     t = task_name
     recs = []
     for r in df.to_dict(orient="records"):
@@ -134,7 +139,7 @@ def behaviour_table(df: pd.DataFrame, task_name: str, runs: dict[tuple, dict],
             continue  # no behaviour signal (base, experts), or a seed-mean row (its seeds are listed)
         rec = {"model": r["model"]}
         for sig in BEHAVIOUR:
-            for ref in ("", "_ref"):
+            for ref in SETS:
                 for suf in ("", "_lo", "_hi"):
                     rec[f"{t}_{sig}{ref}{suf}"] = r.get(f"{t}_{sig}{ref}{suf}")
         recs.append(rec)
@@ -147,15 +152,14 @@ def behaviour_table(df: pd.DataFrame, task_name: str, runs: dict[tuple, dict],
         if not paired or sur not in meta:
             continue
         rec = {"model": f"{name} - {sur}"}
-        paired_ref = (d or {}).get("intervals_reference", {}).get("paired") or {}
-        for sig in BEHAVIOUR:
-            ci = paired[sig]
-            rec[f"{t}_{sig}"], rec[f"{t}_{sig}_lo"], rec[f"{t}_{sig}_hi"] = ci["value"], ci["ci_low"], ci["ci_high"]
-            if sig in paired_ref:
-                ci = paired_ref[sig]
-                rec[f"{t}_{sig}_ref"], rec[f"{t}_{sig}_ref_lo"], rec[f"{t}_{sig}_ref_hi"] = (
-                    ci["value"], ci["ci_low"], ci["ci_high"])
-        rec["favours_darts"] = (f"{t}_kl_expert{{,_ref}} < 0; {t}_agree_top1{{,_ref}} > 0; "
-                                f"{t}_gap_closed{{,_ref}} > 0")
+        for suf, key in SETS.items():
+            p = (d or {}).get(key, {}).get("paired") or {}
+            for sig in BEHAVIOUR:
+                if sig in p:
+                    ci = p[sig]
+                    rec[f"{t}_{sig}{suf}"], rec[f"{t}_{sig}{suf}_lo"], rec[f"{t}_{sig}{suf}_hi"] = (
+                        ci["value"], ci["ci_low"], ci["ci_high"])
+        sets = "{" + ",".join(SETS) + "}"
+        rec["favours_darts"] = f"{t}_kl_expert{sets} < 0; {t}_agree_top1{sets} > 0; {t}_gap_closed{sets} > 0"
         recs.append(rec)
     return pd.DataFrame(recs)

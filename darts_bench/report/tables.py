@@ -26,6 +26,7 @@ import pandas as pd
 
 from darts_bench.api import available_tasks, get_task
 from darts_bench.artifacts import atomic_write_text
+from darts_bench.evidence import MIN_SEQUENCES
 from darts_bench.report.protocols import protocol_header, protocol_summary
 from darts_bench.report.record import RunRecord
 from darts_bench.report.stats import metric_interval, paired_metric_interval
@@ -80,6 +81,55 @@ def _versions() -> dict[str, str]:
     return out
 
 
+#: the behaviour signals reported per position set (``<task>_<signal>_gen`` / ``_prompt``)
+SET_SIGNALS = ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "gap_closed")
+#: of them, those with a sequence-bootstrap CI (``_lo`` / ``_hi``)
+SET_INTERVALS = ("kl_expert", "agree_top1", "gap_closed")
+POSITION_SETS = ("gen", "prompt")
+
+
+def _put_position_sets(rec: dict, t: str, d: dict, dd: dict, correction: str) -> None:
+    """The ``gen`` / ``prompt`` columns of one merged or corrected row from its run's diagnostics
+    ``d`` (``dd``: the row's part): each of :data:`SET_SIGNALS` with ``_lo`` / ``_hi`` from
+    ``intervals_<set>``, ``_kl_floor_<set>``, the position slope and the entropy-quartile contrast
+    with their CIs, ``<t>_n_heldout`` and ``<t>_n_template_positions``. Diagnostics from before the
+    position sets (no ``gen`` key) leave them empty."""
+    if "n_heldout" in d:
+        rec[f"{t}_n_heldout"] = d["n_heldout"]
+    if "template" in d:
+        rec[f"{t}_n_template_positions"] = d["template"]["n_positions"]
+    for s in POSITION_SETS:
+        part = dd.get(s)
+        if not part:
+            continue
+        for sig in SET_SIGNALS:
+            rec[f"{t}_{sig}_{s}"] = part.get(sig)
+        rec[f"{t}_kl_floor_{s}"] = d["none"][s]["kl_floor"]
+        iv = d.get(f"intervals_{s}", {}).get(correction, {})
+        for sig in SET_INTERVALS:
+            if sig in iv:
+                rec[f"{t}_{sig}_{s}_lo"], rec[f"{t}_{sig}_{s}_hi"] = iv[sig]["ci_low"], iv[sig]["ci_high"]
+        for name, v, key in (("pos_slope", part.get("slope"), "slope"),
+                             ("entropy_contrast", part.get("entropy_contrast"), "q4_minus_q1")):
+            if v:
+                rec[f"{t}_{name}_{s}"], rec[f"{t}_{name}_{s}_lo"], rec[f"{t}_{name}_{s}_hi"] = (
+                    v[key], v["ci_low"], v["ci_high"])
+
+
+def set_columns(t: str) -> list[str]:
+    """The position-set columns of task ``t`` in ``table.csv`` order (:func:`_put_position_sets`)."""
+    cols = [f"{t}_n_heldout", f"{t}_n_template_positions"]
+    for s in POSITION_SETS:
+        for sig in SET_SIGNALS:
+            cols.append(f"{t}_{sig}_{s}")
+            if sig in SET_INTERVALS:
+                cols += [f"{t}_{sig}_{s}_lo", f"{t}_{sig}_{s}_hi"]
+        cols.append(f"{t}_kl_floor_{s}")
+        for name in ("pos_slope", "entropy_contrast"):
+            cols += [f"{t}_{name}_{s}", f"{t}_{name}_{s}_lo", f"{t}_{name}_{s}_hi"]
+    return cols
+
+
 def build_rows(record: RunRecord) -> list[dict[str, Any]]:
     """One flat dict per evaluated model (``record.rows``, results from ``record.results``) with the
     contract columns."""
@@ -120,13 +170,12 @@ def build_rows(record: RunRecord) -> list[dict[str, Any]]:
                 for sig in ("kl_expert", "agree_top1", "gap_closed"):
                     if sig in iv:
                         rec[f"{tname}_{sig}_ref_lo"], rec[f"{tname}_{sig}_ref_hi"] = iv[sig]["ci_low"], iv[sig]["ci_high"]
+                _put_position_sets(rec, tname, d, dd, row.correction)
                 sl = dd["slope"]
                 rec[f"{tname}_pos_slope"] = sl["slope"]
                 rec[f"{tname}_pos_slope_lo"], rec[f"{tname}_pos_slope_hi"] = sl["ci_low"], sl["ci_high"]
                 # the DARTS premise: representation bias grows with position (CI above zero); empty
                 # when the interval comes from too few held-out sequences to be a verdict
-                from darts_bench.report.claims import MIN_SEQUENCES
-
                 n_seq = sl.get("n_sequences", len(d.get("held_out_sequences", [])))
                 rec[f"{tname}_bias_grows"] = bool(sl["ci_low"] > 0) if n_seq >= MIN_SEQUENCES else None
         if row.heads:
@@ -158,7 +207,7 @@ def contract_columns(task_names: list[str]) -> list[str]:
                  f"{t}_gap_closed", f"{t}_gap_closed_lo", f"{t}_gap_closed_hi", f"{t}_kl_expert_ref", f"{t}_kl_expert_ref_lo",
                  f"{t}_kl_expert_ref_hi", f"{t}_agree_top1_ref", f"{t}_agree_top1_ref_lo", f"{t}_agree_top1_ref_hi",
                  f"{t}_gap_closed_ref", f"{t}_gap_closed_ref_lo", f"{t}_gap_closed_ref_hi", f"{t}_pos_slope",
-                 f"{t}_pos_slope_lo", f"{t}_pos_slope_hi", f"{t}_bias_grows", f"n_{t}"]
+                 f"{t}_pos_slope_lo", f"{t}_pos_slope_hi", f"{t}_bias_grows", *set_columns(t), f"n_{t}"]
     return cols + ["params_added", "params_added_pct"]
 
 
@@ -221,14 +270,19 @@ def per_benchmark_tables(record: RunRecord, results: dict, rows: list[dict]) -> 
 
 
 def plot_diagnostics(record: RunRecord, out_dir: Path) -> list[str]:
-    """L1-by-position curves (none / each head) per (task, merge) for the first split."""
+    """L1-by-position curves (none / each head) per (task, merge) on the held-out sequences of the
+    first split, first sweep variant and head seed; the shared-template positions (left out of the
+    ``_gen`` / ``_prompt`` / ``_ref`` signals) shaded, and the title naming seed, split and positions."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from darts_bench.rows import head_seeds
+
     diags = record.train["diagnostics"]
     split = record.cfg.calibration.splits[0]
+    seed = head_seeds(record.cfg)[0]
     files = []
     plots = out_dir / "plots"
     plots.mkdir(parents=True, exist_ok=True)
@@ -236,19 +290,34 @@ def plot_diagnostics(record: RunRecord, out_dir: Path) -> list[str]:
         merges = [m for (m, tn, s) in diags if tn == t and s == split]
         if not merges:
             continue  # no expert, no heads: nothing to plot
-        fig, axes = plt.subplots(1, len(merges), figsize=(3.2 * len(merges), 2.8), squeeze=False, sharey=True)
+        fig, axes = plt.subplots(1, len(merges), figsize=(3.2 * len(merges), 3.0), squeeze=False, sharey=True)
+        shaded = False
         for ax, m in zip(axes[0], merges):
             d = diags[(m, t, split)]
             for name in ["none", *record.cfg.surgery.methods]:
                 curve = d[name]["l1_by_position"]
                 xs = sorted(int(k) for k in curve)
                 ax.plot(xs, [curve[str(x)] if str(x) in curve else curve[x] for x in xs], label=name, lw=1)
+            for p in (d.get("template") or {}).get("positions", []):
+                ax.axvspan(p - 0.5, p + 0.5, color="0.85", lw=0, zorder=0,
+                           label=None if shaded else "shared template (excluded)")
+                shaded = True
             s = d["none"]["slope"]
-            ax.set_title(f"{m}\nslope {s['slope']:.2e} [{s['ci_low']:.1e}, {s['ci_high']:.1e}]", fontsize=7)
-            ax.set_xlabel("position")
+            n = d.get("n_heldout", len(d.get("held_out_sequences", [])))
+            ax.set_title(f"{m}: {n} held-out seq.\nslope {s['slope']:.2e} [{s['ci_low']:.1e}, {s['ci_high']:.1e}]",
+                         fontsize=7)
+            ax.set_xlabel("absolute position")
         axes[0][0].set_ylabel(f"{t}: mean L1 to expert")
-        axes[0][-1].legend(fontsize=6)
-        fig.tight_layout()
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        for ax in axes[0][1:]:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                if lab not in labels:
+                    handles.append(h)
+                    labels.append(lab)
+        axes[0][-1].legend(handles, labels, fontsize=6)
+        fig.suptitle(f"{t}: L1 by position, split {split}, head seed {seed}\nall positions of the held-out "
+                     "calibration sequences (prompt + expert continuation)", fontsize=7)
+        fig.tight_layout(rect=(0, 0, 1, 0.9))
         f = plots / f"{t}_l1_by_position.png"
         fig.savefig(f, dpi=110)
         plt.close(fig)
@@ -309,9 +378,19 @@ def write_report(record: RunRecord) -> pd.DataFrame:
         "calibration": {"splits": record.cfg.calibration.splits,
                         "held_out": "metrics on calibration tokens use held-out sequences only "
                                     f"({record.cfg.calibration.held_out_fraction:.0%} of each calibration set, "
-                                    "split by sequence with a seed derived from the run seed); *_ref metrics use "
-                                    "the reference answers of the evaluated benchmark examples"},
+                                    "split by sequence with a seed derived from the run seed); *_gen / *_prompt metrics use "
+                                    "their expert-continuation / prompt positions, positions shared by every "
+                                    "calibration sequence (a template) left out; *_ref metrics use "
+                                    "the reference answers of the evaluated benchmark examples (template left out)"},
         "position_slope": premise,
+        # per (merge, task, split): held-out sequences behind the behaviour signals and the shared template
+        # (positions whose token is the same in every calibration sequence) left out of gen / prompt / reference
+        "heldout": {f"{m}/{t}/{s}": {"n_heldout": d.get("n_heldout", len(d.get("held_out_sequences", []))),
+                                     "min_sequences": MIN_SEQUENCES,
+                                     **({"template": {k: d["template"][k] for k in
+                                                      ("n_positions", "prefix_len", "positions", "n_excluded_tokens")}}
+                                        if "template" in d else {})}
+                    for (m, t, s), d in diags.items()},
         "stage_seconds": record.timings,
         "head_seeds": head_seeds(record.cfg),
         "sweep_variants": [tag for tag, _ in surgery_variants(record.cfg)],
@@ -362,9 +441,15 @@ def write_report(record: RunRecord) -> pd.DataFrame:
         atomic_write_text(out / f"table_{t}.csv", tdf.to_csv(index=False))
         bdf = behaviour_table(df, t, record.train.get("runs") or {}, meta)
         if len(bdf):
-            md.append(f"\n### {t}: behaviour on held-out calibration tokens (KL in nats; 95% CI: bootstrap over "
+            md.append(f"\n### {t}: behaviour where the model decides (`_gen`: expert-continuation positions of "
+                      "held-out calibration sequences, `_ref`: reference-answer positions; a template shared by every "
+                      "calibration sequence left out of both; all positions and `_prompt` in "
+                      f"`table_{t}_behaviour.csv`; KL in nats; 95% CI: bootstrap over "
                       "held-out sequences; `a - b` rows: DARTS minus Surgery on the same resampled sequences)\n\n")
-            md.append(to_markdown(ci_display(bdf, [f"{t}_{s}" for s in ("kl_expert", "agree_top1", "gap_closed")])))
+            shown = [f"{t}_{s}{suf}" for s in ("kl_expert", "agree_top1", "gap_closed") for suf in ("_gen", "_ref")]
+            keep = ["model", *(c for c in bdf.columns if c in shown or c.removesuffix("_lo") in shown
+                               or c.removesuffix("_hi") in shown or c == "favours_darts")]
+            md.append(to_markdown(ci_display(bdf[keep], shown)))
             atomic_write_text(out / f"table_{t}_behaviour.csv", bdf.to_csv(index=False))
     md += tail
     from darts_bench.report.figures import plot_gap_closed, plot_primary

@@ -1,7 +1,8 @@
 """The collect stage: calibration sets per (task, split) and merged features per (merge, task, split).
 
 Per task with an expert, and per calibration split (``calibration.splits``): the prompts
-(:func:`~darts_bench.collect.features.calibration_prompts`) continued by the expert's greedy
+(:func:`~darts_bench.collect.features.calibration_prompts`; transductive ones from
+:func:`~darts_bench.stages.tasks.calibration_inputs`) continued by the expert's greedy
 generation, with the expert's final hidden states and next-token entropies
 (:func:`~darts_bench.collect.features.collect_calibration`); plus the ``reference`` set (each
 evaluated prompt followed by its reference answer; diagnostics only, never trained on). Then the
@@ -43,7 +44,7 @@ def collect(cfg, pool, merges: dict[str, Path], loaded, executor, work_dir: Path
             expert_dir = pool.path(task.expert)
             expert_key = pool.model_key(task.expert)
             for split in cfg.calibration.splits:
-                prompts = calibration_prompts(task, split, cfg, fmt, examples)
+                prompts = calibration_prompts(task, split, cfg, fmt, loaded.calibration_inputs.get(name, []))
                 calib[(name, split)] = collect_calibration(cfg, task, split, prompts, expert_dir, executor, tok,
                                                            work_dir, expert_key, backend=backend)
                 bar.update(1)

@@ -6,7 +6,9 @@ One artifact per (merge, task, split, variant, seed) — ``heads/<merge>-<task>-
 holds one head per method (``<method>/``) and ``diagnostics.json``: representation L1 (plain and
 entropy-weighted), KL to the expert and top-1 agreement per row (``none`` = the uncorrected merge,
 then each method), per-position L1 slope, entropy contrast, gap closed, and sequence-bootstrap CIs of
-the behaviour signals (:func:`darts_bench.surgery.intervals.behaviour_intervals`). Methods and losses:
+the behaviour signals (:mod:`darts_bench.surgery.intervals`), each also on the expert-continuation
+(``gen``) and prompt positions with a shared chat template left out (:func:`diagnose_rows`), and the
+per-sequence sums those intervals are computed from (``per_sequence``). Methods and losses:
 :mod:`darts_bench.surgery`.
 """
 
@@ -28,7 +30,6 @@ from darts_bench.rows import seed_tag
 from darts_bench.stages import derive_seed
 from darts_bench.surgery.diagnostics import entropy_contrast, gap_closed, position_slope
 from darts_bench.surgery.heads import save_head
-from darts_bench.surgery.intervals import behaviour_intervals
 from darts_bench.surgery.train import split_by_sequence, train_head
 
 log = logging.getLogger("darts_bench")
@@ -51,15 +52,24 @@ def resolve_surgery(cfg, surgery, base_dir: Path):
     return surgery.model_copy(update={"max_len": resolve_max_len(cfg, enabled, max_pos)})
 
 
+#: version of what ``diagnostics.json`` holds (in the head key: the heads artifact contains it).
+#: 2: ``gen`` / ``prompt`` position sets, shared-template exclusion, ``per_sequence`` evidence,
+#: ``kl_by_position``.
+DIAGNOSTICS_VERSION = 2
+#: resamples of every diagnostics interval (recorded in ``diagnostics.json`` under ``bootstrap``)
+N_BOOT = 200
+
+
 def head_key(cfg, features_key: str, reference_key: str, scfg, seed: int | None = None) -> str:
     """Cache key of one (merge, task, split)'s heads: features, resolved surgery config ``scfg``,
-    held-out fraction, head seed (``seed``, default ``cfg.seed``) and, when DeepSpeed trains them, the
+    held-out fraction, head seed (``seed``, default ``cfg.seed``), :data:`DIAGNOSTICS_VERSION` and,
+    when DeepSpeed trains them, the
     DeepSpeed settings and accelerator (DeepSpeed heads differ from in-process ones by float summation
     order; see README)."""
     parts = {"features": features_key, "reference": reference_key,
              "surgery": scfg.model_dump(mode="json"),
              "held_out": cfg.calibration.held_out_fraction,
-             "seed": cfg.seed if seed is None else seed}
+             "seed": cfg.seed if seed is None else seed, "diagnostics": DIAGNOSTICS_VERSION}
     if cfg.deepspeed.enabled:
         from darts_bench.surgery.train_deepspeed import deepspeed_key
 
@@ -115,6 +125,107 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
     return {"heads": heads, "diagnostics": diags, "runs": runs, "run_heads": run_heads}
 
 
+def _trends(pos: np.ndarray, l1: np.ndarray, entropy: np.ndarray, groups: np.ndarray, seed: int) -> dict:
+    """Position slope (with ``n_sequences``) and entropy-quartile contrast of per-token L1 on one
+    token set (all ``[n]``), sequence-bootstrap CIs; None for both on an empty set."""
+    if not len(pos):
+        return {"slope": None, "entropy_contrast": None}
+    slope = position_slope(pos, l1, n_boot=N_BOOT, seed=seed, groups=groups)
+    slope["n_sequences"] = int(len(np.unique(groups)))
+    return {"slope": slope, "entropy_contrast": entropy_contrast(entropy, l1, groups, n_boot=N_BOOT, seed=seed)}
+
+
+def _leading_run(positions: list[int]) -> int:
+    """Length of the run ``0, 1, ..., k - 1`` at the start of sorted ``positions`` (the shared prefix)."""
+    k = 0
+    while k < len(positions) and positions[k] == k:
+        k += 1
+    return k
+
+
+def diagnose_rows(heads: dict[str, Any], val, meta: dict, template: dict[int, int], ref_stream,
+                  ref_groups: np.ndarray, n_ref_excluded: int, mean_h: float, w_max: float, W_e, W_m, seed: int,
+                  device: str = "cpu") -> dict:
+    """The diagnostics of ``heads`` (row -> head, ``none`` -> None first) on one calibration set's
+    held-out tokens and on the reference answers, each head run once over each token stream.
+
+    Args:
+        val: the held-out tokens (:class:`~darts_bench.surgery.data.TokenView`: ``positions`` /
+            ``seq_index`` ``[N]`` int64, ``weight_source`` ``[N]`` nats, ``batches(n)``).
+        meta: the calibration set's ``sequences.json``; template: its
+            :func:`~darts_bench.surgery.data.shared_template`.
+        ref_stream / ref_groups: the reference-answer tokens with the template left out
+            (:func:`~darts_bench.surgery.data.reference_answer_batches` / ``_groups`` with
+            ``template``) and ``n_ref_excluded``, the answer tokens that left out.
+        mean_h, w_max: entropy-weight normaliser (nats) and cap; W_e, W_m: ``[V, d]`` lm_heads.
+        seed: of every bootstrap (``N_BOOT`` resamples).
+    Returns:
+        per row the signals on all held-out tokens, ``gen`` / ``prompt`` (the
+        :func:`~darts_bench.surgery.data.position_sets`) and ``reference`` (per-position
+        ``l1_by_position`` / ``kl_by_position`` on all held-out tokens and ``gen`` only); ``template``,
+        ``per_sequence`` (set -> :func:`~darts_bench.surgery.intervals.sequence_sums`), ``intervals``
+        (all held-out tokens), ``intervals_gen``, ``intervals_prompt``, ``intervals_reference``,
+        ``bootstrap``, ``n_val_tokens``, ``n_reference_tokens``.
+    Raises:
+        RuntimeError: ``ref_groups`` and the reference stream disagree in length.
+    """
+    from darts_bench.surgery.data import POSITION_SETS, position_sets, template_mask
+    from darts_bench.surgery.diagnostics import Diagnostics
+    from darts_bench.surgery.intervals import intervals_from_sums, sequence_sums
+
+    val_pos, val_seq = val.positions, val.seq_index
+    masks = position_sets(val_pos, val_seq, meta, template)  # [N] bool per set over the held-out tokens
+    pos_np, seq_np, ent_np = val_pos.numpy(), val_seq.numpy(), val.weight_source.float().numpy()
+    diag_val = Diagnostics(lambda: val.batches(8192), mean_h, w_max, W_e, W_m, device=device)
+    diag_ref = Diagnostics(ref_stream, mean_h, w_max, W_e, W_m, device=device)
+    keys = ("l1", "kl", "agree", "floor")
+    per_token: dict[str, dict] = {}  # row -> per-token L1 / KL / agreement / floor on the held-out tokens
+    per_token_ref: dict[str, dict] = {}  # the same on the reference-answer tokens
+    rows: dict[str, dict] = {}
+    heads_ = list(heads.values())
+    for row, d, r in zip(heads, diag_val.many(heads_, masks), diag_ref.many(heads_)):
+        per_token[row] = {k: np.asarray(d.pop(f"per_token_{k}")) for k in keys}
+        d.update(_trends(pos_np, per_token[row]["l1"], ent_np, seq_np, seed))
+        for s_name in POSITION_SETS:
+            mk = masks[s_name].numpy()
+            d[s_name].update(_trends(pos_np[mk], per_token[row]["l1"][mk], ent_np[mk], seq_np[mk], seed))
+        for k in ("l1_by_position", "kl_by_position"):  # per-position curves: all positions and gen only (size)
+            d["prompt"].pop(k)
+        d["reference"] = {k: r[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor", "n_tokens")}
+        per_token_ref[row] = {k: np.asarray(r[f"per_token_{k}"]) for k in keys}
+        rows[row] = d
+    for row in rows:
+        if row == "none":
+            continue
+        for k in ("", "reference", *POSITION_SETS):
+            src = rows[row] if not k else rows[row][k]
+            base_ = rows["none"] if not k else rows["none"][k]
+            src["gap_closed"] = gap_closed(base_["kl_expert"], src["kl_expert"], base_["kl_floor"])
+    if len(ref_groups) != len(per_token_ref["none"]["kl"]):
+        raise RuntimeError(f"{len(ref_groups)} reference-answer tokens in the features, "
+                           f"{len(per_token_ref['none']['kl'])} in the diagnostics stream")
+    in_template = template_mask(val_pos, val_seq, meta, template)
+    out = {**rows, "n_val_tokens": len(val), "n_reference_tokens": diag_ref.n_tokens,
+           "template": {"positions": sorted(template), "n_positions": len(template),
+                        "prefix_len": _leading_run(sorted(template)),
+                        "rule": "positions whose token id is the same in every sequence of the calibration set "
+                                "(the hidden state there is memorisable by position); left out of gen, prompt "
+                                "and reference",
+                        "n_excluded_tokens": {"held_out": int(in_template.sum()), "reference": int(n_ref_excluded)}},
+           "bootstrap": {"n_boot": N_BOOT, "seed": seed}}
+    # per-sequence sums (float64) of every set; every sequence-level 95% CI below is computed from them
+    sets = {"all": (per_token, seq_np), "reference": (per_token_ref, np.asarray(ref_groups))}
+    for s_name in POSITION_SETS:
+        mk = masks[s_name].numpy()
+        sets[s_name] = ({row: {k: v[mk] for k, v in pt.items()} for row, pt in per_token.items()}, seq_np[mk])
+    out["per_sequence"] = {s_name: sequence_sums(pt, g) for s_name, (pt, g) in sets.items() if len(g)}
+    for s_name, iv_key in (("all", "intervals"), ("gen", "intervals_gen"), ("prompt", "intervals_prompt"),
+                           ("reference", "intervals_reference")):
+        if s_name in out["per_sequence"]:  # kl_expert / agree_top1 / gap_closed and DARTS - Surgery differences
+            out[iv_key] = intervals_from_sums(out["per_sequence"][s_name], n_boot=N_BOOT, seed=seed)
+    return out
+
+
 def train_and_diagnose(cfg, out: Path, fs: FeatureSet, merge_dir: Path, expert_dir: Path,
                        ref_fs: FeatureSet, m: str, name: str, split: str, scfg, run_seed: int, work_dir: Path,
                        release_executor: Callable[[], None] = lambda: None) -> None:
@@ -123,11 +234,22 @@ def train_and_diagnose(cfg, out: Path, fs: FeatureSet, merge_dir: Path, expert_d
     split by sequence with a seed derived from ``run_seed``) validate; the reference-answer tokens
     (``ref_fs``) are scored, never trained on.
 
+    ``diagnostics.json`` (:func:`diagnose_rows`) per row (``none``, then each method): the signals
+    on all held-out tokens (top level), on the ``gen`` (expert-continuation) and ``prompt``
+    positions (:func:`darts_bench.surgery.data.position_sets`) and on the reference answers
+    (``reference``); the positions whose token is the same in every sequence of the calibration set
+    (a shared chat template, :func:`darts_bench.surgery.data.shared_template`) are left out of
+    ``gen``, ``prompt`` and ``reference`` and listed under ``template``. ``per_sequence`` holds, per
+    set (``all``, ``gen``, ``prompt``, ``reference``), the float64 per-sequence sums every interval
+    (``intervals``, ``intervals_gen``, ``intervals_prompt``, ``intervals_reference``) is computed from
+    (:func:`darts_bench.surgery.intervals.intervals_from_sums` with ``bootstrap``'s ``n_boot`` /
+    ``seed``). Also ``n_heldout`` (held-out sequences), the train / held-out sequence indices and
+    token counts.
+
     Raises:
         RuntimeError: the reference-answer features and the diagnostics stream disagree in length.
     """
-    from darts_bench.surgery.data import load_split, reference_answer_batches, reference_answer_groups
-    from darts_bench.surgery.diagnostics import Diagnostics
+    from darts_bench.surgery.data import load_split, reference_answer_batches, reference_answer_groups, shared_template
 
     W_e, W_m = lm_head_weight(expert_dir), lm_head_weight(merge_dir)
     W_e = W_e[: W_m.shape[0]]  # pool.vocab_alignment=base: the expert's appended tokens are dropped
@@ -138,29 +260,13 @@ def train_and_diagnose(cfg, out: Path, fs: FeatureSet, merge_dir: Path, expert_d
     # one [N, d] buffer per model in the stored dtype; train / val are index views of it
     train_, val = load_split(calib.expert_shards(), fs.merged_shards(), tr_seq, scfg.entropy_source, W_e, W_m)
     mean_h = float(train_.weight_source.mean())
-    # reference-answer tokens (only the answer part of prompt + reference): streamed per shard
-    ref_stream = reference_answer_batches(ref_fs.calib.expert_shards(), ref_fs.merged_shards(),
-                                          ref_fs.calib.meta, scfg.entropy_source, W_e, W_m)
-    val_pos, val_seq = val.positions, val.seq_index
-    diag_val = Diagnostics(lambda: val.batches(8192), mean_h, scfg.w_max, W_e, W_m, device=cfg.device)
-    diag_ref = Diagnostics(ref_stream, mean_h, scfg.w_max, W_e, W_m, device=cfg.device)
-
-    per_token: dict[str, dict] = {}  # row -> per-token KL / agreement / floor on the held-out tokens
-    per_token_ref: dict[str, dict] = {}  # the same on the reference-answer tokens
-
-    def diag_all(heads: dict) -> dict[str, dict]:  # one pass over the held-out / reference tokens for all heads
-        res = {}
-        for row, d, r in zip(heads, diag_val.many(list(heads.values())), diag_ref.many(list(heads.values()))):
-            tok_l1 = d.pop("per_token_l1")
-            per_token[row] = {k: np.asarray(d.pop(f"per_token_{k}")) for k in ("kl", "agree", "floor")}
-            d["slope"] = position_slope(val_pos.numpy(), tok_l1, n_boot=200, seed=seed, groups=val_seq.numpy())
-            d["slope"]["n_sequences"] = len(va_seq)
-            d["entropy_contrast"] = entropy_contrast(val.weight_source.float().numpy(), tok_l1, val_seq.numpy(),
-                                                     n_boot=200, seed=seed)
-            d["reference"] = {k: r[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor")}
-            per_token_ref[row] = {k: np.asarray(r[f"per_token_{k}"]) for k in ("kl", "agree", "floor")}
-            res[row] = d
-        return res
+    template = shared_template(calib.meta)  # once per calibration set; every mask is over it
+    # reference-answer tokens (the answer part of prompt + reference, template tokens left out): streamed
+    ref_exp = ref_fs.calib.expert_shards()
+    ref_stream = reference_answer_batches(ref_exp, ref_fs.merged_shards(), ref_fs.calib.meta, scfg.entropy_source,
+                                          W_e, W_m, template=template)
+    ref_groups = reference_answer_groups(ref_exp, ref_fs.calib.meta, template).numpy()
+    n_ref_excluded = len(reference_answer_groups(ref_exp, ref_fs.calib.meta)) - len(ref_groups)
 
     trained = {}
     for method in scfg.methods:
@@ -176,22 +282,14 @@ def train_and_diagnose(cfg, out: Path, fs: FeatureSet, merge_dir: Path, expert_d
             res = train_head(method, train_, val, scfg, hseed)
         save_head(res.head, out / method, extra={"merge": m, "task": name, "split": split, "history": res.history})
         trained[method] = res.head
-    rows = diag_all({"none": None, **trained})
-    diags = {"none": rows["none"], "n_train_tokens": len(train_), "n_val_tokens": len(val),
-             "n_reference_tokens": diag_ref.n_tokens, "train_sequences": tr_seq, "held_out_sequences": va_seq}
+    try:
+        d = diagnose_rows({"none": None, **trained}, val, calib.meta, template, ref_stream, ref_groups,
+                          n_ref_excluded, mean_h, scfg.w_max, W_e, W_m, seed, device=cfg.device)
+    except RuntimeError as e:
+        raise RuntimeError(f"{m}/{name}: {e}") from e
+    diags = {"none": d.pop("none"), "n_train_tokens": len(train_), "train_sequences": tr_seq,
+             "held_out_sequences": va_seq, "n_heldout": len(va_seq)}
     for method in trained:
-        diags[method] = rows[method]
-        for k in ("", "reference"):
-            src = diags[method] if not k else diags[method][k]
-            base_ = diags["none"] if not k else diags["none"][k]
-            src["gap_closed"] = gap_closed(base_["kl_expert"], src["kl_expert"], base_["kl_floor"])
-    # sequence-level 95% CIs of kl_expert / agree_top1 / gap_closed and DARTS - Surgery differences
-    diags["intervals"] = behaviour_intervals(per_token, val.seq_index.numpy(), n_boot=200, seed=seed)
-    # the same on the reference answers (resampling reference sequences)
-    ref_groups = reference_answer_groups(ref_fs.calib.expert_shards(), ref_fs.calib.meta).numpy()
-    if len(ref_groups) and len(ref_groups) == len(per_token_ref["none"]["kl"]):
-        diags["intervals_reference"] = behaviour_intervals(per_token_ref, ref_groups, n_boot=200, seed=seed)
-    elif len(ref_groups):
-        raise RuntimeError(f"{m}/{name}: {len(ref_groups)} reference-answer tokens in the features, "
-                           f"{len(per_token_ref['none']['kl'])} in the diagnostics stream")
+        diags[method] = d.pop(method)
+    diags.update(d)
     (out / "diagnostics.json").write_text(json.dumps(diags))

@@ -11,6 +11,9 @@ here keep at most one copy of what training needs and stream the rest:
   and hence the trained heads, are bitwise those of the in-memory path.
 * :func:`reference_answer_batches` streams the reference-answer tokens (answer positions only) of a
   (merge, task) shard by shard, for the diagnostics only; nothing of it stays in memory.
+* :func:`shared_template` / :func:`template_mask` / :func:`position_sets`: the positions the
+  behaviour signals are read on (expert-continuation ``gen`` and ``prompt`` positions of held-out
+  calibration sequences, a chat-template prefix shared by every calibration sequence left out).
 """
 
 from __future__ import annotations
@@ -109,23 +112,101 @@ def answer_prediction_mask(positions: torch.Tensor, seq_index: torch.Tensor, met
     return (positions >= plen - 1) & (positions <= slen - 2)
 
 
-def reference_answer_groups(exp: ShardedFeatures, meta: dict) -> torch.Tensor:
+def shared_template(meta: dict) -> dict[int, int]:
+    """The positions of a calibration set whose token id is the same in every sequence (same absolute
+    position, same token: in practice the chat template's prefix, system prompt and instruction),
+    ``{position: token id}``, ascending. A position past the end of any sequence is not shared.
+
+    Why "is a shared token" (not "predicts one"): the hidden state at ``t`` depends on tokens
+    ``0..t``; on a shared prefix it is the same in every sequence, for the merged model and the expert
+    alike, so an absolute-position table (DARTS's bias) can memorise its target exactly, including
+    the prefix's last position (which predicts the first non-shared token). Excluding the positions
+    that *are* shared tokens removes every such state; "predicts a shared token" would keep the last.
+
+    Args:
+        meta: ``sequences.json`` of a calibration set (``sequences``: token ids per sequence).
+    Returns:
+        ``{}`` for fewer than 2 sequences (nothing can be called shared).
+    """
+    seqs = meta["sequences"]
+    if len(seqs) < 2:
+        return {}
+    n = min(len(s) for s in seqs)
+    return {p: int(seqs[0][p]) for p in range(n) if all(s[p] == seqs[0][p] for s in seqs)}
+
+
+def template_mask(positions: torch.Tensor, seq_index: torch.Tensor, meta: dict,
+                  template: dict[int, int]) -> torch.Tensor:
+    """``[N]`` bool: the tokens (``positions`` / ``seq_index`` ``[N]`` int64 into ``meta``'s
+    ``sequences``) that hold the ``template`` token (:func:`shared_template`, possibly of another
+    calibration set: the reference set is masked with the training set's template) at its position.
+
+    Raises:
+        IndexError: a (sequence, position) outside ``meta``'s sequences.
+    """
+    if not template or not positions.numel():
+        return torch.zeros(positions.shape, dtype=torch.bool)
+    seqs = meta["sequences"]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), -1, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+    if int(positions.max()) >= width or int(seq_index.max()) >= len(seqs):
+        raise IndexError(f"template_mask: token at position {int(positions.max())} / sequence "
+                         f"{int(seq_index.max())} outside the {len(seqs)} sequences (longest {width})")
+    lookup = torch.full((max(width, max(template) + 1),), -2, dtype=torch.long)
+    lookup[torch.tensor(list(template))] = torch.tensor(list(template.values()), dtype=torch.long)
+    return ids[seq_index, positions] == lookup[positions]
+
+
+#: the position sets of held-out calibration tokens the behaviour signals are reported on
+POSITION_SETS = ("gen", "prompt")
+
+
+def position_sets(positions: torch.Tensor, seq_index: torch.Tensor, meta: dict,
+                  template: dict[int, int]) -> dict[str, torch.Tensor]:
+    """``{"gen": [N] bool, "prompt": [N] bool}`` over calibration tokens (``positions`` /
+    ``seq_index`` ``[N]`` int64; ``meta``: the set's ``sequences.json``):
+
+    * ``gen``: the positions whose next token is an expert-continuation token, ``prompt_len - 1 ..
+      len(sequence) - 2`` (the hidden state at ``t`` predicts token ``t + 1``; as
+      :func:`answer_prediction_mask` for reference answers);
+    * ``prompt``: the positions ``0 .. prompt_len - 2`` (they predict a prompt token);
+
+    both without the ``template`` positions (:func:`template_mask`). A sequence's last position
+    predicts no token of the sequence and is in neither set.
+    """
+    plen = torch.tensor(meta["prompt_len"])[seq_index]
+    slen = torch.tensor([len(s) for s in meta["sequences"]])[seq_index]
+    keep = ~template_mask(positions, seq_index, meta, template)
+    return {"gen": keep & (positions >= plen - 1) & (positions <= slen - 2),
+            "prompt": keep & (positions < plen - 1)}
+
+
+def reference_answer_groups(exp: ShardedFeatures, meta: dict, template: dict[int, int] | None = None) -> torch.Tensor:
     """``[N]`` int64: the sequence index of each reference-answer token, in the order
-    :func:`reference_answer_batches` streams them (for sequence-level intervals); only the
-    ``positions`` / ``seq_index`` columns of each shard are read."""
+    :func:`reference_answer_batches` streams them (for sequence-level intervals; the same
+    ``template``); only the ``positions`` / ``seq_index`` columns of each shard are read."""
     out = []
     for _, e in exp.shards(("positions", "seq_index")):
-        out.append(e["seq_index"][answer_prediction_mask(e["positions"], e["seq_index"], meta)])
+        out.append(e["seq_index"][_answer_tokens(e["positions"], e["seq_index"], meta, template)])
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
+
+
+def _answer_tokens(positions, seq_index, meta, template):
+    keep = answer_prediction_mask(positions, seq_index, meta)
+    return keep & ~template_mask(positions, seq_index, meta, template) if template else keep
 
 
 def reference_answer_batches(exp: ShardedFeatures, mer: ShardedFeatures, meta: dict, entropy_source: str,
                              lm_head_expert: torch.Tensor | None = None, lm_head_merged: torch.Tensor | None = None,
-                             batch_tokens: int = 2048) -> Callable[[], Iterator[TokenData]]:
+                             batch_tokens: int = 2048, template: dict[int, int] | None = None
+                             ) -> Callable[[], Iterator[TokenData]]:
     """A re-iterable stream of the reference-answer tokens (the positions whose next-token
     prediction is an answer token: :func:`answer_prediction_mask`; ``meta``: the calibration set's
     ``sequences.json`` with ``prompt_len`` and ``sequences``) as float32 :class:`TokenData` batches of at most ``batch_tokens``; one shard of each
-    feature set is in memory at a time.
+    feature set is in memory at a time. ``template`` (:func:`shared_template` of the training
+    calibration set): answer tokens holding a template token at its position are left out.
 
     Raises:
         ValueError: the two feature sets do not cover the same tokens.
@@ -136,7 +217,7 @@ def reference_answer_batches(exp: ShardedFeatures, mer: ShardedFeatures, meta: d
         for (_, e), (_, m) in zip(exp.shards(), mer.shards(("h", "entropy", "positions"))):
             if not torch.equal(e["positions"], m["positions"]):
                 raise ValueError(f"reference features {exp.root} and {mer.root} are not aligned (positions)")
-            keep = answer_prediction_mask(e["positions"], e["seq_index"], meta).nonzero()[:, 0]
+            keep = _answer_tokens(e["positions"], e["seq_index"], meta, template).nonzero()[:, 0]
             for s in range(0, keep.numel(), batch_tokens):
                 i = keep[s:s + batch_tokens]
                 ei = {"h": e["h"][i], "entropy": e["entropy"][i]}

@@ -3,8 +3,9 @@
 For a merged model, with and without a head, against the task expert:
 * ``rep_l1`` / ``rep_l1_ew``: mean L1 and entropy-weighted L1 of final hidden states (the
   surgery objective itself);
-* ``l1_by_position``: mean L1 per absolute position (the curve along which DARTS says bias
-  accumulates under the causal mask) and ``l1_by_entropy``: per expert-entropy quartile;
+* ``l1_by_position`` / ``kl_by_position``: mean L1 / KL per absolute position (the curve along
+  which DARTS says bias accumulates under the causal mask) and ``l1_by_entropy``: per
+  expert-entropy quartile;
 * ``kl_expert``: mean ``KL(p_expert || p_model)`` over next-token distributions (nats) and
   ``agree_top1``: fraction of tokens whose argmax equals the expert's;
 * ``entropy_contrast`` (:func:`entropy_contrast`, added by the pipeline): top-minus-bottom
@@ -130,14 +131,16 @@ class Diagnostics:
             return head
         return copy.deepcopy(head).to(self.device)
 
-    def __call__(self, head: CorrectionHead | None) -> dict:
-        """All diagnostics of ``head`` (None: the plain merged model); see :func:`diagnose`."""
-        return self.many([head])[0]
+    def __call__(self, head: CorrectionHead | None, masks: dict[str, torch.Tensor] | None = None) -> dict:
+        """All diagnostics of ``head`` (None: the plain merged model); see :func:`diagnose` and :meth:`many`."""
+        return self.many([head], masks)[0]
 
     @torch.no_grad()
-    def many(self, heads: list[CorrectionHead | None]) -> list[dict]:
+    def many(self, heads: list[CorrectionHead | None], masks: dict[str, torch.Tensor] | None = None) -> list[dict]:
         """Diagnostics of several heads in one pass over the token stream (the features are read
-        once for all of them); same values as one call per head. Each dict also holds the per-token
+        once for all of them); same values as one call per head. ``masks`` (name -> ``[N]`` bool over
+        the stream's tokens, e.g. :func:`darts_bench.surgery.data.position_sets`): each dict also
+        holds ``d[name]``, the :func:`summarize` of those tokens only (no further pass). Each dict also holds the per-token
         lists ``per_token_l1`` / ``per_token_kl`` (nats) / ``per_token_agree`` (0/1) /
         ``per_token_floor`` (nats), in stream order, for slopes, entropy contrasts and
         sequence-level intervals."""
@@ -168,28 +171,57 @@ class Diagnostics:
         if self._floor.shape != positions.shape:
             raise ValueError(f"token stream changed between calls: {positions.numel()} tokens vs {self._floor.numel()}")
         w = entropy_weights(entropy, self.mean_h, self.w_max)
-        pos = positions.numpy()
-        qs = torch.quantile(entropy, torch.tensor([0.25, 0.5, 0.75]))
-        bins = torch.bucketize(entropy, qs)
         out = []
         for acc in per:
-            l1, kl = torch.cat(acc["l1"]), torch.cat(acc["kl"])
-            out.append({
-                "rep_l1": float(l1.mean()),
-                "rep_l1_ew": float((l1 * w).sum() / l1.numel()),
-                "kl_expert": float(kl.mean()),
-                "agree_top1": float(torch.cat(acc["agree"]).mean()),
-                "kl_floor": float(self._floor.mean()),
-                "l1_by_position": {int(p): float(l1[positions == p].mean()) for p in np.unique(pos)},
-                "l1_by_entropy": {f"q{i + 1}": float(l1[bins == i].mean()) if (bins == i).any() else None
-                                  for i in range(4)},
-                "per_token_l1": l1.tolist(),
-                # per token, for sequence-level intervals (darts_bench.surgery.intervals); callers pop them
-                "per_token_kl": kl.tolist(),
-                "per_token_agree": torch.cat(acc["agree"]).tolist(),
-                "per_token_floor": self._floor.tolist(),
-            })
+            l1, kl, agree = torch.cat(acc["l1"]), torch.cat(acc["kl"]), torch.cat(acc["agree"])
+            d = summarize(l1, kl, agree, self._floor, positions, entropy, w)
+            for name, mask in (masks or {}).items():
+                if mask.shape != positions.shape:
+                    raise ValueError(f"mask {name!r} has {mask.numel()} entries for {positions.numel()} tokens")
+                d[name] = summarize(l1[mask], kl[mask], agree[mask], self._floor[mask], positions[mask],
+                                    entropy[mask], w[mask])
+            d.update({"per_token_l1": l1.tolist(),
+                      # per token, for sequence-level intervals (darts_bench.surgery.intervals); callers pop them
+                      "per_token_kl": kl.tolist(), "per_token_agree": agree.tolist(),
+                      "per_token_floor": self._floor.tolist()})
+            out.append(d)
         return out
+
+
+def summarize(l1: torch.Tensor, kl: torch.Tensor, agree: torch.Tensor, floor: torch.Tensor, positions: torch.Tensor,
+              entropy: torch.Tensor, weights: torch.Tensor) -> dict:
+    """The diagnostics of one token set from its per-token values (all ``[N]``: L1, KL (nats),
+    top-1 agreement (0/1), KL floor (nats), absolute position (int64), weight source (nats) and
+    entropy weight): ``rep_l1``, ``rep_l1_ew``, ``kl_expert``, ``agree_top1``, ``kl_floor``,
+    ``l1_by_position`` / ``kl_by_position`` ({position: mean}), ``l1_by_entropy`` (quartiles of this
+    set's ``entropy``), ``n_tokens``. NaN means (and None quartiles) for an empty set."""
+    n = int(l1.numel())
+    nan = float("nan")
+    pos = positions.numpy()
+    uniq = np.unique(pos)
+    count = np.bincount(pos, minlength=int(uniq[-1]) + 1) if n else None
+
+    def by_position(v: torch.Tensor) -> dict[int, float]:  # float64 per-position means
+        if not n:
+            return {}
+        sums = np.bincount(pos, weights=v.double().numpy(), minlength=len(count))
+        return {int(p): float(sums[p] / count[p]) for p in uniq}
+
+    if n:
+        qs = torch.quantile(entropy, torch.tensor([0.25, 0.5, 0.75]))
+        bins = torch.bucketize(entropy, qs)
+    return {
+        "rep_l1": float(l1.mean()) if n else nan,
+        "rep_l1_ew": float((l1 * weights).sum() / n) if n else nan,
+        "kl_expert": float(kl.mean()) if n else nan,
+        "agree_top1": float(agree.mean()) if n else nan,
+        "kl_floor": float(floor.mean()) if n else nan,
+        "l1_by_position": by_position(l1),
+        "kl_by_position": by_position(kl),
+        "l1_by_entropy": {f"q{i + 1}": float(l1[bins == i].mean()) if n and (bins == i).any() else None
+                          for i in range(4)},
+        "n_tokens": n,
+    }
 def entropy_contrast(entropy: np.ndarray, values: np.ndarray, groups: np.ndarray, n_boot: int = 1000,
                      seed: int = 0) -> dict[str, float | int | None]:
     """How much more error the high-entropy tokens carry: mean ``values`` (per-token L1) in the top

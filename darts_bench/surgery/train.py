@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from darts_bench.evidence import held_out_count
 from darts_bench.surgery.heads import METHODS, CorrectionHead, build_head
 from darts_bench.surgery.losses import entropy_weights, kl_divergence, l1_loss, weighted_l1_loss
 
@@ -51,7 +52,7 @@ def split_by_sequence(n_sequences: int, held_out_fraction: float, seed: int) -> 
     """Deterministic (train, held-out) split of sequence indices; at least one of each."""
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(n_sequences, generator=g).tolist()
-    n_val = min(max(1, round(n_sequences * held_out_fraction)), n_sequences - 1)
+    n_val = held_out_count(n_sequences, held_out_fraction)
     return sorted(perm[n_val:]), sorted(perm[:n_val])
 
 
