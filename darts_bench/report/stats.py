@@ -372,6 +372,14 @@ def expanded_levels(n: int, confidence: float = 0.95) -> tuple[float, float]:
     return 100 * a / 2, 100 * (1 - a / 2)
 
 
+def pick_counts(picks: np.ndarray, n: int) -> np.ndarray:
+    """``[n_boot, n]`` float64: how often each of ``n`` units occurs in each row of ``picks``
+    (``[n_boot, k]`` indices in ``0..n-1``), so a resample's sum of per-unit values is ``counts @ values``."""
+    picks = np.asarray(picks, dtype=np.int64)
+    flat = picks + n * np.arange(len(picks), dtype=np.int64)[:, None]
+    return np.bincount(flat.ravel(), minlength=n * len(picks)).reshape(len(picks), n).astype(np.float64)
+
+
 def crossed_bootstrap(sums: dict[str, np.ndarray], per_seed: Callable[[dict[str, np.ndarray]], np.ndarray],
                       n_boot: int, seed: int) -> dict[str, float | int]:
     """A cell's seed-mean statistic with a 95% expanded-percentile CI from resampling head seeds and
@@ -407,8 +415,8 @@ def crossed_bootstrap(sums: dict[str, np.ndarray], per_seed: Callable[[dict[str,
                 "n_seeds": n_seeds, "n_dropped": 0}
     pick_s = bootstrap_indices(n_seeds, n_boot, seed)
     pick_u = bootstrap_indices(n_units, n_boot, seed + 1)
-    cu = np.stack([np.bincount(p, minlength=n_units) for p in pick_u]).astype(np.float64)  # [n_boot, n_units]
-    cs = np.stack([np.bincount(p, minlength=n_seeds) for p in pick_s]).astype(np.float64)  # [n_boot, n_seeds]
+    cu = pick_counts(pick_u, n_units)  # [n_boot, n_units]: how often each unit is picked
+    cs = pick_counts(pick_s, n_seeds)  # [n_boot, n_seeds]
     totals = {k: cu @ v.T for k, v in arrs.items()}  # [n_boot, n_seeds]: each seed's sums on the picked units
     with np.errstate(divide="ignore", invalid="ignore"):
         reps = (per_seed(totals) * cs).sum(1) / n_seeds
