@@ -268,3 +268,39 @@ def test_readme_findings_block_matches_results():
     assert block is not None, "README.md has no <!-- findings:begin --> ... <!-- findings:end --> block"
     assert block == findings_block(REPO / "results"), "README findings block is stale: run scripts/readme_findings.py --write"
     assert "| claim |" in block
+
+
+def test_recompute_checks_per_run_intervals_from_sequences(tmp_path):
+    """A hand-made results dir whose run has per-sequence sums: `recompute` finds the recorded
+    per-run intervals (``intervals_gen``) in them, and a changed recorded bound is reported."""
+    from darts_bench.report.evidence import SEQUENCES_FILE, EXAMPLES_FILE, recompute
+    from darts_bench.stages import derive_seed
+    from darts_bench.surgery.intervals import behaviour_intervals
+
+    groups, per_token = _per_token(np.random.default_rng(4), 20)
+    slope = {"slope": 0.1, "ci_low": 0.05, "ci_high": 0.2, "n_sequences": 20}
+    diag = {"none": {"rep_l1": 1.0, "kl_expert": 0.5, "slope": slope}, "surgery": {"rep_l1": 0.9, "kl_expert": 0.4},
+            "darts": {"rep_l1": 0.8, "kl_expert": 0.3},
+            "intervals_gen": behaviour_intervals(per_token, groups, n_boot=200,
+                                                 seed=derive_seed(0, "split", "gsm8k", "transductive"))}
+    meta = {f"ties+{c}": {"merge": "ties", "correction": c, "calibration": "transductive", "variant": "",
+                          "seed": 0, "group": None} for c in ("surgery", "darts")}
+    payload = {"manifest": {"config": {"name": "hand", "calibration": {"splits": ["transductive"]},
+                                       "surgery": {"methods": ["surgery", "darts"]}, "tasks": {"bootstrap": 50}},
+                            "seed": 0, "head_seeds": [0], "task_experts": {"gsm8k": "math"},
+                            "task_versions": {"gsm8k": 1}, "row_meta": meta},
+               "diagnostics": {"ties/gsm8k/transductive": diag}, "runs": {}}
+    (tmp_path / "results.json").write_text(json.dumps(payload))
+    (tmp_path / "table.csv").write_text("model,gsm8k_em_strict\nties+surgery,0.5\nties+darts,0.75\n")
+    write_jsonl_gz(tmp_path / EXAMPLES_FILE, [])
+    runs = {("ties", "gsm8k", "transductive", "", 0): {"per_sequence": {"gen": _per_sequence(groups, per_token)}}}
+    write_jsonl_gz(tmp_path / SEQUENCES_FILE, sequence_records(runs, 0))
+    first = recompute(tmp_path)  # no claims.md yet: the one mismatch is the missing file
+    assert len(first["mismatches"]) == 1 and first["mismatches"][0].startswith("claims.md")
+    (tmp_path / "claims.md").write_text(first["claims_md"])
+    ok = recompute(tmp_path)
+    assert ok["mismatches"] == [] and ok["n_intervals"] == 3 * 2 + 2 + 3  # none 2, heads 3 each, paired 3
+    diag["intervals_gen"]["paired"]["kl_expert"]["ci_high"] += 1e-3
+    (tmp_path / "results.json").write_text(json.dumps(payload))
+    bad = recompute(tmp_path)["mismatches"]
+    assert len(bad) == 1 and bad[0].startswith("ties/gsm8k/transductive#s0 gen paired kl_expert: committed")

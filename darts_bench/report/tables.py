@@ -259,8 +259,10 @@ def plot_diagnostics(record: RunRecord, out_dir: Path) -> list[str]:
 
 
 def write_report(record: RunRecord) -> pd.DataFrame:
-    """Write every report file into ``record.out_dir`` atomically and return the main table.
-    ``record`` is the plain :class:`~darts_bench.report.record.RunRecord` of a run (the report never
+    """Write every report file into ``record.out_dir`` atomically and return the main table:
+    ``results.json``, the tables, ``claims.md``, the plots and the evidence files
+    (``evidence/examples.jsonl.gz``, ``evidence/sequences.jsonl.gz``: :mod:`darts_bench.report.evidence`,
+    from which ``darts-bench report --from-results`` recomputes claims.md). ``record`` is the plain :class:`~darts_bench.report.record.RunRecord` of a run (the report never
     starts a stage)."""
     results = record.results
     out = record.out_dir
