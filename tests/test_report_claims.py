@@ -73,18 +73,19 @@ def test_claims_from_hand_made_diagnostics():
     c4 = ev[ev["claim"] == 4]
     assert list(c4["verdict"]).count("contradicts") == 1
     claims = claims_table(ev).set_index("claim")
-    # 3 cells, all estimates > 0: the sign test over 3 cells cannot reach p < 0.05
-    assert claims.loc[1, "verdict"] == "insufficient (3 untied pairs < 6)"
+    # 2 informative cells (the --limit 4 cell is descriptive): the sign test cannot reach p < 0.05
+    assert claims.loc[1, "verdict"] == "insufficient (2 untied pairs < 6)"
     assert claims.loc[1, "evidence"] == ("3 cells: 2 supported, 0 not supported, 0 inconclusive, 1 insufficient; "
-                                         "estimate > 0 in 3, < 0 in 0 cells, sign test p = 0.25")
+                                         "estimate > 0 in 2, < 0 in 0 informative cells, sign test p = 0.5")
     c3 = claims.loc[[3]].set_index("statement")["verdict"].to_dict()
     assert c3 == {"DARTS beats Surgery on the task metrics and on behaviour: primary (transductive)": "supported",
+                  # a behaviour family whose cells rest on 1 held-out sequence is descriptive, never a verdict
                   "DARTS beats Surgery on the task metrics and on behaviour: kl_expert (transductive)":
-                      "inconclusive (Holm p = 1 >= 0.05)"}
+                      "insufficient (1 of 3 cells from fewer than 20 held-out sequences)"}
     assert claims.loc[4, "verdict"] == "inconclusive (1 of 4 heads contradict)"
     assert "ties/gsm8k/transductive surgery seed 0: rep L1 1 -> 0.8, KL 0.5 -> 0.6 nats" in claims.loc[4, "evidence"]
     md = claims_markdown(claims.reset_index(), ev, to_markdown)
-    assert "| 1 | representation bias grows with position under the causal mask | insufficient (3 untied" in md
+    assert "| 1 | representation bias grows with position under the causal mask | insufficient (2 untied" in md
     assert "heterogeneous (k for, m against)" in md and "Holm" in md  # the rule, stated in the header
 
 

@@ -114,6 +114,36 @@ def _cell(run_key: tuple) -> dict[str, Any]:
     return {"merge": m, "task": t, "split": split}
 
 
+def _behaviour_units(runs: dict[tuple, dict]) -> dict[tuple[str, str, str], dict[str, int | None]]:
+    """(merge, task, split) -> the units behind its behaviour signals: ``held_out`` sequences (all, gen
+    and prompt positions) and ``reference`` sequences (None when not recorded)."""
+    out = {}
+    for key, d in runs.items():
+        none = d.get("none", {})
+        ref = d.get("intervals_reference", {}).get("none", {}).get("kl_expert", {}).get("n_sequences")
+        out.setdefault(key[:3], {"held_out": none.get("slope", {}).get("n_sequences"), "reference": ref})
+    return out
+
+
+def _too_few(units: dict, family: str, split: str, min_sequences: int) -> str | None:
+    """Why a behaviour family's test over cells of ``split`` is no verdict (a cell's signal from fewer
+    than ``min_sequences`` sequences: descriptive), or None. Task families are never gated here."""
+    from darts_bench.report.seeds import SIGNAL_DIRECTION
+
+    if family in ("primary", "ref_nll") or family not in SIGNAL_DIRECTION:
+        return None
+    kind = "reference" if family.endswith("_ref") else "held_out"
+    ns = [u[kind] for (m, t, s), u in units.items() if s == split]
+    if not ns:
+        return None
+    if any(n is None for n in ns):
+        return f"{kind.replace('_', '-')} sequence counts not recorded"
+    if min(ns) < min_sequences:
+        return (f"{sum(n < min_sequences for n in ns)} of {len(ns)} cells from fewer than {min_sequences} "
+                f"{kind.replace('_', '-')} sequences")
+    return None
+
+
 def cell_test_verdict(test: dict[str, Any], min_sequences: int = MIN_SEQUENCES) -> str:
     """The verdict of one per-cell DARTS - Surgery test (:func:`darts_bench.report.evidence.cell_tests`):
     McNemar from its p-value and discordant counts, an interval from its CI signed so that > 0
@@ -166,16 +196,20 @@ def claim_evidence(runs: dict[tuple, dict], comparison: pd.DataFrame | None, met
                          "n_sequences": ec["n_sequences"],
                          "verdict": interval_verdict(ec["ci_low"], ec["ci_high"], ec["n_sequences"], min_sequences)})
     if comparison is not None:
+        held = _behaviour_units(runs)
         for _, c in comparison.iterrows():
             p_holm = None if pd.isna(c["p_holm"]) else float(c["p_holm"])
+            verdict = sign_verdict(int(c["wins"]), int(c["losses"]), p_holm, "Holm p")
+            few = _too_few(held, c["metric"], c["calibration"], min_sequences)
+            if few:
+                verdict = f"insufficient ({few})"
             recs.append({"claim": 3, "merge": "all", "task": "all", "split": c["calibration"],
                          "metric": c["metric"], "variant": c["variant"],
                          "what": f"{c['metric']} ({c['better']} is better), variant {c['variant']}: "
                                  f"{c['wins']} wins / {c['ties']} ties / {c['losses']} losses over {c['units']}",
                          "estimate": c["median_gain"], "ci_low": None, "ci_high": None, "n_sequences": None,
                          "p_sign": None if pd.isna(c["p_sign"]) else float(c["p_sign"]), "p_holm": p_holm,
-                         "wins": int(c["wins"]), "losses": int(c["losses"]),
-                         "verdict": sign_verdict(int(c["wins"]), int(c["losses"]), p_holm, "Holm p")})
+                         "wins": int(c["wins"]), "losses": int(c["losses"]), "descriptive": few, "verdict": verdict})
     for t in cell_tests or []:
         favours = "> 0" if t["direction"] > 0 else "< 0"
         what = (f"{t['metric']} darts - surgery, mean of {t['n_seeds']} seed(s) ({favours} favours DARTS), "
@@ -222,11 +256,14 @@ def claims_table(evidence: pd.DataFrame) -> pd.DataFrame:
         ev = evidence[evidence["claim"] == c]
         if len(ev):
             vs = list(ev["verdict"])
-            est = [float(e) for e in ev["estimate"] if e is not None and not pd.isna(e)]
+            # the test over cells counts informative cells only: a cell from fewer than MIN_SEQUENCES
+            # held-out sequences is descriptive
+            est = [float(e) for e, v in zip(ev["estimate"], vs)
+                   if e is not None and not pd.isna(e) and not v.startswith("insufficient")]
             wins, losses = sum(e > 0 for e in est), sum(e < 0 for e in est)
             p = sign_test(wins, losses)
             out.append({"claim": c, "statement": CLAIMS[c], "verdict": rollup(vs, wins, losses, p),
-                        "evidence": f"{_counts(vs)}; estimate > 0 in {wins}, < 0 in {losses} cells, "
+                        "evidence": f"{_counts(vs)}; estimate > 0 in {wins}, < 0 in {losses} informative cells, "
                                     f"sign test p = {_fmt_p(p)}"})
     c3 = evidence[evidence["claim"] == 3]
     for _, r in c3[c3["merge"] == "all"].iterrows():
@@ -237,8 +274,11 @@ def claims_table(evidence: pd.DataFrame) -> pd.DataFrame:
         vs = list(cells["verdict"])
         variant = "" if r["variant"] in ("-", "") else f" {r['variant']}"
         per_cell = f"; per-cell tests: {_counts(vs)}" if vs else "; no per-cell test (no per-unit evidence)"
+        few = r.get("descriptive")
+        verdict = (f"insufficient ({few})" if isinstance(few, str)
+                   else rollup(vs, int(r["wins"]), int(r["losses"]), p_holm, "Holm p"))
         out.append({"claim": 3, "statement": f"{CLAIMS[3]}: {r['metric']} ({r['split']}{variant})",
-                    "verdict": rollup(vs, int(r["wins"]), int(r["losses"]), p_holm, "Holm p"),
+                    "verdict": verdict,
                     "evidence": r["what"].split(": ", 1)[1] + f", sign test p = {_fmt_p(p_sign)}, "
                                 f"Holm p = {_fmt_p(p_holm)}" + per_cell})
     ev = evidence[evidence["claim"] == 4]
@@ -264,7 +304,9 @@ def claims_header(min_sequences: int = MIN_SEQUENCES) -> str:
             "or a 95% expanded-percentile CI from a crossed bootstrap that resamples head seeds and units (held-out "
             "sequences or examples) independently. A cell is `supported` / `not supported` when its CI lies on one "
             f"side of 0 (or McNemar p < {ALPHA}); an interval from fewer than {min_sequences} units is descriptive "
-            f"(`insufficient`), as is a test on fewer than {MIN_SIGN_PAIRS} untied pairs. **Roll-up.** When "
+            f"(`insufficient`), as is a test on fewer than {MIN_SIGN_PAIRS} untied pairs; a test over cells counts "
+            f"informative cells only, and a behaviour family is no verdict while a cell's signal rests on fewer than "
+            f"{min_sequences} sequences. **Roll-up.** When "
             "informative cells are significant in both directions the claim is `heterogeneous (k for, m against)`; "
             "otherwise the verdict is the exact two-sided sign test over cells (p < 0.05; claim 3: the p-value "
             "Holm-adjusted across the metric families compared in the same split and variant), never a vote count "
@@ -278,6 +320,6 @@ def claims_markdown(claims: pd.DataFrame, evidence: pd.DataFrame, to_markdown, m
         return head + ("No claim can be assessed: this run evaluated no merge or corrected row "
                        "(e.g. `evaluate.rows` selected base and experts only), so it has no heads and no "
                        "held-out diagnostics.\n")
-    ev = evidence.drop(columns=[c for c in ("p_sign", "p_holm", "metric", "variant", "wins", "losses")
+    ev = evidence.drop(columns=[c for c in ("p_sign", "p_holm", "metric", "variant", "wins", "losses", "descriptive")
                                 if c in evidence.columns])
     return head + to_markdown(claims) + "\n### Evidence per cell\n\n" + to_markdown(ev)
