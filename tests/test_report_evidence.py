@@ -135,9 +135,9 @@ def test_run_intervals_recompute_from_per_sequence_sums():
     run_seed = 3
     want = behaviour_intervals(per_token, groups, n_boot=200, seed=derive_seed(run_seed, "split", "gsm8k", "transductive"))
     runs = {("ties", "gsm8k", "transductive", "", 0): {"per_sequence": {"gen": _per_sequence(groups, per_token)}}}
-    lines = read_back = sequence_records(runs, run_seed)
+    lines = sequence_records(runs, run_seed)
     assert len(lines) == 22 and {ln["set"] for ln in lines} == {"gen"}
-    got = run_intervals_from_sequences(read_back)
+    got = run_intervals_from_sequences(lines)
     for row in ("none", "surgery", "darts", "paired"):
         for sig, ci in want[row].items():
             if sig == "pair":
