@@ -95,10 +95,15 @@ def atomic_dir(final: Path, meta: dict[str, Any] | None = None) -> Iterator[Path
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via a temp file and ``os.replace``."""
+    atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file and ``os.replace``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / _temp_name(path.name)
     try:
-        tmp.write_text(text)
+        tmp.write_bytes(data)
         os.replace(tmp, path)
     finally:
         if tmp.exists():

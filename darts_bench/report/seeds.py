@@ -1,12 +1,18 @@
 """Across head seeds and sweep variants: mean and spread per corrected row, and the DARTS - Surgery
-comparison as a win / tie / loss count over (merge, task, seed) with a paired sign test.
+comparison as a win / tie / loss count over (merge, task) cells with a paired sign test and Holm's
+correction across the compared metric families.
 
 Inputs are the report's flat rows (``table.csv`` records) plus, per row, its sweep ``variant`` and
 head ``seed`` (:class:`darts_bench.rows.Row`; :func:`darts_bench.rows.row_meta`), so everything here runs on hand-made tables too.
 
-The paired test is the exact two-sided binomial sign test (``scipy.stats.binomtest`` on wins vs
-losses, ties dropped): it needs no scale, so units from tasks with different metrics pool, and no
-symmetry of the differences (which the Wilcoxon signed-rank test would assume).
+The unit of the test is the (merge, task) cell: the head seeds of a cell share its merged model,
+its calibration set and its evaluation examples, so they are not independent replicates; each cell's
+DARTS - Surgery difference is the mean over its seeds. The paired test is the exact two-sided
+binomial sign test over cells (``scipy.stats.binomtest`` on wins vs losses, ties dropped): it needs
+no scale, so cells from tasks with different metrics pool, and no symmetry of the differences (which
+the Wilcoxon signed-rank test would assume). ``p_holm`` adjusts the sign-test p-values of the
+families compared in one (calibration split, sweep variant) with Holm's step-down procedure
+(:func:`darts_bench.report.stats.holm`).
 """
 
 from __future__ import annotations
@@ -20,12 +26,23 @@ import pandas as pd
 from darts_bench.api import get_task
 
 #: signal column suffix -> +1 when higher is better, -1 when lower is better
-SIGNAL_DIRECTION = {"ref_nll": -1, "rep_l1": -1, "rep_l1_ew": -1, "kl_expert": -1, "kl_expert_ref": -1,
-                    "agree_top1": 1, "agree_top1_ref": 1, "gap_closed": 1, "gap_closed_ref": 1}
+SIGNAL_DIRECTION = {"ref_nll": -1, "rep_l1": -1, "rep_l1_ew": -1, "kl_expert": -1, "agree_top1": 1,
+                    "gap_closed": 1}
+#: position-set suffixes of a behaviour signal (expert continuation, prompt, reference answer)
+POSITION_SETS = ("_gen", "_prompt", "_ref")
+SIGNAL_DIRECTION.update({f"{k}{p}": v for k, v in list(SIGNAL_DIRECTION.items()) for p in POSITION_SETS
+                         if k not in ("ref_nll",)})
 #: columns that are the same for every seed by construction: no ``_sd`` column
 NO_SPREAD = ("n_", "params_added")
-#: the metric families compared DARTS vs Surgery: "primary" is each task's first primary metric
-COMPARED = ("primary", "ref_nll", "kl_expert", "agree_top1", "gap_closed")
+#: the behaviour position sets the claims compare: "_gen" the expert-continuation positions of the held-out
+#: calibration sequences, "_ref" the reference-answer positions (shared-template positions left out of both)
+BEHAVIOUR_POSITIONS = ("_gen", "_ref")
+#: the metric families compared DARTS vs Surgery: "primary" is each task's first primary metric; Holm's
+#: correction runs over all of them
+COMPARED = ("primary", "ref_nll", *(f"{s}{p}" for p in BEHAVIOUR_POSITIONS for s in ("kl_expert", "agree_top1",
+                                                                                     "gap_closed")))
+#: the families where a higher value is better
+HIGHER_IS_BETTER = ("primary",) + tuple(f for f in COMPARED if f != "primary" and SIGNAL_DIRECTION.get(f) == 1)
 
 
 def direction(column: str, task_name: str) -> int:
@@ -156,22 +173,47 @@ def win_tie_loss(units: list[dict[str, Any]], rel_tol: float = 1e-9) -> dict[str
             "median_gain": float(np.median(adj)) if adj else None}
 
 
+def cell_units(units: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The (merge, task) cells of paired units, per calibration split and sweep variant: ``darts``,
+    ``surgery`` and ``diff`` are means over the cell's seeds (``seeds``: their list, in order)."""
+    cells: dict[tuple, list[dict[str, Any]]] = {}
+    for u in units:
+        cells.setdefault((u["merge"], u["task"], u["split"], u["variant"]), []).append(u)
+    out = []
+    for (merge, task, split, variant), us in cells.items():
+        d, s = float(np.mean([u["darts"] for u in us])), float(np.mean([u["surgery"] for u in us]))
+        out.append({"merge": merge, "task": task, "split": split, "variant": variant, "column": us[0]["column"],
+                    "seeds": [u["seed"] for u in us], "darts": d, "surgery": s, "diff": d - s,
+                    "direction": us[0]["direction"]})
+    return out
+
+
 def comparison_table(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]],
                      task_names: list[str]) -> pd.DataFrame:
     """DARTS vs Surgery per (calibration split, sweep variant, compared family): wins / ties / losses
-    over (merge, task, seed) units, the sign-test p-value, and what the counts mean."""
+    over (merge, task) cells (seeds averaged inside a cell), the sign-test p-value, ``p_holm`` (Holm
+    over the families of the same split and variant) and what the counts mean."""
+    from darts_bench.report.stats import holm
+
     recs = []
     for family in COMPARED:
-        units = paired_units(rows, meta, task_names, family)
+        units = cell_units(paired_units(rows, meta, task_names, family))
         cells = sorted({(u["split"], u["variant"]) for u in units})
         for split, variant in cells:
             us = [u for u in units if (u["split"], u["variant"]) == (split, variant)]
             res = win_tie_loss(us)
+            n_seeds = sorted({len(u["seeds"]) for u in us})
             recs.append({"metric": family, "calibration": split, "variant": variant or "-",
-                         "units": f"{res['n']} (merge, task, seed)", **res,
-                         "better": "higher" if family in ("primary", "agree_top1", "gap_closed") else "lower",
-                         "test": "exact two-sided sign test (binomial, ties dropped)"})
-    return pd.DataFrame(recs)
+                         "units": f"{res['n']} (merge, task) cells, {'/'.join(map(str, n_seeds))} seed(s) averaged",
+                         **res, "better": "higher" if family in HIGHER_IS_BETTER else "lower",
+                         "test": "exact two-sided sign test over cells (binomial, ties dropped), Holm over families"})
+    df = pd.DataFrame(recs)
+    if len(df):
+        df.insert(df.columns.get_loc("p_sign") + 1, "p_holm", None)
+        for _, idx in df.groupby(["calibration", "variant"]).groups.items():
+            ps = [None if pd.isna(p) else float(p) for p in df.loc[idx, "p_sign"]]
+            df.loc[idx, "p_holm"] = pd.Series(holm(ps), index=idx, dtype=object)
+    return df
 
 
 def add_seed_means(df: pd.DataFrame, meta: dict[str, dict[str, Any]]) -> pd.DataFrame:

