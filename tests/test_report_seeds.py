@@ -159,10 +159,11 @@ def test_plan_counts_seed_and_sweep_heads_and_rows():
 
     one = make_plan(load_config("tiny"))
     grid = make_plan(load_config("tiny", ["seeds=[0, 1, 2]", sweep_override("surgery.w_max=1,2")]))
-    # tiny: base + 3 experts + 5 merges + 5 merges x 2 splits x 2 methods x (3 seeds x 2 variants)
-    assert (one["rows"], grid["rows"]) == (29, 1 + 3 + 5 + 5 * 2 * 2 * 6)
-    assert one["stages"]["train"]["what"].startswith("60 heads (")
-    assert grid["stages"]["train"]["what"].startswith("360 heads (") and "x 6 seeds/sweep variants" in \
+    # tiny: base + 3 experts + 5 merges + 5 merges x 2 splits x (2 methods + the matched control) x
+    # (3 seeds x 2 variants)
+    assert (one["rows"], grid["rows"]) == (39, 1 + 3 + 5 + 5 * 2 * 3 * 6)
+    assert one["stages"]["train"]["what"].startswith("90 heads (")
+    assert grid["stages"]["train"]["what"].startswith("540 heads (") and "x 6 seeds/sweep variants" in \
         grid["stages"]["train"]["what"]
     assert grid["stages"]["train"]["steps"] == 6 * one["stages"]["train"]["steps"]
 
