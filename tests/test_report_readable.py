@@ -148,3 +148,14 @@ def test_behaviour_table_rows_and_paired_cis():
                                   "gsm8k_gap_closed{,_ref} > 0")
     shown = ci_display(bt.reset_index(), ["gsm8k_kl_expert"])
     assert shown.loc[3, "gsm8k_kl_expert 95% CI"] == "[-0.2, -0.05]" and shown.loc[1, "gsm8k_kl_expert 95% CI"] == ""
+
+
+def test_primary_metric_first_and_floored_headline_falls_back_to_ref_nll():
+    assert compact_columns(["gsm8k"], [], {"gsm8k": "gsm8k_em_flexible"}) == [
+        "model", "gsm8k_em_flexible", "gsm8k_em_strict", "params_added"]
+    floored = [{"model": m, "humaneval_pass@1": 0.0} for m in ("base", "ties", "ties+darts")]
+    assert primary_choice("humaneval", floored) == ("humaneval_ref_nll", "humaneval_pass@1 is 0 on every row")
+    rows = [{"model": "a", "gsm8k_em_strict": 0.0, "gsm8k_em_flexible": 0.25},
+            {"model": "b", "gsm8k_em_strict": 0.0, "gsm8k_em_flexible": 0.5}]
+    assert primary_choice("gsm8k", rows) == ("gsm8k_ref_nll", "gsm8k_em_strict is 0 on every row")
+    assert primary_choice("gsm8k", rows, "gsm8k_em_flexible") == ("gsm8k_em_flexible", "")

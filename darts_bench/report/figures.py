@@ -34,15 +34,20 @@ def _finite(v: Any) -> bool:
         return False
 
 
-def primary_choice(task_name: str, rows: list[dict[str, Any]]) -> tuple[str, str]:
-    """(column, reason): the task's first primary metric, or ``<task>_ref_nll`` when any row flags
-    the primary (``<primary>_flag``)."""
+def primary_choice(task_name: str, rows: list[dict[str, Any]], primary: str | None = None) -> tuple[str, str]:
+    """(column, reason): the task's primary metric (``primary``: ``tasks.<task>.primary_metric``;
+    default its first headline column), or ``<task>_ref_nll`` when any row flags the primary
+    (``<primary>_flag``) or it is floored: the same value on every row (e.g. pass@1 = 0 everywhere),
+    so it cannot order the rows."""
     task = get_task(task_name)
-    prim = task.primary_metrics[0]
+    prim = primary or task.primary_metrics[0]
     flags = sorted({str(r[f"{prim}_flag"]) for r in rows if r.get(f"{prim}_flag") not in (None, "")
                     and not (isinstance(r.get(f"{prim}_flag"), float) and math.isnan(r[f"{prim}_flag"]))})
     if flags:
         return f"{task_name}_ref_nll", f"{prim} is flagged ({', '.join(flags)})"
+    vals = {float(r[prim]) for r in rows if _finite(r.get(prim))}
+    if len(vals) == 1 and len([r for r in rows if _finite(r.get(prim))]) > 1:
+        return f"{task_name}_ref_nll", f"{prim} is {vals.pop():g} on every row"
     return prim, ""
 
 
@@ -54,14 +59,16 @@ def unit(task_name: str, column: str) -> str:
     return "%" if scale == 100.0 else "fraction of examples"
 
 
-def plot_primary(task_tables: dict[str, pd.DataFrame], rows: list[dict[str, Any]], out_dir: Path) -> list[str]:
-    """One horizontal error-bar chart per task (rows of its per-task table, not the paired ones);
-    returns the files relative to ``out_dir``."""
+def plot_primary(task_tables: dict[str, pd.DataFrame], rows: list[dict[str, Any]], out_dir: Path,
+                 primary: dict[str, str] | None = None) -> list[str]:
+    """One horizontal error-bar chart per task (rows of its per-task table, not the paired ones) of
+    its primary metric (``primary[task]``, :func:`primary_choice`); returns the files relative to
+    ``out_dir``."""
     plt = _plt()
     files = []
     (out_dir / "plots").mkdir(parents=True, exist_ok=True)
     for t, tdf in task_tables.items():
-        col, reason = primary_choice(t, rows)
+        col, reason = primary_choice(t, rows, (primary or {}).get(t))
         if col not in tdf.columns:
             continue
         sub = tdf[~tdf["model"].astype(str).str.contains(" - ") & tdf[col].map(_finite)]

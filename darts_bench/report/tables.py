@@ -276,7 +276,9 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     meta = row_meta(record.cfg, record.rows)
     df = add_seed_means(df, meta)  # seeds: a mean row (with *_sd columns) after each group of seed rows
     with_heads = [t for t, (task, _) in record.tasks.items() if task.expert is not None]
-    comparison = comparison_table(rows, meta, with_heads)
+    primary = record.cfg.tasks.primary_metrics(record.task_names)  # tasks.<task>.primary_metric
+    comparison = comparison_table(rows, meta, with_heads, primary)
+    others = comparison_table(rows, meta, with_heads, primary, families=("other",))  # shown, not tested
     from darts_bench.report.claims import claim_evidence, claims_markdown, claims_table
 
     evidence = claim_evidence(record.train.get("runs") or record.train["diagnostics"], comparison,
@@ -313,6 +315,7 @@ def write_report(record: RunRecord) -> pd.DataFrame:
                                     "the reference answers of the evaluated benchmark examples"},
         "position_slope": premise,
         "stage_seconds": record.timings,
+        "primary_metrics": primary,
         "head_seeds": head_seeds(record.cfg),
         "sweep_variants": [tag for tag, _ in surgery_variants(record.cfg)],
     }
@@ -334,10 +337,12 @@ def write_report(record: RunRecord) -> pd.DataFrame:
 
     seed_rows = {m for m, v in meta.items() if v.get("group")}
     md = [f"# darts-bench results: `{record.cfg.name}`\n", "\n" + protocol_header(manifest["protocols"]) + "\n\n",
-          "Primary metric per task, gap closed per task (share of the closable KL gap to the expert on held-out "
+          "Headline metrics per task (the primary metric first: "
+          + ", ".join(f"{t} `{m}`" for t, m in primary.items()) + "; `tasks.<task>.primary_metric`), gap closed "
+          "per task (share of the closable KL gap to the expert on held-out "
           "calibration tokens) and parameters added; flags in parentheses qualify the number before them"
           + (", `mean ± sd` over head seeds" if seed_rows else "") + ". Every column: `table.csv`.\n\n",
-          to_markdown(compact_table(df, record.task_names, with_heads, seed_rows))]
+          to_markdown(compact_table(df, record.task_names, with_heads, seed_rows, primary))]
     tail = []
     if len(comparison):
         tail.append("\n## DARTS vs Surgery: wins / ties / losses over (merge, task, seed)\n\n"
@@ -345,6 +350,9 @@ def write_report(record: RunRecord) -> pd.DataFrame:
                   "headline metric; `median_gain` is the median of the DARTS - Surgery differences signed so "
                   "that > 0 favours DARTS; `p_sign`: exact two-sided binomial sign test, ties dropped.\n\n")
         tail.append(to_markdown(comparison.drop(columns=["test"])))
+        if len(others):
+            tail.append("\nThe other headline metrics, counted the same way (shown beside the primary; not part of "
+                        "the claims):\n\n" + to_markdown(others.drop(columns=["test"])))
         atomic_write_text(out / "comparison.csv", comparison.to_csv(index=False))
     if len(claims):
         tail.append("\n## Claims (computed verdicts; evidence per cell in claims.md)\n\n")
@@ -369,7 +377,7 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     md += tail
     from darts_bench.report.figures import plot_gap_closed, plot_primary
 
-    figs = [*plot_primary(task_tables, rows, out), *plot_gap_closed(df, with_heads, meta, out)]
+    figs = [*plot_primary(task_tables, rows, out, primary), *plot_gap_closed(df, with_heads, meta, out)]
     if figs:
         md.append("\n## Figures\n\n" + "".join(f"![{f}]({f})\n" for f in figs))
     atomic_write_text(out / "table.md", "".join(md))
