@@ -245,9 +245,14 @@ def plot_diagnostics(record: RunRecord, out_dir: Path) -> list[str]:
                 ax.plot(xs, [curve[str(x)] if str(x) in curve else curve[x] for x in xs], label=name, lw=1)
             s = d["none"]["slope"]
             ax.set_title(f"{m}\nslope {s['slope']:.2e} [{s['ci_low']:.1e}, {s['ci_high']:.1e}]", fontsize=7)
-            ax.set_xlabel("position")
+            ax.set_xlabel("absolute position (prompt and continuation)")
         axes[0][0].set_ylabel(f"{t}: mean L1 to expert")
         axes[0][-1].legend(fontsize=6)
+        from darts_bench.rows import head_seeds, surgery_variants
+
+        variant = surgery_variants(record.cfg)[0][0] or "default settings"
+        fig.suptitle(f"{t}: L1 to the expert by position, held-out calibration sequences (all positions); split "
+                     f"{split}, seed {head_seeds(record.cfg)[0]}, variant {variant}", fontsize=7)
         fig.tight_layout()
         f = plots / f"{t}_l1_by_position.png"
         fig.savefig(f, dpi=110)
@@ -375,9 +380,15 @@ def write_report(record: RunRecord) -> pd.DataFrame:
             md.append(to_markdown(ci_display(bdf, [f"{t}_{s}" for s in ("kl_expert", "agree_top1", "gap_closed")])))
             atomic_write_text(out / f"table_{t}_behaviour.csv", bdf.to_csv(index=False))
     md += tail
-    from darts_bench.report.figures import plot_gap_closed, plot_primary
+    from darts_bench.report.figures import forest_data, plot_forest, plot_gap_closed, plot_primary, plot_sweep
 
-    figs = [*plot_primary(task_tables, rows, out, primary), *plot_gap_closed(df, with_heads, meta, out)]
+    runs = record.train.get("runs") or {}
+    forest = pd.concat([forest_data(t, runs, task_tables.get(t), meta) for t in with_heads] or [pd.DataFrame()],
+                       ignore_index=True)
+    if len(forest):  # the values the forest plots and sweep heatmaps draw
+        atomic_write_text(out / "forest.csv", forest.to_csv(index=False))
+    figs = [*plot_primary(task_tables, rows, out, primary), *plot_gap_closed(df, with_heads, meta, out),
+            *plot_forest(forest, out), *plot_sweep(forest, out)]
     if figs:
         md.append("\n## Figures\n\n" + "".join(f"![{f}]({f})\n" for f in figs))
     atomic_write_text(out / "table.md", "".join(md))
