@@ -267,6 +267,14 @@ def test_param_matched_control_trained_evaluated_and_reported(micro_dir, micro_p
         assert set(run) >= {"none", "surgery"} and "darts" not in run
         assert df.loc["ties+surgery[rank=matched]", "gsm8k_kl_expert"] == pytest.approx(run["surgery"]["kl_expert"])
         assert df.loc["ties+surgery[rank=matched]", "gsm8k_kl_expert"] != df.loc["ties+surgery", "gsm8k_kl_expert"]
+        # the report's forest plot: its values are the behaviour table's paired row
+        out = d / "results"
+        assert (out / "plots" / "gsm8k_forest.png").stat().st_size > 1000
+        fd = pd.read_csv(out / "forest.csv")
+        bt = pd.read_csv(out / "table_gsm8k_behaviour.csv").set_index("model").loc["ties+darts - ties+surgery"]
+        r = fd[fd["signal"] == "gsm8k_gap_closed"].iloc[0]
+        assert (r["estimate"], r["lo"], r["hi"]) == pytest.approx(
+            (bt["gsm8k_gap_closed"], bt["gsm8k_gap_closed_lo"], bt["gsm8k_gap_closed_hi"]))
     finally:
         plain.close()
         pipe.close()

@@ -236,7 +236,7 @@ def plot_diagnostics(record: RunRecord, out_dir: Path) -> list[str]:
         merges = [m for (m, tn, s) in diags if tn == t and s == split]
         if not merges:
             continue  # no expert, no heads: nothing to plot
-        fig, axes = plt.subplots(1, len(merges), figsize=(3.2 * len(merges), 2.8), squeeze=False, sharey=True)
+        fig, axes = plt.subplots(1, len(merges), figsize=(3.2 * len(merges), 3.4), squeeze=False, sharey=True)
         for ax, m in zip(axes[0], merges):
             d = diags[(m, t, split)]
             for name in ["none", *record.cfg.surgery.methods]:
@@ -251,8 +251,8 @@ def plot_diagnostics(record: RunRecord, out_dir: Path) -> list[str]:
         from darts_bench.rows import head_seeds, surgery_variants
 
         variant = surgery_variants(record.cfg)[0][0] or "default settings"
-        fig.suptitle(f"{t}: L1 to the expert by position, held-out calibration sequences (all positions); split "
-                     f"{split}, seed {head_seeds(record.cfg)[0]}, variant {variant}", fontsize=7)
+        fig.suptitle(f"{t}: L1 to the expert by position\nheld-out calibration sequences (all positions)\n"
+                     f"split {split}, seed {head_seeds(record.cfg)[0]}, variant {variant}", fontsize=6)
         fig.tight_layout()
         f = plots / f"{t}_l1_by_position.png"
         fig.savefig(f, dpi=110)
