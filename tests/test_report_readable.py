@@ -258,3 +258,16 @@ def test_sweep_heatmap_of_seed_means(tmp_path):
     assert set(sw.index.get_level_values(0)) == {"gsm8k_kl_expert", "gsm8k_agree_top1", "gsm8k_gap_closed"}
     assert plot_sweep(fd, tmp_path) == ["plots/gsm8k_sweep.png"]
     assert (tmp_path / "plots" / "gsm8k_sweep.png").stat().st_size > 1000
+
+
+def test_forest_has_darts_against_the_matched_control_on_task_metrics():
+    runs, meta, tdf = _forest_inputs(seeds=(0,))
+    meta["ties+surgery[rank=matched]#s0"] = {"merge": "ties", "correction": "surgery", "calibration": "transductive",
+                                             "variant": "[rank=matched]", "seed": 0, "group": "ties+surgery[rank=matched]"}
+    tdf = pd.concat([tdf, pd.DataFrame([{"model": "ties+darts#s0 - ties+surgery[rank=matched]#s0",
+                                         "gsm8k_ref_nll": 0.125, "gsm8k_ref_nll_lo": 0.0625, "gsm8k_ref_nll_hi": 0.25}])])
+    fd = forest_data("gsm8k", runs, tdf, meta)
+    vs = fd[fd["variant"] == " vs [rank=matched]"]
+    assert vs[["signal", "estimate", "lo", "hi", "positions"]].values.tolist() == [
+        ["gsm8k_ref_nll", 0.125, 0.0625, 0.25, "benchmark examples"]]
+    assert len(fd[fd["variant"] == ""]) == 8  # the plain pair: 6 behaviour signals + 2 task metrics

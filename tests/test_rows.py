@@ -275,6 +275,13 @@ def test_param_matched_control_trained_evaluated_and_reported(micro_dir, micro_p
         r = fd[fd["signal"] == "gsm8k_gap_closed"].iloc[0]
         assert (r["estimate"], r["lo"], r["hi"]) == pytest.approx(
             (bt["gsm8k_gap_closed"], bt["gsm8k_gap_closed_lo"], bt["gsm8k_gap_closed_hi"]))
+        # DARTS against the matched control, paired over the same examples (task metrics)
+        tt = pd.read_csv(out / "table_gsm8k.csv").set_index("model")
+        nll = tt.loc["ties+darts - ties+surgery[rank=matched]", "gsm8k_ref_nll"]
+        assert nll == pytest.approx(df.loc["ties+darts", "gsm8k_ref_nll"] - df.loc["ties+surgery[rank=matched]",
+                                                                                    "gsm8k_ref_nll"], abs=1e-9)
+        vs = fd[(fd["variant"] == " vs [rank=matched]") & (fd["signal"] == "gsm8k_ref_nll")]
+        assert vs["estimate"].tolist() == pytest.approx([nll])
     finally:
         plain.close()
         pipe.close()

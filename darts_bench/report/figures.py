@@ -208,6 +208,15 @@ def _direction(col: str, task_name: str) -> int | None:
         return None
 
 
+def _metric_recs(task_name: str, base: dict[str, Any], prow: dict[str, Any]) -> list[dict[str, Any]]:
+    """Forest rows of one paired ``a - b`` row of a per-task table (each finite metric with its CI)."""
+    from darts_bench.api import get_task
+
+    return [{**base, "signal": col, "positions": "benchmark examples", "estimate": float(prow[col]),
+             "lo": prow.get(f"{col}_lo"), "hi": prow.get(f"{col}_hi"), "n": None}
+            for col in get_task(task_name).metric_columns() if _finite(prow.get(col))]
+
+
 def forest_data(task_name: str, runs: dict[tuple, dict], task_table: pd.DataFrame | None,
                 meta: dict[str, dict[str, Any]]) -> pd.DataFrame:
     """The values of the forest plot of one task: per DARTS row with a Surgery partner of the same
@@ -217,7 +226,10 @@ def forest_data(task_name: str, runs: dict[tuple, dict], task_table: pd.DataFram
       ``<task>_<signal>``) and ``intervals_reference.paired`` (reference-answer positions,
       ``<task>_<signal>_ref``): the sequence bootstrap, ``n`` sequences;
     * each metric of the task's paired ``a - b`` row in ``task_table`` (table_<task>.csv): the
-      paired example bootstrap;
+      paired example bootstrap; the rows of DARTS against a matched control
+      (``ties+darts - ties+surgery[rank=matched]``) too, their ``variant`` reading
+      ``<darts variant> vs <control variant>`` (task metrics only: no sequence-paired behaviour
+      interval across two head artifacts);
 
     then, per (signal, merge, split, variant) with more than one seed, a ``seed = "mean"`` row: the
     mean of the seeds' differences and the t interval over seeds (``mean ± t_{0.975, k-1} sd / sqrt(k)``,
@@ -230,8 +242,20 @@ def forest_data(task_name: str, runs: dict[tuple, dict], task_table: pd.DataFram
     recs = []
     tt = {} if task_table is None else {r["model"]: r for r in task_table.to_dict(orient="records")}
     for name, m in meta.items():
+        if m["correction"] != "darts":
+            continue
+        # DARTS - a matched control (task metrics only: its heads are another artifact, so no
+        # sequence-paired behaviour interval): the per-task table's `a - b` rows against a control row
+        for pname in [k for k in tt if k.startswith(f"{name} - ") and k != f"{name} - "
+                      + name.replace("+darts", "+surgery", 1)]:
+            other = pname.split(" - ", 1)[1]
+            if other not in meta:
+                continue
+            base = {"task": task_name, "merge": m["merge"], "split": m["calibration"],
+                    "variant": f"{m['variant']} vs {meta[other]['variant']}", "seed": m["seed"]}
+            recs += _metric_recs(task_name, base, tt[pname])
         sur = name.replace("+darts", "+surgery", 1)
-        if m["correction"] != "darts" or sur not in meta:
+        if sur not in meta:
             continue
         base = {"task": task_name, "merge": m["merge"], "split": m["calibration"], "variant": m["variant"],
                 "seed": m["seed"]}
@@ -245,13 +269,7 @@ def forest_data(task_name: str, runs: dict[tuple, dict], task_table: pd.DataFram
                              "n": ci.get("n_sequences")})
         prow = tt.get(f"{name} - {sur}")
         if prow:
-            from darts_bench.api import get_task
-
-            for col in get_task(task_name).metric_columns():
-                if _finite(prow.get(col)):
-                    recs.append({**base, "signal": col, "positions": "benchmark examples",
-                                 "estimate": float(prow[col]), "lo": prow.get(f"{col}_lo"),
-                                 "hi": prow.get(f"{col}_hi"), "n": None})
+            recs += _metric_recs(task_name, base, prow)
     cols = ["task", "signal", "positions", "merge", "split", "variant", "seed", "estimate", "lo", "hi", "n",
             "favours_darts"]
     if not recs:

@@ -197,11 +197,23 @@ def per_benchmark_tables(record: RunRecord, results: dict, rows: list[dict]) -> 
                     rec[m] = r.get(m)
                     _put_interval(rec, m, iv)
             recs.append(rec)
-        # DARTS minus surgery, paired over the same examples, per merge and calibration split
+        # DARTS minus surgery, paired over the same examples, per merge and calibration split; and
+        # DARTS minus each matched control of the same (merge, split, variant, seed)
+        from darts_bench.controls import control_tag
+
+        spec = {row.model: row for row in record.rows}
+        by_key = {(row.merge, row.calibration, row.variant, row.seed, row.correction): row.model for row in record.rows}
+        pairs = []
         for r in rows:
             if r["correction"] != "darts":
                 continue
-            sur = r["model"].replace("+darts", "+surgery")
+            pairs.append((r, r["model"].replace("+darts", "+surgery")))
+            d = spec.get(r["model"])
+            for c in record.cfg.surgery.controls if d is not None else []:
+                ctl = by_key.get((d.merge, d.calibration, control_tag(d.variant, c), d.seed, "surgery"))
+                if ctl:
+                    pairs.append((r, ctl))
+        for r, sur in pairs:
             if sur not in results:
                 continue
             rec = {"model": f"{r['model']} - {sur}"}
