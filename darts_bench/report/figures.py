@@ -310,7 +310,12 @@ def plot_forest(data: pd.DataFrame, out_dir: Path) -> list[str]:
     files = []
     for t, td in data.groupby("task", sort=False):
         signals = list(dict.fromkeys(td["signal"]))
-        lines = list(dict.fromkeys(_line_label(r) for r in td.to_dict(orient="records")))
+        recs = td.to_dict(orient="records")
+        group = {}  # (merge, split, variant) in order of appearance; each group's seed mean under its seeds
+        for r in recs:
+            group.setdefault((r["merge"], r["split"], r["variant"]), len(group))
+        recs.sort(key=lambda r: (group[(r["merge"], r["split"], r["variant"])], r["seed"] == "mean"))
+        lines = list(dict.fromkeys(_line_label(r) for r in recs))
         ncol = min(3, len(signals))
         nrow = math.ceil(len(signals) / ncol)
         fig, axes = plt.subplots(nrow, ncol, figsize=(3.4 * ncol + 1.2, (0.2 * len(lines) + 1.3) * nrow),
