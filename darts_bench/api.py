@@ -129,6 +129,12 @@ class TaskConfig(BaseModel):
 
     enabled: bool = Field(True, description="part of `--suite all`")
     limit: int | None = Field(None, ge=1, description="first N examples only (None: all)")
+    # not in model_dump (so in no evaluation cache key: it changes what the report reads, not what an
+    # evaluation holds); results.json records it as manifest.primary_metrics
+    primary_metric: str | None = Field(
+        None, exclude=True, description="the task's primary metric: one of its headline columns "
+        "(Task.primary_metrics), read by the compact table, the DARTS vs Surgery comparison, the claims and the "
+        "figures; the other headline columns are shown beside it. None: the first headline column")
 
 
 class Task(ABC):

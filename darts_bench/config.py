@@ -189,6 +189,19 @@ class SurgeryConfig(_Strict):
     epochs: int = Field(40, ge=1)
     batch_size: int = Field(256, ge=1, description="tokens per step")
     weight_decay: float = Field(0.0, ge=0)
+    controls: list[Literal["param_matched"]] = Field(
+        default_factory=list, description="matched controls trained beside the methods (darts_bench/controls.py): "
+        "'param_matched' adds a Surgery head whose rank is raised until its parameter count is within 10% of "
+        "DARTS's (rows <merge>+surgery[rank=matched]); not in the methods' head cache keys")
+
+    @model_validator(mode="after")
+    def _controls(self) -> "SurgeryConfig":
+        if len(set(self.controls)) != len(self.controls):
+            raise ValueError(f"controls: repeated entries in {self.controls}")
+        if "param_matched" in self.controls and "darts" not in self.methods:
+            raise ValueError("controls: param_matched matches the darts head's parameter count, but methods "
+                             f"{self.methods} has no darts")
+        return self
 
 
 class SweepConfig(_Strict):
@@ -208,6 +221,9 @@ class SweepConfig(_Strict):
             if k == "methods":
                 raise ValueError("sweep.surgery.methods: methods are already one row each; list them in "
                                  "surgery.methods instead")
+            if k == "controls":
+                raise ValueError("sweep.surgery.controls: controls are already rows of every variant; list them "
+                                 "in surgery.controls instead")
             if not isinstance(vals, list) or not vals or len({json.dumps(x) for x in vals}) != len(vals):
                 raise ValueError(f"sweep.surgery.{k}: expected a non-empty list of distinct values, got {vals!r}")
         return v
@@ -251,7 +267,31 @@ class TasksConfig(_Strict):
         sections = {k: v for k, v in data.items() if k not in cls.model_fields}
         # raised as is: pydantic keeps the inner errors (loc tasks.<name>.<key>)
         validated = _sections_model(available_tasks()).model_validate(sections)
+        for n in type(validated).model_fields:
+            pm, heads = getattr(validated, n).primary_metric, task_class(n).primary_metrics
+            if pm is not None and pm not in heads:
+                raise ValueError(f"tasks.{n}.primary_metric: {pm!r} is not a headline column of {n} "
+                                 f"(one of {list(heads)})")
         return {**own, **{n: getattr(validated, n) for n in type(validated).model_fields}}
+
+    def primary_metric(self, name: str) -> str:
+        """Task ``name``'s primary metric: ``tasks.<name>.primary_metric``, else its first headline
+        column (``Task.primary_metrics[0]``).
+
+        Raises:
+            KeyError: no installed task of that name; ValueError: a task without headline columns.
+        """
+        pm = self.section(name).primary_metric
+        if pm is None:
+            heads = task_class(name).primary_metrics
+            if not heads:
+                raise ValueError(f"task {name} declares no headline column (Task.primary_metrics)")
+            pm = heads[0]
+        return pm
+
+    def primary_metrics(self, names: list[str]) -> dict[str, str]:
+        """``{task: primary metric}`` for ``names`` (:meth:`primary_metric`)."""
+        return {n: self.primary_metric(n) for n in names}
 
     def section(self, name: str) -> TaskConfig:
         """The config section of task ``name``.

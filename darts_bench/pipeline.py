@@ -189,8 +189,11 @@ class Pipeline:
         return self._cache[ck]
 
     def surgery_variants(self) -> list[tuple[str, Any]]:
-        """``[(tag, SurgeryConfig)]`` of the sweep, each with ``max_len`` resolved (a swept ``max_len`` is kept)."""
-        return [(tag, self.surgery_config(v)) for tag, v in surgery_variants(self.cfg)]
+        """``[(tag, SurgeryConfig)]`` of the sweep, each with ``max_len`` resolved (a swept ``max_len`` is
+        kept), then the matched controls of each (``surgery.controls``:
+        :func:`darts_bench.stages.train.resolve_controls`), which the train stage trains like a variant."""
+        variants = [(tag, self.surgery_config(v)) for tag, v in surgery_variants(self.cfg)]
+        return variants + train_stage.resolve_controls(variants, self.pool().base)
 
     def head_key(self, features_key: str, reference_key: str, scfg=None, seed: int | None = None) -> str:
         """:func:`darts_bench.stages.train.head_key` (``scfg`` default: the resolved ``cfg.surgery``)."""

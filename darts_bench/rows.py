@@ -12,6 +12,10 @@ set, so the default (no sweep, ``seeds: null``) keeps single-seed row names and 
 *variant* is one combination of the ``sweep.surgery`` values (:func:`darts_bench.config.surgery_grid`);
 a *head seed* sets head init, batch order and held-out split. Features do not depend on either, so a
 sweep or extra seeds only add head training and evaluation.
+
+Controls (``surgery.controls``, :mod:`darts_bench.controls`) add, after each split's method rows, a
+Surgery row per variant and seed whose variant tag names the control: ``<merge>+surgery[rank=matched]``
+(parameter-matched to DARTS), ``ties+surgery@inductive[w_max=2,rank=matched]#s1``.
 """
 
 from __future__ import annotations
@@ -45,6 +49,15 @@ def surgery_variants(cfg) -> list[tuple[str, Any]]:
     from darts_bench.config import surgery_grid
 
     return surgery_grid(cfg.surgery, cfg.sweep)
+
+
+def control_tags(cfg) -> list[str]:
+    """The variant tags of the control rows (:func:`darts_bench.controls.control_tag`), one per
+    (sweep variant, ``surgery.controls`` entry), in that order; [] without controls. Controls cannot
+    be swept, so every variant has ``cfg.surgery.controls``."""
+    from darts_bench.controls import control_tag
+
+    return [control_tag(tag, c) for tag, _ in surgery_variants(cfg) for c in cfg.surgery.controls]
 
 
 @dataclass(frozen=True)
@@ -91,20 +104,23 @@ def corrected_suffix(cfg, split: str, method: str, tag: str, seed: int) -> str:
 
 def row_specs(cfg) -> list[RowSpec]:
     """Every row of ``cfg`` in table order: base, ``expert:<e>`` for each pool expert, then each
-    merge followed by its corrected rows (split, then method, then sweep variant, then head seed)."""
+    merge followed by its corrected rows (split, then method, then sweep variant, then head seed),
+    each split's control rows after its method rows (:func:`control_tags`, then head seed)."""
     from darts_bench.config import EXPERT_NAMES
+    from darts_bench.controls import CONTROL_METHOD
 
     specs = [RowSpec("base", expert="base"), *(RowSpec(f"expert:{e}", expert=e) for e in EXPERT_NAMES)]
     tags = [tag for tag, _ in surgery_variants(cfg)]
+    heads = [(method, tag) for method in cfg.surgery.methods for tag in tags]
+    heads += [(CONTROL_METHOD, tag) for tag in control_tags(cfg)]
     for spec in cfg.merges:
         m = spec.name
         specs.append(RowSpec(m, merge=m))
         for split in cfg.calibration.splits:
-            for method in cfg.surgery.methods:
-                for tag in tags:
-                    for seed in head_seeds(cfg):
-                        specs.append(RowSpec(m + corrected_suffix(cfg, split, method, tag, seed), merge=m,
-                                             correction=method, calibration=split, variant=tag, seed=seed))
+            for method, tag in heads:
+                for seed in head_seeds(cfg):
+                    specs.append(RowSpec(m + corrected_suffix(cfg, split, method, tag, seed), merge=m,
+                                         correction=method, calibration=split, variant=tag, seed=seed))
     return specs
 
 
@@ -181,6 +197,6 @@ def row_meta(cfg, rows: list[RowSpec]) -> dict[str, dict[str, Any]]:
     return out
 
 
-__all__ = ["Row", "RowSpec", "bind_rows", "check_row_filter", "corrected_suffix", "head_seeds", "needs_merges",
+__all__ = ["Row", "RowSpec", "bind_rows", "check_row_filter", "control_tags", "corrected_suffix", "head_seeds", "needs_merges",
            "row_meta", "row_names", "row_selected", "row_specs", "seed_tag", "selected_specs",
            "surgery_variants"]

@@ -108,3 +108,19 @@ def test_allow_unisolated_key_stays_out_of_dumps_and_digests():
     assert "allow_unisolated" not in on.model_dump(mode="json") and on.digest() == off.digest()
     with pytest.raises(ConfigError, match="allow_unisolated"):
         load_config("tiny", ["allow_unisolated=maybe"])
+
+
+def test_surgery_controls_validated():
+    from darts_bench.config import ConfigError, load_config
+
+    cfg = load_config("tiny", ["surgery.controls=[param_matched]"])
+    assert cfg.surgery.controls == ["param_matched"]
+    assert load_config("micro").surgery.controls == []  # off by default
+    with pytest.raises(ConfigError, match="param_matched matches the darts head's parameter count"):
+        load_config("tiny", ["surgery.controls=[param_matched]", "surgery.methods=[surgery]"])
+    with pytest.raises(ConfigError, match="surgery.controls"):
+        load_config("tiny", ["surgery.controls=[bigger]"])
+    with pytest.raises(ConfigError, match="repeated entries"):
+        load_config("tiny", ["surgery.controls=[param_matched, param_matched]"])
+    with pytest.raises(ConfigError, match="sweep.surgery.controls: controls are already rows"):
+        load_config("tiny", ['sweep.surgery.controls=[[], ["param_matched"]]'])

@@ -44,7 +44,8 @@ def test_tiny_plan_is_fast_and_printed(capsys):
         assert f"\n{stage} " in out and f"[{stage}]" in out
     assert plan["model"]["source"] == "pool.tiny"
     assert plan["model"]["weights_bytes"] == plan["model"]["params"] * 4
-    assert plan["rows"] == 1 + 3 + 5 + 5 * 2 * 2
+    # base, 3 experts, 5 merges, and per merge x 2 splits: surgery, darts, surgery[rank=matched]
+    assert plan["rows"] == 1 + 3 + 5 + 5 * 2 * 3
     assert {t: v["n_examples"] for t, v in plan["tasks"].items()} == {t: getattr(cfg.tasks, t).limit for t in ("humaneval", "gsm8k", "alpacaeval")}
     assert plan["totals"]["forward_tokens"] > 0 and plan["stages"]["pool"]["train_tokens"] > 0
     assert "local" in plan["stages"]["train"]["where"]
@@ -201,13 +202,14 @@ def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
     out = capsys.readouterr().out
     e = plan["stages"]["evaluate"]
     # base, code, math, 3 merges (their corrected rows share the engine) + the judge's, which also
-    # serves the expert:instruction row: 7 (24 when the judge swapped in and out for every row)
-    assert plan["rows"] == 13 and e["engine_starts"] == e["model_loads"] == 7
+    # serves the expert:instruction row: 7 (48 when the judge swapped in and out for every row);
+    # rows: base, 3 experts, 3 merges x (1 + 2 splits x (surgery, darts, surgery[rank=matched]))
+    assert plan["rows"] == 4 + 3 * 7 and e["engine_starts"] == e["model_loads"] == 7
     from darts_bench.plan.resources import engine_starts
     from darts_bench.rows import row_specs
 
     dirs = [s.merge or s.model for s in row_specs(cfg)]
-    assert engine_starts(dirs, list(plan["tasks"]), {"alpacaeval": "expert:instruction"}, held=False) == 24
+    assert engine_starts(dirs, list(plan["tasks"]), {"alpacaeval": "expert:instruction"}, held=False) == 48
     assert e["load_seconds"] == 7 * (VLLM_START_S["cpu"]["eager"] + 538_060_032 / 1e9)
     # one engine in the driver: the starts add to the wall time; generation at 1/3 of HF's CPU time
     assert e["wall_seconds"] == pytest.approx(e["seconds"]) and e["wall_seconds"] > e["load_seconds"]

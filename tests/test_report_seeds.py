@@ -167,10 +167,11 @@ def test_plan_counts_seed_and_sweep_heads_and_rows():
 
     one = make_plan(load_config("tiny"))
     grid = make_plan(load_config("tiny", ["seeds=[0, 1, 2]", sweep_override("surgery.w_max=1,2")]))
-    # tiny: base + 3 experts + 5 merges + 5 merges x 2 splits x 2 methods x (3 seeds x 2 variants)
-    assert (one["rows"], grid["rows"]) == (29, 1 + 3 + 5 + 5 * 2 * 2 * 6)
-    assert one["stages"]["train"]["what"].startswith("60 heads (")
-    assert grid["stages"]["train"]["what"].startswith("360 heads (") and "x 6 seeds/sweep variants" in \
+    # tiny: base + 3 experts + 5 merges + 5 merges x 2 splits x (2 methods + the matched control) x
+    # (3 seeds x 2 variants)
+    assert (one["rows"], grid["rows"]) == (39, 1 + 3 + 5 + 5 * 2 * 3 * 6)
+    assert one["stages"]["train"]["what"].startswith("90 heads (")
+    assert grid["stages"]["train"]["what"].startswith("540 heads (") and "x 6 seeds/sweep variants" in \
         grid["stages"]["train"]["what"]
     assert grid["stages"]["train"]["steps"] == 6 * one["stages"]["train"]["steps"]
 
@@ -186,7 +187,9 @@ def test_default_head_key_is_the_plain_dict_and_variants_resolve_max_len(micro_c
 
     pipe, cfg = micro_pipeline, micro_pipeline.cfg
     assert not cfg.deepspeed.enabled
-    before = stable_hash({"features": "f", "reference": "r", "surgery": pipe.surgery_config().model_dump(mode="json"),
+    # the surgery section as dumped before surgery.controls existed (controls are not in the key)
+    dump = {k: v for k, v in pipe.surgery_config().model_dump(mode="json").items() if k != "controls"}
+    before = stable_hash({"features": "f", "reference": "r", "surgery": dump,
                           "held_out": cfg.calibration.held_out_fraction, "seed": cfg.seed,
                           "diagnostics": DIAGNOSTICS_VERSION})
     assert pipe.head_key("f", "r") == before
@@ -213,3 +216,31 @@ def test_default_head_key_is_the_plain_dict_and_variants_resolve_max_len(micro_c
             only_w.close()
     finally:
         swept.close()
+
+
+def test_primary_metric_named_once_is_what_the_comparison_tests():
+    """tasks.gsm8k.primary_metric picks the column the `primary` family compares (strict vs flexible
+    give different counts here); the other headline column is the `other` family, shown beside it."""
+    rows, meta = [], {}
+    # (darts, surgery) strict and flexible exact match per merge: strict favours DARTS 2/0, flexible 0/2
+    vals = {"ties": ((0.5, 0.25), (0.25, 0.5)), "ta": ((0.75, 0.5), (0.25, 0.75))}
+    for m, (strict, flex) in vals.items():
+        for i, corr in enumerate(("darts", "surgery")):
+            name = f"{m}+{corr}"
+            rows.append({"model": name, "gsm8k_em_strict": strict[i], "gsm8k_em_flexible": flex[i]})
+            meta[name] = {"merge": m, "correction": corr, "calibration": "transductive", "variant": "", "seed": 0}
+    cfg = load_config("tiny", ["tasks.gsm8k.primary_metric=gsm8k_em_flexible"])
+    primary = cfg.tasks.primary_metrics(["gsm8k", "humaneval"])
+    assert primary == {"gsm8k": "gsm8k_em_flexible", "humaneval": "humaneval_pass@1"}
+    assert load_config("tiny").tasks.primary_metric("gsm8k") == "gsm8k_em_strict"  # default: the first
+    default = comparison_table(rows, meta, ["gsm8k"]).set_index("metric")
+    flexible = comparison_table(rows, meta, ["gsm8k"], primary).set_index("metric")
+    assert default.loc["primary", ["wins", "losses"]].tolist() == [2, 0]
+    assert flexible.loc["primary", ["wins", "losses"]].tolist() == [0, 2]
+    other = comparison_table(rows, meta, ["gsm8k"], primary, families=("other",))
+    assert other["metric"].tolist() == ["other (gsm8k_em_strict)"]
+    assert other[["wins", "losses"]].values.tolist() == [[2, 0]]
+    with pytest.raises(ConfigError, match=r"tasks.gsm8k.primary_metric: 'gsm8k_ref_nll' is not a headline column"):
+        load_config("tiny", ["tasks.gsm8k.primary_metric=gsm8k_ref_nll"])
+    # not in any dump (evaluation cache keys use the task section's dump); the manifest records it
+    assert "primary_metric" not in cfg.tasks.section("gsm8k").model_dump()

@@ -213,3 +213,121 @@ def test_collect_warns_when_the_limit_caps_the_transductive_calibration_set(tmp_
     with caplog.at_level("WARNING", logger="darts_bench"):
         assert calibration_prompts(get_task("humaneval"), "transductive", cfg, None, inputs * 2) == ["p0", "p1", "p2", "p0", "p1"]
     assert "calibration humaneval" not in caplog.text
+
+
+def test_control_rows_named_after_each_split_and_variant(tmp_path):
+    """surgery.controls: one `<merge>+surgery[rank=matched]` row per (split, sweep variant, seed),
+    after the split's method rows; bound to the control's head dirs (variant tag in the head key)."""
+    from darts_bench.config import sweep_override
+    from darts_bench.rows import bind_rows, control_tags, row_specs
+
+    cfg = load_config(str(micro_config_file(tmp_path)), ["surgery.controls=[param_matched]"])
+    names = [s.model for s in row_specs(cfg) if s.merge == "ties"]
+    assert names == ["ties", "ties+surgery", "ties+darts", "ties+surgery[rank=matched]", "ties+surgery@inductive",
+                     "ties+darts@inductive", "ties+surgery@inductive[rank=matched]"]
+    spec = next(s for s in row_specs(cfg) if s.model == "ties+surgery[rank=matched]")
+    assert (spec.correction, spec.calibration, spec.variant, spec.seed) == ("surgery", "transductive",
+                                                                            "[rank=matched]", cfg.seed)
+    swept = load_config(str(micro_config_file(tmp_path)), ["surgery.controls=[param_matched]", "seeds=[0, 1]",
+                                                           "calibration.splits=[transductive]",
+                                                           sweep_override("surgery.w_max=1,5")])
+    assert control_tags(swept) == ["[w_max=1,rank=matched]", "[w_max=5,rank=matched]"]
+    assert [s.model for s in row_specs(swept) if s.merge == "ties" and "matched" in s.model] == [
+        "ties+surgery[w_max=1,rank=matched]#s0", "ties+surgery[w_max=1,rank=matched]#s1",
+        "ties+surgery[w_max=5,rank=matched]#s0", "ties+surgery[w_max=5,rank=matched]#s1"]
+    assert control_tags(load_config(str(micro_config_file(tmp_path)))) == []  # off: rows as before
+
+    class _Pool:
+        def path(self, name):
+            return tmp_path / name
+
+        def model_key(self, name):
+            return name
+
+    heads = {("ties", "gsm8k", "surgery", "transductive", "", cfg.seed): tmp_path / "h" / "surgery",
+             ("ties", "gsm8k", "surgery", "transductive", "[rank=matched]", cfg.seed): tmp_path / "c" / "surgery"}
+    [row] = bind_rows([spec], _Pool(), {"ties": tmp_path / "ties"}, heads, ["gsm8k"])
+    assert row.heads == {"gsm8k": tmp_path / "c" / "surgery"}
+
+
+def test_controls_leave_the_methods_head_keys_and_plan_counts_them(tmp_path):
+    """Switching controls on keeps every method head's cache key (the control trains its own
+    artifact, with its own methods and rank, so its key differs); the plan counts its heads and rows."""
+    from darts_bench.controls import control_surgery
+    from darts_bench.plan import make_plan
+    from darts_bench.stages.train import head_key
+
+    off = load_config(str(micro_config_file(tmp_path)))
+    on = load_config(str(micro_config_file(tmp_path)), ["surgery.controls=[param_matched]"])
+    s_off, s_on = (c.surgery.model_copy(update={"max_len": 40}) for c in (off, on))
+    assert head_key(on, "f", "r", s_on, 0) == head_key(off, "f", "r", s_off, 0)
+    ctl = control_surgery(s_on, 32, "param_matched")
+    assert (ctl.methods, ctl.rank, ctl.controls) == (["surgery"], 20 + on.surgery.rank, [])  # 40 / 2 + rank
+    assert head_key(on, "f", "r", ctl, 0) != head_key(on, "f", "r", s_on, 0)
+
+    p_off = make_plan(load_config("tiny", ["surgery.controls=[]"]))
+    p_on = make_plan(load_config("tiny"))  # the tiny preset has the control on
+    assert (p_off["rows"], p_on["rows"]) == (29, 29 + 5 * 2)  # one matched row per merge and split
+    tr = p_on["stages"]["train"]
+    assert tr["what"].startswith("90 heads (") and "+ controls param_matched" in tr["what"]
+    assert tr["head_params"]["surgery[param_matched]"] == pytest.approx(tr["head_params"]["darts"], rel=0.1)
+    assert tr["steps"] == p_off["stages"]["train"]["steps"] * 3 // 2
+
+
+@pytest.mark.micro
+def test_param_matched_control_trained_evaluated_and_reported(micro_dir, micro_pipeline):
+    """surgery.controls=[param_matched] on one merge: the methods' heads are the ones the run
+    without controls trains (same cached dirs), the control's head has the matched rank and its
+    row's params_added is within 10% of DARTS's in table.csv; its diagnostics are its own run."""
+    import yaml
+
+    from darts_bench.controls import MATCH_TOLERANCE, param_matched_rank
+    from darts_bench.surgery.heads import load_head
+
+    base = yaml.safe_load((micro_dir / "micro.yaml").read_text())
+    base["merges"] = base["merges"][:1]
+    base["calibration"]["splits"] = ["transductive"]
+    d = micro_dir / "controls"
+    d.mkdir()
+    base["out_dir"] = str(d / "results")
+    cfg_path = d / "controls.yaml"
+    cfg_path.write_text(yaml.safe_dump(base))
+    plain = Pipeline(load_config(str(cfg_path)), suite="gsm8k", limit=2)
+    pipe = Pipeline(load_config(str(cfg_path), ["surgery.controls=[param_matched]"]), suite="gsm8k", limit=2)
+    try:
+        plain_heads = plain.train()["run_heads"]
+        rh = pipe.train()["run_heads"]
+        assert {k: v for k, v in rh.items() if k[4] == ""} == plain_heads  # methods' heads reused
+        ctl = rh[("ties", "gsm8k", "surgery", "transductive", "[rank=matched]", pipe.cfg.seed)]
+        scfg = pipe.surgery_config()
+        width = json.loads((pipe.pool().base / "config.json").read_text())["hidden_size"]
+        assert load_head(ctl).cfg.rank == param_matched_rank(width, scfg.rank, scfg.max_len, scfg.overflow)
+        assert load_head(ctl).cfg.rank > scfg.rank
+        df = pipe.report().set_index("model")
+        assert list(df.index)[-4:] == ["ties", "ties+surgery", "ties+darts", "ties+surgery[rank=matched]"]
+        n_darts, n_ctl = df.loc["ties+darts", "params_added"], df.loc["ties+surgery[rank=matched]", "params_added"]
+        assert n_ctl == load_head(ctl).num_parameters() and abs(n_ctl - n_darts) <= MATCH_TOLERANCE * n_darts
+        assert df.loc["ties+surgery", "params_added"] < n_darts / 2
+        res = json.loads((d / "results" / "results.json").read_text())
+        run = res["runs"][f"ties/gsm8k/transductive[rank=matched]#s{pipe.cfg.seed}"]
+        assert set(run) >= {"none", "surgery"} and "darts" not in run
+        assert df.loc["ties+surgery[rank=matched]", "gsm8k_kl_expert"] == pytest.approx(run["surgery"]["kl_expert"])
+        assert df.loc["ties+surgery[rank=matched]", "gsm8k_kl_expert"] != df.loc["ties+surgery", "gsm8k_kl_expert"]
+        # the report's forest plot: its values are the behaviour table's paired row
+        out = d / "results"
+        assert (out / "plots" / "gsm8k_forest.png").stat().st_size > 1000
+        fd = pd.read_csv(out / "forest.csv")
+        bt = pd.read_csv(out / "table_gsm8k_behaviour.csv").set_index("model").loc["ties+darts - ties+surgery"]
+        r = fd[fd["signal"] == "gsm8k_gap_closed"].iloc[0]
+        assert (r["estimate"], r["lo"], r["hi"]) == pytest.approx(
+            (bt["gsm8k_gap_closed"], bt["gsm8k_gap_closed_lo"], bt["gsm8k_gap_closed_hi"]))
+        # DARTS against the matched control, paired over the same examples (task metrics)
+        tt = pd.read_csv(out / "table_gsm8k.csv").set_index("model")
+        nll = tt.loc["ties+darts - ties+surgery[rank=matched]", "gsm8k_ref_nll"]
+        assert nll == pytest.approx(df.loc["ties+darts", "gsm8k_ref_nll"] - df.loc["ties+surgery[rank=matched]",
+                                                                                    "gsm8k_ref_nll"], abs=1e-9)
+        vs = fd[(fd["variant"] == " vs [rank=matched]") & (fd["signal"] == "gsm8k_ref_nll")]
+        assert vs["estimate"].tolist() == pytest.approx([nll])
+    finally:
+        plain.close()
+        pipe.close()

@@ -108,3 +108,32 @@ def test_training_lowers_loss_and_is_seeded():
     assert r1.history["val"][-1]["l1_ew"] < r1.history["val"][0]["l1_ew"]
     for (k, a), (_, b) in zip(r1.head.state_dict().items(), r2.head.state_dict().items()):
         assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("method", ["surgery", "darts", "darts_ew_only", "darts_pos_only"])
+@pytest.mark.parametrize("overflow", ["clamp", "zero", "bucket"])
+def test_head_param_count_equals_built_heads(method, overflow):
+    """darts_bench.controls.head_param_count (no torch, the planner's) counts what a built head holds."""
+    from darts_bench.controls import head_param_count
+
+    for d, r, L in ((16, 4, 7), (128, 16, 301), (576, 16, 1184)):
+        head = build_head(method, d, rank=r, max_len=L, overflow=overflow)
+        assert head_param_count(method, d, r, L, overflow) == head.num_parameters()
+
+
+def test_param_matched_surgery_within_ten_percent_of_darts():
+    """The matched Surgery head's exact parameter count (a built head) is within 10% of DARTS's; on
+    SmolLM2-135M's width (576, rank 16, 1184 positions) both are 700,416 (rank 608)."""
+    from darts_bench.controls import MATCH_TOLERANCE, param_matched_rank
+
+    assert param_matched_rank(576, 16, 1184) == 608
+    for d, r, L, overflow in ((576, 16, 1184, "clamp"), (128, 16, 301, "clamp"), (128, 16, 301, "bucket"),
+                              (64, 8, 3, "zero"), (16, 1, 2, "clamp"), (4096, 16, 2048, "clamp")):
+        darts = build_head("darts", d, rank=r, max_len=L, overflow=overflow).num_parameters()
+        rank = param_matched_rank(d, r, L, overflow)
+        matched = build_head("surgery", d, rank=rank, max_len=L, overflow=overflow).num_parameters()
+        assert matched == 2 * d * rank
+        assert abs(matched - darts) <= MATCH_TOLERANCE * darts, (d, r, L, overflow, matched, darts)
+        assert abs(matched - darts) <= d  # the closest rank: within half a rank step (2 d) of DARTS
+    assert build_head("darts", 576, rank=16, max_len=1184).num_parameters() == 700_416
+    assert build_head("surgery", 576, rank=608, max_len=1184).num_parameters() == 700_416

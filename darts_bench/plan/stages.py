@@ -32,6 +32,7 @@ from darts_bench.plan.resources import (ACTOR_START_S, DIAG_BATCH, DIAG_TEMPS, F
                                         device_kind, engine_starts, forward_seconds, vllm_engine,
                                         vllm_generation_seconds)
 from darts_bench.plan.units import gb, num
+from darts_bench.controls import CONTROL_METHOD, head_param_count, param_matched_rank
 from darts_bench.positions import clamp_warning, resolve_max_len
 from darts_bench.rows import RowSpec, head_seeds, needs_merges, row_selected, row_specs, surgery_variants
 
@@ -255,11 +256,9 @@ def where_executor(cfg: Config) -> str:
 
 def head_params(method: str, d: int, rank: int, max_len: int, overflow: str) -> int:
     """Parameters of one head: ``W_down [r, d]`` + ``W_up [d, r]``, plus for a method with a
-    position bias (:data:`POSITION_BIAS`) the table ``b [max_len (+16 overflow buckets), d]``."""
-    n = 2 * d * rank  # W_down [r, d] + W_up [d, r]
-    if POSITION_BIAS[method]:  # b [max_len (+16 buckets), d]
-        n += (max_len + (16 if overflow == "bucket" else 0)) * d
-    return n
+    position bias (:data:`POSITION_BIAS`) the table ``b [max_len (+16 overflow buckets), d]``
+    (:func:`darts_bench.controls.head_param_count`)."""
+    return head_param_count(method, d, rank, max_len if POSITION_BIAS[method] else None, overflow)
 
 
 def _finish(s: dict[str, Any], kind: str, workers: int = 1) -> dict[str, Any]:
@@ -397,12 +396,18 @@ def train(x: PlanInputs) -> dict[str, Any]:
     runs = len(head_seeds(cfg)) * len(surgery_variants(cfg))  # heads per (merge, task, split, method)
     d = x.arch["hidden_size"] if x.arch else None
     hp = {m: head_params(m, d, scfg.rank, x.max_len, scfg.overflow) for m in scfg.methods} if d else {}
+    # matched controls (darts_bench/controls.py): one more Surgery head per variant and control
+    n_heads = len(scfg.methods) + len(scfg.controls)  # heads per (merge, task, split, variant, seed)
+    rank_c = param_matched_rank(d, scfg.rank, x.max_len, scfg.overflow) if d and scfg.controls else None
+    if rank_c:
+        hp.update({f"{CONTROL_METHOD}[{c}]": head_params(CONTROL_METHOD, d, rank_c, x.max_len, scfg.overflow)
+                   for c in scfg.controls})
     max_hp = max(hp.values(), default=0)
     nprocs = ds.num_procs if ds.enabled else 1
     # fp32 Adam (m, v) per proc; ZeRO 1 and above shard the optimizer state
     opt_b = max_hp * 8 / (nprocs if ds.enabled and ds.zero_stage >= 1 else 1)
     steps = sum(scfg.epochs * math.ceil(max(c["train_tokens"], 1) / scfg.batch_size)
-                for c in x.splits.values()) * M * len(scfg.methods) * runs
+                for c in x.splits.values()) * M * n_heads * runs
     if ds.enabled:
         where = (f"DeepSpeed, {ds.num_procs} procs via {ds.launcher}, ZeRO stage {ds.zero_stage}, "
                  f"{'nccl' if cfg.device.startswith('cuda') else 'gloo'}; micro batch "
@@ -410,10 +415,12 @@ def train(x: PlanInputs) -> dict[str, Any]:
     else:
         where = "local, in-process (torch Adam on cached features)"
     s: dict[str, Any] = {
-        "what": (f"{M * n_tasks * n_splits * len(scfg.methods) * runs} heads ({M} merges x {n_tasks} tasks x "
+        "what": (f"{M * n_tasks * n_splits * n_heads * runs} heads ({M} merges x {n_tasks} tasks x "
                  f"{n_splits} splits x methods {', '.join(scfg.methods)}"
+                 + (f" + controls {', '.join(scfg.controls)}" if scfg.controls else "")
                  + (f" x {runs} seeds/sweep variants" if runs > 1 else "")
-                 + f"), rank {scfg.rank}, position table {x.max_len} rows, {scfg.epochs} epochs of "
+                 + f"), rank {scfg.rank}" + (f" (matched Surgery: rank {rank_c})" if rank_c else "")
+                 + f", position table {x.max_len} rows, {scfg.epochs} epochs of "
                  f"{scfg.batch_size}-token batches ({steps} steps in all)"),
         "where": where,
         "head_params": hp,
@@ -456,7 +463,11 @@ def train(x: PlanInputs) -> dict[str, Any]:
     diag_tokens = sum(round(c["tokens"] * cal.held_out_fraction) for c in x.splits.values()) * M
     diag_tokens += ref_ans * M * n_splits
     diag_flops = diag_tokens * 2 * d * V * (2 * (1 + len(scfg.methods)) + 1)  # le, lm per call; floor once
+    # a control's artifact scores the uncorrected merge and its one head again
+    diag_flops += diag_tokens * 2 * d * V * (2 * 2 + 1) * len(scfg.controls)
     head_flops = s["head_train_tokens"] * 6 * 2 * d * scfg.rank
+    if rank_c:  # the matched heads' share of the steps runs at their rank
+        head_flops += s["head_train_tokens"] * len(scfg.controls) / n_heads * 6 * 2 * d * (rank_c - scfg.rank)
     s["seconds"] = diag_flops / THROUGHPUT[kind]["matmul"] + head_flops / THROUGHPUT[kind]["train"]
     s["diagnostics_flops"] = diag_flops
     return _finish(s, kind)

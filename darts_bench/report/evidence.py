@@ -190,9 +190,10 @@ def _pairs(meta: dict[str, dict[str, Any]]) -> dict[tuple, dict[Any, tuple[str, 
     return out
 
 
-def _task_cell(fam: str, t: str, pairs: dict[Any, tuple[str, str]], ex: dict, seed: int) -> dict[str, Any] | None:
+def _task_cell(fam: str, t: str, pairs: dict[Any, tuple[str, str]], ex: dict, seed: int,
+               primary: dict[str, str] | None = None) -> dict[str, Any] | None:
     task = get_task(t)
-    col = task.primary_metrics[0] if fam == "primary" else f"{t}_{fam}"
+    col = ((primary or {}).get(t) or task.primary_metrics[0]) if fam == "primary" else f"{t}_{fam}"
     key = task.per_example_key(col) if fam == "primary" else fam
     seeds = sorted(pairs, key=str)
     sides = [(ex.get((pairs[s][0], t)), ex.get((pairs[s][1], t))) for s in seeds]
@@ -279,7 +280,8 @@ def _behaviour_cell(fam: str, t: str, merge: str, split: str, variant: str, seqs
 
 
 def cell_tests(examples: list[dict], sequences: list[dict], meta: dict[str, dict[str, Any]], task_names: list[str],
-               run_seed: int, families: Iterable[str] | None = None) -> list[dict[str, Any]]:
+               run_seed: int, families: Iterable[str] | None = None,
+               primary: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Per (family, merge, task, split, variant) cell: the test of the seed-mean DARTS - Surgery
     difference, from the evidence records alone. Task families (``primary``, ``ref_nll``): exact
     McNemar when the per-example values are 0/1 (:func:`darts_bench.report.stats.mcnemar_exact`),
@@ -307,7 +309,7 @@ def cell_tests(examples: list[dict], sequences: list[dict], meta: dict[str, dict
             for t in task_names:
                 seed = _cell_seed(run_seed, fam, merge, t, split, variant)
                 if fam in ("primary", "ref_nll"):
-                    c = _task_cell(fam, t, pairs, ex, seed)
+                    c = _task_cell(fam, t, pairs, ex, seed, primary)
                 else:
                     c = _behaviour_cell(fam, t, merge, split, variant, seqs, seed)
                 if c is not None:
@@ -366,17 +368,19 @@ def run_intervals_from_sequences(lines: list[dict], n_boot: int = RUN_N_BOOT) ->
 
 # --------------------------------------------------------------------- claims and recomputation
 def claims_from(rows: list[dict], meta: dict[str, dict], runs: dict[tuple, dict], methods: list[str],
-                with_heads: list[str], examples: list[dict], sequences: list[dict], run_seed: int):
+                with_heads: list[str], examples: list[dict], sequences: list[dict], run_seed: int,
+                primary: dict[str, str] | None = None):
     """``(comparison, evidence, claims)`` DataFrames of a run: the one computation behind claims.md,
     used by :func:`darts_bench.report.tables.write_report` on the run's records and by
     :func:`recompute` on the files. ``rows``: the per-row table records; ``meta``: row name ->
     {merge, correction, calibration, variant, seed, group}; ``runs``: (merge, task, split, variant,
-    seed) -> diagnostics; ``with_heads``: tasks with an expert."""
+    seed) -> diagnostics; ``with_heads``: tasks with an expert; ``primary``: task -> its primary
+    metric (``tasks.<task>.primary_metric``; default each task's first headline column)."""
     from darts_bench.report.claims import claim_evidence, claims_table
     from darts_bench.report.seeds import comparison_table
 
-    comparison = comparison_table(rows, meta, with_heads)
-    tests = cell_tests(examples, sequences, meta, with_heads, run_seed)
+    comparison = comparison_table(rows, meta, with_heads, primary)
+    tests = cell_tests(examples, sequences, meta, with_heads, run_seed, primary=primary)
     evidence = claim_evidence(runs, comparison, methods, tests)
     return comparison, evidence, claims_table(evidence)
 
@@ -431,7 +435,8 @@ def load_run(results_dir: Path) -> dict[str, Any]:
             "methods": list(man["config"]["surgery"]["methods"]),
             "with_heads": [t for t, e in man["task_experts"].items() if e is not None],
             "examples": read_jsonl_gz(d / EXAMPLES_FILE), "sequences": read_jsonl_gz(d / SEQUENCES_FILE),
-            "run_seed": int(man["seed"]), "name": man["config"]["name"]}
+            "run_seed": int(man["seed"]), "name": man["config"]["name"],
+            "primary": man.get("primary_metrics")}
 
 
 def _close(a: Any, b: Any, rel: float = 1e-9) -> bool:
@@ -457,7 +462,7 @@ def recompute(results_dir: Path) -> dict[str, Any]:
     d = Path(results_dir)
     run = load_run(d)
     _, evidence, claims = claims_from(run["rows"], run["meta"], run["runs"], run["methods"], run["with_heads"],
-                                      run["examples"], run["sequences"], run["run_seed"])
+                                      run["examples"], run["sequences"], run["run_seed"], run["primary"])
     text = f"# darts-bench claims: `{run['name']}`\n\n" + claims_markdown(claims, evidence, to_markdown)
     mismatches = []
     committed = (d / "claims.md").read_text() if (d / "claims.md").is_file() else ""

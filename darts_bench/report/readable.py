@@ -50,21 +50,24 @@ def cell(row: dict[str, Any], col: str) -> str:
     return text
 
 
-def compact_columns(task_names: list[str], with_heads: list[str]) -> list[str]:
-    """``model``, each task's primary metrics, ``<task>_gap_closed`` for tasks with heads, and
+def compact_columns(task_names: list[str], with_heads: list[str], primary: dict[str, str] | None = None) -> list[str]:
+    """``model``, each task's headline columns (its primary metric first: ``primary[task]``, default
+    the first headline column; the others beside it), ``<task>_gap_closed`` for tasks with heads, and
     ``params_added``."""
     cols = ["model"]
     for t in task_names:
-        cols += list(get_task(t).primary_metrics)
+        heads = list(get_task(t).primary_metrics)
+        prim = (primary or {}).get(t) or (heads[0] if heads else None)
+        cols += [c for c in heads if c == prim] + [c for c in heads if c != prim]
     cols += [f"{t}_gap_closed" for t in with_heads]
     return cols + ["params_added"]
 
 
 def compact_table(df: pd.DataFrame, task_names: list[str], with_heads: list[str],
-                  seed_rows: set[str] | None = None) -> pd.DataFrame:
-    """Row x (primary metric per task, gap closed per task, params added), as display strings.
-    Per-seed rows (``seed_rows``) are left out: their seed-mean row stands for them."""
-    cols = compact_columns(task_names, with_heads)
+                  seed_rows: set[str] | None = None, primary: dict[str, str] | None = None) -> pd.DataFrame:
+    """Row x (headline metrics per task, primary first; gap closed per task; params added), as
+    display strings. Per-seed rows (``seed_rows``) are left out: their seed-mean row stands for them."""
+    cols = compact_columns(task_names, with_heads, primary)
     seed_rows = seed_rows or set()
     recs = []
     for r in df.to_dict(orient="records"):

@@ -66,11 +66,22 @@ def favours_note(column: str, task_name: str) -> str:
     return "> 0 favours DARTS" if direction(column, task_name) > 0 else "< 0 favours DARTS"
 
 
-def family_column(family: str, task_name: str) -> str:
-    """The table column of a compared family for a task (``primary`` -> its first primary metric)."""
+def family_columns(family: str, task_name: str, primary: dict[str, str] | None = None) -> list[str]:
+    """The table columns of a family for a task: ``primary`` -> its primary metric (``primary[task]``,
+    i.e. ``tasks.<task>.primary_metric``, else its first headline column), ``other`` -> its other
+    headline columns (shown beside the primary, never tested), else ``[<task>_<family>]``."""
+    heads = list(get_task(task_name).primary_metrics)
+    prim = (primary or {}).get(task_name) or heads[0]
     if family == "primary":
-        return get_task(task_name).primary_metrics[0]
-    return f"{task_name}_{family}"
+        return [prim]
+    if family == "other":
+        return [c for c in heads if c != prim]
+    return [f"{task_name}_{family}"]
+
+
+def family_column(family: str, task_name: str, primary: dict[str, str] | None = None) -> str:
+    """The one table column of a compared family for a task (:func:`family_columns`)."""
+    return family_columns(family, task_name, primary)[0]
 
 
 def seed_groups(rows: list[dict[str, Any]], meta: dict[str, tuple[str, int | None]]) -> dict[str, list[str]]:
@@ -128,11 +139,12 @@ def sign_test(wins: int, losses: int) -> float | None:
 
 
 def paired_units(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]], task_names: list[str],
-                 family: str) -> list[dict[str, Any]]:
+                 family: str, primary: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Each (merge, task, seed) unit of DARTS vs Surgery for one compared family, per calibration
     split and sweep variant: ``{"merge", "task", "seed", "split", "variant", "darts", "surgery",
     "diff"}`` with ``diff = darts - surgery``. ``meta``: row name -> {"merge", "correction",
-    "calibration", "variant", "seed"}; tasks without a value on either side are skipped."""
+    "calibration", "variant", "seed"}; ``primary``: task -> its primary metric (:func:`family_columns`);
+    tasks without a value on either side are skipped."""
     key = {}
     for r in rows:
         m = meta.get(r["model"])
@@ -144,13 +156,13 @@ def paired_units(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]], ta
             continue
         s = key[(merge, split, variant, seed, "surgery")]
         for t in task_names:
-            col = family_column(family, t)
-            a, b = d.get(col), s.get(col)
-            if not (_is_number(a) and _is_number(b)) or not (math.isfinite(a) and math.isfinite(b)):
-                continue
-            units.append({"merge": merge, "task": t, "seed": seed, "split": split, "variant": variant,
-                          "column": col, "darts": float(a), "surgery": float(b), "diff": float(a) - float(b),
-                          "direction": direction(col, t)})
+            for col in family_columns(family, t, primary):
+                a, b = d.get(col), s.get(col)
+                if not (_is_number(a) and _is_number(b)) or not (math.isfinite(a) and math.isfinite(b)):
+                    continue
+                units.append({"merge": merge, "task": t, "seed": seed, "split": split, "variant": variant,
+                              "column": col, "darts": float(a), "surgery": float(b), "diff": float(a) - float(b),
+                              "direction": direction(col, t)})
     return units
 
 
@@ -189,23 +201,28 @@ def cell_units(units: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def comparison_table(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]],
-                     task_names: list[str]) -> pd.DataFrame:
+                     task_names: list[str], primary: dict[str, str] | None = None,
+                     families: tuple[str, ...] = COMPARED) -> pd.DataFrame:
     """DARTS vs Surgery per (calibration split, sweep variant, compared family): wins / ties / losses
     over (merge, task) cells (seeds averaged inside a cell), the sign-test p-value, ``p_holm`` (Holm
-    over the families of the same split and variant) and what the counts mean."""
+    over the families of the same split and variant) and what the counts mean. ``primary``: task ->
+    its primary metric (``tasks.<task>.primary_metric``; default each task's first headline column);
+    ``families``: :data:`COMPARED`, or ``("other",)`` for the other headline columns (shown beside
+    the primary in table.md, not part of the claims)."""
     from darts_bench.report.stats import holm
 
     recs = []
-    for family in COMPARED:
-        units = cell_units(paired_units(rows, meta, task_names, family))
+    for family in families:
+        units = cell_units(paired_units(rows, meta, task_names, family, primary))
         cells = sorted({(u["split"], u["variant"]) for u in units})
         for split, variant in cells:
             us = [u for u in units if (u["split"], u["variant"]) == (split, variant)]
             res = win_tie_loss(us)
             n_seeds = sorted({len(u["seeds"]) for u in us})
-            recs.append({"metric": family, "calibration": split, "variant": variant or "-",
+            label = family if family != "other" else f"other ({', '.join(sorted({u['column'] for u in us}))})"
+            recs.append({"metric": label, "calibration": split, "variant": variant or "-",
                          "units": f"{res['n']} (merge, task) cells, {'/'.join(map(str, n_seeds))} seed(s) averaged",
-                         **res, "better": "higher" if family in HIGHER_IS_BETTER else "lower",
+                         **res, "better": "higher" if family in ("other", *HIGHER_IS_BETTER) else "lower",
                          "test": "exact two-sided sign test over cells (binomial, ties dropped), Holm over families"})
     df = pd.DataFrame(recs)
     if len(df):

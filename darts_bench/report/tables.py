@@ -248,11 +248,23 @@ def per_benchmark_tables(record: RunRecord, results: dict, rows: list[dict]) -> 
                     rec[m] = r.get(m)
                     _put_interval(rec, m, iv)
             recs.append(rec)
-        # DARTS minus surgery, paired over the same examples, per merge and calibration split
+        # DARTS minus surgery, paired over the same examples, per merge and calibration split; and
+        # DARTS minus each matched control of the same (merge, split, variant, seed)
+        from darts_bench.controls import control_tag
+
+        spec = {row.model: row for row in record.rows}
+        by_key = {(row.merge, row.calibration, row.variant, row.seed, row.correction): row.model for row in record.rows}
+        pairs = []
         for r in rows:
             if r["correction"] != "darts":
                 continue
-            sur = r["model"].replace("+darts", "+surgery")
+            pairs.append((r, r["model"].replace("+darts", "+surgery")))
+            d = spec.get(r["model"])
+            for c in record.cfg.surgery.controls if d is not None else []:
+                ctl = by_key.get((d.merge, d.calibration, control_tag(d.variant, c), d.seed, "surgery"))
+                if ctl:
+                    pairs.append((r, ctl))
+        for r, sur in pairs:
             if sur not in results:
                 continue
             rec = {"model": f"{r['model']} - {sur}"}
@@ -317,8 +329,11 @@ def plot_diagnostics(record: RunRecord, out_dir: Path) -> list[str]:
                     handles.append(h)
                     labels.append(lab)
         axes[0][-1].legend(handles, labels, fontsize=6)
-        fig.suptitle(f"{t}: L1 by position, split {split}, head seed {seed}\nall positions of the held-out "
-                     "calibration sequences (prompt + expert continuation)", fontsize=7)
+        from darts_bench.rows import surgery_variants
+
+        variant = surgery_variants(record.cfg)[0][0] or "default settings"
+        fig.suptitle(f"{t}: L1 by position, split {split}, head seed {seed}, variant {variant}\nall positions of "
+                     "the held-out calibration sequences (prompt + expert continuation)", fontsize=7)
         fig.tight_layout(rect=(0, 0, 1, 0.9))
         f = plots / f"{t}_l1_by_position.png"
         fig.savefig(f, dpi=110)
@@ -345,7 +360,7 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     df = df[cols]
     from darts_bench.report.evidence import (EXAMPLES_FILE, SEQUENCES_FILE, claims_from, example_records,
                                              sequence_records, write_jsonl_gz)
-    from darts_bench.report.seeds import add_seed_means
+    from darts_bench.report.seeds import add_seed_means, comparison_table
     from darts_bench.rows import head_seeds, row_meta, surgery_variants
 
     meta = row_meta(record.cfg, record.rows)
@@ -357,9 +372,11 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     sequences = sequence_records(runs, record.cfg.seed)
     write_jsonl_gz(out / EXAMPLES_FILE, examples)
     write_jsonl_gz(out / SEQUENCES_FILE, sequences)
+    primary = record.cfg.tasks.primary_metrics(record.task_names)  # tasks.<task>.primary_metric
     comparison, evidence, claims = claims_from(rows, meta, runs or record.train["diagnostics"],
                                                list(record.cfg.surgery.methods), with_heads, examples, sequences,
-                                               record.cfg.seed)
+                                               record.cfg.seed, primary)
+    others = comparison_table(rows, meta, with_heads, primary, families=("other",))  # shown, not tested
     diags = record.train["diagnostics"]
     premise = {f"{m}/{t}/{s}": d["none"]["slope"] for (m, t, s), d in diags.items()}
     tasks = record.tasks
@@ -401,6 +418,7 @@ def write_report(record: RunRecord) -> pd.DataFrame:
                                         if "template" in d else {})}
                     for (m, t, s), d in diags.items()},
         "stage_seconds": record.timings,
+        "primary_metrics": primary,
         "head_seeds": head_seeds(record.cfg),
         "sweep_variants": [tag for tag, _ in surgery_variants(record.cfg)],
         # row name -> merge, correction, calibration split, sweep variant, head seed (report --from-results)
@@ -424,10 +442,12 @@ def write_report(record: RunRecord) -> pd.DataFrame:
 
     seed_rows = {m for m, v in meta.items() if v.get("group")}
     md = [f"# darts-bench results: `{record.cfg.name}`\n", "\n" + protocol_header(manifest["protocols"]) + "\n\n",
-          "Primary metric per task, gap closed per task (share of the closable KL gap to the expert on held-out "
+          "Headline metrics per task (the primary metric first: "
+          + ", ".join(f"{t} `{m}`" for t, m in primary.items()) + "; `tasks.<task>.primary_metric`), gap closed "
+          "per task (share of the closable KL gap to the expert on held-out "
           "calibration tokens) and parameters added; flags in parentheses qualify the number before them"
           + (", `mean ± sd` over head seeds" if seed_rows else "") + ". Every column: `table.csv`.\n\n",
-          to_markdown(compact_table(df, record.task_names, with_heads, seed_rows))]
+          to_markdown(compact_table(df, record.task_names, with_heads, seed_rows, primary))]
     tail = []
     if len(comparison):
         tail.append("\n## DARTS vs Surgery: wins / ties / losses over (merge, task) cells\n\n"
@@ -438,6 +458,9 @@ def write_report(record: RunRecord) -> pd.DataFrame:
                   "(the claims below, rule in claims.md): `heterogeneous` when cells differ significantly both "
                   "ways, else from `p_holm`.\n\n")
         tail.append(to_markdown(comparison.drop(columns=["test"])))
+        if len(others):
+            tail.append("\nThe other headline metrics, counted the same way (shown beside the primary; not part of "
+                        "the claims):\n\n" + to_markdown(others.drop(columns=["test"])))
         atomic_write_text(out / "comparison.csv", comparison.to_csv(index=False))
     if len(claims):
         tail.append("\n## Claims (computed verdicts; evidence per cell in claims.md)\n\n")
@@ -468,9 +491,14 @@ def write_report(record: RunRecord) -> pd.DataFrame:
             md.append(to_markdown(ci_display(bdf[keep], shown)))
             atomic_write_text(out / f"table_{t}_behaviour.csv", bdf.to_csv(index=False))
     md += tail
-    from darts_bench.report.figures import plot_gap_closed, plot_primary
+    from darts_bench.report.figures import forest_data, plot_forest, plot_gap_closed, plot_primary, plot_sweep
 
-    figs = [*plot_primary(task_tables, rows, out), *plot_gap_closed(df, with_heads, meta, out)]
+    forest = pd.concat([forest_data(t, runs, task_tables.get(t), meta) for t in with_heads] or [pd.DataFrame()],
+                       ignore_index=True)
+    if len(forest):  # the values the forest plots and sweep heatmaps draw
+        atomic_write_text(out / "forest.csv", forest.to_csv(index=False))
+    figs = [*plot_primary(task_tables, rows, out, primary), *plot_gap_closed(df, with_heads, meta, out),
+            *plot_forest(forest, out), *plot_sweep(forest, out)]
     if figs:
         md.append("\n## Figures\n\n" + "".join(f"![{f}]({f})\n" for f in figs))
     atomic_write_text(out / "table.md", "".join(md))

@@ -60,14 +60,40 @@ DIAGNOSTICS_VERSION = 2
 N_BOOT = 200
 
 
+def resolve_controls(variants: list[tuple[str, Any]], base_dir: Path) -> list[tuple[str, Any]]:
+    """``[(tag, SurgeryConfig)]`` of the matched controls (:mod:`darts_bench.controls`) of each sweep
+    variant in ``variants`` (``max_len`` resolved), in variant order: tag ``[rank=matched]`` (or the
+    variant's tag with ``rank=matched``), methods ``[surgery]``, rank from the base's ``hidden_size``.
+    The train stage trains them like any variant.
+
+    Raises:
+        ValueError: a control is configured but the base's ``config.json`` has no ``hidden_size``.
+    """
+    from darts_bench.controls import control_surgery, control_tag
+
+    out = []
+    for tag, scfg in variants:
+        if not scfg.controls:
+            continue
+        conf = json.loads((Path(base_dir) / "config.json").read_text())
+        d = conf.get("hidden_size") or (conf.get("text_config") or {}).get("hidden_size")
+        if not d:
+            raise ValueError(f"surgery.controls {scfg.controls}: no hidden_size in {Path(base_dir) / 'config.json'} "
+                             "to size the matched head")
+        out += [(control_tag(tag, c), control_surgery(scfg, int(d), c)) for c in scfg.controls]
+    return out
+
+
 def head_key(cfg, features_key: str, reference_key: str, scfg, seed: int | None = None) -> str:
     """Cache key of one (merge, task, split)'s heads: features, resolved surgery config ``scfg``,
     held-out fraction, head seed (``seed``, default ``cfg.seed``), :data:`DIAGNOSTICS_VERSION` and,
     when DeepSpeed trains them, the
     DeepSpeed settings and accelerator (DeepSpeed heads differ from in-process ones by float summation
     order; see README)."""
+    # surgery.controls is left out: a control's heads are their own artifact (their own methods and
+    # rank, :func:`resolve_controls`), so switching controls on leaves the methods' heads' keys as they were
     parts = {"features": features_key, "reference": reference_key,
-             "surgery": scfg.model_dump(mode="json"),
+             "surgery": {k: v for k, v in scfg.model_dump(mode="json").items() if k != "controls"},
              "held_out": cfg.calibration.held_out_fraction,
              "seed": cfg.seed if seed is None else seed, "diagnostics": DIAGNOSTICS_VERSION}
     if cfg.deepspeed.enabled:
