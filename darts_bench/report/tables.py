@@ -345,7 +345,7 @@ def write_report(record: RunRecord) -> pd.DataFrame:
           "Primary metric per task, gap closed per task (share of the closable KL gap to the expert on held-out "
           "calibration tokens) and parameters added; flags in parentheses qualify the number before them"
           + (", `mean ± sd` over head seeds" if seed_rows else "") + ". Every column: `table.csv`.\n\n",
-          to_markdown(compact_table(df, record.task_names, with_heads, seed_rows, marks))]
+          to_markdown(compact := compact_table(df, record.task_names, with_heads, seed_rows, marks))]
     if legend(marks):
         md.append("\n" + legend(marks))
     tail = []
@@ -381,5 +381,12 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     if figs:
         md.append("\n## Figures\n\n" + "".join(f"![{f}]({f})\n" for f in figs))
     atomic_write_text(out / "table.md", "".join(md))
-    plot_diagnostics(record, out)
+    diag_figs = plot_diagnostics(record, out)
+    from darts_bench.report.page import write_page
+    from darts_bench.report.readable import MARK_LEGEND
+
+    write_page(out, name=record.cfg.name, protocol_line=protocol_header(manifest["protocols"]), compact=compact,
+               legend=[(m, t) for m, t in MARK_LEGEND.items() if any(m in v for v in marks.values())],
+               claims=claims, figure_files=[*figs, *diag_figs], tasks=tasks, results=results, rows=record.rows,
+               methods=list(record.cfg.surgery.methods))
     return df
