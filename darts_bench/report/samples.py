@@ -90,9 +90,9 @@ def sample_records(row: str, task: Task, examples: list[Example], result: TaskRe
         rec = {"doc_id": i, "doc": doc, "target": target,
                "arguments": {"gen_args_0": {"arg_0": prompt, "arg_1": gen}},
                "resps": [responses], "filtered_resps": [extracted[0] if len(extracted) == 1 else extracted],
-               "filter": protocol, "metrics": list(metrics), **metrics,
+               "filter": protocol, "metrics": list(metrics),
                "doc_hash": hash_string(json.dumps(doc, indent=2, default=handle_non_serializable, ensure_ascii=False)),
-               "prompt_hash": hash_string(prompt), "target_hash": hash_string(target),
+               "prompt_hash": hash_string(prompt), "target_hash": hash_string(target), **metrics,
                "example_id": e.id, "row": row, "task": task.name, "extracted": extracted, "verdict": verdict,
                "sample": s}
         recs.append(rec)

@@ -196,11 +196,14 @@ class GSM8KTask(Task):
 
     def sample_fields(self, example: Example, sample: dict[str, Any]) -> dict[str, Any]:
         """The samples-file view of one example (:meth:`Task.sample_fields`): lm-eval's ``doc``
-        (``question``, ``answer``) and ``target`` (the full solution, as lm-eval's ``doc_to_target``),
-        the prompt lm-eval sent, the response, the protocol's strict answer (None: no answer) and its
-        verdict (True: exact match)."""
-        return {"doc": {"question": example.meta["question"], "answer": example.meta["answer"]},
-                "target": example.meta["answer"], "prompt": sample["prompt"], "responses": [sample["response"]],
+        (``question``, ``answer``, and the rendered ``prompt`` under a chat-template protocol: the doc
+        :meth:`write_lm_eval_task` gives lm-eval) and ``target`` (the full solution, as lm-eval's
+        ``doc_to_target``), the prompt lm-eval sent, the response, the protocol's strict answer (None:
+        no answer) and its verdict (True: exact match)."""
+        doc = {"question": example.meta["question"], "answer": example.meta["answer"]}
+        if get_protocol(self.protocol).uses_chat_template:
+            doc["prompt"] = example.meta.get("prompt", example.prompt)
+        return {"doc": doc, "target": example.meta["answer"], "prompt": sample["prompt"], "responses": [sample["response"]],
                 "extracted": [sample["strict"]], "verdict": [bool(sample["em_strict"])]}
 
     def examples(self, data_dir: Path | None, model: TextModel | None, limit: int | None) -> list[Example]:
