@@ -260,6 +260,13 @@ class Task(ABC):
         return {"doc": dict(example.meta), "target": example.reference, "prompt": example.prompt,
                 "responses": responses, "extracted": list(responses), "verdict": verdict}
 
+    def score_input(self, records: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """The results' samples-file records of one row (:mod:`darts_bench.report.samples`) as the
+        lines of a file :attr:`score_samples` reads, so ``darts-bench report --rescore`` can re-score a
+        run with the current scorer without generating again. Default None: not re-scorable offline
+        (e.g. a judge model is needed)."""
+        return None
+
     def models_used(self, config: TaskConfig) -> list[str]:
         """Other models the protocol calls through ``EvalContext.get_model`` (row names or
         checkpoint dirs, e.g. a judge); their identity goes into the evaluation's cache key."""

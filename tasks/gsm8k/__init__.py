@@ -206,6 +206,11 @@ class GSM8KTask(Task):
         return {"doc": doc, "target": example.meta["answer"], "prompt": sample["prompt"], "responses": [sample["response"]],
                 "extracted": [sample["strict"]], "verdict": [bool(sample["em_strict"])]}
 
+    def score_input(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Results samples as :func:`score_samples` lines: ``question`` (the doc's exact text, found in
+        the test split) and the raw ``response`` (:meth:`Task.score_input`)."""
+        return [{"question": r["doc"]["question"], "response": r["resps"][0][0]} for r in records]
+
     def examples(self, data_dir: Path | None, model: TextModel | None, limit: int | None) -> list[Example]:
         """Test questions in file order, the zero-shot prompt of ``self.protocol`` (protocols.py;
         ``lm-eval``: the raw lm-eval format, its chat template, when on, is applied by lm-eval at

