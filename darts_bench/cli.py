@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("results written to %s (%.0f s): table.md, table.csv, claims.md", pipe.out_dir,
                      time.perf_counter() - t0)
         return 0
-    except (ConfigError, OSError, ValueError, KeyError, FloatingPointError, SandboxError) as e:
+    except (ConfigError, OSError, ValueError, KeyError, FloatingPointError, SandboxError, ImportError) as e:
         log.error("%s: %s", type(e).__name__, e)
         return 2
 

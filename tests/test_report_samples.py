@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
+
+import pandas as pd
 
 import pytest
 from conftest import DATA_DIR
@@ -14,6 +17,7 @@ from test_tasks_gsm8k import StandIn, needs_data
 from darts_bench.api import EvalContext, Example, Task, TaskResult, get_task
 from darts_bench.config import GSM8KConfig
 from darts_bench.data import DataError
+from darts_bench.report import rescore as rescore_mod
 from darts_bench.report import samples as S
 
 LM_EVAL_FIELDS = ("doc_id", "doc", "target", "arguments", "resps", "filtered_resps", "filter", "metrics",
@@ -134,3 +138,62 @@ def test_write_samples_dir_names_rows_and_removes_stale_files(tmp_path):
     assert not stale.exists() and not stale.parent.exists()
     assert [r["resps"] for r in S.read_results_samples(tmp_path / index["ties+darts#s1"]["plain"]["samples"])] == \
         [[["x0"]], [["x1"]]]
+
+
+@pytest.mark.micro
+@pytest.mark.subprocess  # the HumanEval sandbox (rescore) and headless Chromium (page)
+def test_micro_run_writes_samples_page_and_rescores(micro_pipeline, micro_dir):
+    """A micro run writes samples/ (one file per row x task, every example) and index.html, and
+    results.json points to both; the page renders the samples' completions; `report --rescore`
+    re-scores edited samples without generating (an answer made right moves the cell by 1/4)."""
+    import sys
+
+    from test_report_page import Rendered, dump_dom
+
+    from darts_bench.cli import main
+
+    out = micro_dir / "samples-run"
+    assert main(["run", "--config", str(micro_dir / "micro.yaml"), "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    arts = res["artifacts"]["rows"]
+    assert list(arts) == [r["model"] for r in res["rows"]]
+    for row, by_task in arts.items():
+        assert sorted(by_task) == ["alpacaeval", "gsm8k", "humaneval"]
+        for t, e in by_task.items():
+            recs = S.read_results_samples(out / e["samples"])
+            assert len(recs) == e["n"] == 4 and [r["doc_id"] for r in recs] == [0, 1, 2, 3]
+            assert all(r["row"] == row and r["task"] == t for r in recs)
+            assert (Path(e["eval_artifact"]) / "result.json").is_file()
+    assert arts["ties+darts"]["humaneval"]["samples"] == "samples/ties+darts/humaneval.jsonl"
+    # the page: the ties group's completions of example 2 are the samples files' responses
+    r = Rendered()
+    r.feed(dump_dom(out / "index.html", "task=humaneval&merge=ties&ex=2"))
+    want = {row: S.read_results_samples(out / arts[row]["humaneval"]["samples"])[2]["resps"][0][0]
+            for row in ("ties", "ties+surgery", "ties+darts")}
+    assert r.completions == {k: (v if v else "(empty)") for k, v in want.items()}
+    assert r.text["example-id"] == "HumanEval/2" and len(r.verdicts) == 3
+    # rescore: unedited samples reproduce the table; an edited answer moves exactly its cell
+    assert main(["report", "--rescore", "--config", str(micro_dir / "micro.yaml"), "--out", str(out)]) == 0
+    df = pd.read_csv(out / "rescore.csv")
+    scored = df[df["metric"].notna()]
+    assert len(scored) == 14 * 3 and (scored["delta"] == 0).all() and (scored["n_changed"].fillna(0) == 0).all()
+    assert set(df[df["task"] == "alpacaeval"]["note"]) == {rescore_mod.NO_SCORER}
+    he = out / arts["ties+darts"]["humaneval"]["samples"]
+    recs = S.read_results_samples(he)
+    problems = sys.modules[type(get_task("humaneval")).__module__].load_problems(DATA_DIR)
+    recs[0]["resps"] = [[problems[recs[0]["doc"]["task_id"]]["canonical_solution"]]]
+    he.write_text("".join(json.dumps(x) + "\n" for x in recs))
+    gs = out / arts["ties"]["gsm8k"]["samples"]
+    recs = S.read_results_samples(gs)
+    recs[0]["resps"] = [["She makes #### 18"]]
+    gs.write_text("".join(json.dumps(x) + "\n" for x in recs))
+    assert main(["report", "--rescore", "--config", str(micro_dir / "micro.yaml"), "--out", str(out)]) == 0
+    df = pd.read_csv(out / "rescore.csv").set_index(["model", "metric"])
+    assert df.loc[("ties+darts", "humaneval_pass@1"), "rescored"] == 0.25
+    assert df.loc[("ties+darts", "humaneval_pass@1"), "delta"] == 0.25
+    assert df.loc[("ties", "gsm8k_em_strict"), "rescored"] == 0.25 and df.loc[("ties", "gsm8k_em_strict"), "n_changed"] == 1
+    assert df.loc[("ties", "gsm8k_em_flexible"), "n_changed"] == 1
+    moved = df[df["delta"].fillna(0) != 0]
+    assert sorted(moved.index) == [("ties", "gsm8k_em_flexible"), ("ties", "gsm8k_em_strict"),
+                                   ("ties+darts", "humaneval_pass@1")]
+    assert "3 of 42 re-scored cells moved" in (out / "rescore.md").read_text()

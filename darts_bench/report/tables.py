@@ -389,4 +389,8 @@ def write_report(record: RunRecord) -> pd.DataFrame:
                legend=[(m, t) for m, t in MARK_LEGEND.items() if any(m in v for v in marks.values())],
                claims=claims, figure_files=[*figs, *diag_figs], tasks=tasks, results=results, rows=record.rows,
                methods=list(record.cfg.surgery.methods))
+    if record.cfg.loggers:  # experiment trackers (darts_bench/loggers.py), after every file is written
+        from darts_bench.loggers import log_run
+
+        log_run(record.cfg, out, manifest, df)
     return df
