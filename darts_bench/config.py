@@ -313,8 +313,8 @@ class VLLMConfig(_Strict):
 class TrackingConfig(_Strict):
     """Where the trackers of ``loggers`` write (:mod:`darts_bench.loggers`); not part of the experiment."""
 
-    mlflow_tracking_uri: str | None = Field(None, description="MLflow tracking URI; None: a local file store "
-                                            "<work_dir>/mlruns (no server)")
+    mlflow_tracking_uri: str | None = Field(None, description="MLflow tracking URI; None: the local SQLite store "
+                                            "<work_dir>/mlflow.db, artifacts in <work_dir>/mlartifacts (no server)")
     experiment: str = Field("darts-bench", min_length=1, description="MLflow experiment name")
     wandb_project: str = Field("darts-bench", min_length=1, description="W&B project")
     wandb_mode: Literal["offline", "online"] = Field("offline", description="W&B mode; offline: files under "

@@ -7,8 +7,9 @@
 * the results dir's files as artifacts: ``results.json``, the tables, ``claims.md``, ``index.html``,
   ``plots/`` and ``samples/``.
 
-MLflow logs to a local store (``tracking.mlflow_tracking_uri``; default ``<work_dir>/mlruns``, a file
-store: no server), W&B in offline mode (``tracking.wandb_mode``; files under ``<work_dir>/wandb``,
+MLflow logs to a local store (``tracking.mlflow_tracking_uri``; default the SQLite file
+``<work_dir>/mlflow.db`` with artifacts under ``<work_dir>/mlartifacts``: no server; MLflow 3 refuses
+its older ``./mlruns`` file store unless ``MLFLOW_ALLOW_FILE_STORE=true``), W&B in offline mode (``tracking.wandb_mode``; files under ``<work_dir>/wandb``,
 ``wandb sync`` uploads them later). The libraries' public APIs only (``mlflow.start_run``,
 ``log_params``, ``log_metrics``, ``log_artifacts``; ``wandb.init``, ``Run.log``, ``Artifact``).
 """
@@ -95,9 +96,18 @@ def log_mlflow(cfg, out_dir: Path, manifest: dict[str, Any], df: pd.DataFrame) -
     except ImportError:
         raise ImportError("loggers: [mlflow] needs mlflow: pip install 'darts-bench[mlflow]'") from None
     t = cfg.tracking
-    uri = t.mlflow_tracking_uri or (Path(cfg.work_dir).resolve() / "mlruns").as_uri()
+    work = Path(cfg.work_dir).resolve()
+    if t.mlflow_tracking_uri:
+        uri = t.mlflow_tracking_uri
+    else:
+        work.mkdir(parents=True, exist_ok=True)
+        uri = f"sqlite:///{work / 'mlflow.db'}"
     mlflow.set_tracking_uri(uri)
-    exp = mlflow.set_experiment(t.experiment)
+    client = mlflow.MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name(t.experiment)
+    if exp is None:  # artifacts beside the store (MLflow's default is ./mlartifacts under the cwd)
+        root = None if t.mlflow_tracking_uri else (work / "mlartifacts").as_uri()
+        exp = client.get_experiment(client.create_experiment(t.experiment, artifact_location=root))
     params = flatten(manifest)
     metrics = table_metrics(df)
     files, dirs = _artifacts(out_dir)
@@ -122,7 +132,7 @@ def log_wandb(cfg, out_dir: Path, manifest: dict[str, Any], df: pd.DataFrame) ->
     """One W&B run (project ``tracking.wandb_project``, mode ``tracking.wandb_mode``, offline by
     default, files under ``<work_dir>/wandb``): the manifest as its config, the table's metrics as one
     logged step and in the summary, the results files as one artifact ``results-<config name>``.
-    Returns ``{"run_dir", "run_id"}``.
+    Returns ``{"run_dir", "run_id", "summary"}`` (summary: the logged metrics as the run holds them).
 
     Raises:
         ImportError: wandb is not installed (``pip install darts-bench[wandb]``).
@@ -146,7 +156,8 @@ def log_wandb(cfg, out_dir: Path, manifest: dict[str, Any], df: pd.DataFrame) ->
         for d in dirs:
             art.add_dir(str(d), name=d.name)
         run.log_artifact(art)
-        info = {"run_dir": str(Path(run.dir).parent), "run_id": run.id}
+        info = {"run_dir": str(Path(run.dir).parent), "run_id": run.id,
+                "summary": {k: run.summary[k] for k in metrics}}
     finally:
         run.finish()
     log.info("wandb: %s run %s in %s (%d metrics)", t.wandb_mode, info["run_id"], info["run_dir"], len(metrics))

@@ -4,7 +4,6 @@ the library, where it is missing), and a micro run with ``loggers: [mlflow]``.""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pandas as pd
@@ -45,8 +44,8 @@ def test_mlflow_local_file_store(tmp_path):
     out, manifest, df = _results(tmp_path)
     cfg = Config(name="unit", work_dir=str(tmp_path / "work"), loggers=["mlflow"])
     info = log_mlflow(cfg, out, manifest, df)
-    assert info["tracking_uri"] == (tmp_path / "work" / "mlruns").as_uri()
-    assert (tmp_path / "work" / "mlruns").is_dir()  # a local store: no server
+    assert info["tracking_uri"] == f"sqlite:///{tmp_path / 'work' / 'mlflow.db'}"  # a local store: no server
+    assert (tmp_path / "work" / "mlartifacts").is_dir()
     run = MlflowClient(tracking_uri=info["tracking_uri"]).get_run(info["run_id"])
     assert run.data.params == {"seed": "3", "config.surgery.rank": "16", "packages.torch": "2.13.0"}
     assert run.data.metrics == {"ties/gsm8k_em_strict": 0.5, "ties_darts/gsm8k_em_strict": 0.75}
@@ -63,9 +62,13 @@ def test_wandb_offline_run_files(tmp_path):
     info = log_wandb(cfg, out, manifest, df)
     run_dir = Path(info["run_dir"])
     assert run_dir.parent == tmp_path / "work" / "wandb" / "wandb" and run_dir.name.startswith("offline-run-")
-    summary = json.loads((run_dir / "files" / "wandb-summary.json").read_text())
-    assert summary["ties/gsm8k_em_strict"] == 0.5 and summary["ties_darts/gsm8k_em_strict"] == 0.75
-    assert list(run_dir.glob("run-*.wandb"))  # the offline log `wandb sync` uploads (artifact included)
+    assert info["summary"] == {"ties/gsm8k_em_strict": 0.5, "ties_darts/gsm8k_em_strict": 0.75}
+    # the offline record log `wandb sync` uploads holds the metrics, the config and the artifact's files
+    (log,) = run_dir.glob("run-*.wandb")
+    data = log.read_bytes()
+    for needle in (b"ties_darts/gsm8k_em_strict", b"config.surgery.rank", b"results-unit", b"samples/ties/gsm8k.jsonl",
+                   b"index.html"):
+        assert needle in data, needle
 
 
 @pytest.mark.micro
@@ -78,10 +81,10 @@ def test_micro_run_logs_to_mlflow(micro_pipeline, micro_dir):
     from darts_bench.cli import main
 
     out = micro_dir / "mlflow-run"
-    store = micro_dir / "mlruns-micro"
+    store = f"sqlite:///{micro_dir / 'micro-mlflow.db'}"
     assert main(["run", "--config", str(micro_dir / "micro.yaml"), "--out", str(out), "--set", "loggers=[mlflow]",
-                 "--set", f"tracking.mlflow_tracking_uri={store.as_uri()}", "--suite", "humaneval,gsm8k"]) == 0
-    client = MlflowClient(tracking_uri=store.as_uri())
+                 "--set", f"tracking.mlflow_tracking_uri={store}", "--suite", "humaneval,gsm8k"]) == 0
+    client = MlflowClient(tracking_uri=store)
     (exp,) = [e for e in client.search_experiments() if e.name == "darts-bench"]
     (run,) = client.search_runs([exp.experiment_id])
     table = pd.read_csv(out / "table.csv").set_index("model")
