@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from darts_bench.artifacts import atomic_write_text
 from darts_bench.rows import Row
 
 TEMPLATE = "index.html.j2"
+#: a display cell that starts with a number (right-aligned in the page's tables)
+NUMBER = re.compile(r"^[-+]?(\d|\.\d|nan|inf)")
 
 
 def first_difference(texts: list[str]) -> int | None:
@@ -112,6 +115,7 @@ def render_page(*, name: str, protocol_line: str, compact: pd.DataFrame, legend:
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
                              autoescape=jinja2.select_autoescape(["html", "j2"]), undefined=jinja2.StrictUndefined)
+    env.tests["number_like"] = lambda v: bool(NUMBER.match(str(v)))
     # inside <script> nothing is unescaped: keep the JSON valid and unable to close the element
     js = json.dumps(browser, ensure_ascii=False, allow_nan=False)
     js = js.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
@@ -120,7 +124,8 @@ def render_page(*, name: str, protocol_line: str, compact: pd.DataFrame, legend:
     except metadata.PackageNotFoundError:
         version = "unknown"
     return env.get_template(TEMPLATE).render(
-        name=name, version=version, protocol_line=protocol_line, compact=_table(compact), legend=legend,
+        name=name, version=version,
+        protocol_lines=[re.sub(r"[*`]", "", ln).lstrip("- ").strip() for ln in protocol_line.splitlines() if ln.strip()], compact=_table(compact), legend=[(m, t.replace("`", "")) for m, t in legend],
         claims=_table(claims), figures=[{"name": n, "data": base64.b64encode(b).decode("ascii")} for n, b in figures],
         browser_json=Markup(js))
 
