@@ -95,3 +95,22 @@ def test_micro_run_logs_to_mlflow(micro_pipeline, micro_dir):
     assert {"results.json", "table.csv", "table.md", "index.html", "samples", "plots"} <= top
     assert {a.path for a in client.list_artifacts(run.info.run_id, "samples/ties+darts")} == \
         {"samples/ties+darts/humaneval.jsonl", "samples/ties+darts/gsm8k.jsonl"}
+
+
+def test_a_missing_tracker_fails_before_any_work(monkeypatch, tmp_path, capsys):
+    """`loggers: [wandb]` without wandb: `validate` names it (exit 2) and a run stops before the pool."""
+    import importlib.util
+
+    from darts_bench.checks import check_loggers
+    from darts_bench.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(ImportError, match=r"config loggers \['wandb'\]: not installed; pip install 'darts-bench\[wandb\]'"):
+        check_loggers(["mlflow", "wandb"] if real("mlflow") else ["wandb"])
+    args = ["--config", "micro", "--set", "loggers=[wandb]", "--set", f"work_dir={tmp_path / 'work'}",
+            "--out", str(tmp_path / "out")]
+    assert main(["validate", *args]) == 2
+    assert "error: loggers: ImportError: config loggers ['wandb']: not installed" in capsys.readouterr().err
+    assert main(["run", *args]) == 2
+    assert not (tmp_path / "work").exists()  # stopped before the pool stage
