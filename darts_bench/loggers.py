@@ -8,7 +8,7 @@
   ``plots/`` and ``samples/``.
 
 MLflow logs to a local store (``tracking.mlflow_tracking_uri``; default the SQLite file
-``<work_dir>/mlflow.db`` with artifacts under ``<work_dir>/mlartifacts``: no server; MLflow 3 refuses
+``<work_dir>/mlflow.db``; with any local store, artifacts under ``<work_dir>/mlartifacts``: no server; MLflow 3 refuses
 its older ``./mlruns`` file store unless ``MLFLOW_ALLOW_FILE_STORE=true``), W&B in offline mode (``tracking.wandb_mode``; files under ``<work_dir>/wandb``,
 ``wandb sync`` uploads them later). The libraries' public APIs only (``mlflow.start_run``,
 ``log_params``, ``log_metrics``, ``log_artifacts``; ``wandb.init``, ``Run.log``, ``Artifact``).
@@ -105,8 +105,9 @@ def log_mlflow(cfg, out_dir: Path, manifest: dict[str, Any], df: pd.DataFrame) -
     mlflow.set_tracking_uri(uri)
     client = mlflow.MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name(t.experiment)
-    if exp is None:  # artifacts beside the store (MLflow's default is ./mlartifacts under the cwd)
-        root = None if t.mlflow_tracking_uri else (work / "mlartifacts").as_uri()
+    if exp is None:  # a local store keeps artifacts in the work dir (MLflow's default: ./mlruns under the cwd)
+        local = uri.startswith(("sqlite:", "file:")) or "://" not in uri
+        root = (work / "mlartifacts").as_uri() if local else None
         exp = client.get_experiment(client.create_experiment(t.experiment, artifact_location=root))
     params = flatten(manifest)
     metrics = table_metrics(df)

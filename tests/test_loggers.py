@@ -91,6 +91,7 @@ def test_micro_run_logs_to_mlflow(micro_pipeline, micro_dir):
     assert run.data.metrics["ties_darts/humaneval_pass_1"] == table.loc["ties+darts", "humaneval_pass@1"]
     assert run.data.metrics["ties_darts/gsm8k_ref_nll"] == pytest.approx(table.loc["ties+darts", "gsm8k_ref_nll"])
     assert run.data.params["config.surgery.rank"] == "16" and run.data.params["suite"] == "humaneval,gsm8k"
+    assert run.info.artifact_uri.startswith((Path(micro_pipeline.work_dir).resolve() / "mlartifacts").as_uri())
     top = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert {"results.json", "table.csv", "table.md", "index.html", "samples", "plots"} <= top
     assert {a.path for a in client.list_artifacts(run.info.run_id, "samples/ties+darts")} == \
