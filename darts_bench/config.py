@@ -356,6 +356,17 @@ class VLLMConfig(_Strict):
         return str(v) if isinstance(v, int) and not isinstance(v, bool) else v  # `--set ...=0` parses as int
 
 
+class TrackingConfig(_Strict):
+    """Where the trackers of ``loggers`` write (:mod:`darts_bench.loggers`); not part of the experiment."""
+
+    mlflow_tracking_uri: str | None = Field(None, description="MLflow tracking URI; None: the local SQLite store "
+                                            "<work_dir>/mlflow.db, artifacts in <work_dir>/mlartifacts (no server)")
+    experiment: str = Field("darts-bench", min_length=1, description="MLflow experiment name")
+    wandb_project: str = Field("darts-bench", min_length=1, description="W&B project")
+    wandb_mode: Literal["offline", "online"] = Field("offline", description="W&B mode; offline: files under "
+                                                     "<work_dir>/wandb, `wandb sync` uploads them")
+
+
 class EvaluateConfig(_Strict):
     """Generation/scoring engine of the evaluate stage (``hf``: transformers, the reference)."""
 
@@ -402,6 +413,10 @@ class Config(_Strict):
         None, description="head seeds (head init, batch order, held-out split); one set of corrected rows "
         "per seed, reported as mean and spread. None: the single run seed `seed` (rows not tagged)")
     sweep: SweepConfig = SweepConfig()
+    loggers: list[Literal["mlflow", "wandb"]] = Field(
+        default_factory=list, description="experiment trackers the report logs to (extras darts-bench[mlflow], "
+        "darts-bench[wandb]): manifest as parameters, table cells as metrics, results files as artifacts")
+    tracking: TrackingConfig = TrackingConfig()
     # issue 30: not in model_dump (so not in results.json's config or any digest); the sandbox's
     # isolation record (manifest "isolation") says whether it was used
     allow_unisolated: bool = Field(

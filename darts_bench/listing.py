@@ -191,7 +191,7 @@ def validate(cfg, suite: str = "all", out_dir: str | None = None) -> list[str]:
         the messages, ``[]`` when every check passes.
     """
     from darts_bench.api import get_task, resolve_suite
-    from darts_bench.checks import check_data_dir, check_output_dir, check_task_experts
+    from darts_bench.checks import check_data_dir, check_loggers, check_output_dir, check_task_experts
     from darts_bench.evaluate.engines import check_backends
     from darts_bench.report.compare import check_not_baseline
     from darts_bench.rows import check_row_filter
@@ -212,6 +212,7 @@ def validate(cfg, suite: str = "all", out_dir: str | None = None) -> list[str]:
     run("tasks", check_task_experts, names)
     run("evaluate.rows", check_row_filter, cfg)
     run("backends", check_backends, cfg)
+    run("loggers", check_loggers, cfg.loggers)
     run("data dir", check_data_dir, cfg.resolved_data_dir(), names)
     run("output dir", check_output_dir, out, "output dir", False)
     run("work dir", check_output_dir, Path(cfg.work_dir), "work dir", False)

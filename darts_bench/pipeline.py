@@ -106,9 +106,10 @@ class Pipeline:
         """Fail before any work if the output or work dir cannot be written, a given data dir lacks
         a selected task's data (the same checks as ``--dry-run``: :mod:`darts_bench.checks`), or the
         output dir is a committed regression baseline."""
-        from darts_bench.checks import check_data_dir, check_output_dir
+        from darts_bench.checks import check_data_dir, check_loggers, check_output_dir
         from darts_bench.report.compare import check_not_baseline
 
+        check_loggers(self.cfg.loggers)  # trackers the report logs to (darts_bench/loggers.py)
         check_data_dir(self.cfg.resolved_data_dir(), self.task_names)
         check_output_dir(self.out_dir, "output dir")
         check_output_dir(self.work_dir, "work dir")

@@ -70,7 +70,8 @@ def test_task_table_flags_favours_and_ci_cells():
     ann = annotate_task_table(tdf, "alpacaeval", _rows())
     assert list(ann.columns[:3]) == ["model", "alpacaeval_win_rate", "alpacaeval_win_rate_flag"]
     assert ann["alpacaeval_win_rate_flag"].tolist() == ["uninformative_judge", "uninformative_judge"]
-    assert ann["favours_darts"].tolist() == [None, "alpacaeval_win_rate > 0; alpacaeval_ref_nll < 0"]
+    # missing: None under pandas 2, NaN in pandas 3's string dtype (both render and write as empty)
+    assert [None if pd.isna(v) else v for v in ann["favours_darts"]] == [None, "alpacaeval_win_rate > 0; alpacaeval_ref_nll < 0"]
     shown = ci_display(ann, ["alpacaeval_win_rate", "alpacaeval_ref_nll"])
     assert list(shown.columns) == ["model", "alpacaeval_win_rate", "alpacaeval_win_rate 95% CI",
                                    "alpacaeval_win_rate_flag", "alpacaeval_ref_nll", "alpacaeval_ref_nll 95% CI",

@@ -78,8 +78,8 @@ class ConfigChangeError(CompareError):
     """The two runs were made with different configurations, suites, seeds or limits."""
 
 
-#: config keys that name places, not the experiment
-CONFIG_PLACES = ("work_dir", "out_dir", "data_dir")
+#: config keys that name places (and where trackers log), not the experiment
+CONFIG_PLACES = ("work_dir", "out_dir", "data_dir", "loggers", "tracking")
 
 
 def _config_diff(a: Any, b: Any, where: str, out: list[str]) -> None:

@@ -37,13 +37,55 @@ def fmt_number(v: Any) -> str:
     return f"{f:.4g}"
 
 
-def cell(row: dict[str, Any], col: str) -> str:
-    """One number with what qualifies it: ``mean ± sd`` on a seed-mean row, and the flag of the
-    column (``<col>_flag``) in parentheses, e.g. ``50 (uninformative_judge)``."""
+#: markers next to a number in ``table.md`` (legend: :data:`MARK_LEGEND`)
+ALL_EMPTY = "†"
+ZERO_WIDTH_CI = "‡"
+MARK_LEGEND = {
+    ALL_EMPTY: "every example's output was empty or had no answer (the task's `<task>_empty_rate` / "
+               "`<task>_no_answer_rate` is 1): the number says nothing about the model's ability",
+    ZERO_WIDTH_CI: "its 95% bootstrap CI has zero width (every example scored alike): no spread to test against",
+}
+
+
+def degenerate_marks(rows: list[dict[str, Any]], task_tables: dict[str, pd.DataFrame]) -> dict[tuple[str, str], str]:
+    """``{(model, metric column): markers}`` for the cells ``table.md`` qualifies: the metrics a
+    task's ``Task.unanswered_rates`` column names (e.g. ``humaneval_empty_rate`` -> ``humaneval_pass@1``)
+    on a row where that rate is 1.0 get :data:`ALL_EMPTY`; a metric column (primary or ``_ref_nll``) whose ``_lo`` equals its
+    ``_hi`` in the task's CI table (:func:`darts_bench.report.tables.per_benchmark_tables`) gets
+    :data:`ZERO_WIDTH_CI`, on that table's row (paired ``a - b`` rows included)."""
+    marks: dict[tuple[str, str], str] = {}
+    for t, tdf in task_tables.items():
+        task = get_task(t)
+        for r in rows:
+            for rate, metrics in task.unanswered_rates.items():
+                if _num(r.get(rate)) == 1.0:
+                    for m in metrics:
+                        if ALL_EMPTY not in marks.get((r["model"], m), ""):
+                            marks[(r["model"], m)] = marks.get((r["model"], m), "") + ALL_EMPTY
+        for r in tdf.to_dict(orient="records"):
+            for m in task.metric_columns():
+                lo, hi = _num(r.get(f"{m}_lo")), _num(r.get(f"{m}_hi"))
+                if lo is not None and hi is not None and lo == hi:
+                    marks[(r["model"], m)] = marks.get((r["model"], m), "") + ZERO_WIDTH_CI
+    return marks
+
+
+def legend(marks: dict[tuple[str, str], str]) -> str:
+    """The markdown legend of the markers used in ``marks`` (empty when none is used)."""
+    used = [m for m in MARK_LEGEND if any(m in v for v in marks.values())]
+    return "".join(f"{m} {MARK_LEGEND[m]}.  \n" for m in used)
+
+
+def cell(row: dict[str, Any], col: str, marks: str = "") -> str:
+    """One number with what qualifies it: ``mean ± sd`` on a seed-mean row, ``marks``
+    (:func:`degenerate_marks`) right after it, and the flag of the column (``<col>_flag``) in
+    parentheses, e.g. ``50‡ (uninformative_judge)``."""
     text = fmt_number(row.get(col))
     sd = _num(row.get(f"{col}_sd"))
     if text and sd is not None:
         text += f" ± {sd:.2g}"
+    if text and marks:
+        text += marks
     flag = row.get(f"{col}_flag")
     if flag is not None and not (isinstance(flag, float) and math.isnan(flag)) and str(flag):
         text += f" ({flag})"
@@ -64,30 +106,37 @@ def compact_columns(task_names: list[str], with_heads: list[str], primary: dict[
 
 
 def compact_table(df: pd.DataFrame, task_names: list[str], with_heads: list[str],
-                  seed_rows: set[str] | None = None, primary: dict[str, str] | None = None) -> pd.DataFrame:
+                  seed_rows: set[str] | None = None, primary: dict[str, str] | None = None,
+                  marks: dict[tuple[str, str], str] | None = None) -> pd.DataFrame:
     """Row x (headline metrics per task, primary first; gap closed per task; params added), as
-    display strings. Per-seed rows (``seed_rows``) are left out: their seed-mean row stands for them."""
+    display strings, with ``marks`` (:func:`degenerate_marks`) after the numbers they qualify.
+    Per-seed rows (``seed_rows``) are left out: their seed-mean row stands for them."""
     cols = compact_columns(task_names, with_heads, primary)
     seed_rows = seed_rows or set()
+    marks = marks or {}
     recs = []
     for r in df.to_dict(orient="records"):
         if r["model"] in seed_rows:
             continue
-        rec = {c: (r["model"] if c == "model" else cell(r, c)) for c in cols}
+        rec = {c: (r["model"] if c == "model" else cell(r, c, marks.get((r["model"], c), ""))) for c in cols}
         if r.get("n_seeds") is not None and _num(r.get("n_seeds")):
             rec["model"] = f"{r['model']} (mean of {int(float(r['n_seeds']))} seeds)"
         recs.append(rec)
     return pd.DataFrame(recs, columns=cols)
 
 
-def ci_display(tdf: pd.DataFrame, metrics: list[str]) -> pd.DataFrame:
+def ci_display(tdf: pd.DataFrame, metrics: list[str], marks: dict[tuple[str, str], str] | None = None) -> pd.DataFrame:
     """A per-task table for markdown: each ``<m>_lo`` / ``<m>_hi`` pair becomes one ``<m> 95% CI``
-    cell ``[lo, hi]`` right after ``<m>``; other columns are kept in order."""
+    cell ``[lo, hi]`` right after ``<m>``; other columns are kept in order. With ``marks``
+    (:func:`degenerate_marks`) the metric cells become display strings with their markers."""
     out = pd.DataFrame({"model": tdf["model"]})
     for c in tdf.columns:
         if c == "model" or c.endswith("_lo") or c.endswith("_hi"):
             continue
-        out[c] = tdf[c]
+        if marks and c in metrics:
+            out[c] = [cell({c: v}, c, marks.get((name, c), "")) for name, v in zip(tdf["model"], tdf[c])]
+        else:
+            out[c] = tdf[c]
         if c in metrics and f"{c}_lo" in tdf.columns:
             out[f"{c} 95% CI"] = [
                 "" if _num(lo) is None or _num(hi) is None else f"[{float(lo):.4g}, {float(hi):.4g}]"

@@ -424,7 +424,12 @@ def write_report(record: RunRecord) -> pd.DataFrame:
         # row name -> merge, correction, calibration split, sweep variant, head seed (report --from-results)
         "row_meta": meta,
     }
+    from darts_bench.report.samples import write_samples_dir
+
+    # per-example samples in lm-eval's sample fields, and where each (row, task) came from
+    artifacts = write_samples_dir(out, [r.model for r in record.rows], tasks, results)
     payload = {"schema_version": SCHEMA_VERSION, "manifest": manifest,
+               "artifacts": {"work_dir": str(record.cfg.work_dir), "rows": artifacts},
                "rows": json.loads(df.to_json(orient="records")),
                "diagnostics": {f"{m}/{t}/{s}": {k: v for k, v in d.items()
                                                 if k not in STRIPPED}
@@ -438,16 +443,21 @@ def write_report(record: RunRecord) -> pd.DataFrame:
                "claims": json.loads(claims.to_json(orient="records"))}
     atomic_write_text(out / "results.json", json.dumps(payload, indent=1, default=str))
     atomic_write_text(out / "table.csv", df.to_csv(index=False))
-    from darts_bench.report.readable import annotate_task_table, behaviour_table, ci_display, compact_table
+    from darts_bench.report.readable import (annotate_task_table, behaviour_table, ci_display, compact_table,
+                                             degenerate_marks, legend)
 
     seed_rows = {m for m, v in meta.items() if v.get("group")}
+    task_tables = {t: annotate_task_table(tdf, t, rows) for t, tdf in per_benchmark_tables(record, results, rows).items()}
+    marks = degenerate_marks(rows, task_tables)  # all-empty outputs, zero-width CIs: markers + legend
     md = [f"# darts-bench results: `{record.cfg.name}`\n", "\n" + protocol_header(manifest["protocols"]) + "\n\n",
           "Headline metrics per task (the primary metric first: "
           + ", ".join(f"{t} `{m}`" for t, m in primary.items()) + "; `tasks.<task>.primary_metric`), gap closed "
           "per task (share of the closable KL gap to the expert on held-out "
           "calibration tokens) and parameters added; flags in parentheses qualify the number before them"
           + (", `mean ± sd` over head seeds" if seed_rows else "") + ". Every column: `table.csv`.\n\n",
-          to_markdown(compact_table(df, record.task_names, with_heads, seed_rows, primary))]
+          to_markdown(compact := compact_table(df, record.task_names, with_heads, seed_rows, primary, marks))]
+    if legend(marks):
+        md.append("\n" + legend(marks))
     tail = []
     if len(comparison):
         tail.append("\n## DARTS vs Surgery: wins / ties / losses over (merge, task) cells\n\n"
@@ -469,14 +479,12 @@ def write_report(record: RunRecord) -> pd.DataFrame:
 
     atomic_write_text(out / "claims.md", f"# darts-bench claims: `{record.cfg.name}`\n\n"
                       + claims_markdown(claims, evidence, to_markdown))
-    task_tables = {}
-    for t, tdf in per_benchmark_tables(record, results, rows).items():
-        tdf = task_tables[t] = annotate_task_table(tdf, t, rows)
+    for t, tdf in task_tables.items():
         md.append(f"\n## {t} (95% bootstrap CI; `a - b` rows: paired bootstrap of DARTS minus surgery, "
                   "`favours_darts` gives the sign that favours DARTS)\n")
         if tasks[t][0].expert is None:
             md.append(f"\n{t}: {NO_HEADS_NOTE}.\n\n")
-        md.append(to_markdown(ci_display(tdf, get_task(t).metric_columns())))
+        md.append(to_markdown(ci_display(tdf, get_task(t).metric_columns(), marks)))
         atomic_write_text(out / f"table_{t}.csv", tdf.to_csv(index=False))
         bdf = behaviour_table(df, t, record.train.get("runs") or {}, meta)
         if len(bdf):
@@ -502,5 +510,16 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     if figs:
         md.append("\n## Figures\n\n" + "".join(f"![{f}]({f})\n" for f in figs))
     atomic_write_text(out / "table.md", "".join(md))
-    plot_diagnostics(record, out)
+    diag_figs = plot_diagnostics(record, out)
+    from darts_bench.report.page import write_page
+    from darts_bench.report.readable import MARK_LEGEND
+
+    write_page(out, name=record.cfg.name, protocol_line=protocol_header(manifest["protocols"]), compact=compact,
+               legend=[(m, t) for m, t in MARK_LEGEND.items() if any(m in v for v in marks.values())],
+               claims=claims, figure_files=[*figs, *diag_figs], tasks=tasks, results=results, rows=record.rows,
+               methods=list(record.cfg.surgery.methods))
+    if record.cfg.loggers:  # experiment trackers (darts_bench/loggers.py), after every file is written
+        from darts_bench.loggers import log_run
+
+        log_run(record.cfg, out, manifest, df)
     return df

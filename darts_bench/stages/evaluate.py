@@ -160,7 +160,7 @@ def evaluate_one(cfg, row: Row, task: Task, examples: list[Example], by_name: di
            meta={"kind": "eval", "row": row.model, "task": task.name})
     d = json.loads((final / "result.json").read_text())
     return TaskResult(metrics=d["metrics"], per_example=d["per_example"], samples=d["samples"], meta=d["meta"],
-                      example_ids=d.get("example_ids", []))
+                      example_ids=d.get("example_ids", []), artifact_dir=str(final))
 
 
 # --------------------------------------------------------------------------- one pass

@@ -145,6 +145,16 @@ class AlpacaEvalTask(Task):
     def models_used(self, config: AlpacaEvalConfig) -> list[str]:
         return [config.judge.model]
 
+    def sample_fields(self, example: Example, sample: dict[str, Any]) -> dict[str, Any]:
+        """The samples-file view of one instruction (:meth:`Task.sample_fields`): ``doc`` =
+        ``instruction``, ``dataset`` and the reference output it was judged against (``target``), the
+        model's output (no extraction: ``extracted`` is the output) and the verdict: the debiased
+        preference for the model (1 win, 0.5 draw, 0 loss; alpaca_eval's preference minus 1)."""
+        return {"doc": {"instruction": sample["instruction"], "dataset": sample.get("dataset"),
+                        "reference_output": sample["reference_output"]},
+                "target": sample["reference_output"], "prompt": example.prompt, "responses": [sample["output"]],
+                "extracted": [sample["output"]], "verdict": [sample["win"]]}
+
     def plan(self, config: AlpacaEvalConfig, n_examples: int) -> dict[str, Any]:
         """One judge call per example and order (both orders with ``judge.both_orders``; a named
         ``judge.annotator`` judges in alpaca_eval's single pass, outside this process). A call

@@ -175,6 +175,7 @@ class GSM8KTask(Task):
     expert = "math"
     primary_metrics = ("gsm8k_em_strict", "gsm8k_em_flexible")
     extra_columns = ("gsm8k_no_answer_rate",)  # no extractable answer under the strict filter
+    unanswered_rates = {"gsm8k_no_answer_rate": ("gsm8k_em_strict",)}  # table.md marks em_strict at 1.0
     protocol = "lm-eval"  # tasks.gsm8k.protocol: get_task(name, config) sets it, examples() and evaluate() read it
     config_model = GSM8KConfig
     data_folders = ("gsm8k",)
@@ -192,6 +193,23 @@ class GSM8KTask(Task):
         """``darts-bench score gsm8k FILE [--protocol P]``: :func:`score_samples` under ``protocol``
         (default ``lm-eval``, the samples format's own; the config has no other scoring knobs)."""
         return score_samples(samples_path, data_dir=data_dir, protocol=protocol or type(self).protocol)
+
+    def sample_fields(self, example: Example, sample: dict[str, Any]) -> dict[str, Any]:
+        """The samples-file view of one example (:meth:`Task.sample_fields`): lm-eval's ``doc``
+        (``question``, ``answer``, and the rendered ``prompt`` under a chat-template protocol: the doc
+        :meth:`write_lm_eval_task` gives lm-eval) and ``target`` (the full solution, as lm-eval's
+        ``doc_to_target``), the prompt lm-eval sent, the response, the protocol's strict answer (None:
+        no answer) and its verdict (True: exact match)."""
+        doc = {"question": example.meta["question"], "answer": example.meta["answer"]}
+        if get_protocol(self.protocol).uses_chat_template:
+            doc["prompt"] = example.meta.get("prompt", example.prompt)
+        return {"doc": doc, "target": example.meta["answer"], "prompt": sample["prompt"], "responses": [sample["response"]],
+                "extracted": [sample["strict"]], "verdict": [bool(sample["em_strict"])]}
+
+    def score_input(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Results samples as :func:`score_samples` lines: ``question`` (the doc's exact text, found in
+        the test split) and the raw ``response`` (:meth:`Task.score_input`)."""
+        return [{"question": r["doc"]["question"], "response": r["resps"][0][0]} for r in records]
 
     def examples(self, data_dir: Path | None, model: TextModel | None, limit: int | None) -> list[Example]:
         """Test questions in file order, the zero-shot prompt of ``self.protocol`` (protocols.py;

