@@ -282,9 +282,9 @@ def task_dirs() -> list[Path]:
 
 #: Declarative task folders: a folder holding a ``task.yaml`` (and no ``__init__.py``) names its
 #: ``kind``; the kind's loader ``(folder, spec dict, module) -> None`` defines and registers the task.
-#: ``lm_eval``: any lm-eval task by name (:mod:`darts_bench.evaluate.lm_eval_task`).
-TASK_KINDS: Registry[Callable[..., None]] = Registry(
-    "task kind", {"lm_eval": "darts_bench.evaluate.lm_eval_task:register_folder"})
+#: Kinds are registered by code task folders, which are all imported before any ``task.yaml``
+#: folder: ``lm_eval`` (any lm-eval task by name) by ``tasks/lm_eval/``.
+TASK_KINDS: Registry[Callable[..., None]] = Registry("task kind")
 TASK_SPEC = "task.yaml"
 
 
@@ -354,12 +354,20 @@ def _import_task_folder(folder: Path) -> None:
 
 
 def _discover() -> None:
+    """Import every task folder of :func:`task_dirs`: the code folders first (they may register a
+    task kind, :data:`TASK_KINDS`), then the ``task.yaml`` folders."""
     seen: set[str] = set()  # a folder name found in two task dirs: the first dir wins
+    spec_folders = []
     for d in task_dirs():
         for folder in sorted(d.iterdir()):
             if _is_task_folder(folder) and folder.name not in seen:
                 seen.add(folder.name)
-                _import_task_folder(folder)
+                if (folder / "__init__.py").is_file():
+                    _import_task_folder(folder)
+                else:
+                    spec_folders.append(folder)
+    for folder in spec_folders:
+        _import_task_folder(folder)
 
 
 def _visible(cls: type[Task], dirs: list[Path]) -> bool:

@@ -15,9 +15,15 @@ import pytest
 
 from darts_bench.api import available_tasks, get_task, task_class
 from darts_bench.cli import main
-from darts_bench.evaluate.lm_eval_task import metric_column
-
 from conftest import micro_config_file
+
+
+def metric_column(task: str, metric: str) -> str:
+    """tasks/lm_eval's column name (the folder is imported as darts_bench_tasks.lm_eval by discovery)."""
+    available_tasks()
+    from darts_bench_tasks.lm_eval import metric_column as column
+
+    return column(task, metric)
 
 
 def _write_lm_eval_tasks(root: Path, data_dir: Path) -> Path:

@@ -1,8 +1,9 @@
-"""``kind: lm_eval`` task folders: any lm-eval task, by name, as a darts-bench benchmark.
+"""The ``lm_eval`` task kind: any lm-eval task, by name, as a darts-bench benchmark.
 
-A folder in ``tasks/`` or in ``DARTS_BENCH_TASKS_PATH`` holding a ``task.yaml`` (and no
-``__init__.py``) declares the task; :func:`register_folder` (the ``lm_eval`` entry of
-:data:`darts_bench.api.TASK_KINDS`) turns it into a registered :class:`~darts_bench.api.Task`::
+This folder registers no task itself: it registers the kind. A folder in ``tasks/`` or in
+``DARTS_BENCH_TASKS_PATH`` holding a ``task.yaml`` (and no ``__init__.py``) declares the task;
+:func:`register_folder` (registered here as ``lm_eval`` in :data:`darts_bench.api.TASK_KINDS`)
+turns it into a registered :class:`~darts_bench.api.Task`::
 
     kind: lm_eval
     task: tinyqa_gen              # the lm-eval task name (one task, not a group)
@@ -46,7 +47,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
-from darts_bench.api import EvalContext, Example, Task, TaskConfig, TaskResult, TextModel, register_task
+from darts_bench.api import (TASK_KINDS, EvalContext, Example, Task, TaskConfig, TaskResult, TextModel,
+                              register_task)
 
 SUPPORTED_OUTPUT_TYPES = ("generate_until", "multiple_choice", "loglikelihood")
 
@@ -383,5 +385,7 @@ def register_folder(folder: Path, raw: dict[str, Any], module) -> type[LMEvalTas
     setattr(module, config_model.__name__, config_model)
     return register_task(cls)
 
+
+TASK_KINDS.register("lm_eval", register_folder)
 
 __all__ = ["LMEvalTask", "LMEvalTaskSpec", "SUPPORTED_OUTPUT_TYPES", "metric_column", "metric_key", "register_folder"]
