@@ -4,7 +4,9 @@
   sequences, and per-token log-likelihood of continuations.
 * :class:`Task` — one benchmark: its examples, calibration prompts, evaluation and reference NLL.
 * :func:`register_task` / :func:`get_task` — tasks are found by name; each lives in its own folder
-  under ``tasks/`` (installed as ``darts_bench.tasks.<name>``) and registers itself on import.
+  under ``tasks/`` (installed as ``darts_bench.tasks.<name>``) and registers itself on import; a
+  folder with a ``task.yaml`` instead declares its task by ``kind`` (:data:`TASK_KINDS`, e.g.
+  ``kind: lm_eval``: any lm-eval task by name).
 * :class:`TaskConfig` — the base of each task's pydantic config section (``tasks.<name>``);
   :func:`available_tasks` / :func:`resolve_suite` — the registry is the only list of task names.
 """
@@ -22,6 +24,8 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol, Sequence, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from darts_bench.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -323,8 +327,43 @@ def task_dirs() -> list[Path]:
     return [d for d in dirs if d.is_dir()]
 
 
+#: Declarative task folders: a folder holding a ``task.yaml`` (and no ``__init__.py``) names its
+#: ``kind``; the kind's loader ``(folder, spec dict, module) -> None`` defines and registers the task.
+#: Kinds are registered by code task folders, which are all imported before any ``task.yaml``
+#: folder: ``lm_eval`` (any lm-eval task by name) by ``tasks/lm_eval/``.
+TASK_KINDS: Registry[Callable[..., None]] = Registry("task kind")
+TASK_SPEC = "task.yaml"
+
+
+def _is_task_folder(folder: Path) -> bool:
+    return (folder / "__init__.py").is_file() or (folder / TASK_SPEC).is_file()
+
+
+def _load_spec_folder(folder: Path, module: types.ModuleType) -> None:
+    """Define the task of a declarative folder (``task.yaml`` with a ``kind``) inside ``module``.
+
+    Raises:
+        ValueError: ``task.yaml`` is not a YAML mapping, has no ``kind``, or names an unknown kind
+            (each naming the file and the known kinds).
+    """
+    import yaml
+
+    path = folder / TASK_SPEC
+    try:
+        spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(spec, dict) or "kind" not in spec:
+        raise ValueError(f"{path}: expected a mapping with a `kind` (one of {TASK_KINDS.names()}), "
+                         f"got {type(spec).__name__}")
+    if spec["kind"] not in TASK_KINDS:
+        raise ValueError(f"{path}: unknown task kind {spec['kind']!r}; known kinds: {TASK_KINDS.names()}")
+    TASK_KINDS.get(spec["kind"])(folder, spec, module)
+
+
 def _import_task_folder(folder: Path) -> None:
-    """Import ``folder/__init__.py`` as package ``darts_bench_tasks.<folder name>``."""
+    """Import ``folder/__init__.py`` as package ``darts_bench_tasks.<folder name>``; a folder with a
+    ``task.yaml`` instead becomes a module of that name whose task its kind's loader defines."""
     if TASKS_PACKAGE not in sys.modules:
         parent = types.ModuleType(TASKS_PACKAGE)
         parent.__path__ = []  # namespace-like parent
@@ -340,6 +379,16 @@ def _import_task_folder(folder: Path) -> None:
                 del _REGISTRY[n]
         for m in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
             del sys.modules[m]
+    if not (folder / "__init__.py").is_file():
+        module = types.ModuleType(name)
+        module.__file__ = str(folder / TASK_SPEC)
+        sys.modules[name] = module
+        try:
+            _load_spec_folder(folder, module)
+        except Exception:
+            del sys.modules[name]
+            raise
+        return
     spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
                                                   submodule_search_locations=[str(folder)])
     module = importlib.util.module_from_spec(spec)
@@ -352,12 +401,20 @@ def _import_task_folder(folder: Path) -> None:
 
 
 def _discover() -> None:
+    """Import every task folder of :func:`task_dirs`: the code folders first (they may register a
+    task kind, :data:`TASK_KINDS`), then the ``task.yaml`` folders."""
     seen: set[str] = set()  # a folder name found in two task dirs: the first dir wins
+    spec_folders = []
     for d in task_dirs():
         for folder in sorted(d.iterdir()):
-            if (folder / "__init__.py").is_file() and folder.name not in seen:
+            if _is_task_folder(folder) and folder.name not in seen:
                 seen.add(folder.name)
-                _import_task_folder(folder)
+                if (folder / "__init__.py").is_file():
+                    _import_task_folder(folder)
+                else:
+                    spec_folders.append(folder)
+    for folder in spec_folders:
+        _import_task_folder(folder)
 
 
 def _visible(cls: type[Task], dirs: list[Path]) -> bool:

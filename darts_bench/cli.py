@@ -8,6 +8,8 @@
     darts-bench compare BASELINE_DIR NEW_DIR [--out FILE] [--allow-config-change]   (exit 1 on a regression)
     darts-bench ls tasks|protocols|configs|annotators|rows [--config C] [--task T] [--json]
     darts-bench validate [run's options]   (the checks run makes before any stage; exit 0: one OK line)
+    darts-bench export ROW --to DIR [run's options]   (a row's model dir and per-task head dirs, for lm-eval)
+    darts-bench lm-eval ARGS...   (lm-eval's own command line, with the `darts-bench` lm-eval model registered)
 
 Task names come from the registry (:func:`darts_bench.api.available_tasks`: the folders under
 ``tasks/`` and those in ``DARTS_BENCH_TASKS_PATH``), read when the parser is built.
@@ -165,7 +167,50 @@ def build_parser() -> argparse.ArgumentParser:
                        "stage, without running; exit 0 with one OK line, else 2 with the messages",
                        description="the checks `darts-bench run` makes before any stage, with the same options")
     _common(v, tasks)
+    e = sub.add_parser("export", help="write a row's model dir and the head dir it uses on each task (with the "
+                       "lm-eval model_args for each) into DIR; builds what is missing, as `train` does",
+                       description="darts-bench export ROW --to DIR: DIR/model, DIR/heads/<task>, DIR/export.json")
+    e.add_argument("row", help="a row name of the config (darts-bench ls rows), e.g. ties+darts")
+    e.add_argument("--to", required=True, metavar="DIR", help="a new or empty dir")
+    _common(e, tasks)
+    lm = sub.add_parser("lm-eval", help="lm-eval's command line with the darts-bench lm-eval model registered "
+                        "(--model darts-bench --model_args pretrained=DIR,head=DIR); every argument after "
+                        "`lm-eval` goes to lm-eval", add_help=False)
+    lm.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm-eval's arguments, e.g. run --model ...")
     return ap
+
+
+def cmd_lm_eval(argv: list[str]) -> int:
+    """``darts-bench lm-eval ARGS...``: lm-eval's console entry point (``lm_eval.__main__.cli_evaluate``,
+    what the ``lm-eval`` / ``lm_eval`` scripts run) on ``ARGS`` after importing
+    :mod:`darts_bench.evaluate.lm_eval_adapter`, which registers the ``darts-bench`` model. Returns
+    lm-eval's exit status."""
+    import darts_bench.evaluate.lm_eval_adapter  # noqa: F401 - registers the `darts-bench` lm-eval model
+    from lm_eval.__main__ import cli_evaluate
+
+    saved = sys.argv
+    sys.argv = ["lm-eval", *argv]
+    try:
+        cli_evaluate()
+    except SystemExit as e:  # argparse errors and --help
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def cmd_export(args) -> int:
+    """``darts-bench export ROW --to DIR``: :func:`darts_bench.export.export_row`, its summary printed."""
+    from darts_bench.export import export_row, format_export
+    from darts_bench.pipeline import Pipeline
+
+    pipe = Pipeline(_load(args), suite=args.suite, limit=args.limit, out_dir=args.out)
+    try:
+        record = export_row(pipe, args.row, args.to)
+    finally:
+        pipe.close()
+    print(format_export(record))
+    return 0
 
 
 def cmd_ls(args) -> int:
@@ -316,7 +361,10 @@ def cmd_rescore(args, cfg: Config) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if not {"-v", "--verbose"} & set(sys.argv[1:] if argv is None else argv):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["lm-eval"]:  # everything after it is lm-eval's (its own -v, --help, ...)
+        return cmd_lm_eval(argv[1:])
+    if not {"-v", "--verbose"} & set(argv):
         from darts_bench.progress import quiet_third_party
 
         quiet_third_party()  # before the parser imports the task folders (and with them tqdm, lm-eval)
@@ -331,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_validate(args)
         if args.command == "report" and args.from_results:
             return cmd_report_from_results(args)
+        if args.command == "export":
+            return cmd_export(args)
         if args.command == "compare":
             from darts_bench.report.compare import run_compare
 

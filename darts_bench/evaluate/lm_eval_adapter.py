@@ -10,7 +10,13 @@ Usage::
 
     lm = DartsBenchLM(text_model)                     # wrap an in-memory model (fast)
     lm_eval.simple_evaluate(model=lm, tasks=[...], device="cpu", ...)
-    # or by name: simple_evaluate(model="darts-bench", model_args="pretrained=/path/to/ckpt")
+    # or by name, any row of a run (`darts-bench export ROW --to DIR` gives both dirs):
+    simple_evaluate(model="darts-bench", model_args="pretrained=DIR/model,head=DIR/heads/gsm8k", ...)
+
+From lm-eval's own command line, with this model registered: ``darts-bench lm-eval run --model
+darts-bench --model_args pretrained=...,head=... --tasks ...`` (every argument after ``lm-eval`` goes to
+lm-eval's CLI). ``lm_eval --model darts-bench`` alone does not find the model: lm-eval loads no
+plugins, and the model is registered when this module is imported.
 
 Protocol choices (documented here because lm-eval leaves them to the backend):
 
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from lm_eval.api.model import LM
@@ -58,28 +65,51 @@ class DartsBenchLM(LM):
         model: the wrapped TextModel (e.g. ``HFTextModel`` with a correction head attached).
         pretrained: instead of ``model``, a checkpoint dir loaded as an ``HFTextModel`` (for
             ``simple_evaluate(model="darts-bench", model_args="pretrained=...")``).
-        batch_size: used only with ``pretrained`` (an in-memory model keeps its own batch size).
+        head: with ``pretrained``, a correction head dir (``head.safetensors`` + ``head_config.json``,
+            as the train stage writes under ``heads/<merge>-<task>-<split>-<key>/<method>/``)
+            attached to the model's final hidden states, as ``darts-bench run`` evaluates a
+            ``+surgery`` / ``+darts`` row on that head's task.
+        dtype: with ``pretrained``, ``float32`` (default) | ``bfloat16`` | ``float16``; a run uses
+            ``pool.dtype``, so give the same to reproduce its outputs.
+        batch_size: used only with ``pretrained`` (an in-memory model keeps its own batch size);
+            a run uses ``tasks.batch_size``, which also changes generations (left padding): pass it
+            as lm-eval's own ``batch_size`` (``simple_evaluate(batch_size=4)``, ``--batch_size 4``).
+            lm-eval's ``auto`` is not supported (8 is used).
         device: used only with ``pretrained``; otherwise the wrapped model's device is reported.
         max_gen_toks: default generation budget when a request does not give ``max_gen_toks``.
         max_batch_size: accepted for lm-eval compatibility, unused.
 
     Raises:
-        ValueError: neither or both of ``model`` and ``pretrained`` given.
+        ValueError: neither or both of ``model`` and ``pretrained`` given; ``head`` or ``dtype``
+            without ``pretrained``; an unknown ``dtype``.
+        FileNotFoundError: the checkpoint or head files are missing (naming the file).
         TypeError: ``model`` lacks the TextModel methods.
     """
 
+    DTYPES = ("float32", "bfloat16", "float16")
+
     def __init__(self, model: TextModel | None = None, *, pretrained: str | None = None,
+                 head: str | None = None, dtype: str | None = None,
                  batch_size: int | str | None = None, max_batch_size: int | None = None,
                  device: str | None = None, max_gen_toks: int = 256) -> None:
         super().__init__()
         if (model is None) == (pretrained is None):
             raise ValueError("DartsBenchLM: give exactly one of `model` (a TextModel) or `pretrained` (a checkpoint dir)")
+        if model is not None and (head is not None or dtype is not None):
+            raise ValueError("DartsBenchLM: `head` and `dtype` apply to `pretrained` only (an in-memory model "
+                             "already has its head and dtype)")
         if model is None:
-            from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm
+            from darts_bench.evaluate.engines.hf import load_text_model
 
-            hf, tok = load_causal_lm(pretrained, device=device or "cpu")
+            dtype = dtype or "float32"
+            if dtype not in self.DTYPES:
+                raise ValueError(f"DartsBenchLM: dtype {dtype!r} not one of {self.DTYPES}")
+            if str(pretrained).startswith(("/", ".", "~")) and not Path(pretrained).expanduser().is_dir():
+                raise FileNotFoundError(f"DartsBenchLM: pretrained model dir {pretrained} does not exist")
             bs = int(batch_size) if batch_size is not None and str(batch_size).isdigit() else 8
-            model = HFTextModel(str(pretrained), hf, tok, batch_size=bs)
+            name = str(pretrained) + (f"+head:{head}" if head else "")
+            model = load_text_model(pretrained, name, head or None, device=device or "cpu", dtype=dtype,
+                                    batch_size=bs)
         for meth in ("generate", "score", "format_chat"):
             if not callable(getattr(model, meth, None)):
                 raise TypeError(f"DartsBenchLM: {type(model).__name__} is not a TextModel (no {meth}())")
