@@ -34,8 +34,12 @@ class _Strict(BaseModel):
 
 # ----------------------------------------------------------------------------------------- pool
 class TinyModelConfig(_Strict):
-    """Architecture and training budget of the ``tiny`` pool (a small ``LlamaForCausalLM``)."""
+    """Architecture and training budget of the ``tiny`` pool (a small ``LlamaForCausalLM``, or with
+    ``architecture: qwen2`` a ``Qwen2ForCausalLM`` with tied input/output embeddings)."""
 
+    architecture: Literal["llama", "qwen2"] = Field(
+        "llama", description="llama: LlamaForCausalLM, untied embeddings; qwen2: Qwen2ForCausalLM (q/k/v "
+        "biases, tied embeddings, as Qwen2/2.5's small models); left out of the pool key when llama")
     vocab_size: int = Field(4096, ge=260, le=65536)
     hidden_size: int = Field(128, ge=16)
     intermediate_size: int = Field(344, ge=16)

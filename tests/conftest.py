@@ -48,6 +48,14 @@ MICRO = {
 }
 
 
+# The micro pool at vLLM-sized widths (64-wide layers, 2 query heads and 1 key/value head: head_dim 32,
+# the smallest vLLM's CPU attention takes; grouped-query attention), one fine-tuning step per expert
+VLLM_MICRO_TINY = {**MICRO["pool"]["tiny"], "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+                   "num_key_value_heads": 1, "max_position_embeddings": 256, "finetune_steps": 1}
+# ... and its Qwen2 shape: q/k/v biases, tied input/output embeddings
+QWEN2_MICRO_TINY = {**VLLM_MICRO_TINY, "architecture": "qwen2"}
+
+
 def micro_config_file(tmp: Path, **overrides) -> Path:
     cfg = yaml.safe_load(yaml.safe_dump(MICRO))
     cfg["work_dir"] = str(tmp / "work")

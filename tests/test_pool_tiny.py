@@ -91,3 +91,36 @@ def test_different_tokenizer_is_a_clear_error(micro_pipeline, tmp_path):
     (bad / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(PoolMismatchError, match="different tokenizer vocabulary"):
         check_compatible(pool.base, {"code": bad})
+
+
+def test_qwen2_pool_tied_gqa_and_merges(tmp_path):
+    """``tiny.architecture: qwen2``: Qwen2ForCausalLM base and experts with q/k/v biases, tied
+    embeddings (no ``lm_head`` tensor saved) and grouped-query attention; mergekit merges them into a
+    Qwen2 checkpoint that loads with its embeddings still tied. The Llama default's pool key is the
+    one from before the field existed."""
+    from conftest import QWEN2_MICRO_TINY, micro_config_file
+
+    from darts_bench.artifacts import stable_hash
+    from darts_bench.config import PoolConfig, load_config
+    from darts_bench.merge.mergekit_merge import build_merges
+    from darts_bench.pool import build_pool
+    from darts_bench.pool.build import pool_config_key
+
+    cfg = load_config(str(micro_config_file(tmp_path, pool={"tiny": QWEN2_MICRO_TINY})))
+    pool = build_pool(cfg, tmp_path / "work")
+    for name in ("base", "math"):
+        c = json.loads((pool.path(name) / "config.json").read_text())
+        assert c["architectures"] == ["Qwen2ForCausalLM"] and c["tie_word_embeddings"] is True
+        assert (c["num_attention_heads"], c["num_key_value_heads"]) == (2, 1)
+        w = load_file(str(pool.path(name) / "model.safetensors"))
+        assert "lm_head.weight" not in w and w["model.layers.0.self_attn.q_proj.bias"].shape == (64,)
+        assert w["model.layers.0.self_attn.k_proj.weight"].shape == (32, 64)  # one key/value head
+    ties = build_merges(cfg, pool, tmp_path / "work")["ties"]
+    model, _ = load_causal_lm(ties)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    base_w = load_file(str(pool.base / "model.safetensors"))["model.embed_tokens.weight"]
+    assert not torch.equal(model.model.embed_tokens.weight, base_w)  # merged, not copied
+    assert "architecture" not in pool_config_key(PoolConfig())["tiny"]
+    # PoolConfig()'s dump hashed before the field existed (git b9025f2)
+    assert stable_hash(pool_config_key(PoolConfig())) == "8a0d2e29b1de16c7"

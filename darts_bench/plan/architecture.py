@@ -93,7 +93,8 @@ def architecture(cfg: Config) -> tuple[dict[str, Any] | None, str]:
         t = pool.tiny
         return ({"hidden_size": t.hidden_size, "num_hidden_layers": t.num_hidden_layers, "vocab_size": t.vocab_size,
                  "intermediate_size": t.intermediate_size, "num_attention_heads": t.num_attention_heads,
-                 "num_key_value_heads": t.num_key_value_heads, "tie_word_embeddings": False,
+                 "num_key_value_heads": t.num_key_value_heads,
+                 "tie_word_embeddings": t.architecture == "qwen2",
                  "max_position_embeddings": t.max_position_embeddings}, "pool.tiny")
     arch = _from_dir(pool.base)
     if arch:

@@ -124,6 +124,15 @@ def _appended_tokens(base_vocab: dict[str, int], expert_vocab: dict[str, int]) -
     return [t for _, t in extra]
 
 
+def pool_config_key(pc) -> dict:
+    """``pool`` config as it enters a built pool's key: ``tiny.architecture`` is left out at its
+    default (``llama``), so the Llama tiny pools built before the field existed keep their keys."""
+    d = pc.model_dump(mode="json")
+    if d["tiny"].get("architecture") == "llama":
+        del d["tiny"]["architecture"]
+    return d
+
+
 def build_pool(cfg: Config, work_dir: Path) -> Pool:
     """Build (or reuse) the configured pool and check it.
 
@@ -155,7 +164,7 @@ def build_pool(cfg: Config, work_dir: Path) -> Pool:
         return Pool(base=resolved["base"][0], experts=experts,
                     key=stable_hash({"members": members, "vocab_alignment": pc.vocab_alignment}),
                     report=report, members=members)
-    key = stable_hash({"pool": pc.model_dump(mode="json"), "data": data_fingerprint(data_dir)})
+    key = stable_hash({"pool": pool_config_key(pc), "data": data_fingerprint(data_dir)})
     root = work_dir / "pool" / f"{pc.kind}-{key}"
     if pc.kind == "tiny":
         from darts_bench.pool.tiny import build_tiny_pool

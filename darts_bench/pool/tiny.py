@@ -1,7 +1,9 @@
 """The ``tiny`` pool, built on this machine and deterministic from a seed.
 
 1. A byte-level BPE tokenizer (``tokenizers``) trained on the experts' training data.
-2. A small ``LlamaForCausalLM`` base pretrained on an even mix of that data.
+2. A small ``LlamaForCausalLM`` base (``tiny.architecture: qwen2``: a ``Qwen2ForCausalLM`` with
+   q/k/v biases and tied input/output embeddings, the shape of Qwen2/2.5's small models) pretrained
+   on an even mix of that data.
 3. Three experts fully fine-tuned from the base: ``code`` (Code Alpaca), ``math`` (GSM8K train),
    ``instruction`` (Alpaca subset).
 All saved as ordinary HF checkpoints (safetensors, tokenizer, generation_config).
@@ -16,7 +18,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM)
 
 from darts_bench.config import EXPERT_NAMES, PoolConfig
 from darts_bench.data import EXPERT_DATA, load_expert_records
@@ -44,6 +47,13 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
                                    unk_token=None, padding_side="left", model_max_length=4096)
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+# tiny.architecture -> (config class, model class, architecture-specific config fields)
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {"tie_word_embeddings": False}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"tie_word_embeddings": True, "use_sliding_window": False}),
+}
 
 
 def _generation_config(tok) -> GenerationConfig:
@@ -76,15 +86,16 @@ def build_tiny_pool(cfg: PoolConfig, data_dir: Path | None, out: Path) -> dict:
     tok = train_tokenizer(tok_texts, t.vocab_size)
     report["seconds"]["tokenizer"] = time.perf_counter() - t0
 
-    mcfg = LlamaConfig(
+    config_cls, model_cls, arch_kw = ARCHITECTURES[t.architecture]
+    mcfg = config_cls(
         vocab_size=len(tok), hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
         num_hidden_layers=t.num_hidden_layers, num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads, max_position_embeddings=t.max_position_embeddings,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.eos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        rms_norm_eps=1e-5, bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, **arch_kw)
     torch.manual_seed(cfg.seed)
-    base = LlamaForCausalLM(mcfg)
-    report["n_params"] = sum(p.numel() for p in base.parameters())
+    base = model_cls(mcfg)
+    report["n_params"] = sum(p.numel() for p in base.parameters())  # tied embeddings counted once
 
     enc = {e: [tok(d, add_special_tokens=False)["input_ids"] for d in docs[e]] for e in EXPERT_NAMES}
     chunks = {e: pack(enc[e], t.seq_len) for e in EXPERT_NAMES}
@@ -98,7 +109,7 @@ def build_tiny_pool(cfg: PoolConfig, data_dir: Path | None, out: Path) -> dict:
     _save(base, tok, out / "base")
     for i, e in enumerate(EXPERT_NAMES):
         t2 = time.perf_counter()
-        expert = LlamaForCausalLM.from_pretrained(out / "base", dtype=torch.float32)
+        expert = model_cls.from_pretrained(out / "base", dtype=torch.float32)
         losses = train_causal_lm(expert, chunks[e], steps=t.finetune_steps, batch_size=t.batch_size,
                                  lr=t.finetune_lr, seed=cfg.seed + 1 + i, desc=f"fine-tune {e}", warmup=10)
         report["loss"][e] = losses[-1]

@@ -2,10 +2,11 @@
 (``darts-bench[vllm]`` extra; on CPU ``scripts/install_vllm_cpu.sh``).
 
 One :class:`VLLMEngine` per model directory serves the plain row and every corrected row of that
-model: the engine's model is :class:`~darts_bench.evaluate.engines.vllm_model.DartsLlamaForCausalLM`
-(selected with ``hf_overrides``, registered by the ``vllm.general_plugins`` entry point
-:mod:`darts_bench.evaluate.engines.vllm_plugin` so the spawned worker process sees it), and a
-row's head is swapped in by an RPC to the worker.
+model: the engine's model is ``Darts<Arch>`` for the checkpoint's architecture (vLLM's own class
+for ``config.architectures[0]`` with the head slot:
+:mod:`darts_bench.evaluate.engines.vllm_model`; selected with ``hf_overrides``, registered by the
+``vllm.general_plugins`` entry point :mod:`darts_bench.evaluate.engines.vllm_plugin` so the
+spawned worker process sees it), and a row's head is swapped in by an RPC to the worker.
 
 Layouts of :class:`VLLMBackend` (chosen by ``executor.in_process``):
 
@@ -52,7 +53,7 @@ from typing import Any, Sequence
 
 from darts_bench.api import ScoreContinuation
 from darts_bench.evaluate.engines.base import Backend
-from darts_bench.evaluate.engines.vllm_plugin import ARCH
+from darts_bench.evaluate.engines.vllm_plugin import darts_arch
 from darts_bench.evaluate.hf_model import check_checkpoint, cut_at_stop, format_chat
 
 log = logging.getLogger("darts_bench")
@@ -97,6 +98,27 @@ def _cpu_env(vcfg) -> dict[str, str]:
     return {"VLLM_CPU_KVCACHE_SPACE": str(vcfg.kv_cache_gb), "VLLM_CPU_OMP_THREADS_BIND": bind}
 
 
+def vllm_architecture(model_dir: str | Path, architectures: list[str] | None) -> str:
+    """The checkpoint's architecture (``config.json`` ``architectures``, one entry) when vLLM has a
+    causal LM class for it (the ``Darts<Arch>`` of :mod:`~darts_bench.evaluate.engines.vllm_plugin`).
+
+    Raises:
+        ValueError: no or several architectures, or one vLLM has no ``*ForCausalLM`` class for
+            (naming the checkpoint and the architecture).
+    """
+    import vllm
+    from vllm import ModelRegistry
+
+    archs = list(architectures or [])
+    if len(archs) != 1:
+        raise ValueError(f"{model_dir}: config.json architectures must name one model class, got {archs}")
+    arch = archs[0]
+    if not arch.endswith("ForCausalLM") or arch not in ModelRegistry.get_supported_archs():
+        raise ValueError(f"{model_dir}: architecture {arch!r} has no causal LM class in vLLM "
+                         f"{vllm.__version__}; use evaluate.backend=hf")
+    return arch
+
+
 def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -104,10 +126,12 @@ def _on_cpu() -> bool:
 
 
 class VLLMEngine:
-    """One ``vllm.LLM`` over ``model_dir`` with the darts-bench model class (head slot empty).
+    """One ``vllm.LLM`` over ``model_dir`` with the darts-bench model class ``Darts<Arch>`` (head
+    slot empty).
 
     Args:
-        model_dir: HF checkpoint dir (Llama architecture).
+        model_dir: HF checkpoint dir of a decoder architecture vLLM has (``config.architectures[0]``:
+            ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``MistralForCausalLM``, ...).
         vcfg: :class:`darts_bench.config.VLLMConfig`.
         dtype: ``float32`` | ``bfloat16`` | ``float16`` (``vcfg.dtype`` wins unless ``auto``).
         seed: engine seed (per-request seeds are set on each sampled request).
@@ -117,7 +141,9 @@ class VLLMEngine:
 
     Raises:
         ImportError: vllm is not installed (message with the install command);
-        FileNotFoundError / ValueError: the checkpoint dir is incomplete or corrupt.
+        FileNotFoundError / ValueError: the checkpoint dir is incomplete or corrupt;
+        ValueError: its ``config.json`` names no single architecture, or one vLLM has no causal LM
+            class for.
     """
 
     def __init__(self, model_dir: str | Path, vcfg, dtype: str = "float32", seed: int = 0,
@@ -130,9 +156,7 @@ class VLLMEngine:
         self.model_dir, self.vcfg = str(model_dir), vcfg
         self.dtype = dtype if vcfg.dtype == "auto" else vcfg.dtype
         hf_cfg = AutoConfig.from_pretrained(self.model_dir)
-        if "LlamaForCausalLM" not in (hf_cfg.architectures or []):
-            raise ValueError(f"{model_dir}: the vLLM backend supports LlamaForCausalLM checkpoints, "
-                             f"got {hf_cfg.architectures}; use evaluate.backend=hf")
+        self.arch = vllm_architecture(self.model_dir, hf_cfg.architectures)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.tokenizer.truncation_side = "left"
         if self.tokenizer.pad_token is None:
@@ -150,6 +174,7 @@ class VLLMEngine:
         if self.max_model_len > self.max_position:
             os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
         self.head_dir = ""
+        self.head_dirs: list[str] | None = None  # the per-request heads loaded (set_heads)
 
         from vllm import LLM
 
@@ -162,8 +187,10 @@ class VLLMEngine:
                       enable_chunked_prefill=vcfg.enable_chunked_prefill,
                       enable_prefix_caching=vcfg.enable_prefix_caching, enforce_eager=vcfg.enforce_eager,
                       tensor_parallel_size=vcfg.tensor_parallel_size,
-                      hf_overrides={"architectures": [ARCH], "darts_head_dir": ""},
+                      hf_overrides={"architectures": [darts_arch(self.arch)], "darts_head_dir": ""},
                       worker_extension_cls="darts_bench.evaluate.engines.vllm_model.DartsWorkerExtension",
+                      # per-request heads: keeps each batch row's head, changes no logits
+                      logits_processors=["darts_bench.evaluate.engines.vllm_model:DartsHeadRouter"],
                       disable_log_stats=True)
         if vcfg.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = vcfg.max_num_batched_tokens
@@ -190,6 +217,18 @@ class VLLMEngine:
         if want != self.head_dir:
             self.llm.collective_rpc("darts_set_head", args=(want,))
             self.head_dir = want
+
+    def set_heads(self, head_dirs: Sequence[str | Path | None]) -> None:
+        """Load the heads requests name by index (``extra_args["darts_head"]``; None: plain) into
+        the running engine's model (all workers), beside the swapped head of :meth:`set_head`."""
+        want = [str(h) if h else "" for h in head_dirs]
+        if want != self.head_dirs:
+            self.llm.collective_rpc("darts_set_heads", args=(want,))
+            self.head_dirs = want
+
+    def multi_head_model(self, name: str, head_dirs: Sequence[str | Path | None],
+                         max_length: int | None = None) -> "VLLMMultiHeadModel":
+        return VLLMMultiHeadModel(name, self, head_dirs, max_length=max_length)
 
     def text_model(self, name: str, head_dir: str | Path | None = None, batch_size: int = 8,
                    max_length: int | None = None) -> "VLLMTextModel":
@@ -258,8 +297,13 @@ class VLLMTextModel:
 
     def generate_ids(self, prompts: Sequence[str] | Sequence[Sequence[int]], *, max_new_tokens: int,
                      stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
-                     seed: int = 0) -> list[list[list[int]]]:
+                     seed: int = 0, heads: Sequence[int] | None = None,
+                     seeds: Sequence[int] | None = None) -> list[list[list[int]]]:
         """Generated token ids, ``[prompt][sample][token]`` (see ``HFTextModel.generate_ids``).
+
+        ``heads``: per prompt, the index of a head loaded by ``VLLMEngine.set_heads`` (``-1``: none)
+        instead of this model's head; ``seeds``: per prompt, the sampling seed (default ``seed`` +
+        the prompt's index).
 
         Raises:
             ValueError: greedy decoding with ``num_samples != 1``.
@@ -271,7 +315,8 @@ class VLLMTextModel:
         if not prompts:
             return []
         eng = self.engine
-        eng.set_head(self.head_dir)
+        if heads is None:
+            eng.set_head(self.head_dir)
         ids = self._ids(prompts)
         params = []
         for i, p in enumerate(ids):
@@ -285,9 +330,11 @@ class VLLMTextModel:
                             i, len(p), max_new_tokens, eng.max_model_len, room)
             params.append(SamplingParams(
                 n=num_samples, max_tokens=min(max_new_tokens, room), temperature=temperature,
-                top_p=1.0, top_k=0 if temperature > 0 else -1, seed=seed + i if temperature > 0 else None,
+                top_p=1.0, top_k=0 if temperature > 0 else -1,
+                seed=(seeds[i] if seeds is not None else seed + i) if temperature > 0 else None,
                 stop=list(stop) or None, stop_token_ids=eng.eos_ids or None,
-                include_stop_str_in_output=True, skip_special_tokens=True))
+                include_stop_str_in_output=True, skip_special_tokens=True,
+                extra_args={"darts_head": int(heads[i])} if heads is not None else None))
         outs = []
         for group in self._request_groups(ids, num_samples if temperature > 0 else 0):
             outs += eng.llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i in group],
@@ -340,9 +387,11 @@ class VLLMTextModel:
                                 temperature=temperature, seed=seed)
         return [[cut_at_stop(self.tokenizer.decode(s, skip_special_tokens=True), stop) for s in row] for row in ids]
 
-    def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:
+    def score(self, contexts: Sequence[str], continuations: Sequence[str],
+              heads: Sequence[int] | None = None) -> list[ScoreContinuation]:
         """Per-pair NLL (nats) of the continuation tokens given the context, from vLLM's
-        ``prompt_logprobs`` (same tokenization and truncation as ``HFTextModel.score``)."""
+        ``prompt_logprobs`` (same tokenization and truncation as ``HFTextModel.score``); ``heads``
+        as in :meth:`generate_ids`."""
         from vllm import SamplingParams, TokensPrompt
 
         from darts_bench.evaluate.hf_model import score_pairs
@@ -351,8 +400,11 @@ class VLLMTextModel:
         if not pairs:
             return []
         eng = self.engine
-        eng.set_head(self.head_dir)
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        if heads is None:
+            eng.set_head(self.head_dir)
+        params = [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False,
+                                 extra_args={"darts_head": int(heads[i])} if heads is not None else None)
+                  for i in range(len(pairs))]
         outs = eng.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in pairs], params, use_tqdm=False)
         results = []
         for (ids, n), o in zip(pairs, outs):
@@ -362,6 +414,69 @@ class VLLMTextModel:
             results.append(ScoreContinuation(nll=float(sum(tok_nll)), n_tokens=n,
                                              greedy=all(lp.rank == 1 for lp in lps), token_nll=tok_nll))
         return results
+
+
+class VLLMMultiHeadModel:
+    """Every head of one merge in one engine pass: each request names its head (an index into
+    ``head_dirs``; a None entry is the plain merge), so one ``generate`` batches the rows of a merge
+    and a prompt's prefill (prefix caching) is shared by all of them: the KV cache does not depend
+    on the head. Greedy outputs equal the row-by-row ones (:class:`VLLMTextModel` with each head)
+    token for token.
+
+    Args:
+        name: label for logs.
+        engine: the engine of the merge's model dir.
+        head_dirs: the heads, by index (None: no head).
+        max_length: as :class:`VLLMTextModel`.
+    """
+
+    def __init__(self, name: str, engine: VLLMEngine, head_dirs: Sequence[str | Path | None],
+                 max_length: int | None = None):
+        self.name, self.engine = name, engine
+        self.head_dirs = [str(h) if h else None for h in head_dirs]
+        self._tm = VLLMTextModel(name, engine, None, max_length=max_length)
+        self.tokenizer = engine.tokenizer
+
+    def _heads(self, idx: Sequence[int]) -> list[int]:
+        n = len(self.head_dirs)
+        bad = [i for i in idx if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"{self.name}: head indices {sorted(set(bad))[:5]} outside 0..{n - 1} "
+                             f"({n} heads)")
+        self.engine.set_heads(self.head_dirs)
+        return [i if self.head_dirs[i] else -1 for i in idx]
+
+    def close(self) -> None:
+        """No-op: the engine outlives the merge's rows."""
+
+    def generate(self, requests: Sequence[tuple[int, str]], *, max_new_tokens: int, stop: Sequence[str] = (),
+                 num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
+        """``requests``: ``(head index, prompt)``; returns the samples of each request, in order.
+        A sampled request's seed is ``seed`` + its index among its head's requests, as when each
+        head's prompts are generated alone.
+
+        Raises:
+            ValueError: a head index outside ``head_dirs``; greedy with ``num_samples != 1``.
+        """
+        if not requests:
+            return []
+        heads = self._heads([h for h, _ in requests])
+        seen: dict[int, int] = {}
+        seeds = []
+        for h, _ in requests:
+            seeds.append(seed + seen.get(h, 0))
+            seen[h] = seen.get(h, 0) + 1
+        ids = self._tm.generate_ids([p for _, p in requests], max_new_tokens=max_new_tokens, stop=stop,
+                                    num_samples=num_samples, temperature=temperature, heads=heads, seeds=seeds)
+        return [[cut_at_stop(self.tokenizer.decode(s, skip_special_tokens=True), stop) for s in row] for row in ids]
+
+    def score(self, requests: Sequence[tuple[int, str, str]]) -> list[ScoreContinuation]:
+        """``requests``: ``(head index, context, continuation)``; NLL per request as
+        :meth:`VLLMTextModel.score`."""
+        if not requests:
+            return []
+        heads = self._heads([h for h, _, _ in requests])
+        return self._tm.score([c for _, c, _ in requests], [x for _, _, x in requests], heads=heads)
 
 
 class VLLMBackend(Backend):
@@ -462,6 +577,15 @@ class VLLMBackend(Backend):
         if not self.executor.in_process:
             return self._get_remote(name, key, head, pin)
         return self.engine_for(key, pin=pin).text_model(name, head, batch_size=self.batch_size)
+
+    def multi_head_model(self, name: str, model_dir: str | Path, head_dirs: list[str | None]):
+        """All heads of a merge on one engine, each request naming its head
+        (:class:`VLLMMultiHeadModel`): in-process. In the Ray layout, the base class's row-by-row
+        default (each head through :meth:`get`)."""
+        self._check_open()
+        if not self.executor.in_process:
+            return super().multi_head_model(name, model_dir, head_dirs)
+        return self.engine_for(str(model_dir)).multi_head_model(name, head_dirs)
 
     def continuations(self, name: str, model_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
                       desc: str = "") -> list[list[int]]:
