@@ -119,7 +119,7 @@ def three(task):
 # ---------------------------------------------------------------------------------- tests
 def test_registered_and_examples(task, three):
     examples, model, refs, instr = three
-    assert (task.name, task.expert, task.version) == ("alpacaeval", "instruction", "2")
+    assert (task.name, task.expert, task.version) == ("alpacaeval", "instruction", "3")
     records = json.loads((DATA / GPT4).read_text())
     assert len(examples) == 3
     for i, e in enumerate(examples):
@@ -154,7 +154,7 @@ def test_training_prompts(task):
 def test_judge_consistency_pure():
     # ab frame: 1 = reference wins, 2 = model wins; ba frame: 1 = model wins
     cons, prefs = judge_consistency([2, 1, 1, 2, None, 1.5], [1, 2, 1, 2, 1, 1.5])
-    assert prefs == [2.0, 1.0, 1.5, 1.5, 1.5, 1.5]
+    assert prefs == [2.0, 1.0, 1.5, 1.5, None, 1.5]  # a missing verdict: no debiased verdict (dropped)
     assert cons == pytest.approx(3 / 6)
     assert judge_consistency([], []) == (None, [])
     with pytest.raises(ValueError):
@@ -319,18 +319,51 @@ class GarbageJudge(LengthJudge):
         return [["the the the"] for _ in prompts]
 
 
-def test_unparseable_verdicts_are_draws(three, tmp_path):
+def test_unparseable_verdicts_are_dropped(three, tmp_path):
+    """Version 3: a pair without a verdict is left out of the win rate and counted, as alpaca_eval's
+    ``get_winrate`` drops an annotation it could not parse (version 2 made it a draw)."""
     examples, model, refs, instr = three
     t = _task_in_generate_mode(tmp_path)
     res = t.evaluate(model, examples, _ctx(AlpacaEvalConfig(limit=3), GarbageJudge()))
     assert res.meta["n_no_verdict"] == 6
     assert res.metrics["alpacaeval_judge_consistency"] == 0.0
-    assert res.metrics["alpacaeval_win_rate"] == pytest.approx(50.0)
-    # every answer unparsable: the 50.0 is draws by default, flagged as such (version 2)
+    assert res.metrics["alpacaeval_win_rate"] is None and res.metrics["alpacaeval_win_rate_raw"] is None
+    assert res.metrics["alpacaeval_n_scored"] == 0 and res.meta["n_dropped_no_verdict"] == 3
+    assert all(math.isnan(w) for w in res.per_example["win"]) and res.samples[0]["preference"] is None
+    # every answer unparsable: flagged as such
     assert res.metrics["alpacaeval_win_rate_flag"] == "unparsed_verdicts"
     assert res.metrics["alpacaeval_unparsed"] == 6 and res.meta["unparsed_share"] == 1.0
     assert res.samples[0]["verdict_model_second"] is None
     assert res.samples[0]["judge_completion_model_second"] == "the the the"  # kept for inspection
+
+
+class PartlyGarbageJudge(LengthJudge):
+    """:class:`LengthJudge`, but unparsable text on any pair with the output ``Short.``."""
+
+    name = "partly-garbage"
+
+    def generate(self, prompts, *, max_new_tokens, stop=(), num_samples=1, temperature=0.0, seed=0):
+        self.calls += 1
+        return [["the the the"] if "Short." in _pair(p) else ["Output (b)" if self._b_wins(p) else "Output (a)"]
+                for p in prompts]
+
+
+@pytest.mark.parametrize("both_orders", [True, False])
+def test_some_unparseable_verdicts_dropped_as_alpaca_eval(three, tmp_path, both_orders):
+    from alpaca_eval.metrics import get_winrate
+
+    examples, model, refs, instr = three
+    t = _task_in_generate_mode(tmp_path)
+    res = t.evaluate(model, examples, _ctx(AlpacaEvalConfig(limit=3, judge=JudgeConfig(both_orders=both_orders)),
+                                           PartlyGarbageJudge()))
+    prefs = [s["preference"] for s in res.samples]
+    assert prefs == [2.0, 1.0, None]  # model longer on #0, reference on #1, #2 unparsable
+    want = get_winrate([{"preference": p} for p in prefs])  # alpaca_eval on the same annotations
+    assert int(want["n_total"]) == 2
+    assert res.metrics["alpacaeval_win_rate"] == pytest.approx(float(want["win_rate"])) == pytest.approx(50.0)
+    assert res.metrics["alpacaeval_unparsed"] == (2 if both_orders else 1)
+    assert res.metrics["alpacaeval_n_scored"] == 2 and res.meta["n_dropped_no_verdict"] == 1
+    assert res.per_example["win"][:2] == [1.0, 0.0] and math.isnan(res.per_example["win"][2])
 
 
 def test_annotator_config_guards(tmp_path):
