@@ -119,7 +119,7 @@ def three(task):
 # ---------------------------------------------------------------------------------- tests
 def test_registered_and_examples(task, three):
     examples, model, refs, instr = three
-    assert (task.name, task.expert, task.version) == ("alpacaeval", "instruction", "2")
+    assert (task.name, task.expert, task.version) == ("alpacaeval", "instruction", "3")
     records = json.loads((DATA / GPT4).read_text())
     assert len(examples) == 3
     for i, e in enumerate(examples):
@@ -154,7 +154,7 @@ def test_training_prompts(task):
 def test_judge_consistency_pure():
     # ab frame: 1 = reference wins, 2 = model wins; ba frame: 1 = model wins
     cons, prefs = judge_consistency([2, 1, 1, 2, None, 1.5], [1, 2, 1, 2, 1, 1.5])
-    assert prefs == [2.0, 1.0, 1.5, 1.5, 1.5, 1.5]
+    assert prefs == [2.0, 1.0, 1.5, 1.5, None, 1.5]  # a missing verdict: no debiased verdict (dropped)
     assert cons == pytest.approx(3 / 6)
     assert judge_consistency([], []) == (None, [])
     with pytest.raises(ValueError):
@@ -319,18 +319,51 @@ class GarbageJudge(LengthJudge):
         return [["the the the"] for _ in prompts]
 
 
-def test_unparseable_verdicts_are_draws(three, tmp_path):
+def test_unparseable_verdicts_are_dropped(three, tmp_path):
+    """Version 3: a pair without a verdict is left out of the win rate and counted, as alpaca_eval's
+    ``get_winrate`` drops an annotation it could not parse (version 2 made it a draw)."""
     examples, model, refs, instr = three
     t = _task_in_generate_mode(tmp_path)
     res = t.evaluate(model, examples, _ctx(AlpacaEvalConfig(limit=3), GarbageJudge()))
     assert res.meta["n_no_verdict"] == 6
     assert res.metrics["alpacaeval_judge_consistency"] == 0.0
-    assert res.metrics["alpacaeval_win_rate"] == pytest.approx(50.0)
-    # every answer unparsable: the 50.0 is draws by default, flagged as such (version 2)
+    assert res.metrics["alpacaeval_win_rate"] is None and res.metrics["alpacaeval_win_rate_raw"] is None
+    assert res.metrics["alpacaeval_n_scored"] == 0 and res.meta["n_dropped_no_verdict"] == 3
+    assert all(math.isnan(w) for w in res.per_example["win"]) and res.samples[0]["preference"] is None
+    # every answer unparsable: flagged as such
     assert res.metrics["alpacaeval_win_rate_flag"] == "unparsed_verdicts"
     assert res.metrics["alpacaeval_unparsed"] == 6 and res.meta["unparsed_share"] == 1.0
     assert res.samples[0]["verdict_model_second"] is None
     assert res.samples[0]["judge_completion_model_second"] == "the the the"  # kept for inspection
+
+
+class PartlyGarbageJudge(LengthJudge):
+    """:class:`LengthJudge`, but unparsable text on any pair with the output ``Short.``."""
+
+    name = "partly-garbage"
+
+    def generate(self, prompts, *, max_new_tokens, stop=(), num_samples=1, temperature=0.0, seed=0):
+        self.calls += 1
+        return [["the the the"] if "Short." in _pair(p) else ["Output (b)" if self._b_wins(p) else "Output (a)"]
+                for p in prompts]
+
+
+@pytest.mark.parametrize("both_orders", [True, False])
+def test_some_unparseable_verdicts_dropped_as_alpaca_eval(three, tmp_path, both_orders):
+    from alpaca_eval.metrics import get_winrate
+
+    examples, model, refs, instr = three
+    t = _task_in_generate_mode(tmp_path)
+    res = t.evaluate(model, examples, _ctx(AlpacaEvalConfig(limit=3, judge=JudgeConfig(both_orders=both_orders)),
+                                           PartlyGarbageJudge()))
+    prefs = [s["preference"] for s in res.samples]
+    assert prefs == [2.0, 1.0, None]  # model longer on #0, reference on #1, #2 unparsable
+    want = get_winrate([{"preference": p} for p in prefs])  # alpaca_eval on the same annotations
+    assert int(want["n_total"]) == 2
+    assert res.metrics["alpacaeval_win_rate"] == pytest.approx(float(want["win_rate"])) == pytest.approx(50.0)
+    assert res.metrics["alpacaeval_unparsed"] == (2 if both_orders else 1)
+    assert res.metrics["alpacaeval_n_scored"] == 2 and res.meta["n_dropped_no_verdict"] == 1
+    assert res.per_example["win"][:2] == [1.0, 0.0] and math.isnan(res.per_example["win"][2])
 
 
 def test_annotator_config_guards(tmp_path):
@@ -425,3 +458,135 @@ def test_named_annotator_without_key_fails_before_generation(three, monkeypatch,
         AlpacaEvalTask().preflight(cfg)  # what the runner calls before any stage generates
     with pytest.raises(ValueError, match="no alpaca_eval annotator config"):
         AlpacaEvalTask().preflight(AlpacaEvalConfig(judge=JudgeConfig(annotator="no_such_annotator")))
+
+
+# ------------------------------------------------------------------ set-ups by name (issue 28)
+@pytest.mark.parametrize("setup, protocol, cap, reference, annotator, model", [
+    ("dare", "vicuna", 2048, "text_davinci_003", "chatgpt_fn", "gpt-3.5-turbo-16k-0613"),
+    ("della", "della", 512, "text_davinci_003", "alpaca_eval_gpt4", "gpt-4"),
+    ("alpaca_eval_2", "chat_template", 2048, "gpt4_turbo", "weighted_alpaca_eval_gpt4_turbo", "gpt-4-1106-preview"),
+])
+def test_setups_resolve_to_their_sources(setup, protocol, cap, reference, annotator, model):
+    from darts_bench_tasks.alpacaeval.annotators import resolve_annotator
+    from darts_bench_tasks.alpacaeval.setups import annotator_model_note
+
+    cfg = AlpacaEvalConfig(setup=setup)
+    assert (cfg.protocol, cfg.max_new_tokens, cfg.reference, cfg.judge.annotator) == (protocol, cap, reference, annotator)
+    assert cfg.setup_departures() == {}
+    _, _, ann = resolve_annotator(annotator)  # alpaca_eval's own config names the (retired) model
+    assert ann["completions_kwargs"]["model_name"] == model and annotator_model_note(model)
+    # an explicit value wins over the set-up and is recorded as a departure; the rest still follows it
+    mine = AlpacaEvalConfig(setup=setup, max_new_tokens=64, judge={"model": "base", "annotator": None})
+    assert (mine.max_new_tokens, mine.judge.annotator, mine.judge.model, mine.protocol) == (64, None, "base", protocol)
+    assert mine.setup_departures() == {"max_new_tokens": {"setup": cap, "config": 64},
+                                       "judge.annotator": {"setup": annotator, "config": None}}
+    assert AlpacaEvalConfig.model_validate(mine.model_dump()) == mine  # a dumped config reloads unchanged
+    with pytest.raises(ValueError, match="setup"):
+        AlpacaEvalConfig(setup="no_such_setup")
+
+
+def test_setup_prompts_and_stops_are_the_sources():
+    from darts_bench_tasks.alpacaeval.protocols import format_instruction, protocol_stop
+
+    # DELLA utils/evaluate_llms_utils.py generate_instruction_following_task_prompt(is_chat_model=False)
+    assert format_instruction("della", "Name a color.", None) == "Name a color.\n\n### Response:\n"
+    assert protocol_stop("della") == ["</s>", "USER:", "USER", "ASSISTANT:", "ASSISTANT"]  # batch_response_gen_stop
+    # MergeLM generate_instruction_following_task_prompt(is_chat_model=True)
+    assert format_instruction("vicuna", "Name a color.", None) == (
+        "A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+        "detailed, and polite answers to the user's questions. USER: Name a color. ASSISTANT:")
+    assert protocol_stop("vicuna") == [] == protocol_stop("chat_template")
+
+
+class StopStub(StubModel):
+    def generate(self, prompts, *, max_new_tokens, stop=(), num_samples=1, temperature=0.0, seed=0):
+        self.calls = getattr(self, "calls", []) + [{"max_new_tokens": max_new_tokens, "stop": list(stop)}]
+        return [[" " + next(v for k, v in self.outputs.items() if k in p)] for p in prompts]
+
+
+def test_della_setup_generates_with_its_prompt_stops_and_cap(three):
+    examples, model, refs, instr = three
+    t = AlpacaEvalTask()
+    t.protocol = "della"
+    cfg = AlpacaEvalConfig(setup="della", limit=3, judge={"annotator": None})  # the local judge (offline)
+    ex = t.examples(DATA, None, limit=3)
+    assert [e.prompt for e in ex] == [i + "\n\n### Response:\n" for i in instr]
+    stub = StopStub(model.outputs)
+    res = t.evaluate(stub, ex, _ctx(cfg, LengthJudge()))
+    assert stub.calls == [{"max_new_tokens": 512, "stop": ["</s>", "USER:", "USER", "ASSISTANT:", "ASSISTANT"]}]
+    assert res.meta["setup"] == "della" and res.meta["stop"] == stub.calls[0]["stop"]
+    assert res.meta["setup_departures"] == {"judge.annotator": {"setup": "alpaca_eval_gpt4", "config": None}}
+    assert res.meta["reference"] == "text_davinci_003" and "declare-lab/della" in res.meta["setup_source"]
+    assert res.meta["win_rate_kind"] == "raw" and "gpt4_turbo reference" in res.meta["length_controlled_note"]
+
+
+# ------------------------------------------------------------------ length-controlled win rate
+def _fake_hub_cache(root: Path, n_index: int) -> Path:
+    """A Hugging Face hub cache holding a synthetic ``tatsu-lab/alpaca_eval`` ``df_gamed.csv`` (two
+    gamed baselines on indices 0..n_index-1), laid out as ``huggingface_hub`` stores downloads."""
+    import numpy as np
+    import pandas as pd
+
+    rev = "0" * 40
+    repo = root / "datasets--tatsu-lab--alpaca_eval"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(rev)
+    snap = repo / "snapshots" / rev
+    snap.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for model, shift in (("gamed_verbose", 1.0), ("gamed_concise", -1.0)):
+        for i in range(n_index):
+            rows.append({"model": model, "index": i, "preference": float(rng.uniform(0.05, 0.95)),
+                         "std_delta_len": shift + float(rng.normal(0, 0.3)),
+                         "instruction_difficulty": float(np.linspace(-1, 1, n_index)[i]), "not_gamed_baseline": False})
+    pd.DataFrame(rows).to_csv(snap / "df_gamed.csv", index=False)
+    return root
+
+
+def test_length_controlled_equals_alpaca_evals_function(task, tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub_constants
+    import pandas as pd
+    from alpaca_eval import constants as ae_constants
+    from alpaca_eval.metrics import get_length_controlled_winrate
+
+    from darts_bench_tasks.alpacaeval import length_controlled_win_rate
+
+    n = 12
+    examples = task.examples(DATA, StubModel({}), limit=n)
+    instr = [e.meta["instruction"] for e in examples]
+    outputs = {i: (e.reference + " More." * (k % 3)) if k % 2 else "Short." for k, (i, e) in enumerate(zip(instr, examples))}
+    model = StubModel(outputs)
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(ae_constants, "DEFAULT_CACHE_DIR", str(tmp_path / "empty_cache"))
+    res = task.evaluate(model, examples, _ctx(AlpacaEvalConfig(limit=n), LengthJudge()))
+    assert res.meta["win_rate_kind"] == "raw" and res.meta["length_controlled_win_rate"] is None
+    assert "df_gamed.csv" in res.meta["length_controlled_note"] and "HF_HUB_OFFLINE" in res.meta["length_controlled_note"]
+
+    monkeypatch.setattr(ae_constants, "DEFAULT_CACHE_DIR", str(_fake_hub_cache(tmp_path / "hub", n)))
+    res = task.evaluate(model, examples, _ctx(AlpacaEvalConfig(limit=n), LengthJudge()))
+    assert res.meta["win_rate_kind"] == "length_controlled" and res.meta["length_controlled_note"] is None
+    # alpaca_eval's function on the annotations frame, built here from the result's samples
+    frame = pd.DataFrame({"instruction": [s["instruction"] for s in res.samples],
+                          "output_1": [s["reference_output"] for s in res.samples],
+                          "output_2": [s["output"] for s in res.samples],
+                          "preference": [s["preference"] for s in res.samples],
+                          "generator_1": "gpt4_1106_preview", "generator_2": "stub", "annotator": "darts_local_judge"})
+    want = get_length_controlled_winrate(frame, save_weights_dir=None, is_add_glm_preference_inplace=False)
+    assert res.metrics["alpacaeval_win_rate"] == pytest.approx(float(want["length_controlled_winrate"]), abs=1e-12)
+    assert res.meta["length_controlled_standard_error"] == pytest.approx(float(want["lc_standard_error"]), abs=1e-12)
+    assert res.metrics["alpacaeval_win_rate_raw"] == pytest.approx(float(want["win_rate"]))
+    assert res.metrics["alpacaeval_win_rate"] != res.metrics["alpacaeval_win_rate_raw"]
+    # a synthetic frame with a pair without a verdict (NaN: out of the fit, still predicted) and
+    # non-contiguous official indices (the GLM reads the instruction difficulty by index)
+    prefs = [2.0, 1.0, None, 1.5, 2.0, 1.0, 1.0, 2.0]
+    idx = [0, 2, 3, 5, 7, 8, 10, 11]
+    refs, outs = [f"ref {i} " * (i + 1) for i in idx], [f"out {i} " * (12 - i) for i in idx]
+    got, se = length_controlled_win_rate([f"q{i}" for i in idx], refs, outs, prefs, idx, model_name="m",
+                                         annotator="a")
+    want = get_length_controlled_winrate(pd.DataFrame(
+        {"instruction": [f"q{i}" for i in idx], "output_1": refs, "output_2": outs,
+         "preference": [float("nan") if p is None else p for p in prefs], "generator_1": "gpt4_1106_preview",
+         "generator_2": "m", "annotator": "a"}, index=idx), save_weights_dir=None, is_add_glm_preference_inplace=False)
+    assert (got, se) == (pytest.approx(float(want["length_controlled_winrate"]), abs=1e-12),
+                         pytest.approx(float(want["lc_standard_error"]), abs=1e-12))

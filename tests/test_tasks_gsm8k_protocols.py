@@ -298,3 +298,141 @@ def test_score_cli_gives_each_sources_verdict(tmp_path, resp, gold, mergelm, lme
     assert m["no_answer"] == [float(mergelm_extract_answer_number(resp) is None)]
     assert main(["score", "gsm8k", str(f), "--data-dir", str(DATA), "--protocol", "chat-cot", "--out", str(out)]) == 0
     assert json.loads(out.read_text())["em_strict"] == [float(lmeval_chat)]
+
+
+# ------------------------------------------------------------------ gsm8k-cot-8shot (lm-eval gsm8k_cot)
+# (response, gold, strict answer as lm-eval's gsm8k-cot.yaml strict-match extracts it, strict verdict,
+#  flexible verdict): several markers (the first is taken), '$' (no strict match), decimals, and the
+#  YAML's unescaped final '.' (a number at the very end loses its last digit)
+COT8_CASES = [
+    ("9 - 4 = 5. The answer is 5. No: 9 * 2 = 18. The answer is 18.", "18", "5.", False, True),
+    ("She makes 9 * $2 = $18. The answer is $18.", "18", None, False, True),
+    ("The answer is 18.0.", "18", "18.0", False, False),
+    ("The answer is 18.", "18", "18", True, True),
+    ("The answer is 18", "18", "1", False, True),
+    ("The answer is 17.5.", "18", "17.5", False, False),
+    ("The answer is 1,018.", "1018", "1,018", True, True),
+    ("The answer is -7.", "-7", "-7", True, True),
+    ("So she makes 18 dollars.", "18", None, False, True),
+]
+
+
+def _lm_eval_verdicts(proto, responses, golds):
+    """lm-eval's own filters (RegexFilter, take_first) and exact_match metric, run with the protocol's
+    YAML (the included gsm8k-cot.yaml's filter_list and metric_list)."""
+    from lm_eval.api.metrics import exact_match_hf_evaluate
+    from lm_eval.filters.extraction import RegexFilter
+
+    em = {k: v for k, v in proto.config["metric_list"][0].items() if k in ("regexes_to_ignore", "ignore_case",
+                                                                           "ignore_punctuation")}
+    out = {}
+    for f in proto.config["filter_list"]:
+        (rx, take), = [f["filter"]]
+        assert take["function"] == "take_first" and rx["function"] == "regex"
+        got = RegexFilter(regex_pattern=rx["regex_pattern"], group_select=rx.get("group_select", 0)).apply(
+            [[r] for r in responses], [{}] * len(responses))
+        picked = [g[0] for g in got]
+        verdicts = [bool(exact_match_hf_evaluate(predictions=[p], references=[g], **em)["exact_match"])
+                    for p, g in zip(picked, golds)]
+        out[f["name"]] = (picked, verdicts)
+    return out
+
+
+def test_cot_8shot_is_lm_evals_gsm8k_cot_yaml():
+    from importlib.util import find_spec
+
+    proto = protocols.get_protocol("gsm8k-cot-8shot")
+    installed = Path(find_spec("lm_eval").origin).parent / "tasks" / "gsm8k" / "gsm8k-cot.yaml"
+    lm = yaml.safe_load(installed.read_text(encoding="utf-8"))
+    assert proto.included_path() == installed and lm["task"] == "gsm8k_cot"
+    for key in ("doc_to_text", "doc_to_target", "fewshot_config", "filter_list", "metric_list", "generation_kwargs",
+                "num_fewshot", "output_type", "test_split"):
+        assert proto.config[key] == lm[key], key
+    assert proto.stop == ["Q:", "</s>", "<|im_end|>"] and proto.fixed_fewshot == 8 == len(lm["fewshot_config"]["samples"])
+    assert proto.config["filter_list"][0]["filter"][0]["regex_pattern"] == r"The answer is (\-?[0-9\.\,]+)."
+    assert proto.config["dataset_path"] == "json" and proto.lm_eval_task == "darts_gsm8k_cot_8shot"
+    assert mod.TASK_VERSIONS["gsm8k-cot-8shot"] == "3"
+    first = proto.prompt("How many?", None).split("\n\n")
+    assert len(first) == 9 and first[0].startswith("Q: There are 15 trees in the grove.")
+    assert first[0].endswith("A: There are 15 trees originally. Then there were 21 trees after some more were "
+                             "planted. So there must have been 21 - 15 = 6. The answer is 6.")
+    assert first[-1] == "Q: How many?\nA:"
+
+
+@pytest.mark.parametrize("resp,gold,strict,strict_ok,flex_ok", COT8_CASES)
+def test_cot_8shot_filters_give_lm_evals_verdicts(resp, gold, strict, strict_ok, flex_ok):
+    proto = protocols.get_protocol("gsm8k-cot-8shot")
+    lm = _lm_eval_verdicts(proto, [resp], [gold])
+    assert lm["strict-match"] == ([strict or "[invalid]"], [strict_ok])
+    assert lm["flexible-extract"][1] == [flex_ok]
+    answer, ok = proto.score_strict(resp, "x\n#### " + gold)
+    assert (answer, ok) == (strict, strict_ok)
+    assert proto.is_correct(proto.extract_flexible(resp), "x\n#### " + gold) is flex_ok
+
+
+@needs_data
+def test_cot_8shot_prompt_is_lm_evals_rendering(tmp_path):
+    """The prompt of a doc equals lm-eval's own ``Task.fewshot_context`` of the runtime task (lm-eval's
+    gsm8k-cot.yaml included, loaded by lm-eval's TaskManager)."""
+    from lm_eval.tasks import TaskManager
+
+    task = get_task("gsm8k", GSM8KConfig(protocol="gsm8k-cot-8shot"))
+    proto = protocols.get_protocol("gsm8k-cot-8shot")
+    ex = task.examples(DATA, None, 3)
+    task.write_lm_eval_task(ex, tmp_path, data_dir=DATA, num_fewshot=8, max_new_tokens=77, protocol=proto.name)
+    lm_task = TaskManager(include_path=str(tmp_path), include_defaults=False).load([proto.lm_eval_task])
+    lm_task = lm_task["tasks"][proto.lm_eval_task]
+    docs = list(lm_task.test_docs())
+    assert [lm_task.fewshot_context(d, num_fewshot=8) for d in docs] == [e.prompt for e in ex]
+    assert lm_task.config.generation_kwargs == {"do_sample": False, "until": ["Q:", "</s>", "<|im_end|>"],
+                                                "max_gen_toks": 77}
+    assert [lm_task.doc_to_target(d) for d in docs] == [e.meta["gold"] for e in ex] == ["18", "3", "70000"]
+
+
+class LastQuestionStandIn(StandIn):
+    """:class:`StandIn` that looks for its keyword in the last question of an 8-shot prompt only."""
+
+    def generate(self, prompts, *, max_new_tokens, stop=(), num_samples=1, temperature=0.0, seed=0):
+        self.calls.append({"prompts": list(prompts), "stop": list(stop)})
+        return [[self.answers[next(k for k in self.answers if k in p.split("\n\n")[-1])]] for p in prompts]
+
+
+COT8_ANSWERS = {"Janet": " 16 - 3 - 4 = 9. 9 * 2 = 18. The answer is 18.", "A robe": " 2 + 1 = 3. The answer is $3.",
+                "Josh": " The answer is 5. No, he made 70,000. The answer is 70,000.", "James": " 3 * 3 * 60 = 540",
+                "Wendi": " The answer is 20"}
+
+
+@needs_data
+def test_evaluate_under_cot_8shot(tmp_path):
+    task = get_task("gsm8k", GSM8KConfig(protocol="gsm8k-cot-8shot"))
+    model = LastQuestionStandIn(COT8_ANSWERS)
+    ex = task.examples(DATA, None, 5)
+    res = task.evaluate(model, ex, EvalContext(config=GSM8KConfig(protocol="gsm8k-cot-8shot"), data_dir=DATA,
+                                               seed=0, work_dir=tmp_path))
+    assert res.per_example["em_strict"] == [1.0, 0.0, 0.0, 0.0, 0.0]  # first match; '$'; no marker; '20' -> '2'
+    assert [s["strict"] for s in res.samples] == ["18", None, "5.", None, "2"]
+    assert res.per_example["em_flexible"] == [1.0, 1.0, 1.0, 1.0, 1.0]
+    assert res.per_example["no_answer"] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    (call,) = model.calls
+    assert sorted(call["prompts"]) == sorted(e.prompt for e in ex) and call["stop"] == ["Q:", "</s>", "<|im_end|>"]
+    assert res.meta["num_fewshot"] == 8 and res.meta["protocol"] == "gsm8k-cot-8shot"
+    assert res.meta["task_version"] == "3" and res.meta["lm_eval_task"] == "darts_gsm8k_cot_8shot"
+    assert res.meta["example_prompt"] in [e.prompt for e in ex]
+    assert res.meta["task_yaml_sha256"] == protocols.get_protocol("gsm8k-cot-8shot").sha256
+    with pytest.raises(ValueError, match="8 exemplars"):
+        task.evaluate(model, ex, EvalContext(config=GSM8KConfig(protocol="gsm8k-cot-8shot", num_fewshot=5),
+                                             data_dir=DATA, seed=0, work_dir=tmp_path))
+
+
+@needs_data
+def test_score_cli_cot_8shot(tmp_path):
+    from darts_bench.cli import main
+
+    f = tmp_path / "s.jsonl"
+    f.write_text("".join(json.dumps({"doc_id": 0, "response": r}) + "\n" for r in
+                         ["The answer is 18."]) + json.dumps({"doc_id": 1, "response": "The answer is 3"}) + "\n")
+    out = tmp_path / "m.json"
+    assert main(["score", "gsm8k", str(f), "--data-dir", str(DATA), "--protocol", "gsm8k-cot-8shot",
+                 "--out", str(out)]) == 0
+    m = json.loads(out.read_text())
+    assert m["em_strict"] == [1.0, 0.0] and m["em_flexible"] == [1.0, 1.0] and m["protocol"] == "gsm8k-cot-8shot"

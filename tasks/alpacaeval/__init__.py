@@ -19,7 +19,8 @@ from .config import AlpacaEvalConfig, JudgeConfig  # noqa: F401 - public: tasks.
 from .annotators import annotate_named, check_annotator
 from .judge import (ANNOTATOR_DIR, alpaca_eval_version, judge_consistency, judge_pairs, load_annotator_config,
                     win_rate)
-from .protocols import PROTOCOLS, format_instruction, protocol_meta
+from .protocols import PROTOCOLS, format_instruction, protocol_meta, protocol_stop
+from .setups import SETUPS, annotator_model_note
 
 # The evaluation set and the reference (baseline) outputs, in the data dir (shared/data layout).
 EVAL_SET = "gpt4_turbo"
@@ -125,7 +126,7 @@ class AlpacaEvalTask(Task):
 
     name = "alpacaeval"
     expert = "instruction"
-    version = "2"
+    version = "3"
     protocol = "chat_template"  # tasks.alpacaeval.protocol: get_task(name, config) sets it, examples() and evaluate() read it
     primary_metrics = ("alpacaeval_win_rate",)
     config_model = AlpacaEvalConfig
@@ -251,7 +252,9 @@ class AlpacaEvalTask(Task):
                              f"(tasks.alpacaeval.judge.model={jcfg.model!r})")
 
         # 2. the model's outputs (greedy)
-        gens = model.generate([e.prompt for e in examples], max_new_tokens=cfg.max_new_tokens, temperature=0.0)
+        stop = protocol_stop(protocol)
+        gens = model.generate([e.prompt for e in examples], max_new_tokens=cfg.max_new_tokens, stop=stop,
+                              temperature=0.0)
         outputs = [g[0].strip() for g in gens]
 
         # 3. judge: reference as output_1 / model as output_2 ("ab"), and swapped ("ba")
@@ -274,7 +277,8 @@ class AlpacaEvalTask(Task):
             consistency, _ = judge_consistency([v_ab[k] for k in asked], [v_ba[k] for k in asked])
         else:
             v_ba, raw_ba = [None] * n, [None] * n
-            prefs = [1.5 if v is None or v == 0.0 else v for v in v_ab]  # alpaca_eval's 0 is a draw
+            # alpaca_eval's 0 is a draw; a missing verdict stays missing (dropped from the win rate)
+            prefs = [None if v is None else 1.5 if v == 0.0 else v for v in v_ab]
             asked = [k for k in range(n) if refs[k] != outputs[k]]
             consistency = None
         n_no_verdict = sum(v is None for v in v_ab) + (sum(v is None for v in v_ba) if both_orders else 0)
@@ -282,26 +286,24 @@ class AlpacaEvalTask(Task):
         n_asked = len(asked) * (2 if both_orders else 1)
         unparsed_share = n_no_verdict / n_asked if n_asked else 0.0
 
-        wr = win_rate(prefs)
+        n_dropped = sum(p is None for p in prefs)  # pairs without a verdict: out of the win rate, as in alpaca_eval
+        wr = win_rate(prefs) or {}  # {} when no pair has a verdict: no win rate (None), flagged below
         wr_second = win_rate(v_ab)  # model as output_2 only
         wr_first = win_rate([3.0 - v for v in v_ba if v is not None]) if both_orders else None
         flag = FLAG_UNINFORMATIVE if consistency is not None and consistency < jcfg.min_consistency else None
         if unparsed_share > getattr(jcfg, "max_unparsed", 0.5):
             flag = FLAG_UNPARSED  # most verdicts are draws by default, not by judgement
 
-        # 4. length-controlled only on the full official set in order, and only if it computes offline
-        lc, lc_note = None, None
-        full = (cfg.reference == "gpt4_turbo" and n == OFFICIAL_SIZE
-                and examples[0].meta.get("set_size") == OFFICIAL_SIZE
-                and [e.meta.get("index") for e in examples] == list(range(OFFICIAL_SIZE)))
-        if full:
+        # 4. length-controlled win rate (alpaca_eval's function) wherever its inputs are available
+        lc, lc_se, lc_note = None, None, length_controlled_unavailable(cfg.reference, examples, prefs)
+        if lc_note is None:
             try:
-                lc = _length_controlled(instructions, refs, outputs, prefs, model_name=getattr(model, "name", "model"),
-                                        annotator=annotator_name)
-            except Exception as e:  # noqa: BLE001 - needs df_gamed.csv from the hub
-                lc_note = f"length-controlled win rate unavailable ({type(e).__name__}: {str(e)[:200]})"
-        else:
-            lc_note = "not the full official 805-instruction set in order against the gpt4_turbo reference"
+                lc, lc_se = length_controlled_win_rate(
+                    instructions, refs, outputs, prefs, [e.meta["index"] for e in examples],
+                    model_name=getattr(model, "name", "model"),
+                    annotator=annotator_name if named is None else named_meta["annotator"])
+            except Exception as e:  # noqa: BLE001 - the GLM fit or the hub download failed: say so
+                lc_note = f"alpaca_eval's get_length_controlled_winrate failed: {type(e).__name__}: {str(e)[:300]}"
         kind = "length_controlled" if lc is not None else "raw"
 
         # 5. reference NLL with the chosen reference outputs (empty references are skipped)
@@ -316,7 +318,7 @@ class AlpacaEvalTask(Task):
             for k, v, s, t in zip(scored, ref.per_example, ref.nll_sum, ref.n_tokens):
                 per_nll[k], nll_sum[k], nll_tokens[k] = v, s, float(t)
 
-        wins = [p - 1.0 for p in prefs]
+        wins = [math.nan if p is None else p - 1.0 for p in prefs]
         samples = [{"id": e.id, "instruction": instructions[k], "dataset": e.meta.get("dataset"),
                     "output": outputs[k], "reference_output": refs[k],
                     "verdict_model_second": v_ab[k], "verdict_model_first": v_ba[k],
@@ -325,21 +327,27 @@ class AlpacaEvalTask(Task):
                    for k, e in enumerate(examples)]
         template = cfg_path.parent.parent / ann_cfg["prompt_template"]
         metrics: dict[str, Any] = {
-            "alpacaeval_win_rate": lc if lc is not None else wr["win_rate"],
-            "alpacaeval_win_rate_raw": wr["win_rate"],
+            "alpacaeval_win_rate": lc if lc is not None else wr.get("win_rate"),
+            "alpacaeval_win_rate_raw": wr.get("win_rate"),
             "alpacaeval_judge_consistency": consistency,
             "alpacaeval_win_rate_flag": flag,
             "alpacaeval_unparsed": n_no_verdict,
+            "alpacaeval_n_scored": n - n_dropped,
             "alpacaeval_ref_nll": ref_nll,
             "n_alpacaeval": n,
         }
         meta = {
             "win_rate_kind": kind,
-            "length_controlled_note": lc_note,
+            "length_controlled_note": lc_note,  # why there is no length-controlled win rate (None: there is)
+            "length_controlled_win_rate": lc, "length_controlled_standard_error": lc_se,
+            "length_controlled_n_of_official": n if lc is not None else None,
+            "setup": cfg.setup, "setup_source": SETUPS[cfg.setup]["source"] if cfg.setup else None,
+            "setup_departures": cfg.setup_departures(),
             "reference": cfg.reference, **ref_meta,
             **protocol_meta(protocol), "example_prompt": examples[0].prompt,
             "judge": jcfg.model if named is None else f"alpaca_eval:{named}",
             "judge_name": getattr(judge, "name", None) if named is None else named_meta["annotator_model"],
+            "judge_model_note": None if named is None else annotator_model_note(named_meta["annotator_model"]),
             "judge_mode": (ann_cfg.get("completions_kwargs") or {}).get("mode", "score") if named is None
             else named_meta["annotator_decoder"],
             "judge_both_orders": both_orders, "judge_max_new_tokens": jcfg.max_new_tokens,
@@ -351,6 +359,7 @@ class AlpacaEvalTask(Task):
             else named_meta["annotator_config_sha256"],
             "alpaca_eval_version": alpaca_eval_version(),
             "n_judged_pairs": len(asked), "n_identical_outputs": n - len(asked), "n_no_verdict": n_no_verdict,
+            "n_dropped_no_verdict": n_dropped, "n_scored": n - n_dropped,
             "win_rate_standard_error": wr.get("standard_error"),
             "n_wins": wr.get("n_wins"), "n_wins_reference": wr.get("n_wins_base"), "n_draws": wr.get("n_draws"),
             "win_rate_model_second": wr_second["win_rate"] if wr_second else None,
@@ -363,23 +372,84 @@ class AlpacaEvalTask(Task):
                                                          "ref_nll_tokens": nll_tokens}, samples=samples, meta=meta)
 
 
-def _length_controlled(instructions: list[str], refs: list[str], outputs: list[str], prefs: list[float], *,
-                       model_name: str, annotator: str) -> float:
-    """alpaca_eval's length-controlled win rate on the debiased preferences (official 805 in order only;
-    downloads ``df_gamed.csv`` from the hub, so it raises offline)."""
+LC_BASELINE = "gpt4_1106_preview"  # the generator of the gpt4_turbo reference; df_gamed.csv's baseline
+LC_HUB_REPO, LC_HUB_FILE = "tatsu-lab/alpaca_eval", "df_gamed.csv"  # what alpaca_eval's GLM downloads
+
+
+def _df_gamed_reachable() -> str | None:
+    """``None`` when alpaca_eval's ``hf_hub_download`` of ``df_gamed.csv`` can succeed (the file is in the
+    hub cache alpaca_eval uses, or the hub may be asked), else why not."""
+    from huggingface_hub import constants as hub_constants
+    from huggingface_hub import try_to_load_from_cache
+
+    from .judge import _import_alpaca_eval
+
+    _import_alpaca_eval()
+    from alpaca_eval import constants as ae_constants
+
+    cached = try_to_load_from_cache(LC_HUB_REPO, LC_HUB_FILE, cache_dir=ae_constants.DEFAULT_CACHE_DIR,
+                                    repo_type="dataset")
+    if isinstance(cached, str):
+        return None
+    if hub_constants.HF_HUB_OFFLINE:
+        return (f"{LC_HUB_FILE} (dataset {LC_HUB_REPO} on the Hugging Face hub, the GLM's instruction difficulties "
+                f"and gamed baselines) is not in the hub cache and HF_HUB_OFFLINE is set; fetch it once with "
+                f"`huggingface-cli download {LC_HUB_REPO} {LC_HUB_FILE} --repo-type dataset`")
+    return None
+
+
+def length_controlled_unavailable(reference: str, examples: list[Example], prefs: list[float | None]) -> str | None:
+    """Why alpaca_eval's length-controlled win rate cannot be computed for this run, or ``None`` when
+    its inputs are all there: the ``gpt4_turbo`` reference (``df_gamed.csv`` holds annotations
+    against ``gpt4_1106_preview``, the baseline its GLM regularises towards), every example at its
+    index of the official 805 (the GLM's instruction difficulty is looked up by that index), at least
+    one preference, and ``df_gamed.csv`` reachable (:func:`_df_gamed_reachable`)."""
+    if reference != "gpt4_turbo":
+        return (f"reference {reference!r}: alpaca_eval's length-controlled GLM is fitted against the gpt4_turbo "
+                f"reference ({LC_BASELINE}) only")
+    idx = [e.meta.get("index") for e in examples]
+    if any(not isinstance(i, int) or not 0 <= i < OFFICIAL_SIZE for i in idx) or \
+            any(e.meta.get("set_size") != OFFICIAL_SIZE for e in examples[:1]):
+        return "examples are not indexed into the official 805-instruction set (instruction difficulty unknown)"
+    if all(p is None for p in prefs):
+        return "no pair has a verdict"
+    return _df_gamed_reachable()
+
+
+def length_controlled_win_rate(instructions: list[str], refs: list[str], outputs: list[str],
+                               prefs: list[float | None], indices: list[int], *, model_name: str,
+                               annotator: str) -> tuple[float, float]:
+    """alpaca_eval's ``metrics.get_length_controlled_winrate`` (GLM ``length_controlled_v1``) on the
+    run's annotations, the frame alpaca_eval's ``evaluate`` hands it: one row per example with
+    ``instruction``, ``output_1`` (reference), ``output_2`` (model), ``preference`` (1..2, 0 / 1.5 a
+    draw, NaN for a pair without a verdict, which the GLM leaves out of its fit and alpaca_eval still
+    averages over), ``generator_1`` = ``gpt4_1106_preview``, ``generator_2``, ``annotator``, indexed by
+    the example's position in the official 805 (alpaca_eval's GLM reads that index for the instruction
+    difficulty). Weights are not saved.
+
+    Returns:
+        ``(length-controlled win rate, its standard error)``, in percent.
+    Raises:
+        ValueError: lengths differ, or alpaca_eval returns NaN. Whatever alpaca_eval raises (offline:
+        the ``df_gamed.csv`` download).
+    """
     import pandas as pd
 
     from .judge import _import_alpaca_eval
 
+    if not len(instructions) == len(refs) == len(outputs) == len(prefs) == len(indices):
+        raise ValueError("length_controlled_win_rate: instructions, refs, outputs, prefs and indices differ in length")
     _, metrics = _import_alpaca_eval()
-    df = pd.DataFrame({"instruction": instructions, "output_1": refs, "output_2": outputs, "preference": prefs,
-                       "generator_1": "gpt4_1106_preview", "generator_2": model_name, "annotator": annotator})
+    df = pd.DataFrame({"instruction": instructions, "output_1": refs, "output_2": outputs,
+                       "preference": [math.nan if p is None else float(p) for p in prefs],
+                       "generator_1": LC_BASELINE, "generator_2": model_name, "annotator": annotator},
+                      index=pd.Index(indices))
     out = metrics.get_length_controlled_winrate(df, save_weights_dir=None, is_add_glm_preference_inplace=False)
     value = float(out["length_controlled_winrate"])
     if math.isnan(value):
-        raise ValueError("length-controlled win rate is NaN")
-    return value
+        raise ValueError("alpaca_eval's length-controlled win rate is NaN")
+    return value, float(out["lc_standard_error"])
 
 
 __all__ = ["AlpacaEvalTask", "judge_consistency", "judge_pairs", "load_reference_set", "check_alignment",
-           "win_rate", "REFERENCE_FILES"]
+           "win_rate", "REFERENCE_FILES", "length_controlled_win_rate", "length_controlled_unavailable", "SETUPS"]

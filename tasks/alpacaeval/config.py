@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from darts_bench.api import TaskConfig
+
+from .setups import SETUPS
 
 
 class JudgeConfig(BaseModel):
@@ -26,8 +28,42 @@ class JudgeConfig(BaseModel):
 
 
 class AlpacaEvalConfig(TaskConfig):
-    protocol: Literal["chat_template", "vicuna", "alpaca"] = Field(
+    setup: Literal["dare", "della", "alpaca_eval_2"] | None = Field(
+        None, description="a paper's AlpacaEval set-up by name (tasks/alpacaeval/README.md, setups.py): fills "
+        "protocol, reference, max_new_tokens and judge.annotator where they are not given; a value given "
+        "explicitly wins and is recorded as a departure from the set-up")
+    protocol: Literal["chat_template", "vicuna", "alpaca", "della"] = Field(
         "chat_template", description="how the instruction is formatted (tasks/alpacaeval/README.md)")
     reference: str = Field("gpt4_turbo", description="gpt4_turbo | text_davinci_003 | model:<row name>")
     max_new_tokens: int = Field(128, ge=1)
     judge: JudgeConfig = JudgeConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_setup(cls, data: Any) -> Any:
+        """Fill the named set-up's values into the keys the section does not give (nested
+        ``judge.annotator`` too). Raises ``ValueError`` for an unknown set-up name (via the Literal)."""
+        if not isinstance(data, dict) or data.get("setup") not in SETUPS:
+            return data
+        s = SETUPS[data["setup"]]
+        out = dict(data)
+        for key in ("protocol", "reference", "max_new_tokens"):
+            out.setdefault(key, s[key])
+        judge = out.get("judge", {})
+        if isinstance(judge, BaseModel):
+            judge = judge.model_dump(exclude_unset=True)
+        if isinstance(judge, dict):
+            out["judge"] = {"annotator": s["annotator"], **judge}
+        return out
+
+    def setup_departures(self) -> dict[str, dict[str, Any]]:
+        """``{field: {"setup": value, "config": value}}`` for each value of :attr:`setup` this section
+        does not follow (given explicitly); ``{}`` when it follows it or names no set-up."""
+        if self.setup is None:
+            return {}
+        s = SETUPS[self.setup]
+        have = {"protocol": self.protocol, "reference": self.reference, "max_new_tokens": self.max_new_tokens,
+                "judge.annotator": self.judge.annotator}
+        want = {"protocol": s["protocol"], "reference": s["reference"], "max_new_tokens": s["max_new_tokens"],
+                "judge.annotator": s["annotator"]}
+        return {k: {"setup": want[k], "config": have[k]} for k in want if have[k] != want[k]}

@@ -194,7 +194,7 @@ def _winner(v: float) -> float:
 
 
 def judge_consistency(verdicts_ab: Sequence[float | None], verdicts_ba: Sequence[float | None]
-                      ) -> tuple[float | None, list[float]]:
+                      ) -> tuple[float | None, list[float | None]]:
     """Position consistency and debiased preferences from verdicts in both orders.
 
     Args:
@@ -206,7 +206,9 @@ def judge_consistency(verdicts_ab: Sequence[float | None], verdicts_ba: Sequence
         ``(consistency, preferences)``: the fraction of pairs whose two verdicts name the same winner
         (a draw both ways agrees; a missing verdict never agrees), ``None`` for no pairs; and per
         pair a preference in the first frame (1 = reference wins, 2 = model wins): the agreed winner,
-        or 1.5 (a tie) when the orders disagree or a verdict is missing.
+        1.5 (a tie) when the orders disagree, ``None`` when a verdict is missing in either order (the
+        pair has no debiased verdict; :func:`win_rate` drops it, as alpaca_eval's ``get_winrate``
+        drops an annotation it could not parse).
     Raises:
         ValueError: the two lists differ in length.
     """
@@ -215,7 +217,9 @@ def judge_consistency(verdicts_ab: Sequence[float | None], verdicts_ba: Sequence
     prefs: list[float] = []
     n_consistent = 0
     for ab, ba in zip(verdicts_ab, verdicts_ba):
-        if _is_verdict(ab) and _is_verdict(ba) and _winner(float(ab)) == _winner(3.0 - float(ba)):
+        if not (_is_verdict(ab) and _is_verdict(ba)):
+            prefs.append(None)
+        elif _winner(float(ab)) == _winner(3.0 - float(ba)):
             n_consistent += 1
             prefs.append(_winner(float(ab)))
         else:

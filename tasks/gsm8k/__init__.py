@@ -27,7 +27,8 @@ from .protocols import LMEVAL_STRICT_COLUMN, PROTOCOLS, get_protocol
 #: The task version a run under each protocol reports (results ``task_versions``, cache keys):
 #: version 3 changed the strict scoring of ``alpaca-cot`` (MergeLM's) and ``chat-cot`` (last match,
 #: ``$``); ``lm-eval`` runs score exactly as in version 2 and keep reporting 2 (README, changelog).
-TASK_VERSIONS = {"lm-eval": "2", "alpaca-cot": "3", "chat-cot": "3"}
+#: ``gsm8k-cot-8shot`` (lm-eval's ``gsm8k_cot``) is new in version 3.
+TASK_VERSIONS = {"lm-eval": "2", "alpaca-cot": "3", "chat-cot": "3", "gsm8k-cot-8shot": "3"}
 
 TEMPLATE_PATH = Path(__file__).resolve().parent / "gsm8k_local.yaml"
 TEMPLATE_TEXT = TEMPLATE_PATH.read_text(encoding="utf-8")
@@ -261,8 +262,19 @@ class GSM8KTask(Task):
                 if proto.uses_chat_template:
                     doc["prompt"] = e.meta.get("prompt", e.prompt)
                 f.write(json.dumps(doc) + "\n")
-        cfg = json.loads(json.dumps(proto.config))  # deep copy
         files = {"test": str(test_path.resolve())}
+        if proto.lm_eval_include is not None:
+            # lm-eval's own task YAML, included as is (lm-eval's loader merges it); only the task
+            # name, the data source and the token budget are ours
+            cfg = {"include": str(proto.included_path()), **yaml.safe_load((Path(__file__).resolve().parent
+                                                                            / proto.yaml_file).read_text("utf-8"))}
+            cfg["dataset_kwargs"] = {"data_files": files}
+            cfg["num_fewshot"] = num_fewshot
+            cfg["generation_kwargs"] = {**proto.config["generation_kwargs"], "max_gen_toks": max_new_tokens}
+            yaml_path = out_dir / f"{proto.lm_eval_task}.yaml"
+            yaml_path.write_text(yaml.safe_dump(cfg, sort_keys=False, allow_unicode=True), encoding="utf-8")
+            return yaml_path
+        cfg = json.loads(json.dumps(proto.config))  # deep copy
         if num_fewshot > 0:
             if data_dir is not None:
                 train = require_file(data_dir, "gsm8k/train.jsonl").resolve()
@@ -298,6 +310,12 @@ class GSM8KTask(Task):
             raise ValueError(f"gsm8k protocol {proto.name!r} is zero-shot with its own prompt format: "
                              f"tasks.gsm8k.num_fewshot must be 0 and apply_chat_template false "
                              f"(got {cfg.num_fewshot}, {cfg.apply_chat_template})")
+        if proto.fixed_fewshot is not None:
+            if cfg.num_fewshot not in (0, proto.fixed_fewshot):
+                raise ValueError(f"gsm8k protocol {proto.name!r} uses its source's {proto.fixed_fewshot} exemplars: "
+                                 f"tasks.gsm8k.num_fewshot must be left at 0 or set to {proto.fixed_fewshot} "
+                                 f"(got {cfg.num_fewshot})")
+            cfg = cfg.model_copy(update={"num_fewshot": proto.fixed_fewshot})
         task_dir = Path(ctx.work_dir) / "lm_eval_gsm8k"
         self.write_lm_eval_task(examples, task_dir, data_dir=ctx.data_dir, num_fewshot=cfg.num_fewshot,
                                 max_new_tokens=cfg.max_new_tokens, protocol=proto.name)

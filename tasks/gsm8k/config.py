@@ -10,9 +10,9 @@ from darts_bench.api import TaskConfig
 
 
 class GSM8KConfig(TaskConfig):
-    protocol: Literal["lm-eval", "alpaca-cot", "chat-cot"] = Field(
-        "lm-eval", description="prompt + filters protocol (tasks/gsm8k/README.md); num_fewshot and "
-        "apply_chat_template apply to lm-eval only")
+    protocol: Literal["lm-eval", "alpaca-cot", "chat-cot", "gsm8k-cot-8shot"] = Field(
+        "lm-eval", description="prompt + filters protocol (tasks/gsm8k/README.md); num_fewshot applies to "
+        "lm-eval only (gsm8k-cot-8shot: its 8 exemplars), apply_chat_template to lm-eval and gsm8k-cot-8shot")
     num_fewshot: int = Field(0, ge=0)
     apply_chat_template: bool = False
     max_new_tokens: int = Field(192, ge=1)

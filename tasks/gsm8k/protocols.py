@@ -8,6 +8,10 @@
   after the *last* ``The answer is: ``, rounded, compared as a number:
   :func:`darts_bench.scoring.extract.mergelm_answer_number`), with lm-eval's first-match filter
   ``The answer is: N`` kept as ``gsm8k_em_strict_lmeval``; flexible last number.
+* ``gsm8k-cot-8shot`` (``gsm8k_cot_8shot.yaml``): lm-eval's own ``gsm8k_cot`` task
+  (``lm_eval/tasks/gsm8k/gsm8k-cot.yaml`` of the installed lm-eval, ``include``d at run time: its 8
+  exemplars, ``Q: ...\\nA:`` prompt, stops, first ``The answer is N`` strict-match and last-number
+  flexible-extract), on local docs; MergeBench's GSM8K metric.
 * ``chat-cot`` (``gsm8k_chat_cot.yaml``): :data:`CHAT_COT_INSTRUCTION` in the pool's chat template
   (rendered here, the same string for every row); strict = the *last* ``The answer is: N`` with the
   number pattern of lm-eval's chat variant ``gsm8k-cot-llama.yaml`` (``$`` allowed); flexible last number.
@@ -21,6 +25,7 @@ except ``alpaca-cot``'s strict verdict, which is MergeLM's (:meth:`GSM8KProtocol
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,13 +66,44 @@ class GSM8KProtocol:
     uses_chat_template: bool
     zero_shot_only: bool
     strict_scoring: str = "lm-eval"
+    #: an lm-eval task YAML (path under the installed ``lm_eval/tasks``) that ``yaml_file`` overrides:
+    #: the runtime YAML ``include``s it, so lm-eval's loader merges the two (local keys win)
+    lm_eval_include: str | None = None
+    #: the protocol's own few-shot count (the included task's ``num_fewshot``), ``None``: the config's
+    fixed_fewshot: int | None = None
     text: str = field(init=False, repr=False)
     config: dict[str, Any] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         text = (HERE / self.yaml_file).read_text(encoding="utf-8")
+        local = yaml.safe_load(text)
+        config = local
+        if self.lm_eval_include is not None:
+            base_text = self.included_path().read_text(encoding="utf-8")
+            # lm-eval's include rule (lm_eval/tasks/_yaml_loader.py load_yaml): included keys, then local keys win
+            config = {**yaml.safe_load(base_text), **local}
+            text = text + base_text
+            if self.fixed_fewshot is not None and config.get("num_fewshot") != self.fixed_fewshot:
+                raise ValueError(f"gsm8k protocol {self.name!r}: {self.included_path()} has num_fewshot "
+                                 f"{config.get('num_fewshot')!r}, the protocol expects {self.fixed_fewshot}")
         object.__setattr__(self, "text", text)
-        object.__setattr__(self, "config", yaml.safe_load(text))
+        object.__setattr__(self, "config", config)
+
+    def included_path(self) -> Path:
+        """The installed lm-eval task YAML this protocol includes (``lm_eval_include``).
+
+        Raises:
+            ValueError: the protocol includes none, or lm-eval is not installed / lacks the file.
+        """
+        if self.lm_eval_include is None:
+            raise ValueError(f"gsm8k protocol {self.name!r} includes no lm-eval task YAML")
+        spec = importlib.util.find_spec("lm_eval")
+        if spec is None or spec.origin is None:
+            raise ValueError(f"gsm8k protocol {self.name!r} needs the lm_eval package (lm-evaluation-harness)")
+        path = Path(spec.origin).parent / "tasks" / self.lm_eval_include
+        if not path.is_file():
+            raise ValueError(f"gsm8k protocol {self.name!r}: the installed lm-eval has no {path}")
+        return path
 
     # ------------------------------------------------------------------ YAML-derived facts
     @property
@@ -76,6 +112,7 @@ class GSM8KProtocol:
 
     @property
     def sha256(self) -> str:
+        """SHA-256 of the YAML text (with ``lm_eval_include``: ours followed by the included lm-eval file)."""
         return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
     @property
@@ -140,14 +177,37 @@ class GSM8KProtocol:
             return f"Question: {question}\nAnswer:"
         if self.name == "alpaca-cot":
             return ALPACA_COT_PROMPT.format(question=question)
+        if self.name == "gsm8k-cot-8shot":
+            return self.fewshot_prompt(question)
         if formatter is None:
             raise ValueError("gsm8k protocol 'chat-cot' needs the pool's chat template (a formatter)")
         return formatter.format_chat(CHAT_COT_INSTRUCTION.format(question=question))
 
+    def fewshot_prompt(self, question: str) -> str:
+        """The ``fixed_fewshot``-shot prompt of a protocol whose exemplars are its YAML's
+        ``fewshot_config.samples`` (``sampler: first_n``): each exemplar's ``doc_to_text``, lm-eval's
+        default target delimiter ``" "`` and its ``target``, joined by the default few-shot delimiter
+        ``"\\n\\n"``, then the question's ``doc_to_text``. Tests check it equals lm-eval's own rendering
+        (``Task.fewshot_context``).
+
+        Raises:
+            ValueError: the protocol has no fixed few-shot exemplars.
+        """
+        fs = self.config.get("fewshot_config") or {}
+        if self.fixed_fewshot is None or fs.get("sampler") != "first_n" or not fs.get("samples"):
+            raise ValueError(f"gsm8k protocol {self.name!r} has no fixed first_n few-shot exemplars")
+        template = self.config["doc_to_text"]
+        if template.count("{{question}}") != 1 or "{%" in template:
+            raise ValueError(f"gsm8k protocol {self.name!r}: doc_to_text {template!r} is not a plain question template")
+        shots = [template.replace("{{question}}", s["question"]) + " " + s["target"]
+                 for s in fs["samples"][:self.fixed_fewshot]]
+        return "\n\n".join(shots + [template.replace("{{question}}", question)])
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, "source": self.source, "template": self.template,
                 "stop": self.stop, "strict_scoring": self.strict_scoring, "lm_eval_task": self.lm_eval_task,
-                "task_yaml": self.yaml_file, "task_yaml_sha256": self.sha256}
+                "task_yaml": self.yaml_file, "task_yaml_sha256": self.sha256,
+                **({"lm_eval_include": str(self.included_path())} if self.lm_eval_include else {})}
 
 
 PROTOCOLS: dict[str, GSM8KProtocol] = {
@@ -161,6 +221,12 @@ PROTOCOLS: dict[str, GSM8KProtocol] = {
                "extract_answer_number (strict) + inference_llms_instruct_math_code.py test_gsm8k stop tokens "
                "and comparison; gsm8k_em_strict_lmeval and flexible: filters of declare-lab/della "
                "lm_eval_task_config/gsm8k_cot_zeroshot_alpaca.yaml"),
+    "gsm8k-cot-8shot": GSM8KProtocol(
+        name="gsm8k-cot-8shot", version="1", yaml_file="gsm8k_cot_8shot.yaml", uses_chat_template=False,
+        zero_shot_only=False, lm_eval_include="gsm8k/gsm8k-cot.yaml", fixed_fewshot=8,
+        source="EleutherAI/lm-evaluation-harness lm_eval/tasks/gsm8k/gsm8k-cot.yaml (task gsm8k_cot, version "
+               "3.0, from the installed lm_eval), included as is: exemplars, prompt, stops, filters, exact match; "
+               "MergeBench's GSM8K metric"),
     "chat-cot": GSM8KProtocol(
         name="chat-cot", version="2", yaml_file="gsm8k_chat_cot.yaml", uses_chat_template=True, zero_shot_only=True,
         source="darts-bench prompt (zero-shot chain of thought in the pool's chat template); strict: last "
