@@ -449,6 +449,14 @@ class VLLMMultiHeadModel:
     def close(self) -> None:
         """No-op: the engine outlives the merge's rows."""
 
+    def format_chat(self, user_message: str) -> str:
+        """As :meth:`VLLMTextModel.format_chat` (the evaluate stage's row views call it)."""
+        return self._tm.format_chat(user_message)
+
+    @property
+    def max_length(self) -> int | None:
+        return self._tm.max_length
+
     def generate(self, requests: Sequence[tuple[int, str]], *, max_new_tokens: int, stop: Sequence[str] = (),
                  num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
         """``requests``: ``(head index, prompt)``; returns the samples of each request, in order.
