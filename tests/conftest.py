@@ -67,6 +67,26 @@ def micro_config_file(tmp: Path, **overrides) -> Path:
     return p
 
 
+def tiny_llama_and_tokenizer(prompts: list[str]):
+    """A 32-wide, 2-layer random Llama (grouped-query attention, seed 0) and a 300-token BPE tokenizer
+    trained on ``prompts``, padding on the left: the model the head-hook tests generate with."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from darts_bench.pool.tiny import train_tokenizer
+
+    tok = train_tokenizer(list(prompts) * 30 + ["the quick brown fox jumps over the lazy dog"] * 30, 300)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    tok.padding_side = "left"
+    return model, tok
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     if not (DATA_DIR / "gsm8k" / "test.jsonl").is_file():

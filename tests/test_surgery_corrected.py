@@ -2,28 +2,19 @@
 
 import pytest
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig
 
 from darts_bench.evaluate.hf_model import HFTextModel
-from darts_bench.pool.tiny import train_tokenizer
 from darts_bench.surgery.corrected import attach_head, corrected
 from darts_bench.surgery.heads import build_head
+from conftest import tiny_llama_and_tokenizer
 
 PROMPTS = ["def add(a, b):", "Question: what is 2 + 3?\nAnswer:", "hi", "Write a long story about a dog"]
 
 
 @pytest.fixture(scope="module")
 def model_and_tok():
-    tok = train_tokenizer(PROMPTS * 30 + ["the quick brown fox jumps over the lazy dog"] * 30, 300)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.eos_token_id)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.pad_token_id = tok.pad_token_id
-    tok.padding_side = "left"
-    return model, tok
+    return tiny_llama_and_tokenizer(PROMPTS)
 
 
 def _nontrivial_head(method="darts", d=32):

@@ -34,6 +34,7 @@ from typing import Any
 from lm_eval.utils import handle_non_serializable, hash_string
 
 from darts_bench.api import Example, Task, TaskResult
+from darts_bench.artifacts import atomic_write_bytes
 from darts_bench.data import DataError
 
 log = logging.getLogger("darts_bench")
@@ -110,16 +111,6 @@ def encode(records: list[dict[str, Any]]) -> tuple[bytes, str]:
     return data, ".jsonl"
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
 
 def write_samples_dir(out_dir: Path, rows: list[str], tasks: dict[str, tuple[Task, list[Example]]],
                       results: dict[str, dict[str, TaskResult]]) -> dict[str, dict[str, Any]]:
@@ -141,7 +132,7 @@ def write_samples_dir(out_dir: Path, rows: list[str], tasks: dict[str, tuple[Tas
             if res.samples:
                 data, suffix = encode(sample_records(row, task, examples, res))
                 path = out_dir / SAMPLES_DIR / safe_name(row) / f"{tname}{suffix}"
-                _atomic_write_bytes(path, data)
+                atomic_write_bytes(path, data)
                 written.add(path)
                 entry["samples"] = str(path.relative_to(out_dir))
             else:
