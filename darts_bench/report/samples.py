@@ -40,7 +40,7 @@ from darts_bench.data import DataError
 log = logging.getLogger("darts_bench")
 SAMPLES_DIR = "samples"
 #: a samples file whose JSON lines exceed this many bytes is written gzip-compressed (``.jsonl.gz``)
-GZIP_OVER_BYTES = 1 << 20
+GZIP_OVER_BYTES = 64 << 10
 
 
 def safe_name(row: str) -> str:
