@@ -421,11 +421,12 @@ def test_evaluate_counts_engine_passes_per_model_dir_with_one_pass():
     one = make_plan(load_config("smollm2-135m"))
     rbr = make_plan(load_config("smollm2-135m", ["evaluate.one_pass=false"]))
     e1, e0 = one["stages"]["evaluate"], rbr["stages"]["evaluate"]
-    assert one["rows"] == 13 and e1["one_pass"] and not e0["one_pass"]
-    assert e1["engine_passes"] == 7 * 3 and e0["engine_passes"] == 13 * 3
-    assert "7 model dirs x 3 tasks = 21 engine passes for 39 row x task evaluations" in e1["what"]
+    # 25 rows: base, 3 experts, 3 merges, 18 corrected (Surgery, DARTS, matched control x 2 splits per merge)
+    assert one["rows"] == 25 and e1["one_pass"] and not e0["one_pass"]
+    assert e1["engine_passes"] == 7 * 3 and e0["engine_passes"] == 25 * 3
+    assert "7 model dirs x 3 tasks = 21 engine passes for 75 row x task evaluations" in e1["what"]
     assert e1["generation_tokens"] == e0["generation_tokens"]
-    assert e1["nll_tokens"] * 13 == e0["nll_tokens"] * 7
+    assert e1["nll_tokens"] * 25 == e0["nll_tokens"] * 7
     assert e1["seconds"] < e0["seconds"]
     ray = make_plan(load_config("llama2-7b"))["stages"]["evaluate"]  # executor ray: per-slot loop
     assert not ray["one_pass"] and ray["engine_passes"] == make_plan(load_config("llama2-7b"))["rows"] * 3

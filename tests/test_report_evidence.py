@@ -15,7 +15,7 @@ import pytest
 from darts_bench.report.evidence import (cell_tests, jsonl_gz_bytes, read_jsonl_gz, run_intervals_from_sequences,
                                          sequence_records, write_jsonl_gz)
 from darts_bench.report.stats import (bootstrap_indices, crossed_bootstrap, expanded_levels, holm, mcnemar_exact,
-                                      pick_counts)
+                                      nested_bootstrap, pick_counts)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -67,6 +67,25 @@ def test_expanded_levels_and_crossed_bootstrap_by_hand():
     assert pick_counts(np.array([[0, 0, 2]]), 3).tolist() == [[2.0, 0.0, 1.0]]
     with pytest.raises(ValueError, match="n_seeds, n_units"):
         crossed_bootstrap({"a": np.ones((1, 3)), "b": np.ones((1, 4))}, lambda s: s["a"], 10, 0)
+
+
+def test_nested_bootstrap_by_hand():
+    """Seeds with their own held-out units: seeds drawn by bootstrap_indices(n_seeds, n_boot, seed), seed j's
+    units by bootstrap_indices(n_j, n_boot, seed + 1 + j); with one seed it is the crossed bootstrap."""
+    x = np.arange(20.0) ** 1.5
+    one = nested_bootstrap([{"x": x, "n": np.ones(20)}], lambda s: s["x"] / s["n"], 300, 7)
+    crossed = crossed_bootstrap({"x": x[None], "n": np.ones((1, 20))}, lambda s: s["x"] / s["n"], 300, 7)
+    assert one == pytest.approx(crossed)
+    a, b = x, np.arange(24.0)  # two seeds, 20 and 24 held-out sequences (different splits)
+    r = nested_bootstrap([{"v": a, "n": np.ones(20)}, {"v": b, "n": np.ones(24)}], lambda s: s["v"] / s["n"], 60, 5)
+    ps = bootstrap_indices(2, 60, 5)
+    ua, ub = bootstrap_indices(20, 60, 6), bootstrap_indices(24, 60, 7)
+    hand = [np.mean([(a[ua[k]] if s == 0 else b[ub[k]]).mean() for s in ps[k]]) for k in range(60)]
+    assert r["value"] == pytest.approx((a.mean() + b.mean()) / 2)
+    assert (r["ci_low"], r["ci_high"]) == pytest.approx(tuple(np.percentile(hand, expanded_levels(20))))
+    assert (r["n_units"], r["n_seeds"], r["n_dropped"]) == (20, 2, 0)
+    with pytest.raises(ValueError, match="n_units"):
+        nested_bootstrap([{"a": np.ones(3), "b": np.ones(4)}], lambda s: s["a"], 10, 0)
 
 
 @pytest.mark.parametrize("n", [20, 24])
@@ -204,10 +223,12 @@ def test_cell_tests_by_hand():
         kl.append(sum(x["rows"]["darts"]["kl_sum"] - x["rows"]["surgery"]["kl_sum"] for x in lines) / tok)
     assert tests["kl_expert_gen"]["estimate"] == pytest.approx(np.mean(kl))
     assert tests["kl_expert_gen"]["n_units"] == 21 and tests["kl_expert_gen"]["unit"] == "held-out sequences"
-    # the seeds of a cell must hold the same held-out sequences
+    assert tests["kl_expert_gen"]["test"].startswith("crossed bootstrap")
+    # seeds that drew different held-out splits (the head seed draws the split): the nested bootstrap, same estimate
     other = [dict(x, sequence=x["sequence"] + 100) if x["seed"] == 1 else x for x in seqs]
-    with pytest.raises(ValueError, match="different held-out sequences"):
-        cell_tests(ex, other, _meta((0, 1)), ["gsm8k"], 0, ["kl_expert_gen"])
+    [nested] = cell_tests(ex, other, _meta((0, 1)), ["gsm8k"], 0, ["kl_expert_gen"])
+    assert nested["test"].startswith("nested bootstrap") and nested["estimate"] == pytest.approx(np.mean(kl))
+    assert nested["ci_low"] < nested["estimate"] < nested["ci_high"]
 
 
 def test_evidence_bytes_are_deterministic(tmp_path):

@@ -118,7 +118,7 @@ def test_per_benchmark_tables_use_ratio_ci_and_id_pairing():
     sur_shuffled = _result([ids[i] for i in perm], [sur_sums[i] for i in perm], [toks[i] for i in perm],
                            [sur.per_example["pass@1"][i] for i in perm])
     pipe = SimpleNamespace(cfg=SimpleNamespace(tasks=SimpleNamespace(bootstrap=200), seed=0),
-                           task_names=["humaneval"])
+                           task_names=["humaneval"], rows=[])  # no Row specs: no matched-control pairs
     rows = [{"model": "m+darts", "correction": "darts", **darts.metrics},
             {"model": "m+surgery", "correction": "surgery", **sur.metrics}]
     t1 = per_benchmark_tables(pipe, {"m+darts": {"humaneval": darts}, "m+surgery": {"humaneval": sur}}, rows)

@@ -36,7 +36,7 @@ import pandas as pd
 
 from darts_bench.api import get_task
 from darts_bench.artifacts import atomic_write_bytes
-from darts_bench.report.stats import (RATIO_KEYS, bootstrap_indices, crossed_bootstrap, mcnemar_exact, metric_interval,
+from darts_bench.report.stats import (RATIO_KEYS, bootstrap_indices, crossed_bootstrap, mcnemar_exact, nested_bootstrap, metric_interval,
                                       paired_metric_interval, pick_counts)
 
 EXAMPLES_FILE = "evidence/examples.jsonl.gz"
@@ -261,21 +261,28 @@ def _behaviour_cell(fam: str, t: str, merge: str, split: str, variant: str, seqs
     if not per_seed:
         return None
     seeds = sorted(per_seed, key=str)
-    ids = sorted(per_seed[seeds[0]])
-    for s in seeds:
-        if sorted(per_seed[s]) != ids:
-            raise ValueError(f"{merge}/{t}/{split}{variant} set {set_name}: seeds {seeds[0]} and {s} hold different "
-                             "held-out sequences")
     need = [("none", "kl_sum"), ("none", "floor_sum"), ("darts", "kl_sum"), ("surgery", "kl_sum"),
             ("darts", "agree_sum"), ("surgery", "agree_sum")]
-    sums = {f"{r}_{q}": np.asarray([[per_seed[s][i]["rows"][r][q] for i in ids] for s in seeds], dtype=np.float64)
-            for r, q in need}
-    sums["n_tokens"] = np.asarray([[per_seed[s][i]["n_tokens"] for i in ids] for s in seeds], dtype=np.float64)
-    r = crossed_bootstrap(sums, BEHAVIOUR_STAT[sig], CELL_N_BOOT, seed)
+
+    def seed_sums(s, ids) -> dict[str, list[float]]:
+        d = {f"{r}_{q}": [per_seed[s][i]["rows"][r][q] for i in ids] for r, q in need}
+        d["n_tokens"] = [per_seed[s][i]["n_tokens"] for i in ids]
+        return d
+
+    ids = sorted(per_seed[seeds[0]])
+    if all(sorted(per_seed[s]) == ids for s in seeds):  # one held-out split for all seeds: crossed factors
+        per = [seed_sums(s, ids) for s in seeds]
+        sums = {k: np.asarray([p[k] for p in per], dtype=np.float64) for k in per[0]}
+        r = crossed_bootstrap(sums, BEHAVIOUR_STAT[sig], CELL_N_BOOT, seed)
+        how = "crossed bootstrap (seeds x sequences"
+    else:  # each head seed drew its own held-out split: seeds, then each seed's own sequences
+        r = nested_bootstrap([seed_sums(s, sorted(per_seed[s])) for s in seeds], BEHAVIOUR_STAT[sig], CELL_N_BOOT,
+                             seed)
+        how = "nested bootstrap (seeds, then each seed's own held-out sequences"
     from darts_bench.report.seeds import SIGNAL_DIRECTION
 
     return {"metric": fam, "column": f"{t}_{fam}", "task": t, "n_seeds": len(seeds), "unit": "held-out sequences",
-            "direction": SIGNAL_DIRECTION[fam], "test": f"crossed bootstrap (seeds x sequences, {set_name} positions)",
+            "direction": SIGNAL_DIRECTION[fam], "test": f"{how}, {set_name} positions)",
             "estimate": r["value"], "ci_low": r["ci_low"], "ci_high": r["ci_high"], "n_units": r["n_units"], "p": None}
 
 

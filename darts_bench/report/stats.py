@@ -426,6 +426,56 @@ def crossed_bootstrap(sums: dict[str, np.ndarray], per_seed: Callable[[dict[str,
             "n_dropped": int((~ok).sum())}
 
 
+def nested_bootstrap(sums: Sequence[dict[str, np.ndarray]], per_seed: Callable[[dict[str, np.ndarray]], np.ndarray],
+                     n_boot: int, seed: int) -> dict[str, float | int]:
+    """A cell's seed-mean statistic with a 95% expanded-percentile CI from a hierarchical bootstrap when
+    each head seed has its own units (the held-out split is drawn per head seed, so seeds hold
+    different held-out sequences): replicate ``r`` draws seeds by row ``r`` of
+    :func:`bootstrap_indices` ``(n_seeds, n_boot, seed)`` and, within seed ``j``, its own units by row
+    ``r`` of ``bootstrap_indices(n_units_j, n_boot, seed + 1 + j)``; the replicate is the mean over the
+    picked seeds of ``per_seed`` on each one's picked units (resampling seed, then unit: Davison &
+    Hinkley, *Bootstrap Methods and their Application*, 1997, section 3.8). With one seed it equals
+    :func:`crossed_bootstrap`. Replicates with a non-finite value are dropped and counted.
+
+    Args:
+        sums: per seed, quantity name -> ``[n_units_j]`` float64 per-unit sums.
+        per_seed: as in :func:`crossed_bootstrap` (maps ``{name: totals [..., k]}`` to ``[..., k]``).
+    Returns:
+        as :func:`crossed_bootstrap`; ``n_units`` is the smallest seed's unit count (the expanded
+        percentile levels use it).
+    Raises:
+        ValueError: no seed, a seed without quantities, or quantities of different lengths in a seed.
+    """
+    if not sums:
+        raise ValueError("nested_bootstrap: no seed")
+    arrs = []
+    for j, d in enumerate(sums):
+        a = {k: np.asarray(v, dtype=np.float64) for k, v in d.items()}
+        shapes = {v.shape for v in a.values()}
+        if not a or len(shapes) != 1 or len(next(iter(shapes))) != 1 or 0 in next(iter(shapes)):
+            raise ValueError(f"nested_bootstrap: seed {j}: quantities must be non-empty [n_units] arrays of one "
+                             f"length, got {sorted(shapes)}")
+        arrs.append(a)
+    n_seeds = len(arrs)
+    n_units = min(len(next(iter(a.values()))) for a in arrs)
+    value = float(np.mean([per_seed({k: v.sum()[None] for k, v in a.items()})[0] for a in arrs]))
+    if n_units < 2:
+        return {"value": value, "ci_low": math.nan, "ci_high": math.nan, "n_units": n_units,
+                "n_seeds": n_seeds, "n_dropped": 0}
+    cs = pick_counts(bootstrap_indices(n_seeds, n_boot, seed), n_seeds)  # [n_boot, n_seeds]
+    stats = np.empty((n_boot, n_seeds))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for j, a in enumerate(arrs):
+            n_j = len(next(iter(a.values())))
+            cu = pick_counts(bootstrap_indices(n_j, n_boot, seed + 1 + j), n_j)  # [n_boot, n_units_j]
+            stats[:, j] = per_seed({k: (cu @ v)[:, None] for k, v in a.items()})[:, 0]
+        reps = (np.where(cs > 0, stats, 0.0) * cs).sum(1) / n_seeds
+    ok = np.isfinite(reps)
+    lo, hi = (np.percentile(reps[ok], expanded_levels(n_units)) if ok.any() else (math.nan, math.nan))
+    return {"value": value, "ci_low": float(lo), "ci_high": float(hi), "n_units": n_units, "n_seeds": n_seeds,
+            "n_dropped": int((~ok).sum())}
+
+
 def holm(pvalues: Sequence[float | None]) -> list[float | None]:
     """Holm's step-down adjusted p-values (family-wise error control over the given tests), in the
     input order; ``None`` entries are not tests and stay ``None``. Sorted ascending, the ``i``-th
