@@ -5,12 +5,15 @@
   this is descriptive, never a verdict. 20 because a percentile bootstrap over 6 sequences covered
   a nominal 95% interval only 86% (normal) / 74% (skewed) of the time in simulation (issue 26); the
   packaged configs hold out at least this many sequences per (merge, task, split).
+* :data:`RUN_N_BOOT`: resamples of the per-run sequence-bootstrap intervals in ``diagnostics.json``.
 """
 
 from __future__ import annotations
 
 #: fewest held-out sequences behind a per-cell interval that may carry a verdict
 MIN_SEQUENCES = 20
+#: resamples of every per-run diagnostics interval (the train stage's; ``report --from-results`` redraws them)
+RUN_N_BOOT = 200
 
 
 def held_out_count(n_sequences: int, held_out_fraction: float) -> int:

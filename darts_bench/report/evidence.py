@@ -36,15 +36,15 @@ import pandas as pd
 
 from darts_bench.api import get_task
 from darts_bench.artifacts import atomic_write_bytes
-from darts_bench.report.stats import (RATIO_KEYS, bootstrap_indices, crossed_bootstrap, mcnemar_exact, nested_bootstrap, metric_interval,
-                                      paired_metric_interval, pick_counts)
+from darts_bench.evidence import RUN_N_BOOT
+from darts_bench.report.stats import (RATIO_KEYS, bootstrap_indices, crossed_bootstrap, mcnemar_exact, metric_interval,
+                                      nested_bootstrap, paired_metric_interval, pick_counts)
 
 EXAMPLES_FILE = "evidence/examples.jsonl.gz"
 SEQUENCES_FILE = "evidence/sequences.jsonl.gz"
-#: bootstrap replicates of the per-cell crossed bootstrap (claims.md) and of the per-run sequence
-#: intervals the train stage records (darts_bench.stages.train: ``behaviour_intervals(..., n_boot=200)``)
+#: bootstrap replicates of the per-cell tests (claims.md); the per-run sequence intervals the train stage
+#: records use darts_bench.evidence.RUN_N_BOOT
 CELL_N_BOOT = 2000
-RUN_N_BOOT = 200
 #: a behaviour family's per-sequence position set (families without one have no per-cell test)
 FAMILY_SET = {"_gen": "gen", "_prompt": "prompt", "_ref": "reference"}
 #: the diagnostics key holding the per-run intervals of a position set

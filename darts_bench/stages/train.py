@@ -25,6 +25,7 @@ import numpy as np
 from darts_bench.api import resolve_suite
 from darts_bench.artifacts import cached, stable_hash
 from darts_bench.collect.features import FeatureSet
+from darts_bench.evidence import RUN_N_BOOT
 from darts_bench.pool.checkpoint import lm_head_weight
 from darts_bench.rows import seed_tag
 from darts_bench.stages import derive_seed
@@ -57,7 +58,7 @@ def resolve_surgery(cfg, surgery, base_dir: Path):
 #: ``kl_by_position``.
 DIAGNOSTICS_VERSION = 2
 #: resamples of every diagnostics interval (recorded in ``diagnostics.json`` under ``bootstrap``)
-N_BOOT = 200
+N_BOOT = RUN_N_BOOT
 
 
 def resolve_controls(variants: list[tuple[str, Any]], base_dir: Path) -> list[tuple[str, Any]]:
