@@ -44,6 +44,12 @@ def flatten(d: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def param_name(key: str) -> str:
+    """A flattened manifest key with characters MLflow refuses in a parameter name (outside
+    ``A-Za-z0-9_-. :/``) as ``_``: ``row_meta.ties+darts.calibration`` -> ``row_meta.ties_darts.calibration``."""
+    return re.sub(r"[^\w\-. :/]", "_", key)
+
+
 def metric_name(row: str, column: str) -> str:
     """``<row>/<column>`` with characters outside ``A-Za-z0-9_-. /`` (MLflow's and W&B's common set)
     as ``_``: ``ties+darts`` / ``humaneval_pass@1`` -> ``ties_darts/humaneval_pass_1``."""
@@ -109,7 +115,7 @@ def log_mlflow(cfg, out_dir: Path, manifest: dict[str, Any], df: pd.DataFrame) -
         local = uri.startswith(("sqlite:", "file:")) or "://" not in uri
         root = (work / "mlartifacts").as_uri() if local else None
         exp = client.get_experiment(client.create_experiment(t.experiment, artifact_location=root))
-    params = flatten(manifest)
+    params = {param_name(k): v for k, v in flatten(manifest).items()}
     metrics = table_metrics(df)
     files, dirs = _artifacts(out_dir)
     with mlflow.start_run(experiment_id=exp.experiment_id, run_name=cfg.name) as run:

@@ -10,13 +10,16 @@ import pandas as pd
 import pytest
 
 from darts_bench.config import Config
-from darts_bench.loggers import flatten, log_mlflow, log_wandb, metric_name, table_metrics
+from darts_bench.loggers import flatten, log_mlflow, log_wandb, metric_name, param_name, table_metrics
 
 
 def test_flatten_names_and_table_metrics():
     assert flatten({"a": {"b": 1, "c": [1, 2]}, "d": "x", "e": None, "f": {}}) == \
         {"a.b": "1", "a.c": "[1, 2]", "d": "x", "e": "null", "f": "{}"}
     assert metric_name("ties+darts@inductive", "humaneval_pass@1") == "ties_darts_inductive/humaneval_pass_1"
+    # manifest keys name rows (row_meta): MLflow refuses '+', '@', '[', '#' in a parameter name
+    assert param_name("row_meta.ties+darts@inductive[rank=matched]#s1.calibration") == \
+        "row_meta.ties_darts_inductive_rank_matched__s1.calibration"
     df = pd.DataFrame([{"model": "ties+darts", "humaneval_pass@1": 0.25, "merge": "ties", "n": 4, "ok": True,
                         "gap": float("nan"), "x": None}])
     assert table_metrics(df) == {"ties_darts/humaneval_pass_1": 0.25, "ties_darts/n": 4.0, "ties_darts/ok": 1.0}
