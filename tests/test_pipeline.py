@@ -98,9 +98,10 @@ def test_end_to_end_micro_run(micro_dir, micro_pipeline, capsys):
         assert d["template"]["n_positions"] == merged[f"{t}_n_template_positions"].iloc[0]
         assert "kl_by_position" in d["darts"]["gen"] and "per_sequence" not in d  # per_sequence: in evidence/
         assert res["manifest"]["heldout"][f"ties/{t}/transductive"]["n_heldout"] == d["n_heldout"]
-    from darts_bench.report.evidence import SEQUENCES_FILE, read_jsonl_gz
+    from darts_bench.data import read_jsonl
+    from darts_bench.report.evidence import SEQUENCES_FILE
 
-    assert {r["set"] for r in read_jsonl_gz(out / SEQUENCES_FILE)} == {"all", "gen", "prompt", "reference"}
+    assert {r["set"] for r in read_jsonl(out / SEQUENCES_FILE)} == {"all", "gen", "prompt", "reference"}
     md = (out / "table.md").read_text()
     assert "| base |" in md and "ties+darts - ties+surgery" in md
     # the protocol on record: manifest and table header (defaults: codex, lm-eval, chat_template)

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from darts_bench.report.evidence import (cell_tests, jsonl_gz_bytes, read_jsonl_gz, run_intervals_from_sequences,
-                                         sequence_records, write_jsonl_gz)
+from darts_bench.data import DataError, read_jsonl
+from darts_bench.report.evidence import cell_tests, run_intervals_from_sequences, sequence_records, write_jsonl_gz
 from darts_bench.report.stats import (bootstrap_indices, crossed_bootstrap, expanded_levels, holm, mcnemar_exact,
                                       nested_bootstrap, pick_counts)
 
@@ -234,14 +234,16 @@ def test_cell_tests_by_hand():
 def test_evidence_bytes_are_deterministic(tmp_path):
     recs = [{"row": "ties+darts", "task": "gsm8k", "index": 0, "example": "e0", "values": {"b": 0.1, "a": None},
              "outcome": {"strict": "18"}}]
-    a, b = jsonl_gz_bytes(recs), jsonl_gz_bytes([dict(reversed(list(recs[0].items())))])
-    assert a == b and a[4:8] == b"\0\0\0\0"  # keys sorted; gzip mtime 0
     write_jsonl_gz(tmp_path / "evidence" / "x.jsonl.gz", recs)
-    assert (tmp_path / "evidence" / "x.jsonl.gz").read_bytes() == a
-    assert read_jsonl_gz(tmp_path / "evidence" / "x.jsonl.gz") == recs
+    write_jsonl_gz(tmp_path / "evidence" / "y.jsonl.gz", [dict(reversed(list(recs[0].items())))])
+    a, b = (tmp_path / "evidence" / "x.jsonl.gz").read_bytes(), (tmp_path / "evidence" / "y.jsonl.gz").read_bytes()
+    assert a == b and a[4:8] == b"\0\0\0\0"  # keys sorted; gzip mtime 0
+    assert gzip.decompress(a) == (b'{"example":"e0","index":0,"outcome":{"strict":"18"},"row":"ties+darts",'
+                                  b'"task":"gsm8k","values":{"a":null,"b":0.1}}\n')  # compact separators
+    assert read_jsonl(tmp_path / "evidence" / "x.jsonl.gz") == recs
     (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(b'{"a": 1}\nnot json\n'))
-    with pytest.raises(ValueError, match="line 2 is not JSON"):
-        read_jsonl_gz(tmp_path / "bad.jsonl.gz")
+    with pytest.raises(DataError, match=r"bad\.jsonl\.gz:2: bad JSON"):
+        read_jsonl(tmp_path / "bad.jsonl.gz")
 
 
 @pytest.mark.micro
@@ -256,7 +258,7 @@ def test_report_from_results_recomputes_a_micro_run(micro_pipeline, tmp_path, ca
     shutil.copytree(out, copy)
     for f in ("examples.jsonl.gz", "sequences.jsonl.gz"):
         assert (copy / "evidence" / f).is_file()
-    ex = read_jsonl_gz(copy / "evidence" / "examples.jsonl.gz")
+    ex = read_jsonl(copy / "evidence" / "examples.jsonl.gz")
     assert {e["task"] for e in ex} == {"humaneval", "gsm8k", "alpacaeval"}
     assert (copy / "evidence" / "examples.jsonl.gz").stat().st_size < 200_000
     manifest = json.loads((copy / "results.json").read_text())["manifest"]

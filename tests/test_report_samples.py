@@ -16,7 +16,7 @@ from test_tasks_gsm8k import StandIn, needs_data
 
 from darts_bench.api import EvalContext, Example, Task, TaskResult, get_task
 from darts_bench.config import GSM8KConfig
-from darts_bench.data import DataError
+from darts_bench.data import DataError, read_jsonl
 from darts_bench.report import rescore as rescore_mod
 from darts_bench.report import samples as S
 
@@ -105,7 +105,7 @@ def test_default_fields_gzip_over_threshold_and_deterministic_bytes(tmp_path, mo
     assert S.encode(recs) == (gz, suffix)
     p = tmp_path / "a.jsonl.gz"
     p.write_bytes(gz)
-    assert S.read_results_samples(p) == recs
+    assert read_jsonl(p) == recs
 
 
 def test_mismatched_lists_and_bad_files_are_named(tmp_path):
@@ -121,9 +121,9 @@ def test_mismatched_lists_and_bad_files_are_named(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"doc_id": 0}\n[1]\n')
     with pytest.raises(DataError, match=r"bad.jsonl:2: expected a JSON object, got list"):
-        S.read_results_samples(bad)
-    with pytest.raises(DataError, match="cannot read samples file"):
-        S.read_results_samples(tmp_path / "missing.jsonl")
+        read_jsonl(bad)
+    with pytest.raises(DataError, match=r"cannot read .*missing\.jsonl: FileNotFoundError"):
+        read_jsonl(tmp_path / "missing.jsonl")
 
 
 def test_write_samples_dir_names_rows_and_removes_stale_files(tmp_path):
@@ -136,7 +136,7 @@ def test_write_samples_dir_names_rows_and_removes_stale_files(tmp_path):
     assert index == {"ties+darts#s1": {"plain": {"samples": "samples/ties+darts_s1/plain.jsonl", "n": 2,
                                                    "eval_artifact": None}}}
     assert not stale.exists() and not stale.parent.exists()
-    assert [r["resps"] for r in S.read_results_samples(tmp_path / index["ties+darts#s1"]["plain"]["samples"])] == \
+    assert [r["resps"] for r in read_jsonl(tmp_path / index["ties+darts#s1"]["plain"]["samples"])] == \
         [[["x0"]], [["x1"]]]
 
 
@@ -160,7 +160,7 @@ def test_micro_run_writes_samples_page_and_rescores(micro_pipeline, micro_dir):
     for row, by_task in arts.items():
         assert sorted(by_task) == ["alpacaeval", "gsm8k", "humaneval"]
         for t, e in by_task.items():
-            recs = S.read_results_samples(out / e["samples"])
+            recs = read_jsonl(out / e["samples"])
             assert len(recs) == e["n"] == 4 and [r["doc_id"] for r in recs] == [0, 1, 2, 3]
             assert all(r["row"] == row and r["task"] == t for r in recs)
             assert (Path(e["eval_artifact"]) / "result.json").is_file()
@@ -168,7 +168,7 @@ def test_micro_run_writes_samples_page_and_rescores(micro_pipeline, micro_dir):
     # the page: the ties group's completions of example 2 are the samples files' responses
     r = Rendered()
     r.feed(dump_dom(out / "index.html", "task=humaneval&merge=ties&ex=2"))
-    want = {row: S.read_results_samples(out / arts[row]["humaneval"]["samples"])[2]["resps"][0][0]
+    want = {row: read_jsonl(out / arts[row]["humaneval"]["samples"])[2]["resps"][0][0]
             for row in ("ties", "ties+surgery", "ties+darts")}
     assert r.completions == {k: (v if v else "(empty)") for k, v in want.items()}
     assert r.text["example-id"] == "HumanEval/2" and len(r.verdicts) == 3
@@ -179,12 +179,12 @@ def test_micro_run_writes_samples_page_and_rescores(micro_pipeline, micro_dir):
     assert len(scored) == 14 * 3 and (scored["delta"] == 0).all() and (scored["n_changed"].fillna(0) == 0).all()
     assert set(df[df["task"] == "alpacaeval"]["note"]) == {rescore_mod.NO_SCORER}
     he = out / arts["ties+darts"]["humaneval"]["samples"]
-    recs = S.read_results_samples(he)
+    recs = read_jsonl(he)
     problems = sys.modules[type(get_task("humaneval")).__module__].load_problems(DATA_DIR)
     recs[0]["resps"] = [[problems[recs[0]["doc"]["task_id"]]["canonical_solution"]]]
     he.write_text("".join(json.dumps(x) + "\n" for x in recs))
     gs = out / arts["ties"]["gsm8k"]["samples"]
-    recs = S.read_results_samples(gs)
+    recs = read_jsonl(gs)
     recs[0]["resps"] = [["She makes #### 18"]]
     gs.write_text("".join(json.dumps(x) + "\n" for x in recs))
     assert main(["report", "--rescore", "--config", str(micro_dir / "micro.yaml"), "--out", str(out)]) == 0

@@ -24,8 +24,6 @@ deterministic (keys sorted, gzip ``mtime=0``), so a rerun with equal numbers lea
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
 import math
 from pathlib import Path
@@ -36,6 +34,7 @@ import pandas as pd
 
 from darts_bench.api import get_task
 from darts_bench.artifacts import atomic_write_bytes
+from darts_bench.data import jsonl_bytes, read_jsonl
 from darts_bench.evidence import RUN_N_BOOT
 from darts_bench.report.stats import (RATIO_KEYS, bootstrap_indices, crossed_bootstrap, mcnemar_exact, metric_interval,
                                       nested_bootstrap, paired_metric_interval, pick_counts)
@@ -55,35 +54,11 @@ MAX_OUTCOME_CHARS = 40
 
 
 # ------------------------------------------------------------------------------------------ files
-def jsonl_gz_bytes(records: Iterable[dict]) -> bytes:
-    """gzip-compressed JSON lines, keys sorted, gzip header mtime 0: the same records give the same bytes."""
-    text = "".join(json.dumps(r, sort_keys=True, separators=(",", ":")) + "\n" for r in records)
-    buf = io.BytesIO()
-    with gzip.GzipFile(fileobj=buf, mode="wb", mtime=0, filename="") as f:
-        f.write(text.encode())
-    return buf.getvalue()
-
-
 def write_jsonl_gz(path: Path, records: Iterable[dict]) -> None:
-    """Write :func:`jsonl_gz_bytes` of ``records`` to ``path`` atomically (temp file + rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(path, jsonl_gz_bytes(records))
-
-
-def read_jsonl_gz(path: Path) -> list[dict]:
-    """The records of a ``.jsonl.gz`` file.
-
-    Raises:
-        FileNotFoundError: no such file; ValueError: a line that is not JSON (with its number).
-    """
-    out = []
-    with gzip.open(path, "rt") as f:
-        for k, line in enumerate(f, 1):
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: line {k} is not JSON ({e})") from None
-    return out
+    """Write ``records`` to ``path`` atomically (temp file + rename) as gzip-compressed JSON lines,
+    keys sorted, compact separators (:func:`darts_bench.data.jsonl_bytes`: gzip header mtime 0), so
+    the same records give the same bytes. Read back with :func:`darts_bench.data.read_jsonl`."""
+    atomic_write_bytes(path, jsonl_bytes(records, sort_keys=True, compact=True, compress=True))
 
 
 def _num(v: Any) -> Any:
@@ -441,7 +416,8 @@ def load_run(results_dir: Path) -> dict[str, Any]:
     return {"payload": payload, "meta": meta, "rows": rows, "runs": runs_from_results(payload),
             "methods": list(man["config"]["surgery"]["methods"]),
             "with_heads": [t for t, e in man["task_experts"].items() if e is not None],
-            "examples": read_jsonl_gz(d / EXAMPLES_FILE), "sequences": read_jsonl_gz(d / SEQUENCES_FILE),
+            "examples": read_jsonl(d / EXAMPLES_FILE, allow_empty=True),
+            "sequences": read_jsonl(d / SEQUENCES_FILE, allow_empty=True),
             "run_seed": int(man["seed"]), "name": man["config"]["name"],
             "primary": man.get("primary_metrics")}
 

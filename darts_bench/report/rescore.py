@@ -25,7 +25,7 @@ import pandas as pd
 from darts_bench.api import get_task
 from darts_bench.artifacts import atomic_write_text
 from darts_bench.config import Config
-from darts_bench.report.samples import read_results_samples
+from darts_bench.data import jsonl_bytes, read_jsonl
 
 log = logging.getLogger("darts_bench")
 NO_SCORER = "not re-scored: the task has no offline scorer (Task.score_samples / score_input; e.g. it needs a judge)"
@@ -66,14 +66,14 @@ def rescore(out_dir: str | Path, data_dir: Path | None = None) -> pd.DataFrame:
             if entry["samples"] is None:
                 recs.append({"model": row, "task": tname, "note": "no samples in the results"})
                 continue
-            samples = read_results_samples(out_dir / entry["samples"])
+            samples = read_jsonl(out_dir / entry["samples"], allow_empty=True)
             lines = task.score_input(samples)
             if lines is None or task.score_samples is None:
                 recs.append({"model": row, "task": tname, "note": NO_SCORER})
                 continue
             with tempfile.TemporaryDirectory(prefix="darts-rescore-") as tmp:
                 path = Path(tmp) / f"{tname}.jsonl"
-                path.write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines), encoding="utf-8")
+                path.write_bytes(jsonl_bytes(lines, ensure_ascii=False))
                 opts = {"protocol": task.protocol} if "protocol" in inspect.signature(task.score_samples).parameters \
                     and task.protocol is not None else {}
                 now = task.score_samples(path, tcfg, data_dir, **opts)

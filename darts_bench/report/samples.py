@@ -18,15 +18,14 @@ plus ours: ``example_id``, ``row``, ``task``, ``extracted`` (per response; None:
 ``sample`` (the task's own ``TaskResult.samples`` record, whole).
 
 The fields of each task come from :meth:`darts_bench.api.Task.sample_fields`. Bytes are
-deterministic: keys in a fixed order, and gzip with ``mtime=0`` and no file name.
+deterministic: keys in a fixed order, and gzip with ``mtime=0`` and no file name
+(:func:`darts_bench.data.gzip_bytes`).
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from lm_eval.utils import handle_non_serializable, hash_string
 
 from darts_bench.api import Example, Task, TaskResult
 from darts_bench.artifacts import atomic_write_bytes
-from darts_bench.data import DataError
+from darts_bench.data import gzip_bytes, jsonl_bytes
 
 log = logging.getLogger("darts_bench")
 SAMPLES_DIR = "samples"
@@ -102,14 +101,13 @@ def sample_records(row: str, task: Task, examples: list[Example], result: TaskRe
 
 def encode(records: list[dict[str, Any]]) -> tuple[bytes, str]:
     """JSON lines of ``records`` (UTF-8, ``ensure_ascii=False``) and the file suffix: ``.jsonl``, or
-    the gzip of them and ``.jsonl.gz`` when over :data:`GZIP_OVER_BYTES` (``mtime=0``: the same
-    records give the same bytes)."""
-    text = "".join(json.dumps(r, default=handle_non_serializable, ensure_ascii=False) + "\n" for r in records)
-    data = text.encode("utf-8")
+    the gzip of them and ``.jsonl.gz`` when over :data:`GZIP_OVER_BYTES`
+    (:func:`darts_bench.data.jsonl_bytes` / :func:`~darts_bench.data.gzip_bytes`: header mtime 0, the
+    same records give the same bytes). Read back with :func:`darts_bench.data.read_jsonl`."""
+    data = jsonl_bytes(records, ensure_ascii=False, default=handle_non_serializable)
     if len(data) > GZIP_OVER_BYTES:
-        return gzip.compress(data, compresslevel=9, mtime=0), ".jsonl.gz"
+        return gzip_bytes(data), ".jsonl.gz"
     return data, ".jsonl"
-
 
 
 def write_samples_dir(out_dir: Path, rows: list[str], tasks: dict[str, tuple[Task, list[Example]]],
@@ -147,29 +145,3 @@ def write_samples_dir(out_dir: Path, rows: list[str], tasks: dict[str, tuple[Tas
             if not any(d.iterdir()):
                 d.rmdir()
     return index
-
-
-def read_results_samples(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a results samples file (``.jsonl`` or ``.jsonl.gz``).
-
-    Raises:
-        DataError: a missing or unreadable file, or a line that is not a JSON object (file and line).
-    """
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-        text = (gzip.decompress(raw) if path.name.endswith(".gz") else raw).decode("utf-8")
-    except (OSError, EOFError, gzip.BadGzipFile, UnicodeDecodeError) as e:
-        raise DataError(f"{path}: cannot read samples file ({type(e).__name__}: {e})") from None
-    recs = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{i}: not JSON ({e.msg})") from None
-        if not isinstance(r, dict):
-            raise DataError(f"{path}:{i}: expected a JSON object, got {type(r).__name__}")
-        recs.append(r)
-    return recs

@@ -4,12 +4,11 @@ line of any bad record."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from darts_bench.artifacts import atomic_write_text
-from darts_bench.data import read_jsonl
+from darts_bench.artifacts import atomic_write_bytes
+from darts_bench.data import jsonl_bytes, read_jsonl
 
 
 def samples_path(out_dir: str | Path, task_name: str) -> Path:
@@ -28,7 +27,7 @@ def write_samples(out_dir: str | Path | None, task_name: str, records: Iterable[
         return None
     path = samples_path(out_dir, task_name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, "".join(json.dumps(r, default=str) + "\n" for r in records))
+    atomic_write_bytes(path, jsonl_bytes(records, default=str))
     return path
 
 
