@@ -278,6 +278,24 @@ def test_group_row_failure_names_row_and_task_and_others_finish(tmp_path):
     assert len(list((tmp_path / "work" / "eval").glob("ties*-gsm8k-*"))) == 2
 
 
+
+def test_row_view_attributes_are_the_shared_models_and_a_missing_one_is_named(tmp_path):
+    """A row's view reads tokenizer / max_length / device from the group's multi-head model; one the
+    model lacks is an AttributeError naming the row, the model and the attribute (a task's
+    ``getattr(model, "device", "cpu")`` then falls back as it would on the model itself)."""
+    from darts_bench.stages.evaluate import RowView, _Gather
+
+    shared = _FakeMultiHead([], [None])
+    shared.max_length, shared.name = 77, "ties"
+    view = RowView("ties+darts", 0, _Gather(1, lambda: shared))
+    assert view.tokenizer is None and view.max_length == 77
+    with pytest.raises(AttributeError, match=r"row 'ties\+darts': the group's multi-head model "
+                                             r"\(_FakeMultiHead 'ties'\) has no attribute 'device'"):
+        view.device
+    assert getattr(view, "device", "cpu") == "cpu"
+    shared.device = "cuda:1"
+    assert view.device == "cuda:1"
+
 @pytest.mark.micro
 def test_micro_one_pass_equals_row_by_row(micro_pipeline, tmp_path):
     """On the micro pool, the rows of merge ``ties`` (plain, Surgery and DARTS on both calibration

@@ -231,22 +231,33 @@ class RowView:
     """One row's model as its task sees it in the one-pass path (a
     :class:`~darts_bench.api.TextModel`): ``generate`` and ``score`` are gathered with the other
     rows' calls and served by the group's multi-head model on this row's head slot; ``format_chat``,
-    ``tokenizer``, ``max_length`` and ``device`` are the shared model's."""
+    ``tokenizer``, ``max_length`` and ``device`` are the shared model's. A shared model without one
+    of these attributes gives an AttributeError naming it (so a task's ``getattr(model, "device",
+    "cpu")`` sees what it would see on that model, and direct use says what is missing), never a
+    default of the view's own."""
 
     def __init__(self, name: str, slot: int, gather: "_Gather"):
         self.name, self._slot, self._gather = name, slot, gather
 
+    def _shared(self, attr: str):
+        model = self._gather.model()
+        try:
+            return getattr(model, attr)
+        except AttributeError:
+            raise AttributeError(f"row {self.name!r}: the group's multi-head model ({type(model).__name__} "
+                                 f"{getattr(model, 'name', '')!r}) has no attribute {attr!r}") from None
+
     @property
     def tokenizer(self):
-        return getattr(self._gather.model(), "tokenizer", None)
+        return self._shared("tokenizer")
 
     @property
     def max_length(self):
-        return getattr(self._gather.model(), "max_length", None)
+        return self._shared("max_length")
 
     @property
     def device(self):
-        return getattr(self._gather.model(), "device", "cpu")
+        return self._shared("device")
 
     def format_chat(self, user_message: str) -> str:
         return self._gather.model().format_chat(user_message)
