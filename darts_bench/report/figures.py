@@ -29,13 +29,25 @@ import pandas as pd
 from darts_bench.api import get_task
 
 
-def _plt():
+def _plt(out_dir: Path):
+    """matplotlib's pyplot on the Agg backend, with ``<out_dir>/plots`` created."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    (out_dir / "plots").mkdir(parents=True, exist_ok=True)
     return plt
+
+
+def _save(plt, fig, out_dir: Path, name: str) -> str:
+    """Lay out ``fig``, write it to ``<out_dir>/plots/<name>`` (PNG, 110 dpi), close it; the path
+    relative to ``out_dir``."""
+    fig.tight_layout()
+    f = out_dir / "plots" / name
+    fig.savefig(f, dpi=110)
+    plt.close(fig)
+    return str(f.relative_to(out_dir))
 
 
 def _finite(v: Any) -> bool:
@@ -75,9 +87,8 @@ def plot_primary(task_tables: dict[str, pd.DataFrame], rows: list[dict[str, Any]
     """One horizontal error-bar chart per task (rows of its per-task table, not the paired ones) of
     its primary metric (``primary[task]``, :func:`primary_choice`); returns the files relative to
     ``out_dir``."""
-    plt = _plt()
+    plt = _plt(out_dir)
     files = []
-    (out_dir / "plots").mkdir(parents=True, exist_ok=True)
     for t, tdf in task_tables.items():
         col, reason = primary_choice(t, rows, (primary or {}).get(t))
         if col not in tdf.columns:
@@ -101,11 +112,7 @@ def plot_primary(task_tables: dict[str, pd.DataFrame], rows: list[dict[str, Any]
             title += f"\n(shown instead of the headline:\n{reason})"
         ax.set_title(title, fontsize=8)
         ax.legend(fontsize=6, loc="best")
-        fig.tight_layout()
-        f = out_dir / "plots" / f"{t}_primary.png"
-        fig.savefig(f, dpi=110)
-        plt.close(fig)
-        files.append(str(f.relative_to(out_dir)))
+        files.append(_save(plt, fig, out_dir, f"{t}_primary.png"))
     return files
 
 
@@ -157,8 +164,7 @@ def plot_gap_closed(df: pd.DataFrame, with_heads: list[str], meta: dict[str, dic
     pts = gap_closed_points(df, with_heads, meta)
     if not pts:
         return []
-    plt = _plt()
-    (out_dir / "plots").mkdir(parents=True, exist_ok=True)
+    plt = _plt(out_dir)
     fig, ax = plt.subplots(figsize=(5.6, 4.8))
     merges = list(dict.fromkeys(p["merge"] for p in pts))
     marker = {m: MARKERS[i % len(MARKERS)] for i, m in enumerate(merges)}
@@ -187,11 +193,7 @@ def plot_gap_closed(df: pd.DataFrame, with_heads: list[str], meta: dict[str, dic
                  + ("seed means, bars: sd over seeds" if seeded else "one seed, bars: 95% CI over sequences")
                  + f"; {' / '.join(splits)} (open: inductive)\nabove the diagonal favours DARTS", fontsize=7)
     ax.legend(fontsize=6, loc="best")
-    fig.tight_layout()
-    f = out_dir / "plots" / "gap_closed_darts_vs_surgery.png"
-    fig.savefig(f, dpi=110)
-    plt.close(fig)
-    return [str(f.relative_to(out_dir))]
+    return [_save(plt, fig, out_dir, "gap_closed_darts_vs_surgery.png")]
 
 
 # ------------------------------------------------------------------------------ forest / sweep
@@ -305,8 +307,7 @@ def plot_forest(data: pd.DataFrame, out_dir: Path) -> list[str]:
     dashed; each panel says which sign favours DARTS and on which positions. Returns the files."""
     if not len(data):
         return []
-    plt = _plt()
-    (out_dir / "plots").mkdir(parents=True, exist_ok=True)
+    plt = _plt(out_dir)
     files = []
     for t, td in data.groupby("task", sort=False):
         signals = list(dict.fromkeys(td["signal"]))
@@ -344,11 +345,7 @@ def plot_forest(data: pd.DataFrame, out_dir: Path) -> list[str]:
         fig.suptitle(f"{t}: DARTS - Surgery, paired difference with 95% CI per (merge, split, variant, seed "
                      f"{', '.join(seeds)})\nblack: seed mean, t interval over seeds; behaviour: sequence bootstrap; "
                      "task metrics: example bootstrap", fontsize=7)
-        fig.tight_layout()
-        f = out_dir / "plots" / f"{t}_forest.png"
-        fig.savefig(f, dpi=110)
-        plt.close(fig)
-        files.append(str(f.relative_to(out_dir)))
+        files.append(_save(plt, fig, out_dir, f"{t}_forest.png"))
     return files
 
 
@@ -377,8 +374,7 @@ def plot_sweep(data: pd.DataFrame, out_dir: Path) -> list[str]:
     sw = sweep_data(data)
     if not len(sw):
         return []
-    plt = _plt()
-    (out_dir / "plots").mkdir(parents=True, exist_ok=True)
+    plt = _plt(out_dir)
     files = []
     for t, td in sw.groupby("task", sort=False):
         if td["variant"].nunique() < 2:
@@ -405,9 +401,5 @@ def plot_sweep(data: pd.DataFrame, out_dir: Path) -> list[str]:
             cb.ax.tick_params(labelsize=5)
             cb.set_label("gain for DARTS (difference signed to its better direction)", fontsize=5)
         fig.suptitle(f"{t}: sweep, seed-mean paired difference on held-out calibration positions", fontsize=7)
-        fig.tight_layout()
-        f = out_dir / "plots" / f"{t}_sweep.png"
-        fig.savefig(f, dpi=110)
-        plt.close(fig)
-        files.append(str(f.relative_to(out_dir)))
+        files.append(_save(plt, fig, out_dir, f"{t}_sweep.png"))
     return files
