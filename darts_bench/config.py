@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, create_model, field_validator,
-                      model_validator)
+                      model_serializer, model_validator)
 
 from darts_bench.api import TaskConfig, available_tasks, task_class
 
@@ -111,14 +111,34 @@ class PoolConfig(_Strict):
 
 
 # ---------------------------------------------------------------------------------------- merge
-MergeMethod = Literal["linear", "task_arithmetic", "ties", "dare_ties", "dare_linear"]
+MergeMethod = Literal["linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "adamerging", "regmean"]
+#: merge methods that read data (calibration prompts; darts_bench/merge/adamerging.py, regmean.py), not mergekit
+DATA_MERGE_METHODS = ("adamerging", "regmean")
+#: MergeSpec fields of the data merges, per method, with their defaults (filled in when not given)
+DATA_MERGE_DEFAULTS: dict[str, dict[str, Any]] = {
+    # AdaMerging (Yang et al., ICLR 2024): lambda initialised at task arithmetic's 0.3, Adam lr 1e-3 as the paper
+    "adamerging": {"steps": 100, "lr": 1e-3, "init": 0.3, "batch_size": 8, "calibration_split": "transductive"},
+    # RegMean (Jin et al., ICLR 2023): off-diagonals of the Gram matrices scaled by alpha
+    "regmean": {"alpha": 0.9, "batch_size": 8, "calibration_split": "transductive"},
+}
+_DATA_FIELDS = ("steps", "lr", "init", "alpha", "batch_size", "calibration_split")
 
 
 class MergeSpec(_Strict):
-    """One mergekit merge. ``weight`` is the per-expert weight (lambda for task arithmetic);
+    """One merge. mergekit methods: ``weight`` is the per-expert weight (lambda for task arithmetic);
     ``density`` the kept fraction for TIES/DARE. Defaults follow the methods' papers:
     task arithmetic lambda 0.3 (Ilharco et al. 2023), TIES density 0.2 lambda 1.0 (Yadav et al. 2023),
-    DARE drop rate 0.9 -> density 0.1 with rescaling (Yu et al. 2024)."""
+    DARE drop rate 0.9 -> density 0.1 with rescaling (Yu et al. 2024).
+
+    Data merges (:data:`DATA_MERGE_METHODS`, built here, not by mergekit): ``adamerging`` takes
+    ``steps`` (Adam steps), ``lr``, ``init`` (every lambda's start, task arithmetic's 0.3) and
+    ``batch_size`` (prompts per step); ``regmean`` takes ``alpha`` (in [0, 1], the scale of the Gram
+    matrices' off-diagonal entries) and ``batch_size`` (prompts per forward); both take
+    ``calibration_split`` (whose calibration prompts are the data; it must be one of
+    ``calibration.splits``). Unset ones get :data:`DATA_MERGE_DEFAULTS`; a field of another method
+    is an error. The data fields are left out of the serialised spec of a mergekit merge, so the
+    cache keys of mergekit merges do not change with them.
+    """
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="row name: letters, digits, _ . -")
     method: MergeMethod
@@ -127,6 +147,23 @@ class MergeSpec(_Strict):
     normalize: bool | None = None
     int8_mask: bool = False
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    steps: int | None = Field(None, ge=1, description="adamerging: Adam steps on the entropy objective")
+    lr: float | None = Field(None, gt=0, description="adamerging: Adam learning rate of the coefficients")
+    init: float | None = Field(None, description="adamerging: initial value of every coefficient lambda[k, l]")
+    alpha: float | None = Field(None, ge=0, le=1, description="regmean: scale of the Gram matrices' off-diagonals")
+    batch_size: int | None = Field(None, ge=1, description="adamerging / regmean: prompts per forward")
+    calibration_split: Literal["transductive", "inductive"] | None = Field(
+        None, description="adamerging / regmean: the calibration split whose prompts (inputs only) are the data")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _data_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("method") in DATA_MERGE_DEFAULTS:
+            data = {**data}
+            for k, v in DATA_MERGE_DEFAULTS[data["method"]].items():
+                if data.get(k) is None:
+                    data[k] = v
+        return data
 
     @model_validator(mode="after")
     def _density(self) -> "MergeSpec":
@@ -135,7 +172,33 @@ class MergeSpec(_Strict):
             raise ValueError(f"merge {self.name!r}: method {self.method} needs density")
         if not needs and self.density is not None:
             raise ValueError(f"merge {self.name!r}: method {self.method} takes no density")
+        allowed = DATA_MERGE_DEFAULTS.get(self.method, {})
+        wrong = [f for f in _DATA_FIELDS if getattr(self, f) is not None and f not in allowed]
+        if wrong:
+            raise ValueError(f"merge {self.name!r}: method {self.method} takes no {', '.join(wrong)}"
+                             + (f" (it takes {', '.join(allowed)})" if allowed else ""))
+        if self.method in DATA_MERGE_METHODS:
+            mk = [f for f, unset in (("weight", 1.0), ("normalize", None), ("int8_mask", False))
+                  if getattr(self, f) != unset]
+            if mk:
+                raise ValueError(f"merge {self.name!r}: {', '.join(mk)} {'is a mergekit option' if len(mk) == 1 else 'are mergekit options'}; method {self.method} "
+                                 f"takes {', '.join(allowed)}" + (" (init is AdaMerging's starting lambda)"
+                                                                  if self.method == "adamerging" else ""))
         return self
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_data_fields(self, handler):
+        out = handler(self)
+        if isinstance(out, dict):  # a mergekit merge serialises (and hashes) as before the data merges existed
+            for f in _DATA_FIELDS:
+                if out.get(f, 0) is None:
+                    del out[f]
+        return out
+
+    @property
+    def uses_data(self) -> bool:
+        """True for the data merges (:data:`DATA_MERGE_METHODS`): built from calibration prompts."""
+        return self.method in DATA_MERGE_METHODS
 
 
 def _default_merges() -> list[MergeSpec]:
@@ -455,6 +518,15 @@ class Config(_Strict):
         if clash:
             raise ValueError(f"merge names {clash} are reserved for other rows; rename them")
         return v
+
+    @model_validator(mode="after")
+    def _data_merge_splits(self) -> "Config":
+        for m in self.merges:
+            if m.uses_data and m.calibration_split not in self.calibration.splits:
+                raise ValueError(f"merge {m.name!r} ({m.method}): calibration_split {m.calibration_split!r} is not "
+                                 f"one of calibration.splits {self.calibration.splits}: its data are that split's "
+                                 "calibration prompts")
+        return self
 
     # ------------------------------------------------------------------ helpers
     def resolved_out_dir(self) -> Path:

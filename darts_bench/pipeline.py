@@ -161,7 +161,9 @@ class Pipeline:
         pool = self.pool()
         if not self.needs_merges:
             return self._skipped("merge", {})
-        return self._stage("merge", lambda: build_merges(self.cfg, pool, self.work_dir))
+        # the data merges (AdaMerging, RegMean) read the calibration prompts of the loaded tasks
+        loaded = self.loaded_tasks() if any(m.uses_data for m in self.cfg.merges) else None
+        return self._stage("merge", lambda: build_merges(self.cfg, pool, self.work_dir, loaded))
 
     def loaded_tasks(self):
         """The selected tasks with their examples and the base's tokenizer (:func:`~darts_bench.stages.tasks.load_tasks`)."""

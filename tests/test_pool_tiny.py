@@ -102,7 +102,7 @@ def test_qwen2_pool_tied_gqa_and_merges(tmp_path):
 
     from darts_bench.artifacts import stable_hash
     from darts_bench.config import PoolConfig, load_config
-    from darts_bench.merge.mergekit_merge import build_merges
+    from darts_bench.merge import build_merges
     from darts_bench.pool import build_pool
     from darts_bench.pool.build import pool_config_key
 

@@ -1,5 +1,8 @@
-"""Baseline merges through mergekit's Python API (no home-made merge code)."""
+"""The merges: mergekit's methods through its Python API, and the data merges AdaMerging and
+RegMean (:mod:`darts_bench.merge.adamerging`, :mod:`darts_bench.merge.regmean`), which no installable
+library offers for a HF causal-LM pool (their module docstrings say why)."""
 
-from darts_bench.merge.mergekit_merge import build_merges, merge_config_dict, run_one_merge
+from darts_bench.merge.build import build_merges, merge_details
+from darts_bench.merge.mergekit_merge import merge_config_dict, run_one_merge
 
-__all__ = ["build_merges", "merge_config_dict", "run_one_merge"]
+__all__ = ["build_merges", "merge_config_dict", "merge_details", "run_one_merge"]

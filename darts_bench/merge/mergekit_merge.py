@@ -16,13 +16,11 @@ paths) rewrites it.
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 from pathlib import Path
 
-from darts_bench.artifacts import cached, stable_hash
-from darts_bench.config import EXPERT_NAMES, Config, MergeSpec
+from darts_bench.config import EXPERT_NAMES, MergeSpec
+from darts_bench.merge.data import copy_base_files
 from darts_bench.pool.build import Pool
 
 log = logging.getLogger("darts_bench")
@@ -139,17 +137,7 @@ def run_one_merge(cfg_dict: dict, out: Path, seed: int, base_dir: Path, stream: 
         cache.loaders.update(saved)
     if not any(out.glob("*.safetensors")):
         raise RuntimeError(f"mergekit wrote no safetensors into {out}")
-    gen = base_dir / "generation_config.json"
-    if gen.is_file():
-        shutil.copy(gen, out / "generation_config.json")
-    base_cfg = json.loads((base_dir / "config.json").read_text())
-    merged_cfg = json.loads((out / "config.json").read_text())
-    if merged_cfg.get("eos_token_id") != base_cfg.get("eos_token_id"):
-        merged_cfg["eos_token_id"] = base_cfg.get("eos_token_id")
-        (out / "config.json").write_text(json.dumps(merged_cfg, indent=2))
-    for f in ("chat_template.jinja",):
-        if (base_dir / f).is_file() and not (out / f).is_file():
-            shutil.copy(base_dir / f, out / f)
+    copy_base_files(base_dir, out)
 
 
 def mergekit_config_text(cfg_dict: dict, seed: int) -> str:
@@ -178,18 +166,3 @@ def write_mergekit_config(merge_dir: Path, cfg_dict: dict, seed: int) -> Path:
     if not path.is_file() or path.read_text(encoding="utf-8") != text:
         atomic_write_text(path, text)
     return path
-
-
-def build_merges(cfg: Config, pool: Pool, work_dir: Path) -> dict[str, Path]:
-    """Every configured merge, cached by (pool key, merge spec, seed): name -> checkpoint dir, each
-    with its ``mergekit_config.yml`` (:func:`write_mergekit_config`)."""
-    out: dict[str, Path] = {}
-    for spec in cfg.merges:
-        cd = merge_config_dict(spec, pool, cfg.pool.vocab_alignment)
-        key = stable_hash({"pool": pool.key, "spec": spec.model_dump(mode="json"), "seed": cfg.seed})
-        final = work_dir / "merges" / f"{spec.name}-{key}"
-        cached(final, lambda tmp, cd=cd: run_one_merge(cd, tmp, cfg.seed, pool.base),
-               what=f"merge {spec.name} ({spec.method})", meta={"kind": "merge", "mergekit": cd})
-        write_mergekit_config(final, cd, cfg.seed)  # after the cached build: also for merges cached before it
-        out[spec.name] = final
-    return out

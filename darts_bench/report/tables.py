@@ -70,6 +70,21 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _merge_details(merges: dict) -> dict:
+    """``{merge: details}`` of the data merges (:func:`darts_bench.merge.merge_details`), less AdaMerging's
+    per-step entropies."""
+    from darts_bench.merge import merge_details
+
+    out = {}
+    for m, p in merges.items():
+        d = merge_details(p)
+        if d is not None:
+            if "entropy" in d:
+                d = {**d, "entropy": {k: v for k, v in d["entropy"].items() if k != "per_step"}}
+            out[m] = d
+    return out
+
+
 def _versions() -> dict[str, str]:
     out = {}
     for p in PACKAGES:
@@ -401,6 +416,9 @@ def write_report(record: RunRecord) -> pd.DataFrame:
         "platform": platform.platform(),
         "pool": {"key": record.pool.key, "build_report": record.pool.report},
         "merges": {m: p.name for m, p in record.merges.items()},
+        # the data merges (AdaMerging, RegMean): what each learned / used, from the file beside its weights
+        # (AdaMerging: lambda per expert per parameter tensor; its per-step entropies stay in the merge dir)
+        **({"merge_details": details} if (details := _merge_details(record.merges)) else {}),
         "calibration": {"splits": record.cfg.calibration.splits,
                         "held_out": "metrics on calibration tokens use held-out sequences only "
                                     f"({record.cfg.calibration.held_out_fraction:.0%} of each calibration set, "

@@ -1,0 +1,76 @@
+"""The merge stage: every configured merge, cached (mergekit's methods and the data merges)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from darts_bench.artifacts import cached, stable_hash
+from darts_bench.config import EXPERT_NAMES, Config
+from darts_bench.merge.mergekit_merge import merge_config_dict, run_one_merge, write_mergekit_config
+from darts_bench.pool.build import Pool
+
+log = logging.getLogger("darts_bench")
+#: data merge method -> (module, builder, file beside the weights with what it learned / used)
+DATA_MERGES = {"adamerging": ("darts_bench.merge.adamerging", "build_adamerging", "adamerging.json"),
+               "regmean": ("darts_bench.merge.regmean", "build_regmean", "regmean.json")}
+
+
+def data_merge_key(cfg: Config, pool: Pool, spec, prompts: dict) -> str:
+    """Cache key of a data merge: pool key (every expert's and the base's content), the spec (method,
+    hyper-parameters, split, dtype), the run seed (AdaMerging's batch order) and the data
+    (:func:`darts_bench.merge.data.data_key`: the prompts, their token cap, the device)."""
+    from darts_bench.merge.data import data_key
+
+    return stable_hash({"pool": pool.key, "spec": spec.model_dump(mode="json"), "seed": cfg.seed,
+                        "data": data_key(prompts, cfg)})
+
+
+def merge_details(merge_dir: Path) -> dict | None:
+    """What a data merge dir records beside its weights (the AdaMerging coefficients, the RegMean
+    data), or None for a mergekit merge."""
+    for _, _, fname in DATA_MERGES.values():
+        if (merge_dir / fname).is_file():
+            return json.loads((merge_dir / fname).read_text())
+    return None
+
+
+def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None) -> dict[str, Path]:
+    """Every configured merge: name -> checkpoint dir. mergekit merges are cached by (pool key, merge
+    spec, seed), each with its ``mergekit_config.yml`` (:func:`~darts_bench.merge.mergekit_merge.write_mergekit_config`);
+    data merges (``adamerging``, ``regmean``) by :func:`data_merge_key`, from the calibration prompts of
+    ``loaded`` (the tasks stage's :class:`~darts_bench.stages.tasks.LoadedTasks`).
+
+    Raises:
+        ValueError: a data merge is configured but ``loaded`` is None."""
+    import importlib
+
+    out: dict[str, Path] = {}
+    for spec in cfg.merges:
+        if spec.uses_data:
+            if loaded is None:
+                raise ValueError(f"merge {spec.name!r} ({spec.method}) needs the run's calibration prompts: pass the "
+                                 "loaded tasks (darts_bench.stages.tasks.load_tasks)")
+            from darts_bench.merge.data import prompts_by_task
+
+            prompts = prompts_by_task(cfg, loaded, spec.calibration_split)
+            key = data_merge_key(cfg, pool, spec, prompts)
+            final = work_dir / "merges" / f"{spec.name}-{key}"
+            mod, fn, _ = DATA_MERGES[spec.method]
+            builder = getattr(importlib.import_module(mod), fn)
+            experts = {e: pool.experts[e] for e in EXPERT_NAMES}
+            cached(final, lambda tmp, b=builder, s=spec, p=prompts: b(s, pool.base, experts, p, loaded.tokenizer,
+                                                                       cfg, tmp),
+                   what=f"merge {spec.name} ({spec.method})",
+                   meta={"kind": "merge", "method": spec.method, "spec": spec.model_dump(mode="json"),
+                         "seed": cfg.seed, "prompts": {t: {"expert": e, "n": len(ps)} for t, (e, ps) in prompts.items()}})
+        else:
+            cd = merge_config_dict(spec, pool, cfg.pool.vocab_alignment)
+            key = stable_hash({"pool": pool.key, "spec": spec.model_dump(mode="json"), "seed": cfg.seed})
+            final = work_dir / "merges" / f"{spec.name}-{key}"
+            cached(final, lambda tmp, cd=cd: run_one_merge(cd, tmp, cfg.seed, pool.base),
+                   what=f"merge {spec.name} ({spec.method})", meta={"kind": "merge", "mergekit": cd})
+            write_mergekit_config(final, cd, cfg.seed)  # after the cached build: also for merges cached before it
+        out[spec.name] = final
+    return out
