@@ -171,7 +171,8 @@ def test_data_merges_on_the_micro_pool(micro_pipeline, micro_cfg_path, tmp_path,
     assert all(len(v) == n_params for v in rec["coefficients"].values())
     assert len(rec["entropy"]["per_step"]) == 3 and rec["entropy"]["final"] < rec["entropy"]["initial"]
     lam = np.array([list(v.values()) for v in rec["coefficients"].values()])
-    assert np.all(np.abs(lam - 0.3) <= 3 * 0.01 + 1e-6) and np.any(lam != 0.3)  # Adam moves <= lr per step
+    # 3 Adam steps of lr 0.01 from 0.3: each moves a coefficient by about lr (exactly lr on the first step)
+    assert np.all(np.abs(lam - 0.3) <= 1.5 * 3 * 0.01) and np.abs(lam - 0.3).max() > 0.02
     # the written weights are base + sum_k lambda tau_k
     base, merged = load_file(str(pool.base / "model.safetensors")), load_file(str(merges["ada"] / "model.safetensors"))
     name = "model.layers.0.mlp.down_proj.weight"

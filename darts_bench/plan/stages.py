@@ -320,23 +320,78 @@ def pool(x: PlanInputs) -> dict[str, Any]:
 MERGEKIT_OUT_SHARD_BYTES = 5 * 10**9
 
 
+def _data_merge_prompt_tokens(x: PlanInputs, split: str) -> dict[str, int]:
+    """Per task with an expert: the prompt tokens of its ``split`` calibration prompts (no continuation)."""
+    cal = x.cfg.calibration
+    out = {}
+    for t in x.head_tasks:
+        ti = x.tasks[t]
+        p = min(ti["prompt_tokens_est"] if split == "transductive" else TYPICAL_TOKENS["training_prompt"],
+                cal.max_prompt_tokens)
+        out[t] = x.calib[f"{t}/{split}"]["sequences"] * p
+    return out
+
+
+def _data_merge(x: PlanInputs, m) -> dict[str, Any]:
+    """One data merge: AdaMerging runs ``steps`` forward + backward passes through the weights over a
+    batch of prompts (6 P FLOP per token, as training) plus two forwards over all prompts (the entropy
+    before and after); RegMean one forward per expert over its task's prompts plus the fp64 Gram
+    products (2 d_in^2 FLOP per token per linear layer) and one fp64 solve per layer."""
+    P, arch, kind = x.params, x.arch, x.kind
+    toks = _data_merge_prompt_tokens(x, m.calibration_split)
+    total = sum(toks.values())
+    n_prompts = sum(x.calib[f"{t}/{m.calibration_split}"]["sequences"] for t in x.head_tasks) or 1
+    if m.method == "adamerging":
+        step_tok = min(m.batch_size, n_prompts) * total / n_prompts
+        flops = (m.steps * step_tok * 6 + 2 * total * 2) * P if P else None
+        what = (f"{m.name}: AdaMerging, {m.steps} Adam steps of {m.batch_size} prompts (~{num(step_tok)} tokens, "
+                f"forward + backward) on the entropy of {num(total)} {m.calibration_split} prompt tokens")
+        secs = None if flops is None else (m.steps * step_tok * 6 * P) / THROUGHPUT[kind]["train"] + \
+            (2 * total * 2 * P) / THROUGHPUT[kind]["forward"]
+        mem = (len(EXPERT_NAMES) + 4) * P * 4 + activations(arch, m.batch_size, x.cfg.calibration.max_prompt_tokens, 4) * 3 \
+            if P and arch else None
+    else:
+        h, f, L = (arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"]) if arch else (0, 0, 0)
+        gram_flops_tok = 2 * L * (6 * h * h + f * f) if arch else 0  # q, k, v, o, gate, up take d; down takes d_ff
+        secs = None if not P else total * 2 * P / THROUGHPUT[kind]["forward"] + total * gram_flops_tok / THROUGHPUT[kind]["matmul"]
+        what = (f"{m.name}: RegMean (alpha {m.alpha}), each expert's forward over its own task's "
+                f"{m.calibration_split} prompts ({num(total)} tokens in all), Gram matrices of every linear layer's "
+                "inputs (fp64), one solve per layer")
+        mem = (P * 4 * 2 + 2 * L * (6 * h * h + f * f) * 8 + 2 * L * (4 * h * h + 3 * h * f) * 8) if P and arch else None
+    return {"what": what, "seconds": secs, "memory_bytes": mem}
+
+
 def merge(x: PlanInputs) -> dict[str, Any]:
     """The mergekit merges, tensor by tensor (inputs streamed: ``run_one_merge``): peak memory is
     the output shard mergekit's writer holds (the merged model up to :data:`MERGEKIT_OUT_SHARD_BYTES`)
     plus base + experts + output of the largest tensor in fp32 (+ its copy in the pool dtype); disk
-    one checkpoint per merge in its dtype."""
+    one checkpoint per merge in its dtype. The data merges (AdaMerging, RegMean) add their forwards /
+    backwards over the calibration prompts and Gram matrices (:func:`_data_merge`), and their peak
+    (all experts' task vectors and the graph for AdaMerging; the fp64 Gram sums for RegMean)."""
     cfg, lt = x.cfg, x.largest_tensor
-    shard = max((min(x.params * DTYPE_BYTES[m.dtype], MERGEKIT_OUT_SHARD_BYTES) for m in cfg.merges),
+    mk = [m for m in cfg.merges if not m.uses_data]
+    data = [_data_merge(x, m) for m in cfg.merges if m.uses_data]
+    shard = max((min(x.params * DTYPE_BYTES[m.dtype], MERGEKIT_OUT_SHARD_BYTES) for m in mk),
                 default=0) if x.params else 0
     peak = ((len(EXPERT_NAMES) + 2) * lt * 4 + x.pool_bytes * lt + shard) if lt else None
-    return {"what": f"{len(cfg.merges)} mergekit merges: "
-                    + ", ".join(f"{m.name} ({m.method}, {m.dtype})" for m in cfg.merges),
-            "where": "local, mergekit (tensor by tensor, inputs streamed)",
-            "memory_bytes": None if peak is None else peak + PROCESS_BASELINE["merge"],
-            "memory_note": (f"peak: one output shard {gb(shard)} + base + experts + output of the largest tensor "
-                            "in fp32"),
-            "disk_bytes": sum(x.params * DTYPE_BYTES[m.dtype] for m in cfg.merges) if x.params else None,
-            "process_baseline_bytes": PROCESS_BASELINE["merge"]}
+    what = [f"{len(mk)} mergekit merges: " + ", ".join(f"{m.name} ({m.method}, {m.dtype})" for m in mk)] if mk else []
+    s = {"what": "; ".join(what + [d["what"] for d in data]),
+         "where": "local, mergekit (tensor by tensor, inputs streamed)"
+                  + ("; data merges on device " + cfg.device if data else ""),
+         "memory_bytes": None if peak is None else peak + PROCESS_BASELINE["merge"],
+         "memory_note": (f"peak: one output shard {gb(shard)} + base + experts + output of the largest tensor "
+                         "in fp32"),
+         "disk_bytes": sum(x.params * DTYPE_BYTES[m.dtype] for m in cfg.merges) if x.params else None,
+         "process_baseline_bytes": PROCESS_BASELINE["merge"]}
+    if data:
+        mems = [d["memory_bytes"] for d in data]
+        if s["memory_bytes"] is not None and all(v is not None for v in mems):
+            s["memory_bytes"] = max(s["memory_bytes"], max(mems) + PROCESS_BASELINE["merge"])
+            s["memory_note"] += "; the data merges: experts' task vectors + merged graph (AdaMerging), fp64 Grams (RegMean)"
+        if all(d["seconds"] is not None for d in data):
+            s["seconds"] = sum(d["seconds"] for d in data)
+            return _finish(s, x.kind)
+    return s
 
 
 def collect(x: PlanInputs) -> dict[str, Any]:
