@@ -6,6 +6,7 @@
   directories. ``create=False`` (the dry run) creates nothing: the nearest existing ancestor must be a
   writable directory and nothing on the way may be a file.
 * :func:`check_task_experts`: each selected task maps to an expert the pool has (or to none).
+* :func:`check_data_merges`: a ``regmean`` merge has a selected task for every expert (its data).
 
 ``darts-bench validate`` (:func:`darts_bench.listing.validate`) runs all of them without a run.
 """
@@ -29,6 +30,27 @@ def check_task_experts(tasks: list[str]) -> None:
         if e is not None and e not in EXPERT_NAMES:
             raise ValueError(f"task {t} maps to expert {e!r}, which the pool does not have (experts: "
                              f"{list(EXPERT_NAMES)}); set the task's `expert` to one of them or to None (no heads)")
+
+
+def check_data_merges(cfg, tasks: list[str]) -> None:
+    """Raises ValueError naming the merge and the experts when a ``regmean`` merge would have an expert
+    without data: its Gram matrices come from the expert's own tasks' calibration prompts, so every
+    expert needs a selected task (``Task.expert``). Passes when ``evaluate.rows`` builds no merge."""
+    from darts_bench.api import task_class
+    from darts_bench.config import EXPERT_NAMES
+    from darts_bench.rows import needs_merges
+
+    if not needs_merges(cfg):
+        return
+    covered = {task_class(t).expert for t in tasks}
+    for m in cfg.merges:
+        missing = [e for e in EXPERT_NAMES if e not in covered]
+        if m.method == "regmean" and missing:
+            raise ValueError(f"merge {m.name!r} (regmean) needs each expert's own task for its Gram matrices; "
+                             f"expert(s) {missing} have no task in the suite {tasks}: add their tasks or drop the merge")
+        if m.method == "adamerging" and not covered - {None}:
+            raise ValueError(f"merge {m.name!r} (adamerging) learns from the calibration prompts of tasks with an "
+                             f"expert; none of {tasks} has one")
 
 
 def check_data_dir(data_dir: Path | None, tasks: list[str]) -> None:

@@ -177,7 +177,8 @@ def validate(cfg, suite: str = "all", out_dir: str | None = None) -> list[str]:
     validated: :func:`darts_bench.config.load_config`), without running anything or creating a dir.
 
     In order: the suite (:func:`~darts_bench.api.resolve_suite`), each task's expert
-    (:func:`~darts_bench.checks.check_task_experts`), the ``evaluate.rows`` filter
+    (:func:`~darts_bench.checks.check_task_experts`), the data merges' tasks
+    (:func:`~darts_bench.checks.check_data_merges`), the ``evaluate.rows`` filter
     (:func:`~darts_bench.rows.check_row_filter`), the engines
     (:func:`~darts_bench.evaluate.engines.check_backends`), the data dir
     (:func:`~darts_bench.checks.check_data_dir`), the output and work dirs
@@ -191,7 +192,8 @@ def validate(cfg, suite: str = "all", out_dir: str | None = None) -> list[str]:
         the messages, ``[]`` when every check passes.
     """
     from darts_bench.api import get_task, resolve_suite
-    from darts_bench.checks import check_data_dir, check_loggers, check_output_dir, check_task_experts
+    from darts_bench.checks import (check_data_dir, check_data_merges, check_loggers, check_output_dir,
+                                    check_task_experts)
     from darts_bench.evaluate.engines import check_backends
     from darts_bench.report.compare import check_not_baseline
     from darts_bench.rows import check_row_filter
@@ -210,6 +212,7 @@ def validate(cfg, suite: str = "all", out_dir: str | None = None) -> list[str]:
         return [f"suite: ValueError: {e}"]
     out = Path(out_dir) if out_dir else cfg.resolved_out_dir()
     run("tasks", check_task_experts, names)
+    run("merges", check_data_merges, cfg, names)
     run("evaluate.rows", check_row_filter, cfg)
     run("backends", check_backends, cfg)
     run("loggers", check_loggers, cfg.loggers)

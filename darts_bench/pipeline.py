@@ -19,7 +19,7 @@ import torch
 
 from darts_bench.api import resolve_suite
 from darts_bench.artifacts import clean_stale_temps, stable_hash
-from darts_bench.checks import check_task_experts
+from darts_bench.checks import check_data_merges, check_task_experts
 from darts_bench.config import Config
 from darts_bench.evaluate.engines import check_backends
 from darts_bench.executors.local import make_executor
@@ -52,6 +52,7 @@ class Pipeline:
         self.work_dir = Path(cfg.work_dir)
         self.task_names = resolve_suite(suite, cfg.tasks)
         check_task_experts(self.task_names)
+        check_data_merges(cfg, self.task_names)  # regmean: every expert's task selected
         self._cache: dict[str, Any] = {}
         self._stage_stack: list[float] = []
         self.timings: dict[str, float] = {}

@@ -230,3 +230,21 @@ def test_data_merge_rows_get_heads_and_evaluation(micro_cfg_path, micro_pipeline
     det = res["manifest"]["merge_details"]
     assert set(det) == {"ada", "rm"} and det["rm"]["alpha"] == 0.9
     assert set(det["ada"]["coefficients"]) == {"code", "math", "instruction"} and "per_step" not in det["ada"]["entropy"]
+
+
+def test_regmean_needs_every_experts_task_before_any_stage(tmp_path):
+    """RegMean's data are each expert's own task's prompts: a suite without an expert's task fails before
+    any work (the run's preflight and ``darts-bench validate``), naming the merge and the experts."""
+    from darts_bench.checks import check_data_merges
+    from darts_bench.listing import validate
+    from darts_bench.pipeline import Pipeline
+
+    cfg = load_config("tiny", [f"merges={json.dumps([RM, ADA])}", f"work_dir={tmp_path / 'w'}"])
+    with pytest.raises(ValueError, match=r"merge 'rm' \(regmean\) .* expert\(s\) \['code', 'instruction'\] have no task"):
+        Pipeline(cfg, suite="gsm8k")
+    assert any(e.startswith("merges: ValueError: merge 'rm' (regmean)") for e in validate(cfg, "gsm8k", str(tmp_path / "o")))
+    check_data_merges(cfg, ["humaneval", "gsm8k", "alpacaeval"])  # every expert covered
+    ada_only = load_config("tiny", [f"merges={json.dumps([ADA])}"])
+    check_data_merges(ada_only, ["gsm8k"])  # AdaMerging pools whatever tasks have an expert
+    base_only = load_config("tiny", [f"merges={json.dumps([RM])}", 'evaluate.rows=["base", "expert:*"]'])
+    check_data_merges(base_only, ["gsm8k"])  # no merge is built

@@ -218,10 +218,10 @@ def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
     hf = make_plan(load_config("smollm2-135m"))["stages"]["evaluate"]
     assert e["seconds"] - e["load_seconds"] < hf["seconds"] - hf["load_seconds"]
     assert "vLLM engine (float32): weights 538.1 MB + KV cache 2 GiB" in out
-    assert "7 engine starts in evaluate, 25-120 s per engine measured on CPU" in out
-    # without the judge task: one start per model dir, in row order (base, 3 experts, 3 merges)
+    assert "9 engine starts in evaluate, 25-120 s per engine measured on CPU" in out
+    # without the judge task: one start per model dir, in row order (base, 3 experts, 5 merges)
     gsm = make_plan(cfg, "gsm8k")["stages"]["evaluate"]
-    assert gsm["engine_starts"] == 7
+    assert gsm["engine_starts"] == 9
     # calibration generation through vLLM: the engine beside the HF model in collect, one start per expert
     cal = make_plan(load_config("smollm2-135m", ["calibration.backend=vllm", "evaluate.vllm.dtype=float32"]))
     c, c_hf = cal["stages"]["collect"], make_plan(load_config("smollm2-135m"))["stages"]["collect"]
