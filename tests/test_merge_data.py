@@ -93,7 +93,7 @@ def test_adamerging_finds_the_entropy_minimiser():
     assert tuple(grid[h.argmin()]) == pytest.approx(LAM_STAR, abs=1e-9) and h.min() == pytest.approx(h_star, abs=1e-12)
     with torch.no_grad():  # the merged model's loss at the grid minimum is that entropy (fp32 softmax)
         assert merge.loss(torch.tensor([[0.7], [0.2]]), batch).item() == pytest.approx(h_star, abs=1e-6)
-    lam, hist = learn_coefficients(merge, [batch], steps=1500, lr=0.01, init=0.3, seed=0)
+    lam, hist = learn_coefficients(merge, [batch], steps=400, lr=0.03, init=0.3, seed=0)
     np.testing.assert_allclose(lam[:, 0].numpy(), LAM_STAR, atol=1e-3)
     assert hist[-1] == pytest.approx(h_star, abs=1e-6) and hist[0] > hist[-1] + 0.04
 
@@ -248,3 +248,19 @@ def test_regmean_needs_every_experts_task_before_any_stage(tmp_path):
     check_data_merges(ada_only, ["gsm8k"])  # AdaMerging pools whatever tasks have an expert
     base_only = load_config("tiny", [f"merges={json.dumps([RM])}", 'evaluate.rows=["base", "expert:*"]'])
     check_data_merges(base_only, ["gsm8k"])  # no merge is built
+
+
+def test_regmean_leaves_a_tied_output_layer_to_the_embedding_average():
+    """A tied ``lm_head`` is the input embedding (averaged), not a linear layer of its own; an untied one is
+    merged in closed form like every other ``nn.Linear``."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from darts_bench.merge.regmean import linear_modules
+
+    kw = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=1)
+    tied = linear_modules(Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **kw)))
+    untied = linear_modules(LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **kw)))
+    layer = {f"model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                             "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert set(tied) == layer and set(untied) == layer | {"lm_head"}

@@ -74,7 +74,9 @@ class LayerWiseMerge:
         for k, sd in enumerate(experts):
             missing = [n for n in self.names if n not in sd or sd[n].shape != self.base[n].shape]
             if missing:
-                raise ValueError(f"expert {k} lacks (or reshapes) parameter(s) {missing[:3]} of the base")
+                raise ValueError(f"expert {k} lacks (or reshapes) parameter(s) {missing[:3]} of the base; AdaMerging "
+                                 "needs experts of the base's shapes (pool.vocab_alignment=base with appended tokens "
+                                 "is not supported)")
             self.tau.append({n: (sd[n].to(self.base[n]) - self.base[n]) for n in self.names})
 
     @property

@@ -140,6 +140,10 @@ def build_regmean(spec, base_dir: Path, experts: dict[str, Path], prompts: dict[
         linear_w = {f"{n}.weight" for n in mods}
         for n, p in model.named_parameters():
             if n not in linear_w:
+                if n in avg and avg[n].shape != p.shape:
+                    raise ValueError(f"merge {spec.name!r} (regmean): {n} is {tuple(p.shape)} in expert {e} but "
+                                     f"{tuple(avg[n].shape)} in {names[0]}; RegMean needs experts of one shape "
+                                     "(pool.vocab_alignment=base with appended tokens is not supported)")
                 avg[n] = avg[n] + p.detach().double() if n in avg else p.detach().double()
         del model, grams
     model = load_model(base_dir, cfg.device)
