@@ -5,7 +5,9 @@ prompts of ``spec.calibration_split`` exactly as the collect stage draws them
 (:func:`darts_bench.collect.features.calibration_prompts`; transductive ones are the benchmark
 inputs of :func:`darts_bench.stages.tasks.calibration_inputs`, never their references), tokenised
 as collection does (the base's tokenizer, special tokens added, left-truncated to
-``calibration.max_prompt_tokens``). No expert continuation and no reference answer is read.
+``calibration.max_prompt_tokens``). No expert continuation and no reference answer is read. All of a
+split's prompts are used, also those the heads hold out (the held-out split is drawn per head seed,
+after the merge), so a data merge's held-out behaviour signals are on inputs its merge has seen.
 """
 
 from __future__ import annotations
