@@ -242,6 +242,18 @@ class CalibrationConfig(_Strict):
 CorrectionMethod = Literal["surgery", "darts", "darts_ew_only", "darts_pos_only"]
 
 
+class RoutingConfig(_Strict):
+    """The router of the ``@routed`` rows (``surgery.routing``; :mod:`darts_bench.surgery.routing`):
+    a classifier of the task from the merged model's final hidden state mean-pooled over the
+    prompt's tokens, fitted on the calibration prompts the heads train on."""
+
+    router: Literal["centroid", "probe"] = Field(
+        "centroid", description="centroid: nearest task centroid (Euclidean; Tibshirani et al. 2002's nearest "
+        "centroid without shrinkage, sklearn NearestCentroid); probe: multinomial logistic regression on "
+        "standardised features (sklearn LogisticRegression, lbfgs, L2 with C)")
+    C: float = Field(1.0, gt=0, description="probe: inverse L2 strength (sklearn's C)")
+
+
 class SurgeryConfig(_Strict):
     """Head training. ``methods`` lists the corrections trained per (merge, task)."""
 
@@ -261,8 +273,17 @@ class SurgeryConfig(_Strict):
         "'param_matched' adds a Surgery head whose rank is raised until its parameter count is within 10% of "
         "DARTS's (rows <merge>+surgery[rank=matched]); not in the methods' head cache keys")
 
+    task_agnostic: list[Literal["routed", "shared"]] = Field(
+        default_factory=list, description="task-agnostic rows per merge, split and method "
+        "(darts_bench/surgery/routing.py): 'routed' picks the head per prompt with a router trained on the "
+        "calibration prompts (rows <merge>+<method>@routed), 'shared' trains one head on the union of every "
+        "task's calibration set (rows <merge>+<method>@shared); not in the methods' head cache keys")
+    routing: RoutingConfig = Field(default_factory=lambda: RoutingConfig())
+
     @model_validator(mode="after")
     def _controls(self) -> "SurgeryConfig":
+        if len(set(self.task_agnostic)) != len(self.task_agnostic):
+            raise ValueError(f"task_agnostic: repeated entries in {self.task_agnostic}")
         if len(set(self.controls)) != len(self.controls):
             raise ValueError(f"controls: repeated entries in {self.controls}")
         if "param_matched" in self.controls and "darts" not in self.methods:
@@ -288,6 +309,9 @@ class SweepConfig(_Strict):
             if k == "methods":
                 raise ValueError("sweep.surgery.methods: methods are already one row each; list them in "
                                  "surgery.methods instead")
+            if k in ("task_agnostic", "routing"):
+                raise ValueError(f"sweep.surgery.{k}: task-agnostic rows are already rows of every variant; set "
+                                 f"surgery.{k} instead")
             if k == "controls":
                 raise ValueError("sweep.surgery.controls: controls are already rows of every variant; list them "
                                  "in surgery.controls instead")

@@ -144,7 +144,8 @@ class Pipeline:
     def _bind(self, specs) -> list[Row]:
         if not self.needs_merges:
             return bind_rows([s for s in specs if not s.merge], self.pool(), {}, {}, self.task_names)
-        return bind_rows(specs, self.pool(), self.merge(), self.train()["run_heads"], self.task_names)
+        tr = self.train()
+        return bind_rows(specs, self.pool(), self.merge(), tr["run_heads"], self.task_names, tr.get("routers", {}))
 
     # ------------------------------------------------------------------ stages
     def pool(self):

@@ -13,6 +13,14 @@ set, so the default (no sweep, ``seeds: null``) keeps single-seed row names and 
 a *head seed* sets head init, batch order and held-out split. Features do not depend on either, so a
 sweep or extra seeds only add head training and evaluation.
 
+Task-agnostic rows (``surgery.task_agnostic``, :mod:`darts_bench.surgery.routing`) follow each split's
+rows (after its controls), per method of ``surgery.methods`` (not the controls), sweep variant and head
+seed: ``<merge>+<method>[@split]@routed[tag][#s<seed>]`` (the head of the task a router picks per prompt
+from the merged model's own hidden state) and ``<merge>+<method>[@split]@shared[tag][#s<seed>]`` (one head
+trained on the union of every task's calibration set). Their ``correction`` is ``<method>@routed`` /
+``<method>@shared`` (so the DARTS vs Surgery pairings, which pair ``darts`` with ``surgery``, leave them
+out) and ``routing`` is ``routed`` / ``shared``.
+
 Controls (``surgery.controls``, :mod:`darts_bench.controls`) add, after each split's method rows, a
 Surgery row per variant and seed whose variant tag names the control: ``<merge>+surgery[rank=matched]``
 (parameter-matched to DARTS), ``ties+surgery@inductive[w_max=2,rank=matched]#s1``.
@@ -78,12 +86,18 @@ class RowSpec:
     calibration: str = ""
     variant: str = ""
     seed: int | None = None
+    routing: str = ""
+
+    @property
+    def method(self) -> str:
+        """The correction method of the row's heads (``correction`` without ``@routed`` / ``@shared``)."""
+        return self.correction.split("@")[0]
 
     @property
     def head_key(self) -> tuple[str, str, str, int | None]:
         """``(method, split, variant, seed)``: with (merge, task) in front, the key of the row's head
-        in the train stage's ``run_heads``."""
-        return (self.correction, self.calibration, self.variant, self.seed)
+        in the train stage's ``run_heads`` (a shared row's task is :data:`SHARED_TASK`)."""
+        return (self.method, self.calibration, self.variant, self.seed)
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,7 @@ class Row(RowSpec):
     model_dir: Path | None = None
     model_key: str = ""
     heads: dict[str, Path] = field(default_factory=dict)
+    router: Path | None = None
 
 
 def corrected_suffix(cfg, split: str, method: str, tag: str, seed: int) -> str:
@@ -102,10 +117,23 @@ def corrected_suffix(cfg, split: str, method: str, tag: str, seed: int) -> str:
     return f"+{method}{'' if split == 'transductive' else f'@{split}'}{tag}{seed_tag(cfg, seed)}"
 
 
+#: the task slot of a shared head in the train stage's ``run_heads`` (no task folder can be named so)
+SHARED_TASK = "*shared*"
+#: the ``surgery.task_agnostic`` kinds, in row order
+ROUTING_KINDS = ("routed", "shared")
+
+
+def agnostic_suffix(cfg, split: str, method: str, kind: str, tag: str, seed: int) -> str:
+    """``+<method>[@split]@<kind>[tag][#s<seed>]``: a task-agnostic row's name after its merge."""
+    return f"+{method}{'' if split == 'transductive' else f'@{split}'}@{kind}{tag}{seed_tag(cfg, seed)}"
+
+
 def row_specs(cfg) -> list[RowSpec]:
     """Every row of ``cfg`` in table order: base, ``expert:<e>`` for each pool expert, then each
     merge followed by its corrected rows (split, then method, then sweep variant, then head seed),
-    each split's control rows after its method rows (:func:`control_tags`, then head seed)."""
+    each split's control rows after its method rows (:func:`control_tags`, then head seed), then its
+    task-agnostic rows (``surgery.task_agnostic`` kind in :data:`ROUTING_KINDS` order, then method,
+    variant, head seed)."""
     from darts_bench.config import EXPERT_NAMES
     from darts_bench.controls import CONTROL_METHOD
 
@@ -121,6 +149,13 @@ def row_specs(cfg) -> list[RowSpec]:
                 for seed in head_seeds(cfg):
                     specs.append(RowSpec(m + corrected_suffix(cfg, split, method, tag, seed), merge=m,
                                          correction=method, calibration=split, variant=tag, seed=seed))
+            for kind in (k for k in ROUTING_KINDS if k in cfg.surgery.task_agnostic):
+                for method in cfg.surgery.methods:
+                    for tag in tags:
+                        for seed in head_seeds(cfg):
+                            specs.append(RowSpec(m + agnostic_suffix(cfg, split, method, kind, tag, seed), merge=m,
+                                                 correction=f"{method}@{kind}", calibration=split, variant=tag,
+                                                 seed=seed, routing=kind))
     return specs
 
 
@@ -156,7 +191,8 @@ def needs_merges(cfg) -> bool:
     return any(row_selected(cfg, s.model) for s in row_specs(cfg) if s.merge)
 
 
-def bind_rows(specs: list[RowSpec], pool, merges: dict[str, Path], run_heads: dict, task_names: list[str]) -> list[Row]:
+def bind_rows(specs: list[RowSpec], pool, merges: dict[str, Path], run_heads: dict, task_names: list[str],
+              routers: dict | None = None) -> list[Row]:
     """``specs`` bound to a run's artifacts.
 
     Args:
@@ -164,10 +200,12 @@ def bind_rows(specs: list[RowSpec], pool, merges: dict[str, Path], run_heads: di
         pool: the built pool (``path(name)``, ``model_key(name)``).
         merges: merge name -> merged checkpoint dir (the merge stage).
         run_heads: ``(merge, task, method, split, variant, seed)`` -> head dir (the train stage).
-        task_names: the run's tasks; a corrected row gets the head of each task that has one.
+        task_names: the run's tasks; a corrected row gets the head of each task that has one (a
+            shared row: the shared head for each of those tasks; a routed row: every task's head).
+        routers: ``(merge, split, seed)`` -> router dir (the train stage; routed rows only).
 
     Raises:
-        KeyError: a merge row whose merge was not built.
+        KeyError: a merge row whose merge, shared head or router was not built.
     """
     rows = []
     for s in specs:
@@ -180,8 +218,18 @@ def bind_rows(specs: list[RowSpec], pool, merges: dict[str, Path], run_heads: di
             continue
         hd = {t: run_heads[(s.merge, t, *s.head_key)] for t in task_names
               if (s.merge, t, *s.head_key) in run_heads}  # tasks with no expert get no head
-        rows.append(Row(**vars(s), model_dir=mdir, model_key=mdir.name + "+" + stable_hash([str(p) for p in hd.values()]),
-                        heads=hd))
+        parts = [str(p) for p in hd.values()]
+        router = None
+        if s.routing == "shared":
+            shared = run_heads[(s.merge, SHARED_TASK, *s.head_key)]
+            hd = {t: shared for t in hd}
+            parts = [str(shared)]
+        elif s.routing == "routed":
+            router = routers[(s.merge, s.calibration, s.seed)]
+            # the router picks among every task's head: all of them (and the router) are the row's identity
+            parts = [f"{t}={p}" for t, p in hd.items()] + [f"router={router}"]
+        rows.append(Row(**vars(s), model_dir=mdir, model_key=mdir.name + "+" + stable_hash(parts), heads=hd,
+                        router=router))
     return rows
 
 
@@ -194,9 +242,11 @@ def row_meta(cfg, rows: list[RowSpec]) -> dict[str, dict[str, Any]]:
         group = r.model[: len(r.model) - len(tag)] if tag and r.model.endswith(tag) else None
         out[r.model] = {"merge": r.merge, "correction": r.correction, "calibration": r.calibration,
                         "variant": r.variant, "seed": r.seed, "group": group}
+        if r.routing:  # only on task-agnostic rows: existing results keep their row_meta bytes
+            out[r.model]["routing"] = r.routing
     return out
 
 
-__all__ = ["Row", "RowSpec", "bind_rows", "check_row_filter", "control_tags", "corrected_suffix", "head_seeds", "needs_merges",
+__all__ = ["ROUTING_KINDS", "Row", "RowSpec", "SHARED_TASK", "agnostic_suffix", "bind_rows", "check_row_filter", "control_tags", "corrected_suffix", "head_seeds", "needs_merges",
            "row_meta", "row_names", "row_selected", "row_specs", "seed_tag", "selected_specs",
            "surgery_variants"]

@@ -241,6 +241,38 @@ class HFTextModel:
         return [[cut_at_stop(self.tokenizer.decode(s, skip_special_tokens=True), stop) for s in row]
                 for row in ids]
 
+    # ------------------------------------------------------------------ routing
+    @torch.inference_mode()
+    def prompt_states(self, prompts: Sequence[str]) -> "torch.Tensor":
+        """The model's final hidden state (after the last norm, the input of ``lm_head``; any attached
+        head's hook included) mean-pooled over each prompt's tokens: ``[n, d_model]`` float32.
+
+        Prompts are tokenized as :meth:`generate` tokenizes them and run in its chunks of
+        ``batch_size`` (left-padded, ``position_ids`` from the mask), so every path that routes the
+        same prompt list computes the same values (:mod:`darts_bench.surgery.routing`).
+
+        Raises:
+            ValueError: the architecture has no Llama-style final norm.
+        """
+        norm = final_norm(self.model)
+        out = []
+        for start in range(0, len(prompts), self.batch_size):
+            enc = self._encode(prompts[start:start + self.batch_size])
+            grab: dict[str, torch.Tensor] = {}
+
+            def keep(module, args, output):
+                grab["h"] = output[0] if isinstance(output, tuple) else output
+
+            hd = norm.register_forward_hook(keep)
+            try:
+                self.model(**enc, position_ids=positions_from_mask(enc["attention_mask"]).to(self.device),
+                           logits_to_keep=1)
+            finally:
+                hd.remove()
+            m = enc["attention_mask"].to(grab["h"].dtype).unsqueeze(-1)  # [batch, seq, 1]
+            out.append(((grab["h"] * m).sum(1) / m.sum(1)).float().cpu())  # [batch, d_model]
+        return torch.cat(out) if out else torch.zeros(0, self.model.config.hidden_size)
+
     # ------------------------------------------------------------------ scoring
     @torch.inference_mode()
     def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:

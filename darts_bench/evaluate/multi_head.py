@@ -175,6 +175,12 @@ class HFMultiHeadModel:
                                 temperature=temperature, seed=seed)
         return [[cut_at_stop(self.tokenizer.decode(s, skip_special_tokens=True), stop) for s in row] for row in ids]
 
+    def prompt_states(self, prompts: Sequence[str]) -> torch.Tensor:
+        """The plain merge's mean-pooled prompt states, ``[n, d_model]`` float32
+        (:meth:`HFTextModel.prompt_states` of ``base``, which is unhooked between calls): what a
+        routed row's router reads."""
+        return self.base.prompt_states(prompts)
+
     # ------------------------------------------------------------------ scoring
     @torch.inference_mode()
     def score(self, requests: Sequence[tuple[int | None, str, str]]) -> list[ScoreContinuation]:

@@ -15,6 +15,15 @@ Claims:
    McNemar for pass/fail task metrics, else a crossed (seeds x units) bootstrap CI.
 4. *Contradicting signals*: heads that lower the surgery objective (held-out rep L1) but raise the
    KL to the expert, which the objective is meant to lower.
+5. *Routing keeps the oracle's gain* (beyond the paper, with ``surgery.task_agnostic: [routed]``): per
+   method, the ``<merge>+<method>@routed`` row (head picked per prompt by a router) against the oracle
+   row ``<merge>+<method>`` (the benchmark's own head) on each task's headline metric and reference
+   NLL, over (merge, task) cells exactly as claim 3 (per-cell McNemar or crossed bootstrap of the
+   seed-mean routed - oracle difference, sign test over cells, Holm over the two families):
+   ``not supported`` = routing loses significantly, ``supported`` = it gains; the evidence gives
+   the mean gain of each row over the plain merge.
+6. *One shared head keeps the oracle's gain* (``surgery.task_agnostic: [shared]``): the same for the
+   ``@shared`` row (one head trained on every task's calibration set).
 
 Cell verdicts: ``supported`` / ``not supported`` (the CI, or the McNemar p < 0.05, on one side),
 ``inconclusive (...)`` and ``insufficient (...)``: an interval from fewer than :data:`MIN_SEQUENCES`
@@ -239,7 +248,107 @@ def claim_evidence(runs: dict[tuple, dict], comparison: pd.DataFrame | None, met
 CLAIMS = {1: "representation bias grows with position under the causal mask",
           2: "high-entropy positions carry more of the error",
           3: "DARTS beats Surgery on the task metrics and on behaviour",
-          4: "lowering the surgery objective (rep L1) also lowers the KL to the expert"}
+          4: "lowering the surgery objective (rep L1) also lowers the KL to the expert",
+          5: "routing keeps the oracle's gain (routed row vs the oracle row)",
+          6: "one shared head keeps the oracle's gain (shared row vs the oracle row)"}
+#: claim -> the task-agnostic row kind it compares with the oracle row (darts_bench/rows.py)
+AGNOSTIC_CLAIMS = {5: "routed", 6: "shared"}
+#: the families claims 5 and 6 compare (task metrics: a task-agnostic row has no held-out behaviour signals)
+AGNOSTIC_FAMILIES = ("primary", "ref_nll")
+
+
+def agnostic_pairs_meta(meta: dict[str, dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    """The row meta of the (``@<kind>`` row, oracle row) pairs, relabelled for the pairing code of
+    claim 3 (:func:`darts_bench.report.seeds.comparison_table`, :func:`darts_bench.report.evidence.cell_tests`),
+    which pairs a ``darts`` side with a ``surgery`` side of one (merge, split, variant, seed): the
+    task-agnostic row takes the first side and its oracle row (same merge, method, split, variant,
+    seed) the second, and the variant is prefixed with the method (``darts``, ``surgery[w_max=2]``),
+    so each method is its own line. A difference is then "task-agnostic - oracle"."""
+    oracle = {(m["merge"], m["correction"], m["calibration"], m["variant"] or "", m["seed"]): name
+              for name, m in meta.items() if m.get("merge") and not m.get("routing") and m["correction"] != "none"}
+    out = {}
+    for name, m in meta.items():
+        if m.get("routing") != kind:
+            continue
+        method = m["correction"].split("@")[0]
+        o = oracle.get((m["merge"], method, m["calibration"], m["variant"] or "", m["seed"]))
+        if o is None:
+            continue
+        v = f"{method}{m['variant'] or ''}"
+        out[name] = {**m, "correction": "darts", "variant": v}
+        out[o] = {**meta[o], "correction": "surgery", "variant": v}
+    return out
+
+
+def _gains(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]], pairs_meta: dict[str, dict[str, Any]],
+           column_of, split: str, variant: str) -> tuple[float | None, float | None, int]:
+    """Mean over (merge, task) cells (seeds averaged) of the oracle's and the task-agnostic row's gain
+    over the plain merge (direction-adjusted: > 0 is better), and the cell count."""
+    import numpy as np
+
+    from darts_bench.report.seeds import direction
+
+    by = {r["model"]: r for r in rows}
+    plain = {m["merge"]: name for name, m in meta.items() if m.get("merge") and m["correction"] == "none"}
+    cells: dict[tuple, dict[str, list[float]]] = {}
+    for name, m in pairs_meta.items():
+        if m["calibration"] != split or m["variant"] != variant or m["merge"] not in plain:
+            continue
+        side = "agnostic" if m["correction"] == "darts" else "oracle"
+        for t, col in column_of.items():
+            a, b = by.get(name, {}).get(col), by.get(plain[m["merge"]], {}).get(col)
+            if isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isfinite(a) and math.isfinite(b):
+                cells.setdefault((m["merge"], t), {}).setdefault(side, []).append(direction(col, t) * (a - b))
+    full = [c for c in cells.values() if "agnostic" in c and "oracle" in c]
+    if not full:
+        return None, None, 0
+    return (float(np.mean([np.mean(c["oracle"]) for c in full])), float(np.mean([np.mean(c["agnostic"]) for c in full])),
+            len(full))
+
+
+def agnostic_evidence(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]], task_names: list[str],
+                      examples: list[dict], run_seed: int, primary: dict[str, str] | None = None,
+                      min_sequences: int = MIN_SEQUENCES) -> pd.DataFrame:
+    """Evidence rows of claims 5 and 6 (empty without task-agnostic rows): per (claim, split, method
+    and variant, family) the sign test over cells with Holm over :data:`AGNOSTIC_FAMILIES` (``merge`` =
+    ``all``), and per cell the test of the seed-mean task-agnostic - oracle difference, with
+    claim 3's rules (:func:`sign_verdict`, :func:`cell_test_verdict`)."""
+    from darts_bench.api import get_task
+    from darts_bench.report.evidence import cell_tests
+    from darts_bench.report.seeds import comparison_table
+
+    recs = []
+    for claim, kind in AGNOSTIC_CLAIMS.items():
+        pm = agnostic_pairs_meta(meta, kind)
+        if not pm:
+            continue
+        comp = comparison_table(rows, pm, task_names, primary, families=AGNOSTIC_FAMILIES)
+        for _, c in comp.iterrows():
+            p_holm = None if pd.isna(c["p_holm"]) else float(c["p_holm"])
+            fam = c["metric"]
+            cols = {t: ((primary or {}).get(t) or get_task(t).primary_metrics[0]) if fam == "primary" else f"{t}_{fam}"
+                    for t in task_names}
+            g_o, g_a, n = _gains(rows, meta, pm, cols, c["calibration"], c["variant"])
+            gains = ("" if g_o is None else f"; mean gain over the merge ({fam}, > 0 better) over {n} cells: "
+                     f"oracle {g_o:.4g}, {kind} {g_a:.4g}")
+            recs.append({"claim": claim, "merge": "all", "task": "all", "split": c["calibration"], "metric": fam,
+                         "variant": c["variant"],
+                         "what": f"{fam} ({c['better']} is better), {kind} - oracle, {c['variant']}: {c['wins']} wins / "
+                                 f"{c['ties']} ties / {c['losses']} losses over {c['units']}{gains}",
+                         "estimate": c["median_gain"], "ci_low": None, "ci_high": None, "n_sequences": None,
+                         "p_sign": None if pd.isna(c["p_sign"]) else float(c["p_sign"]), "p_holm": p_holm,
+                         "wins": int(c["wins"]), "losses": int(c["losses"]), "descriptive": None,
+                         "verdict": sign_verdict(int(c["wins"]), int(c["losses"]), p_holm, "Holm p")})
+        for t in cell_tests(examples, [], pm, task_names, run_seed, families=AGNOSTIC_FAMILIES, primary=primary):
+            favours = "> 0" if t["direction"] > 0 else "< 0"
+            what = (f"{t['metric']} {kind} - oracle ({t['variant']}), mean of {t['n_seeds']} seed(s) ({favours} favours {kind}), "
+                    + (f"{t['test']}: {t['darts_better']} examples {kind} better / {t['surgery_better']} oracle better"
+                       if t["test"].startswith("McNemar") else f"{t['test']} over {t['n_units']} {t['unit']}"))
+            recs.append({"claim": claim, "merge": t["merge"], "task": t["task"], "split": t["split"],
+                         "metric": t["metric"], "variant": t["variant"], "what": what, "estimate": t["estimate"],
+                         "ci_low": t["ci_low"], "ci_high": t["ci_high"], "n_sequences": t["n_units"], "p": t.get("p"),
+                         "verdict": cell_test_verdict(t, min_sequences)})
+    return pd.DataFrame(recs)
 
 
 def _fmt_p(p: Any) -> str:
@@ -265,7 +374,28 @@ def claims_table(evidence: pd.DataFrame) -> pd.DataFrame:
             out.append({"claim": c, "statement": CLAIMS[c], "verdict": rollup(vs, wins, losses, p),
                         "evidence": f"{_counts(vs)}; estimate > 0 in {wins}, < 0 in {losses} informative cells, "
                                     f"sign test p = {_fmt_p(p)}"})
-    c3 = evidence[evidence["claim"] == 3]
+    for claim in (3, *AGNOSTIC_CLAIMS):
+        out += _paired_lines(evidence, claim)
+    ev = evidence[evidence["claim"] == 4]
+    if len(ev):
+        k, n = int((ev["verdict"] == "contradicts").sum()), len(ev)
+        verdict = SUPPORTED if k == 0 else (NOT_SUPPORTED if 2 * k > n else f"inconclusive ({k} of {n} heads contradict)")
+        bad = "; ".join(f"{r['merge']}/{r['task']}/{r['split']} {r['what']}" for _, r in ev.iterrows()
+                        if r["verdict"] == "contradicts")
+        out.append({"claim": 4, "statement": CLAIMS[4], "verdict": verdict,
+                    "evidence": f"{k} of {n} heads lower held-out rep L1 but raise KL" + (f": {bad}" if bad else "")})
+    if not out:
+        return pd.DataFrame(columns=["claim", "statement", "verdict", "evidence"])
+    return pd.DataFrame(out).sort_values("claim", kind="stable").reset_index(drop=True)
+
+
+def _paired_lines(evidence: pd.DataFrame, claim: int) -> list[dict[str, Any]]:
+    """The claims-table lines of a paired claim (3, 5, 6): per family, split and variant, the
+    :func:`rollup` of its per-cell tests and its test over cells."""
+    out = []
+    c3 = evidence[evidence["claim"] == claim]
+    if not len(c3):
+        return out
     for _, r in c3[c3["merge"] == "all"].iterrows():
         p_holm = None if pd.isna(r["p_holm"]) else float(r["p_holm"])
         p_sign = None if pd.isna(r["p_sign"]) else float(r["p_sign"])
@@ -277,19 +407,11 @@ def claims_table(evidence: pd.DataFrame) -> pd.DataFrame:
         few = r.get("descriptive")
         verdict = (f"insufficient ({few})" if isinstance(few, str)
                    else rollup(vs, int(r["wins"]), int(r["losses"]), p_holm, "Holm p"))
-        out.append({"claim": 3, "statement": f"{CLAIMS[3]}: {r['metric']} ({r['split']}{variant})",
+        out.append({"claim": claim, "statement": f"{CLAIMS[claim]}: {r['metric']} ({r['split']}{variant})",
                     "verdict": verdict,
                     "evidence": r["what"].split(": ", 1)[1] + f", sign test p = {_fmt_p(p_sign)}, "
                                 f"Holm p = {_fmt_p(p_holm)}" + per_cell})
-    ev = evidence[evidence["claim"] == 4]
-    if len(ev):
-        k, n = int((ev["verdict"] == "contradicts").sum()), len(ev)
-        verdict = SUPPORTED if k == 0 else (NOT_SUPPORTED if 2 * k > n else f"inconclusive ({k} of {n} heads contradict)")
-        bad = "; ".join(f"{r['merge']}/{r['task']}/{r['split']} {r['what']}" for _, r in ev.iterrows()
-                        if r["verdict"] == "contradicts")
-        out.append({"claim": 4, "statement": CLAIMS[4], "verdict": verdict,
-                    "evidence": f"{k} of {n} heads lower held-out rep L1 but raise KL" + (f": {bad}" if bad else "")})
-    return pd.DataFrame(out)
+    return out
 
 
 def claims_header(min_sequences: int = MIN_SEQUENCES) -> str:

@@ -358,12 +358,15 @@ def claims_from(rows: list[dict], meta: dict[str, dict], runs: dict[tuple, dict]
     {merge, correction, calibration, variant, seed, group}; ``runs``: (merge, task, split, variant,
     seed) -> diagnostics; ``with_heads``: tasks with an expert; ``primary``: task -> its primary
     metric (``tasks.<task>.primary_metric``; default each task's first headline column)."""
-    from darts_bench.report.claims import claim_evidence, claims_table
+    from darts_bench.report.claims import agnostic_evidence, claim_evidence, claims_table
     from darts_bench.report.seeds import comparison_table
 
     comparison = comparison_table(rows, meta, with_heads, primary)
     tests = cell_tests(examples, sequences, meta, with_heads, run_seed, primary=primary)
     evidence = claim_evidence(runs, comparison, methods, tests)
+    agnostic = agnostic_evidence(rows, meta, with_heads, examples, run_seed, primary)  # claims 5-6 (routed, shared)
+    if len(agnostic):
+        evidence = pd.concat([evidence, agnostic], ignore_index=True)
     return comparison, evidence, claims_table(evidence)
 
 

@@ -162,7 +162,12 @@ def build_rows(record: RunRecord) -> list[dict[str, Any]]:
         for tname, res in results[row.model].items():
             rec.update(res.metrics)
             rec.update(get_task(tname).report_columns(res))
-            if row.merge and (row.merge, tname, row.calibration or splits[0]) in diags:
+            if row.routing == "routed" and row.router is not None:
+                # routing accuracy on the held-out calibration prompts (the benchmark's: the evaluate stage's)
+                held = json.loads((row.router / "routing.json").read_text())["tasks"].get(tname)
+                rec[f"{tname}_routing_acc_heldout"] = held["held_out_acc"] if held else None
+            # behaviour signals come from the oracle heads' diagnostics: not a task-agnostic row's
+            if row.merge and not row.routing and (row.merge, tname, row.calibration or splits[0]) in diags:
                 split = row.calibration or splits[0]
                 # a corrected row reads the diagnostics of its own sweep variant and head seed
                 d = train.get("runs", {}).get((row.merge, tname, split, row.variant, row.seed),
@@ -213,8 +218,13 @@ def build_rows(record: RunRecord) -> list[dict[str, Any]]:
     return rows
 
 
-def contract_columns(task_names: list[str]) -> list[str]:
-    """The ``table.csv`` columns for these tasks, from each task's declared metrics."""
+#: the columns of ``@routed`` rows (per task), in ``table.csv`` only when the run has routed rows
+ROUTING_COLUMNS = ("routing_acc", "routing_acc_heldout", "n_routed")
+
+
+def contract_columns(task_names: list[str], routed: bool = False) -> list[str]:
+    """The ``table.csv`` columns for these tasks, from each task's declared metrics; with ``routed``
+    also :data:`ROUTING_COLUMNS` per task (after ``n_<task>``)."""
     cols = ["model", "merge", "correction", "calibration"]
     for t in task_names:
         task = get_task(t)
@@ -225,6 +235,7 @@ def contract_columns(task_names: list[str]) -> list[str]:
                  f"{t}_kl_expert_ref_hi", f"{t}_agree_top1_ref", f"{t}_agree_top1_ref_lo", f"{t}_agree_top1_ref_hi",
                  f"{t}_gap_closed_ref", f"{t}_gap_closed_ref_lo", f"{t}_gap_closed_ref_hi", f"{t}_pos_slope",
                  f"{t}_pos_slope_lo", f"{t}_pos_slope_hi", f"{t}_bias_grows", *set_columns(t), f"n_{t}"]
+        cols += [f"{t}_{c}" for c in ROUTING_COLUMNS] if routed else []
     return cols + ["params_added", "params_added_pct"]
 
 
@@ -367,7 +378,7 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     out = record.out_dir
     out.mkdir(parents=True, exist_ok=True)
     rows = build_rows(record)
-    cols = contract_columns(record.task_names)
+    cols = contract_columns(record.task_names, routed=any(r.routing == "routed" for r in record.rows))
     df = pd.DataFrame(rows)
     for c in cols:
         if c not in df.columns:

@@ -96,7 +96,7 @@ def _target(cfg, row: Row, task: Task, examples: list[Example], by_name: dict[st
     # other models the protocol uses (e.g. a judge): their identity is part of the cache key
     judge_key = "|".join(by_name[d].model_key if d in by_name else d for d in task.models_used(tcfg))
     model_key = row.model_key
-    if row.correction != "none" and task.name not in row.heads:
+    if row.correction != "none" and row.routing != "routed" and task.name not in row.heads:
         model_key = by_name[row.merge].model_key  # no head for this task: the row is its merge here
     key = eval_key(cfg, row, task, examples, judge_key, model_key=model_key)
     # row names of seeds / sweeps carry [ ] # , (glob and URL characters in data-file paths): not in paths
@@ -139,13 +139,17 @@ def evaluate_one(cfg, row: Row, task: Task, examples: list[Example], by_name: di
                                "another model dir)")
             return [s["output"] for s in results[name][task.name].samples]
 
-        tm = text_model if text_model is not None else models.get(row.model, row.model_dir, row.heads.get(task.name))
+        tm = text_model if text_model is not None else row_model(row, task.name, models, cfg.tasks.batch_size)
         try:
             ctx = EvalContext(config=tcfg, data_dir=cfg.resolved_data_dir(),
                               seed=derive_seed(cfg.seed, "eval", task.name), work_dir=tmp / "scratch",
                               get_model=get_model, get_outputs=get_outputs, out_dir=tmp)
             (tmp / "scratch").mkdir()
             res = task.evaluate(tm, examples, ctx)
+            routing = getattr(tm, "routing", None)
+            if routing is not None:  # a routed row: routing accuracy on this benchmark's prompts
+                res.metrics.update(routing.metrics(task.name))
+                res.meta["routing"] = routing.summary()
         finally:
             for m in [tm, *opened]:
                 if hasattr(m, "close"):
@@ -161,6 +165,20 @@ def evaluate_one(cfg, row: Row, task: Task, examples: list[Example], by_name: di
     d = json.loads((final / "result.json").read_text())
     return TaskResult(metrics=d["metrics"], per_example=d["per_example"], samples=d["samples"], meta=d["meta"],
                       example_ids=d.get("example_ids", []), artifact_dir=str(final))
+
+
+def row_model(row: Row, task: str, models, batch_size: int):
+    """The row's model on ``task`` for the row-by-row path: ``models.get`` of its model dir with the
+    task's head, or for a routed row a :class:`~darts_bench.evaluate.routed.RoutedTextModel` over the
+    plain merge and each task's head."""
+    if row.routing != "routed":
+        return models.get(row.model, row.model_dir, row.heads.get(task))
+    from darts_bench.evaluate.routed import RoutedTextModel
+    from darts_bench.surgery.routing import Router
+
+    plain = models.get(row.merge, row.model_dir, None)
+    heads = {t: models.get(f"{row.model}/{t}", row.model_dir, hd) for t, hd in row.heads.items()}
+    return RoutedTextModel(row.model, Router.load(row.router / "router.json"), plain, heads, batch_size)
 
 
 # --------------------------------------------------------------------------- one pass
@@ -185,11 +203,19 @@ def evaluate_group(cfg, group: list[Row], task: Task, examples: list[Example], b
     """
     n = len(group)
     holder: dict[str, object] = {}
+    # one slot per row (its head for the task), then for each routed row one slot per task head
+    slots = [r.heads.get(task.name) for r in group]
+    route_slots: dict[int, dict[str, int]] = {}
+    for i, r in enumerate(group):
+        if r.routing == "routed":
+            route_slots[i] = {}
+            for t, hd in r.heads.items():
+                route_slots[i][t] = len(slots)
+                slots.append(hd)
 
     def model():
         if "m" not in holder:
-            holder["m"] = models.multi_head_model(group[0].merge or group[0].model, group[0].model_dir,
-                                                  [r.heads.get(task.name) for r in group])
+            holder["m"] = models.multi_head_model(group[0].merge or group[0].model, group[0].model_dir, slots)
         return holder["m"]
 
     gather = _Gather(n, model)
@@ -199,7 +225,13 @@ def evaluate_group(cfg, group: list[Row], task: Task, examples: list[Example], b
     def run(i: int) -> None:
         gather.enter(i)
         try:
-            view = RowView(group[i].model, i, gather)
+            if i in route_slots:
+                from darts_bench.surgery.routing import Router
+
+                view = RoutedRowView(group[i].model, i, gather, Router.load(group[i].router / "router.json"),
+                                     route_slots[i], cfg.tasks.batch_size)
+            else:
+                view = RowView(group[i].model, i, gather)
             out[i] = evaluate_one(cfg, group[i], task, examples, by_name, results, models, work_dir, text_model=view)
         except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread below
             errors[i] = e
@@ -267,16 +299,67 @@ class RowView:
         """See :meth:`darts_bench.api.TextModel.generate`; waits for the gathered call."""
         kw = {"max_new_tokens": int(max_new_tokens), "stop": tuple(stop), "num_samples": int(num_samples),
               "temperature": float(temperature), "seed": int(seed)}
-        return self._gather.call(self._slot, "generate", kw, list(prompts))
+        return self._gather.call(self._slot, "generate", kw, [(self._slot, p) for p in prompts])
 
     def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:
         """See :meth:`darts_bench.api.TextModel.score`; waits for the gathered call."""
         if len(contexts) != len(continuations):
             raise ValueError(f"{len(contexts)} contexts vs {len(continuations)} continuations")
-        return self._gather.call(self._slot, "score", {}, list(zip(contexts, continuations)))
+        return self._gather.call(self._slot, "score", {}, [(self._slot, c, x) for c, x in zip(contexts, continuations)])
 
     def close(self) -> None:
         """Nothing: the multi-head model is closed with the group."""
+
+
+class RoutedRowView(RowView):
+    """A routed row's view in the one-pass path: each prompt goes to the slot of the head its router
+    picks (``slots``: task -> slot of the group's multi-head model), in the chunks the row-by-row
+    :class:`~darts_bench.evaluate.routed.RoutedTextModel` runs
+    (:func:`~darts_bench.surgery.routing.chunk_plan`), so its outputs equal that path's and the chunks
+    it shares with an oracle row are generated once. Routing reads the multi-head model's
+    ``prompt_states`` (the plain merge) during the row's turn."""
+
+    def __init__(self, name: str, slot: int, gather: "_Gather", router, slots: dict[str, int], batch_size: int):
+        super().__init__(name, slot, gather)
+        from darts_bench.evaluate.routed import Routing, check_prompt_states
+
+        missing = [t for t in router.classes if t not in slots]
+        if missing:
+            raise ValueError(f"{name}: router classes {missing} have no head (heads: {sorted(slots)})")
+
+        def states(texts):
+            m = gather.model()
+            check_prompt_states(m, name)
+            return m.prompt_states(texts)
+
+        self._slots, self._bs = slots, batch_size
+        self.routing = Routing(router, states)
+
+    def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
+                 num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
+        """See :meth:`darts_bench.api.TextModel.generate`: each prompt under its routed head."""
+        from darts_bench.surgery.routing import chunk_plan, pick
+
+        prompts = list(prompts)
+        choices = self.routing.route(prompts)
+        plan = chunk_plan(choices, self._bs, whole=temperature > 0)
+        kw = {"max_new_tokens": int(max_new_tokens), "stop": tuple(stop), "num_samples": int(num_samples),
+              "temperature": float(temperature), "seed": int(seed)}
+        res = self._gather.call(self._slot, "generate", kw,
+                                [(self._slots[t], prompts[j]) for t, idx in plan.items() for j in idx])
+        outs, o = {}, 0
+        for t, idx in plan.items():
+            outs[t], o = res[o:o + len(idx)], o + len(idx)
+        return pick(choices, plan, outs)
+
+    def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:
+        """See :meth:`darts_bench.api.TextModel.score`: each pair under the head its context is routed to
+        (requests in pair order, so the multi-head model chunks the pairs as a single-head row does)."""
+        if len(contexts) != len(continuations):
+            raise ValueError(f"{len(contexts)} contexts vs {len(continuations)} continuations")
+        choices = self.routing.route(list(contexts))
+        return self._gather.call(self._slot, "score", {},
+                                 [(self._slots[t], c, x) for t, c, x in zip(choices, contexts, continuations)])
 
 
 class _Gather:
@@ -333,12 +416,9 @@ class _Gather:
         for (kind, kw), rows in calls.items():
             try:
                 m = self.model()
-                if kind == "generate":
-                    reqs = [(i, p) for i in rows for p in self._pending[i][2]]
-                    res = m.generate(reqs, **dict(kw))
-                else:
-                    reqs = [(i, c, x) for i in rows for c, x in self._pending[i][2]]
-                    res = m.score(reqs)
+                # each thread's requests name their slot: (slot, prompt) or (slot, context, continuation)
+                reqs = [req for i in rows for req in self._pending[i][2]]
+                res = m.generate(reqs, **dict(kw)) if kind == "generate" else m.score(reqs)
                 if len(res) != len(reqs):
                     raise RuntimeError(f"multi-head {kind} returned {len(res)} results for {len(reqs)} requests")
                 o = 0

@@ -27,7 +27,7 @@ from darts_bench.artifacts import cached, stable_hash
 from darts_bench.collect.features import FeatureSet
 from darts_bench.evidence import RUN_N_BOOT
 from darts_bench.pool.checkpoint import lm_head_weight
-from darts_bench.rows import seed_tag
+from darts_bench.rows import seed_tag, surgery_variants
 from darts_bench.stages import derive_seed
 from darts_bench.surgery.diagnostics import entropy_contrast, gap_closed, position_slope
 from darts_bench.surgery.heads import save_head
@@ -85,6 +85,10 @@ def resolve_controls(variants: list[tuple[str, Any]], base_dir: Path) -> list[tu
     return out
 
 
+#: surgery settings that add rows but change no method head (left out of :func:`head_key`)
+NOT_IN_HEAD_KEY = ("controls", "task_agnostic", "routing")
+
+
 def head_key(cfg, features_key: str, reference_key: str, scfg, seed: int | None = None) -> str:
     """Cache key of one (merge, task, split)'s heads: features, resolved surgery config ``scfg``,
     held-out fraction, head seed (``seed``, default ``cfg.seed``), :data:`DIAGNOSTICS_VERSION` and,
@@ -94,7 +98,7 @@ def head_key(cfg, features_key: str, reference_key: str, scfg, seed: int | None 
     # surgery.controls is left out: a control's heads are their own artifact (their own methods and
     # rank, :func:`resolve_controls`), so switching controls on leaves the methods' heads' keys as they were
     parts = {"features": features_key, "reference": reference_key,
-             "surgery": {k: v for k, v in scfg.model_dump(mode="json").items() if k != "controls"},
+             "surgery": {k: v for k, v in scfg.model_dump(mode="json").items() if k not in NOT_IN_HEAD_KEY},
              "held_out": cfg.calibration.held_out_fraction,
              "seed": cfg.seed if seed is None else seed, "diagnostics": DIAGNOSTICS_VERSION}
     if cfg.deepspeed.enabled:
@@ -118,6 +122,9 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
         ``{"heads": {(merge, task, method, split): dir}, "diagnostics": {(merge, task, split): dict}}``
         of the first variant and seed, ``"runs": {(merge, task, split, variant, seed): diagnostics}`` and
         ``"run_heads": {(merge, task, method, split, variant, seed): dir}`` of every variant and seed.
+        With ``surgery.task_agnostic``: ``"routers": {(merge, split, seed): dir}`` (:func:`train_routers`)
+        and the shared heads in ``run_heads`` under task :data:`darts_bench.rows.SHARED_TASK`
+        (:func:`train_shared`; the methods' variants, not the controls).
     """
     feats = collected["features"]
     heads: dict[tuple[str, str, str, str], Path] = {}
@@ -149,7 +156,174 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
                     heads[(m, name, method, split)] = final / method
             if (tag, seed) == first:
                 diags[(m, name, split)] = runs[(m, name, split, tag, seed)]
-    return {"heads": heads, "diagnostics": diags, "runs": runs, "run_heads": run_heads}
+    out = {"heads": heads, "diagnostics": diags, "runs": runs, "run_heads": run_heads}
+    agnostic = cfg.surgery.task_agnostic
+    if agnostic:
+        # the methods' variants only (controls get no task-agnostic rows: darts_bench/rows.py)
+        own = {tag for tag, _ in surgery_variants(cfg)}
+        method_variants = [(tag, scfg) for tag, scfg in variants if tag in own]
+        if "routed" in agnostic:
+            out["routers"] = train_routers(cfg, feats, seeds, work_dir)
+        if "shared" in agnostic:
+            run_heads.update(train_shared(cfg, feats, merges, pool, tasks, method_variants, seeds, work_dir))
+    return out
+
+
+# --------------------------------------------------------------------------- task-agnostic rows
+def _by_merge_split(feats: dict) -> dict[tuple[str, str], dict[str, FeatureSet]]:
+    """``{(merge, split): {task: FeatureSet}}`` of the training splits (not ``reference``), tasks in
+    feature order."""
+    out: dict[tuple[str, str], dict[str, FeatureSet]] = {}
+    for (m, name, split), fs in feats.items():
+        if split != "reference":
+            out.setdefault((m, split), {})[name] = fs
+    return out
+
+
+def task_split(cfg, fs: FeatureSet, name: str, split: str, seed: int) -> tuple[list[int], list[int]]:
+    """``(train, held-out)`` sequence indices of one task's calibration set under head seed ``seed``:
+    the split the task's heads train and validate on (:func:`train_and_diagnose`)."""
+    n_seq = len(fs.calib.meta["sequences"])
+    return split_by_sequence(n_seq, cfg.calibration.held_out_fraction, derive_seed(seed, "split", name, split))
+
+
+def router_key(cfg, fss: dict[str, FeatureSet], seed: int) -> str:
+    """Cache key of one (merge, split, seed)'s router: every task's merged-features key, the held-out
+    fraction and head seed (they fix the train / held-out prompts), ``surgery.routing`` and
+    :data:`~darts_bench.surgery.routing.ROUTER_VERSION`."""
+    from darts_bench.surgery.routing import ROUTER_VERSION
+
+    return stable_hash({"features": {t: fs.key for t, fs in fss.items()}, "held_out": cfg.calibration.held_out_fraction,
+                        "seed": seed, "routing": cfg.surgery.routing.model_dump(mode="json"),
+                        "version": ROUTER_VERSION})
+
+
+def calibration_prompt_features(fs: FeatureSet) -> np.ndarray:
+    """``[n_sequences, d_model]`` float64: the merged model's final hidden state mean-pooled over each
+    calibration prompt (:func:`darts_bench.surgery.routing.prompt_features` on ``fs``'s shards)."""
+    from darts_bench.surgery.routing import prompt_features
+
+    sf = fs.merged_shards()
+    meta = fs.calib.meta
+    return prompt_features(sf.read_h().float().numpy(), sf.column("positions").numpy(),
+                           sf.column("seq_index").numpy(), meta["prompt_len"], len(meta["sequences"]))
+
+
+def train_routers(cfg, feats: dict, seeds: list[int], work_dir: Path) -> dict[tuple[str, str, int], Path]:
+    """One router per (merge, split, head seed) (or reuse it), fitted on the training prompts of every
+    task's calibration set (the sequences its heads train on under that seed) and scored on the held-out
+    prompts. Artifact ``routers/<merge>-<split>-<key>/``: ``router.json``
+    (:class:`~darts_bench.surgery.routing.Router`) and ``routing.json``: per task ``train_sequences``,
+    ``held_out_sequences``, ``held_out_routed`` (the routed task of each held-out prompt),
+    ``held_out_acc`` and ``train_acc``.
+
+    Returns:
+        ``{(merge, split, seed): router dir}``.
+    Raises:
+        ValueError: fewer than two tasks with calibration features (nothing to route between).
+    """
+    from darts_bench.surgery.routing import fit_router, routing_accuracy
+
+    out: dict[tuple[str, str, int], Path] = {}
+    rc = cfg.surgery.routing
+    for (m, split), fss in _by_merge_split(feats).items():
+        for seed in seeds:
+            final = work_dir / "routers" / f"{m}-{split}-{router_key(cfg, fss, seed)}"
+
+            def build(tmp: Path, m=m, split=split, fss=fss, seed=seed) -> None:
+                X, parts = {}, {}
+                for name, fs in fss.items():
+                    tr, va = task_split(cfg, fs, name, split, seed)
+                    F = calibration_prompt_features(fs)
+                    X[name], parts[name] = F[tr], (tr, va, F[va])
+                router, _ = fit_router(X, rc.router, rc.C)
+                router.save(tmp / "router.json")
+                tasks_ = {}
+                for name, (tr, va, Fv) in parts.items():
+                    routed = router.predict(Fv)
+                    tasks_[name] = {"train_sequences": tr, "held_out_sequences": va, "held_out_routed": routed,
+                                    "held_out_acc": routing_accuracy(routed, name), "n_heldout": len(va),
+                                    "train_acc": routing_accuracy(router.predict(X[name]), name)}
+                (tmp / "routing.json").write_text(json.dumps({"router": rc.router, "classes": router.classes,
+                                                              "tasks": tasks_}))
+
+            cached(final, build, what=f"fit router {m}/{split}{seed_tag(cfg, seed)}",
+                   meta={"kind": "router", "merge": m, "split": split, "seed": seed})
+            out[(m, split, seed)] = final
+    return out
+
+
+def shared_head_key(cfg, fss: dict[str, FeatureSet], ref_keys: dict[str, str], scfg, seed: int) -> str:
+    """Cache key of one (merge, split, variant, seed)'s shared heads: :func:`head_key` over every task's
+    features (and reference features), marked ``shared``."""
+    return stable_hash({"shared": {t: head_key(cfg, fs.key, ref_keys[t], scfg, seed) for t, fs in fss.items()}})
+
+
+def train_shared(cfg, feats: dict, merges: dict[str, Path], pool, tasks: dict, variants: list[tuple[str, Any]],
+                 seeds: list[int], work_dir: Path) -> dict[tuple, Path]:
+    """One shared head per (merge, split, variant, seed, method) (or reuse it): trained like a task's
+    head (:func:`~darts_bench.surgery.train.train_head`) on the union of every task's training
+    sequences (the train split of each calibration set under that seed; DARTS's mean entropy over the
+    union), validated on the union of the held-out sequences. Artifact
+    ``heads/<merge>-shared-<split>-<key>/<method>/`` and ``diagnostics.json``: per task its
+    ``train_sequences``, ``held_out_sequences``, ``n_train_tokens`` and the held-out L1 / entropy-weighted
+    L1 to the expert's hidden state (:func:`~darts_bench.surgery.train.evaluate_losses`, hidden-state
+    units) of each method and of the plain merge (``none``); ``n_train_tokens`` of the union.
+
+    Returns:
+        ``{(merge, SHARED_TASK, method, split, variant, seed): head dir}`` (the ``run_heads`` entries).
+    """
+    import torch
+
+    from darts_bench.rows import SHARED_TASK
+    from darts_bench.surgery.data import load_split
+    from darts_bench.surgery.train import TokenData, evaluate_losses
+
+    out: dict[tuple, Path] = {}
+    for (m, split), fss in _by_merge_split(feats).items():
+        ref_keys = {t: feats[(m, t, "reference")].key for t in fss}
+        for (tag, scfg), seed in itertools.product(variants, seeds):
+            final = work_dir / "heads" / f"{m}-shared-{split}-{shared_head_key(cfg, fss, ref_keys, scfg, seed)}"
+
+            def build(tmp: Path, m=m, split=split, fss=fss, scfg=scfg, seed=seed) -> None:
+                W_m = lm_head_weight(merges[m])
+                parts_tr, parts_va, per_task, offset = [], [], {}, 0
+                for name, fs in fss.items():
+                    tr, va = task_split(cfg, fs, name, split, seed)
+                    W_e = lm_head_weight(pool.path(tasks[name][0].expert))[: W_m.shape[0]]
+                    t_tr, t_va = load_split(fs.calib.expert_shards(), fs.merged_shards(), tr, scfg.entropy_source,
+                                            W_e, W_m)
+                    t_tr, t_va = t_tr.materialize(), t_va.materialize()
+                    for part, dst in ((t_tr, parts_tr), (t_va, parts_va)):  # sequences renumbered past the last task's
+                        dst.append(TokenData(part.h_merged, part.h_expert, part.positions, part.seq_index + offset,
+                                             part.weight_source))
+                    per_task[name] = {"train_sequences": tr, "held_out_sequences": va, "n_train_tokens": len(t_tr),
+                                      "n_heldout_tokens": len(t_va), "val": t_va}
+                    offset += len(fs.calib.meta["sequences"])
+                cat = lambda ps: TokenData(*(torch.cat([getattr(p, f) for p in ps]) for f in  # noqa: E731
+                                             ("h_merged", "h_expert", "positions", "seq_index", "weight_source")))
+                train_, val = cat(parts_tr), cat(parts_va)
+                mean_h = float(train_.weight_source.float().mean())
+                trained = {}
+                for method in scfg.methods:
+                    res = train_head(method, train_, val, scfg, derive_seed(seed, m, SHARED_TASK, split, method))
+                    save_head(res.head, tmp / method, extra={"merge": m, "task": SHARED_TASK, "split": split,
+                                                             "tasks": list(fss), "history": res.history})
+                    trained[method] = res.head
+                diag = {"n_train_tokens": len(train_), "tasks": {}}
+                for name, d in per_task.items():
+                    v = d.pop("val")
+                    d["held_out"] = {row: evaluate_losses(hd, v, mean_h, scfg.w_max)
+                                     for row, hd in {"none": None, **trained}.items()}
+                    diag["tasks"][name] = d
+                (tmp / "diagnostics.json").write_text(json.dumps(diag))
+
+            cached(final, build, what=f"train shared heads {m}/{split}{tag}{seed_tag(cfg, seed)}",
+                   meta={"kind": "heads", "merge": m, "task": SHARED_TASK, "split": split, "variant": tag,
+                         "seed": seed})
+            for method in scfg.methods:
+                out[(m, SHARED_TASK, method, split, tag, seed)] = final / method
+    return out
 
 
 def _trends(pos: np.ndarray, l1: np.ndarray, entropy: np.ndarray, groups: np.ndarray, seed: int) -> dict:

@@ -1,0 +1,133 @@
+"""A ``@routed`` row as its task sees it: per prompt, the head of the task a router picks.
+
+Routing is decided before generation from the plain merge's own hidden state of the prompt (one
+forward of the merge over the prompt: ``prompt_states``, mean-pooled final hidden states, read by a
+:class:`~darts_bench.surgery.routing.Router`). A prompt then gets exactly the output the single-head row
+of its routed task gives it: each chosen head runs the whole ``batch_size`` chunks holding its prompts
+(:func:`~darts_bench.surgery.routing.chunk_plan`), on both evaluation paths:
+
+* row by row (``evaluate.one_pass: false``): :class:`RoutedTextModel` over the merge's plain model and
+  one single-head model per task;
+* one pass: the stage's routed row view (``darts_bench.stages.evaluate``) sends the same requests to
+  the multi-head model's slots of the row's heads, so chunks it shares with the oracle rows are
+  generated once.
+
+Teacher-forced calls (``score``: reference NLL) route each pair by its context.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable, Sequence
+
+import numpy as np
+
+from darts_bench.api import ScoreContinuation
+from darts_bench.surgery.routing import Router, chunk_plan, pick, routing_accuracy
+
+
+class Routing:
+    """The routing decisions of one routed row on one task.
+
+    Args:
+        router: the row's fitted router.
+        states: ``prompts -> [n, d_model]`` mean-pooled prompt states of the plain merge (a
+            model's ``prompt_states``).
+
+    Each distinct text is routed once, when first seen (its states computed with the other new
+    texts of that call, in call order), so both evaluation paths, which make the same calls, take the
+    same decisions.
+    """
+
+    def __init__(self, router: Router, states: Callable[[list[str]], object]):
+        self.router, self._states = router, states
+        self.memo: dict[str, str] = {}
+
+    def route(self, texts: Sequence[str]) -> list[str]:
+        """The routed task of each text."""
+        new = [t for t in dict.fromkeys(texts) if t not in self.memo]
+        if new:
+            X = np.asarray(self._states(new), dtype=np.float64)
+            if X.shape[0] != len(new):
+                raise RuntimeError(f"prompt_states returned {X.shape[0]} rows for {len(new)} prompts")
+            self.memo.update(zip(new, self.router.predict(X)))
+        return [self.memo[t] for t in texts]
+
+    def metrics(self, task: str) -> dict[str, float | int | None]:
+        """``{<task>_routing_acc, <task>_n_routed}``: the fraction of the distinct texts routed on this
+        task (its prompts and scored contexts) that went to ``task``'s head, and their count."""
+        routed = list(self.memo.values())
+        return {f"{task}_routing_acc": routing_accuracy(routed, task), f"{task}_n_routed": len(routed)}
+
+    def summary(self) -> dict:
+        """``{"router", "classes", "counts": {task: texts routed to it}}`` (``TaskResult.meta["routing"]``)."""
+        c = Counter(self.memo.values())
+        return {"router": self.router.kind, "classes": self.router.classes,
+                "counts": {t: int(c.get(t, 0)) for t in self.router.classes}}
+
+
+def check_prompt_states(model, row: str) -> None:
+    """Raises NotImplementedError when ``model`` cannot give prompt states (a routed row needs them)."""
+    if not hasattr(model, "prompt_states"):
+        raise NotImplementedError(f"row {row!r}: routed rows read the merge's prompt states (prompt_states), which "
+                                  f"{type(model).__name__} does not provide; use evaluate.backend: hf with the local "
+                                  "executor")
+
+
+class RoutedTextModel:
+    """A routed row for the row-by-row path (a :class:`~darts_bench.api.TextModel`).
+
+    Args:
+        name: the row name.
+        router: the row's router (classes: task names).
+        plain: the merge without a head (prompt states, ``format_chat``, tokenizer).
+        heads: task -> the merge with that task's head (every router class).
+        batch_size: the chunk size of the single-head models (``tasks.batch_size``).
+    Raises:
+        ValueError: a router class without a head model.
+    """
+
+    def __init__(self, name: str, router: Router, plain, heads: dict[str, object], batch_size: int):
+        missing = [t for t in router.classes if t not in heads]
+        if missing:
+            raise ValueError(f"{name}: router classes {missing} have no head (heads: {sorted(heads)})")
+        check_prompt_states(plain, name)
+        self.name, self.plain, self.heads, self.batch_size = name, plain, heads, batch_size
+        self.routing = Routing(router, plain.prompt_states)
+
+    tokenizer = property(lambda self: getattr(self.plain, "tokenizer", None))
+    max_length = property(lambda self: getattr(self.plain, "max_length", None))
+    device = property(lambda self: getattr(self.plain, "device", "cpu"))
+
+    def format_chat(self, user_message: str) -> str:
+        return self.plain.format_chat(user_message)
+
+    def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
+                 num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
+        """See :meth:`darts_bench.api.TextModel.generate`: each prompt's continuations under its routed head."""
+        prompts = list(prompts)
+        choices = self.routing.route(prompts)
+        plan = chunk_plan(choices, self.batch_size, whole=temperature > 0)
+        outs = {t: self.heads[t].generate([prompts[j] for j in idx], max_new_tokens=max_new_tokens, stop=stop,
+                                          num_samples=num_samples, temperature=temperature, seed=seed)
+                for t, idx in plan.items()}
+        return pick(choices, plan, outs)
+
+    def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:
+        """See :meth:`darts_bench.api.TextModel.score`: each pair under the head its context is routed to."""
+        if len(contexts) != len(continuations):
+            raise ValueError(f"{len(contexts)} contexts vs {len(continuations)} continuations")
+        contexts, continuations = list(contexts), list(continuations)
+        choices = self.routing.route(contexts)
+        plan = chunk_plan(choices, self.batch_size)
+        outs = {t: self.heads[t].score([contexts[j] for j in idx], [continuations[j] for j in idx])
+                for t, idx in plan.items()}
+        return pick(choices, plan, outs)
+
+    def close(self) -> None:
+        for m in [self.plain, *self.heads.values()]:
+            if hasattr(m, "close"):
+                m.close()
+
+
+__all__ = ["RoutedTextModel", "Routing", "check_prompt_states"]
