@@ -70,6 +70,7 @@ def export_row(pipe, row_name: str, to_dir: str | Path) -> dict[str, Any]:
 
     Raises:
         KeyError: no such row (the message lists the config's rows).
+        ValueError: a ``@routed`` row (its head is chosen per prompt: no fixed head per task).
         FileExistsError: ``to_dir`` exists and is not empty.
     """
     to = Path(to_dir).resolve()
@@ -79,6 +80,10 @@ def export_row(pipe, row_name: str, to_dir: str | Path) -> dict[str, Any]:
     if row_name not in rows:
         raise KeyError(f"export: no row {row_name!r}; rows of config {pipe.cfg.name}: {list(rows)}")
     row = rows[row_name]
+    if row.routing == "routed":
+        raise ValueError(f"export: {row_name!r} picks its head per prompt with a router (darts_bench/surgery/routing.py), "
+                         "which neither lm-eval's model_args nor vLLM's head plugin can express; export its oracle row "
+                         f"{row.merge}+{row.method} or the {row.merge}+{row.method}@shared row")
     tasks = {name: task for name, (task, _) in pipe.tasks().items()}
     cfg = pipe.cfg
     to.parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +95,7 @@ def export_row(pipe, row_name: str, to_dir: str | Path) -> dict[str, Any]:
         heads: dict[str, Any] = {}
         for t, hd in row.heads.items():
             shutil.copytree(hd, tmp / "heads" / t, ignore=shutil.ignore_patterns(MANIFEST))
-            heads[t] = {"head_dir": str(to / "heads" / t), "source": str(hd), "method": row.correction,
+            heads[t] = {"head_dir": str(to / "heads" / t), "source": str(hd), "method": row.method,
                         "calibration": row.calibration, "expert": tasks[t].expert}
         no_head = [t for t in tasks if t not in row.heads]
         lm_eval: dict[str, Any] = {}

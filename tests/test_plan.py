@@ -494,3 +494,20 @@ def test_merge_memory_counts_mergekit_output_shard():
     small = make_plan(load_config("smollm2-135m"))
     m = small["stages"]["merge"]
     assert f"one output shard {gb(small['model']['weights_bytes'])}" in m["memory_note"]
+
+
+def test_plan_counts_task_agnostic_rows_shared_heads_and_routing_forwards():
+    off = make_plan(load_config("tiny", ["surgery.task_agnostic=[]"]))
+    on = make_plan(load_config("tiny", ["surgery.task_agnostic=[routed,shared]"]))
+    # per merge x split: surgery and darts, each @routed and @shared (the control gets none)
+    assert on["rows"] == off["rows"] + 5 * 2 * 2 * 2
+    tr_on, tr_off = on["stages"]["train"], off["stages"]["train"]
+    assert (tr_on["shared_heads"], tr_off["shared_heads"]) == (5 * 2 * 2, 0)
+    assert tr_on["steps"] > tr_off["steps"] and "20 shared heads" in tr_on["what"] and "10 routers" in tr_on["what"]
+    ev_on, ev_off = on["stages"]["evaluate"], off["stages"]["evaluate"]
+    # each routed row forwards its merge over every evaluated prompt once to route it
+    cfg = load_config("tiny")
+    prompts = sum(v["n_examples"] * v["prompt_tokens_est"] for v in on["tasks"].values())
+    per_row = sum(v["n_examples"] * (v["prompt_tokens_est"] + v["reference_tokens_est"]) for v in on["tasks"].values())
+    assert ev_on["nll_tokens"] - ev_off["nll_tokens"] == 5 * 2 * 2 * prompts + (
+        0 if cfg.evaluate.one_pass else 5 * 2 * 2 * 2 * per_row)

@@ -130,6 +130,7 @@ def agnostic_pipeline(micro_pipeline):
 @pytest.mark.micro
 def test_micro_router_accuracy_is_on_held_out_prompts_only(agnostic_pipeline):
     from darts_bench.stages.train import calibration_prompt_features
+    from darts_bench.evidence import held_out_count
 
     pipe = agnostic_pipeline
     tr = pipe.train()
@@ -148,7 +149,7 @@ def test_micro_router_accuracy_is_on_held_out_prompts_only(agnostic_pipeline):
             # the same split as the task's heads (their diagnostics record it)
             diag = tr["runs"][(m, t, split, "", seed)]
             assert (diag["train_sequences"], diag["held_out_sequences"]) == (tr_seq, va_seq)
-            assert len(va_seq) == 20  # 40 prompts x held_out_fraction 0.5
+            assert len(va_seq) == held_out_count(n, pipe.cfg.calibration.held_out_fraction) >= 1
             F = calibration_prompt_features(fs)
             X_train[t] = F[tr_seq]
             routed = router.predict(F[va_seq])

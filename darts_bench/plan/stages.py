@@ -472,6 +472,15 @@ def train(x: PlanInputs) -> dict[str, Any]:
     opt_b = max_hp * 8 / (nprocs if ds.enabled and ds.zero_stage >= 1 else 1)
     steps = sum(scfg.epochs * math.ceil(max(c["train_tokens"], 1) / scfg.batch_size)
                 for c in x.splits.values()) * M * n_heads * runs
+    # task-agnostic rows (darts_bench/surgery/routing.py): per (merge, split, variant, seed) one shared head per
+    # method on the union of the tasks' training tokens; a router per (merge, split, seed) (a least-squares-sized
+    # fit on one pooled vector per prompt: no steps counted)
+    shared = "shared" in scfg.task_agnostic
+    n_shared = M * n_splits * len(scfg.methods) * runs if shared else 0
+    shared_steps = sum(scfg.epochs * math.ceil(max(sum(c["train_tokens"] for k, c in x.splits.items()
+                                                       if k.endswith(f"/{sp}")), 1) / scfg.batch_size)
+                       for sp in cal.splits) * M * len(scfg.methods) * runs if shared else 0
+    steps += shared_steps
     if ds.enabled:
         where = (f"DeepSpeed, {ds.num_procs} procs via {ds.launcher}, ZeRO stage {ds.zero_stage}, "
                  f"{'nccl' if cfg.device.startswith('cuda') else 'gloo'}; micro batch "
@@ -483,6 +492,8 @@ def train(x: PlanInputs) -> dict[str, Any]:
                  f"{n_splits} splits x methods {', '.join(scfg.methods)}"
                  + (f" + controls {', '.join(scfg.controls)}" if scfg.controls else "")
                  + (f" x {runs} seeds/sweep variants" if runs > 1 else "")
+                 + (f"; + {n_shared} shared heads on the union of the tasks' calibration sets" if shared else "")
+                 + (f"; + {M * n_splits * len(head_seeds(cfg))} routers" if "routed" in scfg.task_agnostic else "")
                  + f"), rank {scfg.rank}" + (f" (matched Surgery: rank {rank_c})" if rank_c else "")
                  + f", position table {x.max_len} rows, {scfg.epochs} epochs of "
                  f"{scfg.batch_size}-token batches ({steps} steps in all)"),
@@ -491,7 +502,9 @@ def train(x: PlanInputs) -> dict[str, Any]:
         "params_overhead": {m: p / x.params for m, p in hp.items()} if x.params else {},
         "optimizer_state_bytes_per_proc": opt_b,
         "head_train_tokens": steps * scfg.batch_size,
-        "disk_bytes": (M * n_tasks * n_splits * sum(hp.values()) * 4 * runs) if d else None,
+        "disk_bytes": ((M * n_tasks * n_splits * sum(hp.values()) * 4 * runs)
+                       + n_shared // max(len(scfg.methods), 1) * sum(hp.get(m, 0) for m in scfg.methods) * 4) if d else None,
+        "shared_heads": n_shared,
         "memory_bytes": None,
         "steps": steps,
         "process_baseline_bytes": PROCESS_BASELINE["train"]}
@@ -580,6 +593,9 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     native = layout is not None
     groups = Counter(s.merge or s.model for s in x.evaluated)  # rows per model dir
     group_sizes = list(groups.values())
+    # a routed row (darts_bench/evaluate/routed.py) runs one forward of its merge over each prompt to route it, and
+    # generates each routed head's whole chunks: counted as one row (more when prompts of a chunk split across heads)
+    n_routed = sum(s.routing == "routed" for s in x.evaluated)
     n_groups = len(group_sizes)
     merge_rows = max((groups[m.name] for m in cfg.merges if m.name in groups), default=0)  # rows of one merge
     T = len(x.tasks)
@@ -591,6 +607,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         per_row_nll = ti["n_examples"] * (ti["prompt_tokens_est"] + ti["reference_tokens_est"])
         eval_gen += rows * per_row_gen
         eval_nll += (n_groups if nll_once else rows) * per_row_nll  # transformer tokens
+        eval_nll += n_routed * ti["n_examples"] * ti["prompt_tokens_est"]  # a routed row's prompt states
         j = x.needs[t].get("judge")
         if j:
             judge_tokens += rows * (j["prompt_tokens_per_row"] + j["new_tokens_per_row"])
