@@ -509,5 +509,14 @@ def test_plan_counts_task_agnostic_rows_shared_heads_and_routing_forwards():
     cfg = load_config("tiny")
     prompts = sum(v["n_examples"] * v["prompt_tokens_est"] for v in on["tasks"].values())
     per_row = sum(v["n_examples"] * (v["prompt_tokens_est"] + v["reference_tokens_est"]) for v in on["tasks"].values())
-    assert ev_on["nll_tokens"] - ev_off["nll_tokens"] == 5 * 2 * 2 * prompts + (
-        0 if cfg.evaluate.one_pass else 5 * 2 * 2 * 2 * per_row)
+    assert cfg.evaluate.one_pass  # one pass: the shared rows generate, the routed rows reuse their oracle's chunks
+    assert ev_on["nll_tokens"] - ev_off["nll_tokens"] == 5 * 2 * 2 * prompts
+    per_gen = sum(v["n_examples"] * v["n_samples"] * (v["prompt_tokens_est"] + v["max_new_tokens"])
+                  for v in on["tasks"].values())
+    assert ev_on["generation_tokens"] - ev_off["generation_tokens"] == 5 * 2 * 2 * per_gen
+    rbr = make_plan(load_config("tiny", ["surgery.task_agnostic=[routed,shared]", "evaluate.one_pass=false"]))
+    rbr_off = make_plan(load_config("tiny", ["surgery.task_agnostic=[]", "evaluate.one_pass=false"]))
+    assert rbr["stages"]["evaluate"]["generation_tokens"] - rbr_off["stages"]["evaluate"]["generation_tokens"] \
+        == 2 * 5 * 2 * 2 * per_gen
+    assert rbr["stages"]["evaluate"]["nll_tokens"] - rbr_off["stages"]["evaluate"]["nll_tokens"] \
+        == 5 * 2 * 2 * prompts + 2 * 5 * 2 * 2 * per_row

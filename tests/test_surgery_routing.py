@@ -2,7 +2,8 @@
 routers against scikit-learn and by hand, the chunk rule, row names and keys; on the micro pool the
 router's held-out accuracy (held-out prompts disjoint from its training prompts, recomputed), routed
 outputs equal the single-head rows' (bitwise, HF), one-pass == row by row for routed and shared
-rows, and the shared head's training set is the union of the tasks' (counts)."""
+rows, the shared head's training set is the union of the tasks' (counts), and the routed row's
+behaviour signals use the routed head per held-out sequence."""
 
 from __future__ import annotations
 
@@ -261,3 +262,30 @@ def test_micro_one_pass_equals_row_by_row_for_task_agnostic_rows(agnostic_pipeli
                 assert same == orc.metrics
             sh = out[True][f"ties+{method}@shared"][t]
             assert sh.metrics[f"{t}_ref_nll"] != orc.metrics[f"{t}_ref_nll"]  # another head
+
+
+@pytest.mark.micro
+def test_micro_routed_behaviour_uses_the_routed_head_per_sequence(agnostic_pipeline):
+    """The routed row's held-out diagnostics: sequences routed to the task itself carry the oracle
+    head's per-sequence sums; the others another head's (they differ); the shared row's come from one
+    head for every task."""
+    pipe = agnostic_pipeline
+    tr = pipe.train()
+    n_same = n_other = 0
+    for (m, t, split, tag, seed), d in tr["agnostic_runs"].items():
+        own = tr["runs"][(m, t, split, tag, seed)]["per_sequence"]["all"]
+        info = json.loads((tr["routers"][(m, split, seed)] / "routing.json").read_text())["tasks"][t]
+        routed = dict(zip(info["held_out_sequences"], info["held_out_routed"]))
+        got = d["routed"]["per_sequence"]["all"]
+        assert got["sequence"] == own["sequence"] == sorted(routed)
+        for method in pipe.cfg.surgery.methods:
+            for i, s in enumerate(got["sequence"]):
+                a, b = got[method]["kl_sum"][i], own[method]["kl_sum"][i]
+                if routed[s] == t:
+                    assert a == pytest.approx(b, rel=1e-5), (m, t, split, s)
+                    n_same += 1
+                else:
+                    assert a != pytest.approx(b, rel=1e-5), (m, t, split, s)
+                    n_other += 1
+        assert d["shared"]["none"]["kl_expert"] == tr["runs"][(m, t, split, tag, seed)]["none"]["kl_expert"]
+    assert n_same and n_other

@@ -594,7 +594,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     groups = Counter(s.merge or s.model for s in x.evaluated)  # rows per model dir
     group_sizes = list(groups.values())
     # a routed row (darts_bench/evaluate/routed.py) runs one forward of its merge over each prompt to route it, and
-    # generates each routed head's whole chunks: counted as one row (more when prompts of a chunk split across heads)
+    # generates each routed head's whole chunks: one row row by row (more when a chunk's prompts split across heads)
     n_routed = sum(s.routing == "routed" for s in x.evaluated)
     n_groups = len(group_sizes)
     merge_rows = max((groups[m.name] for m in cfg.merges if m.name in groups), default=0)  # rows of one merge
@@ -605,7 +605,9 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     for t, ti in x.tasks.items():
         per_row_gen = ti["n_examples"] * ti["n_samples"] * (ti["prompt_tokens_est"] + ti["max_new_tokens"])
         per_row_nll = ti["n_examples"] * (ti["prompt_tokens_est"] + ti["reference_tokens_est"])
-        eval_gen += rows * per_row_gen
+        # one pass on in-process HF: a routed row's chunks are its oracle rows' chunks (generated once) while its
+        # prompts route to their own task's head; counted as free (misrouted chunks cost one row's share each)
+        eval_gen += (rows - (n_routed if layout == "hf" else 0)) * per_row_gen
         eval_nll += (n_groups if nll_once else rows) * per_row_nll  # transformer tokens
         eval_nll += n_routed * ti["n_examples"] * ti["prompt_tokens_est"]  # a routed row's prompt states
         j = x.needs[t].get("judge")

@@ -22,7 +22,7 @@ class RunRecord:
         pool: the pool (``key``, ``report``); merges: merge name -> merged checkpoint dir (empty when
             the merge stage was skipped).
         train: the train stage's ``{"heads", "diagnostics", "runs", "run_heads"}`` (empty dicts when
-            skipped).
+            skipped), with ``surgery.task_agnostic`` also ``"routers"`` and ``"agnostic_runs"``.
         rows: the evaluated rows, in table order.
         results: row name -> task -> :class:`~darts_bench.api.TaskResult`.
         timings: stage name -> exclusive wall time (s).

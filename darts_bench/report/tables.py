@@ -166,13 +166,16 @@ def build_rows(record: RunRecord) -> list[dict[str, Any]]:
                 # routing accuracy on the held-out calibration prompts (the benchmark's: the evaluate stage's)
                 held = json.loads((row.router / "routing.json").read_text())["tasks"].get(tname)
                 rec[f"{tname}_routing_acc_heldout"] = held["held_out_acc"] if held else None
-            # behaviour signals come from the oracle heads' diagnostics: not a task-agnostic row's
-            if row.merge and not row.routing and (row.merge, tname, row.calibration or splits[0]) in diags:
-                split = row.calibration or splits[0]
+            d = None
+            if row.routing:  # a task-agnostic row: its own diagnostics (head per sequence, or the shared head)
+                d = train.get("agnostic_runs", {}).get((row.merge, tname, row.calibration, row.variant, row.seed),
+                                                       {}).get(row.routing)
+            elif row.merge and (row.merge, tname, row.calibration or splits[0]) in diags:
                 # a corrected row reads the diagnostics of its own sweep variant and head seed
-                d = train.get("runs", {}).get((row.merge, tname, split, row.variant, row.seed),
-                                              diags[(row.merge, tname, split)])
-                dd = d["none"] if row.correction == "none" else d[row.correction]
+                d = train.get("runs", {}).get((row.merge, tname, row.calibration or splits[0], row.variant, row.seed),
+                                              diags[(row.merge, tname, row.calibration or splits[0])])
+            if d is not None:
+                dd = d["none"] if row.correction == "none" else d[row.method]
                 rec[f"{tname}_rep_l1"] = dd["rep_l1"]
                 rec[f"{tname}_rep_l1_ew"] = dd["rep_l1_ew"]
                 rec[f"{tname}_kl_expert"] = dd["kl_expert"]
@@ -183,16 +186,16 @@ def build_rows(record: RunRecord) -> list[dict[str, Any]]:
                 rec[f"{tname}_gap_closed"] = dd.get("gap_closed")
                 rec[f"{tname}_gap_closed_ref"] = dd["reference"].get("gap_closed")
                 # sequence-bootstrap 95% CIs on the held-out tokens (heads trained before them: none)
-                iv = d.get("intervals", {}).get(row.correction if row.correction != "none" else "none", {})
+                iv = d.get("intervals", {}).get(row.method, {})
                 for sig in ("kl_expert", "agree_top1", "gap_closed"):
                     if sig in iv:
                         rec[f"{tname}_{sig}_lo"], rec[f"{tname}_{sig}_hi"] = iv[sig]["ci_low"], iv[sig]["ci_high"]
                 # the same on the reference answers (heads trained before this change have none)
-                iv = d.get("intervals_reference", {}).get(row.correction if row.correction != "none" else "none", {})
+                iv = d.get("intervals_reference", {}).get(row.method, {})
                 for sig in ("kl_expert", "agree_top1", "gap_closed"):
                     if sig in iv:
                         rec[f"{tname}_{sig}_ref_lo"], rec[f"{tname}_{sig}_ref_hi"] = iv[sig]["ci_low"], iv[sig]["ci_high"]
-                _put_position_sets(rec, tname, d, dd, row.correction)
+                _put_position_sets(rec, tname, d, dd, row.method)
                 sl = dd["slope"]
                 rec[f"{tname}_pos_slope"] = sl["slope"]
                 rec[f"{tname}_pos_slope_lo"], rec[f"{tname}_pos_slope_hi"] = sl["ci_low"], sl["ci_high"]

@@ -124,7 +124,9 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
         ``"run_heads": {(merge, task, method, split, variant, seed): dir}`` of every variant and seed.
         With ``surgery.task_agnostic``: ``"routers": {(merge, split, seed): dir}`` (:func:`train_routers`)
         and the shared heads in ``run_heads`` under task :data:`darts_bench.rows.SHARED_TASK`
-        (:func:`train_shared`; the methods' variants, not the controls).
+        (:func:`train_shared`; the methods' variants, not the controls), and ``"agnostic_runs":
+        {(merge, task, split, variant, seed): {"routed"?, "shared"?: diagnostics}}``
+        (:func:`agnostic_diagnostics`).
     """
     feats = collected["features"]
     heads: dict[tuple[str, str, str, str], Path] = {}
@@ -166,6 +168,8 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
             out["routers"] = train_routers(cfg, feats, seeds, work_dir)
         if "shared" in agnostic:
             run_heads.update(train_shared(cfg, feats, merges, pool, tasks, method_variants, seeds, work_dir))
+        out["agnostic_runs"] = agnostic_diagnostics(cfg, feats, merges, pool, tasks, method_variants, seeds,
+                                                    out.get("routers", {}), run_heads, work_dir)
     return out
 
 
@@ -250,6 +254,88 @@ def train_routers(cfg, feats: dict, seeds: list[int], work_dir: Path) -> dict[tu
             cached(final, build, what=f"fit router {m}/{split}{seed_tag(cfg, seed)}",
                    meta={"kind": "router", "merge": m, "split": split, "seed": seed})
             out[(m, split, seed)] = final
+    return out
+
+
+#: what an agnostic diagnostics artifact holds (in its key)
+AGNOSTIC_DIAGNOSTICS_VERSION = 1
+
+
+def agnostic_diagnostics(cfg, feats: dict, merges: dict[str, Path], pool, tasks: dict,
+                         variants: list[tuple[str, Any]], seeds: list[int], routers: dict, run_heads: dict,
+                         work_dir: Path) -> dict[tuple, dict]:
+    """The behaviour diagnostics of the task-agnostic rows, per (merge, task, split, variant, seed):
+    :func:`diagnose_rows` on the task's held-out calibration tokens and reference answers (the oracle
+    heads' token sets) with, per method, the ``@routed`` row's head chosen per sequence (the router's
+    decision on that sequence's prompt: the held-out prompts' from ``routing.json``, the reference
+    prompts' from their merged features; :func:`darts_bench.surgery.routing.sequence_routed_head`) and
+    the ``@shared`` row's head. Artifact ``heads/<merge>-<task>-<split>-agnostic-<key>/diagnostics.json``:
+    ``{"routed": {...}, "shared": {...}}``, each shaped as a task's ``diagnostics.json`` (rows ``none``
+    and each method).
+
+    Returns:
+        ``{(merge, task, split, variant, seed): {"routed"?: diagnostics, "shared"?: diagnostics}}``.
+    """
+    from darts_bench.rows import SHARED_TASK
+    from darts_bench.surgery.heads import load_head
+    from darts_bench.surgery.routing import Router, sequence_routed_head
+    from darts_bench.surgery.train import TokenData
+
+    kinds = [k for k in ("routed", "shared") if k in cfg.surgery.task_agnostic]
+    out: dict[tuple, dict] = {}
+    for (m, name, split), fs in feats.items():
+        if split == "reference":
+            continue
+        ref_fs = feats[(m, name, "reference")]
+        for (tag, scfg), seed in itertools.product(variants, seeds):
+            parts = {"oracle": head_key(cfg, fs.key, ref_fs.key, scfg, seed), "version": AGNOSTIC_DIAGNOSTICS_VERSION}
+            if "routed" in kinds:
+                classes = json.loads((routers[(m, split, seed)] / "routing.json").read_text())["classes"]
+                parts["router"] = routers[(m, split, seed)].name
+                parts["heads"] = {t: str(run_heads[(m, t, meth, split, tag, seed)]) for t in classes
+                                  for meth in scfg.methods}
+            if "shared" in kinds:
+                parts["shared"] = str(run_heads[(m, SHARED_TASK, scfg.methods[0], split, tag, seed)].parent)
+            final = work_dir / "heads" / f"{m}-{name}-{split}-agnostic-{stable_hash(parts)}"
+
+            def build(tmp: Path, m=m, name=name, split=split, fs=fs, ref_fs=ref_fs, scfg=scfg, seed=seed) -> None:
+                x = diagnosis_inputs(cfg, fs, merges[m], pool.path(tasks[name][0].expert), ref_fs, name, split, scfg,
+                                     seed)
+                res = {}
+                for kind in kinds:
+                    ref_stream = x["ref_stream"]
+                    if kind == "routed":
+                        rdir = routers[(m, split, seed)]
+                        router = Router.load(rdir / "router.json")
+                        held = json.loads((rdir / "routing.json").read_text())["tasks"][name]
+                        seq_task = dict(zip(held["held_out_sequences"], held["held_out_routed"]))
+                        # reference sequences are looked up past the calibration set's indices
+                        off = len(fs.calib.meta["sequences"])
+                        ref_routed = router.predict(calibration_prompt_features(ref_fs))
+                        seq_task.update({off + i: t for i, t in enumerate(ref_routed)})
+                        base_stream = x["ref_stream"]
+
+                        def ref_stream(base_stream=base_stream, off=off):
+                            for b in base_stream():
+                                yield TokenData(b.h_merged, b.h_expert, b.positions, b.seq_index + off, b.weight_source)
+
+                        heads = {meth: sequence_routed_head(
+                            {t: load_head(run_heads[(m, t, meth, split, tag, seed)]) for t in router.classes}, seq_task)
+                            for meth in scfg.methods}
+                    else:
+                        heads = {meth: load_head(run_heads[(m, SHARED_TASK, meth, split, tag, seed)])
+                                 for meth in scfg.methods}
+                    d = diagnose_rows({"none": None, **heads}, x["val"], fs.calib.meta, x["template"], ref_stream,
+                                      x["ref_groups"], x["n_ref_excluded"], x["mean_h"], scfg.w_max, x["W_e"],
+                                      x["W_m"], x["seed"], device=cfg.device)
+                    d.update({"n_heldout": len(x["va_seq"]), "held_out_sequences": x["va_seq"]})
+                    res[kind] = d
+                (tmp / "diagnostics.json").write_text(json.dumps(res))
+
+            cached(final, build, what=f"diagnose task-agnostic rows {m}/{name}/{split}{tag}{seed_tag(cfg, seed)}",
+                   meta={"kind": "agnostic-diagnostics", "merge": m, "task": name, "split": split, "variant": tag,
+                         "seed": seed})
+            out[(m, name, split, tag, seed)] = json.loads((final / "diagnostics.json").read_text())
     return out
 
 
@@ -427,6 +513,34 @@ def diagnose_rows(heads: dict[str, Any], val, meta: dict, template: dict[int, in
     return out
 
 
+def diagnosis_inputs(cfg, fs: FeatureSet, merge_dir: Path, expert_dir: Path, ref_fs: FeatureSet, name: str,
+                     split: str, scfg, run_seed: int) -> dict[str, Any]:
+    """What training and :func:`diagnose_rows` read for one (merge, task, split, head seed): the
+    lm_heads ``W_e`` / ``W_m`` ``[V, d]``, the split's ``seed`` and ``tr_seq`` / ``va_seq`` sequence
+    indices, the ``train`` / ``val`` token views, ``mean_h`` (nats, over the train tokens), the shared
+    ``template``, the reference-answer ``ref_stream`` / ``ref_groups`` / ``n_ref_excluded``."""
+    from darts_bench.surgery.data import load_split, reference_answer_batches, reference_answer_groups, shared_template
+
+    W_e, W_m = lm_head_weight(expert_dir), lm_head_weight(merge_dir)
+    W_e = W_e[: W_m.shape[0]]  # pool.vocab_alignment=base: the expert's appended tokens are dropped
+    calib = fs.calib  # the calibration set the merged features were collected on
+    n_seq = len(calib.meta["sequences"])
+    seed = derive_seed(run_seed, "split", name, split)
+    tr_seq, va_seq = split_by_sequence(n_seq, cfg.calibration.held_out_fraction, seed)
+    # one [N, d] buffer per model in the stored dtype; train / val are index views of it
+    train_, val = load_split(calib.expert_shards(), fs.merged_shards(), tr_seq, scfg.entropy_source, W_e, W_m)
+    template = shared_template(calib.meta)  # once per calibration set; every mask is over it
+    # reference-answer tokens (the answer part of prompt + reference, template tokens left out): streamed
+    ref_exp = ref_fs.calib.expert_shards()
+    ref_stream = reference_answer_batches(ref_exp, ref_fs.merged_shards(), ref_fs.calib.meta, scfg.entropy_source,
+                                          W_e, W_m, template=template)
+    ref_groups = reference_answer_groups(ref_exp, ref_fs.calib.meta, template).numpy()
+    n_ref_excluded = len(reference_answer_groups(ref_exp, ref_fs.calib.meta)) - len(ref_groups)
+    return {"W_e": W_e, "W_m": W_m, "seed": seed, "tr_seq": tr_seq, "va_seq": va_seq, "train": train_, "val": val,
+            "mean_h": float(train_.weight_source.mean()), "template": template, "ref_stream": ref_stream,
+            "ref_groups": ref_groups, "n_ref_excluded": n_ref_excluded}
+
+
 def train_and_diagnose(cfg, out: Path, fs: FeatureSet, merge_dir: Path, expert_dir: Path,
                        ref_fs: FeatureSet, m: str, name: str, split: str, scfg, run_seed: int, work_dir: Path,
                        release_executor: Callable[[], None] = lambda: None) -> None:
@@ -450,24 +564,10 @@ def train_and_diagnose(cfg, out: Path, fs: FeatureSet, merge_dir: Path, expert_d
     Raises:
         RuntimeError: the reference-answer features and the diagnostics stream disagree in length.
     """
-    from darts_bench.surgery.data import load_split, reference_answer_batches, reference_answer_groups, shared_template
-
-    W_e, W_m = lm_head_weight(expert_dir), lm_head_weight(merge_dir)
-    W_e = W_e[: W_m.shape[0]]  # pool.vocab_alignment=base: the expert's appended tokens are dropped
-    calib = fs.calib  # the calibration set the merged features were collected on
-    n_seq = len(calib.meta["sequences"])
-    seed = derive_seed(run_seed, "split", name, split)
-    tr_seq, va_seq = split_by_sequence(n_seq, cfg.calibration.held_out_fraction, seed)
-    # one [N, d] buffer per model in the stored dtype; train / val are index views of it
-    train_, val = load_split(calib.expert_shards(), fs.merged_shards(), tr_seq, scfg.entropy_source, W_e, W_m)
-    mean_h = float(train_.weight_source.mean())
-    template = shared_template(calib.meta)  # once per calibration set; every mask is over it
-    # reference-answer tokens (the answer part of prompt + reference, template tokens left out): streamed
-    ref_exp = ref_fs.calib.expert_shards()
-    ref_stream = reference_answer_batches(ref_exp, ref_fs.merged_shards(), ref_fs.calib.meta, scfg.entropy_source,
-                                          W_e, W_m, template=template)
-    ref_groups = reference_answer_groups(ref_exp, ref_fs.calib.meta, template).numpy()
-    n_ref_excluded = len(reference_answer_groups(ref_exp, ref_fs.calib.meta)) - len(ref_groups)
+    x = diagnosis_inputs(cfg, fs, merge_dir, expert_dir, ref_fs, name, split, scfg, run_seed)
+    W_e, W_m, calib, seed = x["W_e"], x["W_m"], fs.calib, x["seed"]
+    tr_seq, va_seq, train_, val, mean_h = x["tr_seq"], x["va_seq"], x["train"], x["val"], x["mean_h"]
+    template, ref_stream, ref_groups, n_ref_excluded = x["template"], x["ref_stream"], x["ref_groups"], x["n_ref_excluded"]
 
     trained = {}
     for method in scfg.methods:

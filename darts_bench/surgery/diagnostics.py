@@ -153,9 +153,15 @@ class Diagnostics:
                 hm = b.h_merged[s:s + self.batch_tokens].to(self.device, torch.float32)
                 he = b.h_expert[s:s + self.batch_tokens].to(self.device, torch.float32)
                 pos = b.positions[s:s + self.batch_tokens]
+                seq = b.seq_index[s:s + self.batch_tokens]
                 le = he @ self.W_e.T
                 for head, acc in zip(heads, per):
-                    out = hm if head is None else head(hm, pos.to(self.device))
+                    if head is None:
+                        out = hm
+                    elif getattr(head, "per_sequence", False):  # a head chosen per sequence (SequenceRoutedHead)
+                        out = head(hm, pos.to(self.device), seq)
+                    else:
+                        out = head(hm, pos.to(self.device))
                     acc["l1"].append(token_l1(out, he).cpu())
                     kl, ag = agreement(le, out.float() @ self.W_m.T)
                     acc["kl"].append(kl.cpu())

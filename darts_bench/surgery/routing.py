@@ -183,4 +183,42 @@ def pick(choices: Sequence[str], plan: dict[str, list[int]], outputs: dict[str, 
     return [outputs[t][where[t][j]] for j, t in enumerate(choices)]
 
 
-__all__ = ["ROUTER_VERSION", "Router", "chunk_plan", "fit_router", "pick", "prompt_features", "routing_accuracy"]
+def sequence_routed_head(heads: dict, seq_task: dict[int, str]):
+    """A head chosen per sequence, for the diagnostics of a ``@routed`` row on calibration or
+    reference tokens (:class:`darts_bench.surgery.diagnostics.Diagnostics` calls it with each token's
+    sequence index).
+
+    Args:
+        heads: task -> :class:`~darts_bench.surgery.heads.CorrectionHead`.
+        seq_task: sequence index -> the task its prompt is routed to.
+    Returns:
+        an ``nn.Module`` with ``per_sequence = True`` whose ``forward(h [n, d], positions [n],
+        seq_index [n])`` applies to each token the head of its sequence's routed task.
+    Raises:
+        KeyError (at call time): a token of a sequence without a routing decision.
+    """
+    import torch
+    from torch import nn
+
+    classes = list(heads)
+
+    class SequenceRoutedHead(nn.Module):
+        per_sequence = True
+
+        def __init__(self):
+            super().__init__()
+            self.heads = nn.ModuleList([heads[t] for t in classes])
+            self.seq_task = {int(k): classes.index(v) for k, v in seq_task.items()}
+
+        def forward(self, h, positions, seq_index):
+            which = torch.tensor([self.seq_task[int(i)] for i in seq_index.tolist()], device=h.device)
+            out = h.clone()
+            for k in which.unique().tolist():
+                idx = (which == k).nonzero()[:, 0]
+                out[idx] = self.heads[k](h[idx], positions[idx])
+            return out
+
+    return SequenceRoutedHead()
+
+
+__all__ = ["ROUTER_VERSION", "Router", "sequence_routed_head", "chunk_plan", "fit_router", "pick", "prompt_features", "routing_accuracy"]
