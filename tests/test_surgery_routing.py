@@ -111,6 +111,9 @@ def test_task_agnostic_leaves_head_keys_and_cannot_be_swept():
         Config.model_validate({"sweep": {"surgery": {"task_agnostic": [["routed"]]}}})
     with pytest.raises(ValueError, match="repeated"):
         Config.model_validate({"surgery": {"task_agnostic": ["routed", "routed"]}})
+    with pytest.raises(ValueError, match="routed rows need evaluate.backend: hf and executor: local"):
+        Config.model_validate({"surgery": {"task_agnostic": ["routed"]}, "executor": "ray"})
+    Config.model_validate({"surgery": {"task_agnostic": ["shared"]}, "executor": "ray"})  # shared rows run anywhere
 
 
 # ------------------------------------------------------------------------------------------ micro
