@@ -45,8 +45,9 @@ def test_tiny_plan_is_fast_and_printed(capsys):
         assert f"\n{stage} " in out and f"[{stage}]" in out
     assert plan["model"]["source"] == "pool.tiny"
     assert plan["model"]["weights_bytes"] == plan["model"]["params"] * 4
-    # base, 3 experts, 5 merges, and per merge x 2 splits: surgery, darts, surgery[rank=matched]
-    assert plan["rows"] == 1 + 3 + 5 + 5 * 2 * 3
+    # base, 3 experts, 5 merges, and per merge x 2 splits: surgery, darts, surgery[rank=matched], and
+    # surgery and darts @routed and @shared
+    assert plan["rows"] == 1 + 3 + 5 + 5 * 2 * (3 + 4)
     assert {t: v["n_examples"] for t, v in plan["tasks"].items()} == {t: getattr(cfg.tasks, t).limit for t in ("humaneval", "gsm8k", "alpacaeval")}
     assert plan["totals"]["forward_tokens"] > 0 and plan["stages"]["pool"]["train_tokens"] > 0
     assert "local" in plan["stages"]["train"]["where"]
@@ -198,14 +199,14 @@ def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
     alive beside it; the start-up (25-120 s on CPU) is in the time."""
     from darts_bench.plan.resources import VLLM_START_S
 
-    cfg = load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32"])
+    cfg = load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32", "surgery.task_agnostic=[]"])
     plan = print_plan(cfg)
     out = capsys.readouterr().out
     e = plan["stages"]["evaluate"]
     # base, code, math, 5 merges (3 mergekit + adamerging + regmean; their corrected rows share the
     # engine) + the judge's, which also serves the expert:instruction row: 9 (76 when the judge swapped
     # in and out for every row); rows: base, 3 experts, 5 merges x (1 + 2 splits x (surgery, darts,
-    # surgery[rank=matched]))
+    # surgery[rank=matched])) (no task-agnostic rows)
     assert plan["rows"] == 4 + 5 * 7 and e["engine_starts"] == e["model_loads"] == 9
     from darts_bench.plan.resources import engine_starts
     from darts_bench.rows import row_specs
@@ -215,7 +216,7 @@ def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
     assert e["load_seconds"] == 9 * (VLLM_START_S["cpu"]["eager"] + 538_060_032 / 1e9)
     # one engine in the driver: the starts add to the wall time; generation at 1/3 of HF's CPU time
     assert e["wall_seconds"] == pytest.approx(e["seconds"]) and e["wall_seconds"] > e["load_seconds"]
-    hf = make_plan(load_config("smollm2-135m"))["stages"]["evaluate"]
+    hf = make_plan(load_config("smollm2-135m", ["surgery.task_agnostic=[]"]))["stages"]["evaluate"]
     assert e["seconds"] - e["load_seconds"] < hf["seconds"] - hf["load_seconds"]
     assert "vLLM engine (float32): weights 538.1 MB + KV cache 2 GiB" in out
     assert "9 engine starts in evaluate, 25-120 s per engine measured on CPU" in out
@@ -420,8 +421,9 @@ def test_evaluate_counts_engine_passes_per_model_dir_with_one_pass():
     """``evaluate.one_pass`` on the in-process HF backend: one engine pass per (model dir, task),
     the reference NLL's transformer tokens once per model dir; row by row, Ray or vLLM (the generic
     per-slot loop): one pass per (row, task)."""
-    one = make_plan(load_config("smollm2-135m"))
-    rbr = make_plan(load_config("smollm2-135m", ["evaluate.one_pass=false"]))
+    # without the task-agnostic rows (a routed row's prompt-state forward is counted per row: test below)
+    one = make_plan(load_config("smollm2-135m", ["surgery.task_agnostic=[]"]))
+    rbr = make_plan(load_config("smollm2-135m", ["evaluate.one_pass=false", "surgery.task_agnostic=[]"]))
     e1, e0 = one["stages"]["evaluate"], rbr["stages"]["evaluate"]
     # 39 rows: base, 3 experts, 5 merges, 30 corrected (Surgery, DARTS, matched control x 2 splits per merge)
     assert one["rows"] == 39 and e1["one_pass"] and not e0["one_pass"]

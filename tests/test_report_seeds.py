@@ -167,9 +167,9 @@ def test_plan_counts_seed_and_sweep_heads_and_rows():
 
     one = make_plan(load_config("tiny"))
     grid = make_plan(load_config("tiny", ["seeds=[0, 1, 2]", sweep_override("surgery.w_max=1,2")]))
-    # tiny: base + 3 experts + 5 merges + 5 merges x 2 splits x (2 methods + the matched control) x
-    # (3 seeds x 2 variants)
-    assert (one["rows"], grid["rows"]) == (39, 1 + 3 + 5 + 5 * 2 * 3 * 6)
+    # tiny: base + 3 experts + 5 merges + 5 merges x 2 splits x (2 methods + the matched control + 2 methods
+    # @routed and @shared) x (3 seeds x 2 variants)
+    assert (one["rows"], grid["rows"]) == (79, 1 + 3 + 5 + 5 * 2 * 7 * 6)
     assert one["stages"]["train"]["what"].startswith("90 heads (")
     assert grid["stages"]["train"]["what"].startswith("540 heads (") and "x 6 seeds/sweep variants" in \
         grid["stages"]["train"]["what"]
@@ -187,8 +187,10 @@ def test_default_head_key_is_the_plain_dict_and_variants_resolve_max_len(micro_c
 
     pipe, cfg = micro_pipeline, micro_pipeline.cfg
     assert not cfg.deepspeed.enabled
-    # the surgery section as dumped before surgery.controls existed (controls are not in the key)
-    dump = {k: v for k, v in pipe.surgery_config().model_dump(mode="json").items() if k != "controls"}
+    # the surgery section as dumped before surgery.controls and surgery.task_agnostic / routing existed (they add
+    # rows, not head settings: not in the key)
+    dump = {k: v for k, v in pipe.surgery_config().model_dump(mode="json").items()
+            if k not in ("controls", "task_agnostic", "routing")}
     before = stable_hash({"features": "f", "reference": "r", "surgery": dump,
                           "held_out": cfg.calibration.held_out_fraction, "seed": cfg.seed,
                           "diagnostics": DIAGNOSTICS_VERSION})

@@ -265,8 +265,8 @@ def test_controls_leave_the_methods_head_keys_and_plan_counts_them(tmp_path):
     assert (ctl.methods, ctl.rank, ctl.controls) == (["surgery"], 20 + on.surgery.rank, [])  # 40 / 2 + rank
     assert head_key(on, "f", "r", ctl, 0) != head_key(on, "f", "r", s_on, 0)
 
-    p_off = make_plan(load_config("tiny", ["surgery.controls=[]"]))
-    p_on = make_plan(load_config("tiny"))  # the tiny preset has the control on
+    p_off = make_plan(load_config("tiny", ["surgery.controls=[]", "surgery.task_agnostic=[]"]))
+    p_on = make_plan(load_config("tiny", ["surgery.task_agnostic=[]"]))  # the tiny preset has the control on
     assert (p_off["rows"], p_on["rows"]) == (29, 29 + 5 * 2)  # one matched row per merge and split
     tr = p_on["stages"]["train"]
     assert tr["what"].startswith("90 heads (") and "+ controls param_matched" in tr["what"]

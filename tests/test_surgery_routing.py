@@ -111,9 +111,7 @@ def test_task_agnostic_leaves_head_keys_and_cannot_be_swept():
         Config.model_validate({"sweep": {"surgery": {"task_agnostic": [["routed"]]}}})
     with pytest.raises(ValueError, match="repeated"):
         Config.model_validate({"surgery": {"task_agnostic": ["routed", "routed"]}})
-    with pytest.raises(ValueError, match="routed rows need evaluate.backend: hf and executor: local"):
-        Config.model_validate({"surgery": {"task_agnostic": ["routed"]}, "executor": "ray"})
-    Config.model_validate({"surgery": {"task_agnostic": ["shared"]}, "executor": "ray"})  # shared rows run anywhere
+
 
 
 # ------------------------------------------------------------------------------------------ micro
@@ -206,15 +204,20 @@ def test_micro_routed_outputs_are_the_routed_heads_outputs(agnostic_pipeline):
     feats = pipe.collect()["features"]
     prompts = [p for t in pipe.task_names for p in feats[("ties", t, "transductive")].calib.meta["prompts"][:6]]
     conts = [p[-20:] for p in prompts]  # any continuation: the NLL is read under each head
-    bs = pipe.cfg.tasks.batch_size
     with open_models(pipe.cfg, pipe.executor) as models:
-        tm = row_model(routed, "gsm8k", models, bs)
+        tm = row_model(routed, "gsm8k", models, pipe.cfg)
         try:
             outs = tm.generate(prompts, max_new_tokens=8)
             scores = tm.score(prompts, conts)
             choices = tm.routing.route(prompts)
         finally:
             tm.close()
+        # a backend model without prompt states (Ray proxy, vLLM): a local plain copy gives the same states
+        from darts_bench.evaluate.routed import prompt_state_source
+
+        plain = models.get("ties", routed.model_dir, None)
+        assert (prompt_state_source(object(), routed.model_dir, pipe.cfg)(prompts) == plain.prompt_states(prompts)).all()
+        plain.close()
         single, single_sc = {}, {}
         for t, hd in routed.heads.items():
             m = models.get(f"ties+darts/{t}", routed.model_dir, hd)

@@ -18,6 +18,7 @@ Teacher-forced calls (``score``: reference NLL) route each pair by its context.
 from __future__ import annotations
 
 from collections import Counter
+from functools import lru_cache
 from typing import Callable, Sequence
 
 import numpy as np
@@ -66,12 +67,22 @@ class Routing:
                 "counts": {t: int(c.get(t, 0)) for t in self.router.classes}}
 
 
-def check_prompt_states(model, row: str) -> None:
-    """Raises NotImplementedError when ``model`` cannot give prompt states (a routed row needs them)."""
-    if not hasattr(model, "prompt_states"):
-        raise NotImplementedError(f"row {row!r}: routed rows read the merge's prompt states (prompt_states), which "
-                                  f"{type(model).__name__} does not provide; use evaluate.backend: hf with the local "
-                                  "executor")
+@lru_cache(maxsize=1)
+def _local_plain(model_dir: str, device: str, dtype: str, batch_size: int):
+    from darts_bench.evaluate.engines.hf import load_text_model
+
+    return load_text_model(model_dir, "router-states", device=device, dtype=dtype, batch_size=batch_size)
+
+
+def prompt_state_source(model, model_dir, cfg) -> Callable[[list[str]], object]:
+    """Where a routed row reads the plain merge's prompt states: ``model.prompt_states`` when the
+    backend's model has it (the in-process HF backend: its shared weights), else a plain HF copy of
+    ``model_dir`` loaded in this process (``cfg.device``, ``cfg.pool.dtype``, ``cfg.tasks.batch_size``: the
+    in-process model's numerics; the last one kept), so routing is the same on every backend and
+    executor (Ray actors and vLLM engines do not return hidden states)."""
+    if hasattr(model, "prompt_states"):
+        return model.prompt_states
+    return lambda texts: _local_plain(str(model_dir), cfg.device, cfg.pool.dtype, cfg.tasks.batch_size).prompt_states(texts)
 
 
 class RoutedTextModel:
@@ -80,20 +91,22 @@ class RoutedTextModel:
     Args:
         name: the row name.
         router: the row's router (classes: task names).
-        plain: the merge without a head (prompt states, ``format_chat``, tokenizer).
+        plain: the merge without a head (``format_chat``, tokenizer).
         heads: task -> the merge with that task's head (every router class).
         batch_size: the chunk size of the single-head models (``tasks.batch_size``).
+        states: prompts -> the plain merge's prompt states (:func:`prompt_state_source`; default
+            ``plain.prompt_states``).
     Raises:
         ValueError: a router class without a head model.
     """
 
-    def __init__(self, name: str, router: Router, plain, heads: dict[str, object], batch_size: int):
+    def __init__(self, name: str, router: Router, plain, heads: dict[str, object], batch_size: int,
+                 states: Callable[[list[str]], object] | None = None):
         missing = [t for t in router.classes if t not in heads]
         if missing:
             raise ValueError(f"{name}: router classes {missing} have no head (heads: {sorted(heads)})")
-        check_prompt_states(plain, name)
         self.name, self.plain, self.heads, self.batch_size = name, plain, heads, batch_size
-        self.routing = Routing(router, plain.prompt_states)
+        self.routing = Routing(router, states if states is not None else plain.prompt_states)
 
     tokenizer = property(lambda self: getattr(self.plain, "tokenizer", None))
     max_length = property(lambda self: getattr(self.plain, "max_length", None))
@@ -130,4 +143,4 @@ class RoutedTextModel:
                 m.close()
 
 
-__all__ = ["RoutedTextModel", "Routing", "check_prompt_states"]
+__all__ = ["RoutedTextModel", "Routing", "prompt_state_source"]

@@ -139,7 +139,7 @@ def evaluate_one(cfg, row: Row, task: Task, examples: list[Example], by_name: di
                                "another model dir)")
             return [s["output"] for s in results[name][task.name].samples]
 
-        tm = text_model if text_model is not None else row_model(row, task.name, models, cfg.tasks.batch_size)
+        tm = text_model if text_model is not None else row_model(row, task.name, models, cfg)
         try:
             ctx = EvalContext(config=tcfg, data_dir=cfg.resolved_data_dir(),
                               seed=derive_seed(cfg.seed, "eval", task.name), work_dir=tmp / "scratch",
@@ -167,18 +167,19 @@ def evaluate_one(cfg, row: Row, task: Task, examples: list[Example], by_name: di
                       example_ids=d.get("example_ids", []), artifact_dir=str(final))
 
 
-def row_model(row: Row, task: str, models, batch_size: int):
+def row_model(row: Row, task: str, models, cfg):
     """The row's model on ``task`` for the row-by-row path: ``models.get`` of its model dir with the
     task's head, or for a routed row a :class:`~darts_bench.evaluate.routed.RoutedTextModel` over the
-    plain merge and each task's head."""
+    plain merge and each task's head (prompt states: :func:`~darts_bench.evaluate.routed.prompt_state_source`)."""
     if row.routing != "routed":
         return models.get(row.model, row.model_dir, row.heads.get(task))
-    from darts_bench.evaluate.routed import RoutedTextModel
+    from darts_bench.evaluate.routed import RoutedTextModel, prompt_state_source
     from darts_bench.surgery.routing import Router
 
     plain = models.get(row.merge, row.model_dir, None)
     heads = {t: models.get(f"{row.model}/{t}", row.model_dir, hd) for t, hd in row.heads.items()}
-    return RoutedTextModel(row.model, Router.load(row.router / "router.json"), plain, heads, batch_size)
+    return RoutedTextModel(row.model, Router.load(row.router / "router.json"), plain, heads, cfg.tasks.batch_size,
+                           states=prompt_state_source(plain, row.model_dir, cfg))
 
 
 # --------------------------------------------------------------------------- one pass
@@ -229,7 +230,7 @@ def evaluate_group(cfg, group: list[Row], task: Task, examples: list[Example], b
                 from darts_bench.surgery.routing import Router
 
                 view = RoutedRowView(group[i].model, i, gather, Router.load(group[i].router / "router.json"),
-                                     route_slots[i], cfg.tasks.batch_size)
+                                     route_slots[i], cfg, group[i].model_dir)
             else:
                 view = RowView(group[i].model, i, gather)
             out[i] = evaluate_one(cfg, group[i], task, examples, by_name, results, models, work_dir, text_model=view)
@@ -316,23 +317,21 @@ class RoutedRowView(RowView):
     picks (``slots``: task -> slot of the group's multi-head model), in the chunks the row-by-row
     :class:`~darts_bench.evaluate.routed.RoutedTextModel` runs
     (:func:`~darts_bench.surgery.routing.chunk_plan`), so its outputs equal that path's and the chunks
-    it shares with an oracle row are generated once. Routing reads the multi-head model's
-    ``prompt_states`` (the plain merge) during the row's turn."""
+    it shares with an oracle row are generated once. Routing reads the plain merge's prompt states
+    (:func:`~darts_bench.evaluate.routed.prompt_state_source`) during the row's turn."""
 
-    def __init__(self, name: str, slot: int, gather: "_Gather", router, slots: dict[str, int], batch_size: int):
+    def __init__(self, name: str, slot: int, gather: "_Gather", router, slots: dict[str, int], cfg, model_dir):
         super().__init__(name, slot, gather)
-        from darts_bench.evaluate.routed import Routing, check_prompt_states
+        from darts_bench.evaluate.routed import Routing, prompt_state_source
 
         missing = [t for t in router.classes if t not in slots]
         if missing:
             raise ValueError(f"{name}: router classes {missing} have no head (heads: {sorted(slots)})")
 
         def states(texts):
-            m = gather.model()
-            check_prompt_states(m, name)
-            return m.prompt_states(texts)
+            return prompt_state_source(gather.model(), model_dir, cfg)(texts)
 
-        self._slots, self._bs = slots, batch_size
+        self._slots, self._bs = slots, cfg.tasks.batch_size
         self.routing = Routing(router, states)
 
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
