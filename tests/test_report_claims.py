@@ -176,3 +176,41 @@ def test_cell_tests_give_claim_three_verdicts():
     assert kl["verdict"] == "heterogeneous (1 for, 1 against)"   # although 6/0 cells, Holm p = 1/32
     assert kl["evidence"].endswith("per-cell tests: 3 cells: 1 supported, 1 not supported, 0 inconclusive, "
                                    "1 insufficient")
+
+
+def test_claim_seven_heads_on_strong_merges():
+    """Claim 7 pairs each head row of a strong merge (AdaMerging, RegMean) with its plain merge: six
+    AdaMerging merges whose DARTS head answers 8 more of 20 GSM8K problems (McNemar 8 vs 0 per cell,
+    p = 2/2**8) and leaves the reference NLL unchanged (ties) give 6 wins over cells, sign p = 1/32,
+    Holm over the one informative family 1/32: supported; the gain over the merge is 0.4 on the strong
+    merges against 0 on the training-free merge; without a strong merge there is no claim 7."""
+    from darts_bench.report.evidence import claims_from
+
+    merges = {f"a{i}": "adamerging" for i in range(6)} | {"ta": "task_arithmetic"}
+    meta, rows, examples = {}, [], []
+    for m, method in merges.items():
+        for name, corr in ((m, "none"), (f"{m}+darts", "darts")):
+            meta[name] = {"merge": m, "correction": corr, "calibration": "" if corr == "none" else "transductive",
+                          "variant": "", "seed": None if corr == "none" else 0, "group": None}
+            head_gains = corr == "darts" and method == "adamerging"
+            em = [1.0] * 4 + [1.0 if head_gains else 0.0] * 8 + [0.0] * 8
+            rows.append({"model": name, "gsm8k_em_strict": sum(em) / 20, "gsm8k_ref_nll": 2.0})
+            examples += [{"row": name, "task": "gsm8k", "index": i, "example": f"gsm8k/{i}", "outcome": {},
+                          "values": {"em_strict": em[i], "ref_nll": 2.0, "ref_nll_sum": 20.0, "ref_nll_tokens": 10.0}}
+                         for i in range(20)]
+    _, ev, claims = claims_from(rows, meta, {}, ["darts"], ["gsm8k"], examples, [], 0, None, merges)
+    c7 = ev[ev["claim"] == 7]
+    cells = c7[(c7["merge"] != "all") & (c7["metric"] == "primary")]
+    assert sorted(cells["merge"]) == [f"a{i}" for i in range(6)]   # the training-free merge is no cell
+    assert set(cells["verdict"]) == {"supported"} and set(cells["p"]) == {2 / 2 ** 8}
+    line = c7[(c7["merge"] == "all") & (c7["metric"] == "primary")].iloc[0]
+    assert (line["wins"], line["losses"], line["p_sign"], line["p_holm"]) == (6, 0, 1 / 32, 1 / 32)
+    assert "strong merges 0.4 over 6 cells, training-free merges 0 over 1 cells" in line["what"]
+    table = claims.set_index("statement")["verdict"]
+    assert table["the heads still help on top of a strong merge (AdaMerging, RegMean: head row vs the plain "
+                 "merge): primary (transductive darts)"] == "supported"
+    assert table["the heads still help on top of a strong merge (AdaMerging, RegMean: head row vs the plain "
+                 "merge): ref_nll (transductive darts)"] == "insufficient (0 untied pairs < 6)"
+    _, ev_none, _ = claims_from(rows, meta, {}, ["darts"], ["gsm8k"], examples, [], 0, None,
+                                {m: "task_arithmetic" for m in merges})
+    assert ev_none.empty   # no strong merge, no Surgery rows to pair: no claim at all

@@ -24,6 +24,14 @@ Claims:
    the mean gain of each row over the plain merge.
 6. *One shared head keeps the oracle's gain* (``surgery.task_agnostic: [shared]``): the same for the
    ``@shared`` row (one head trained on every task's calibration set).
+7. *The heads still help on top of a strong merge* (beyond the paper, with an ``adamerging`` or
+   ``regmean`` merge, :data:`STRONG_MERGE_METHODS`): per method (and control), the corrected row of a
+   strong merge against that plain merge on each task's headline metric and reference NLL, over
+   (strong merge, task) cells exactly as claim 3 (``supported`` = the head gains significantly over
+   the merge); the evidence gives the mean gain of the head over its merge on the strong merges beside
+   the mean on the training-free (mergekit) merges of the run. The Surgery paper (Yang et al., ICML
+   2024) reports the head's gain shrinking as the merge improves (AdaMerging + Surgery vs task
+   arithmetic + Surgery on ViT-B/32); this line measures it for decoders.
 
 Cell verdicts: ``supported`` / ``not supported`` (the CI, or the McNemar p < 0.05, on one side),
 ``inconclusive (...)`` and ``insufficient (...)``: an interval from fewer than :data:`MIN_SEQUENCES`
@@ -250,7 +258,10 @@ CLAIMS = {1: "representation bias grows with position under the causal mask",
           3: "DARTS beats Surgery on the task metrics and on behaviour",
           4: "lowering the surgery objective (rep L1) also lowers the KL to the expert",
           5: "routing keeps the oracle's gain (routed row vs the oracle row)",
-          6: "one shared head keeps the oracle's gain (shared row vs the oracle row)"}
+          6: "one shared head keeps the oracle's gain (shared row vs the oracle row)",
+          7: "the heads still help on top of a strong merge (AdaMerging, RegMean: head row vs the plain merge)"}
+#: merge methods claim 7 counts as strong (darts_bench/merge/: data merges learned or solved on calibration prompts)
+STRONG_MERGE_METHODS = ("adamerging", "regmean")
 #: claim -> the task-agnostic row kind it compares with the oracle row (darts_bench/rows.py)
 AGNOSTIC_CLAIMS = {5: "routed", 6: "shared"}
 #: the families claims 5 and 6 compare (task metrics: a task-agnostic row has no held-out behaviour signals)
@@ -351,6 +362,110 @@ def agnostic_evidence(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]
     return pd.DataFrame(recs)
 
 
+def _head_gains(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]], column_of: dict[str, str],
+                method_variant: str, split: str, merges: set[str]) -> tuple[float | None, int]:
+    """Mean over the (merge, task) cells of ``merges`` (seeds averaged inside a cell) of the
+    direction-adjusted gain (> 0 better) of the ``method_variant`` head row over its plain merge, and
+    the cell count."""
+    import numpy as np
+
+    from darts_bench.report.seeds import direction
+
+    by = {r["model"]: r for r in rows}
+    plain = {m["merge"]: name for name, m in meta.items() if m.get("merge") and m["correction"] == "none"}
+    cells: dict[tuple, list[float]] = {}
+    for name, m in meta.items():
+        if (m.get("merge") not in merges or m.get("routing") or m["correction"] == "none"
+                or m["calibration"] != split or f"{m['correction']}{m['variant'] or ''}" != method_variant):
+            continue
+        for t, col in column_of.items():
+            a, b = by.get(name, {}).get(col), by.get(plain.get(m["merge"]), {}).get(col)
+            if isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isfinite(a) and math.isfinite(b):
+                cells.setdefault((m["merge"], t), []).append(direction(col, t) * (a - b))
+    if not cells:
+        return None, 0
+    return float(np.mean([np.mean(v) for v in cells.values()])), len(cells)
+
+
+def strong_merge_evidence(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]], task_names: list[str],
+                          examples: list[dict], run_seed: int, merge_methods: dict[str, str] | None,
+                          primary: dict[str, str] | None = None,
+                          min_sequences: int = MIN_SEQUENCES) -> pd.DataFrame:
+    """Evidence rows of claim 7 (empty without a strong merge): per (split, method and variant,
+    family) the sign test over (strong merge, task) cells with Holm over :data:`AGNOSTIC_FAMILIES`
+    (``merge`` = ``all``), and per cell the test of the seed-mean head - plain merge difference, with
+    claim 3's rules and pairing code. The plain merge row is one side of every head of its merge, so
+    the pairing sees it under one alias per head row (``<merge> (plain, vs <head row>)``, its table
+    row and example records copied under that name).
+
+    Args:
+        merge_methods: merge name -> merge method (``merges[*].method`` of the config).
+    """
+    from darts_bench.api import get_task
+    from darts_bench.report.evidence import cell_tests
+    from darts_bench.report.seeds import comparison_table
+
+    strong = {m for m, meth in (merge_methods or {}).items() if meth in STRONG_MERGE_METHODS}
+    if not strong:
+        return pd.DataFrame()
+    plain = {m["merge"]: name for name, m in meta.items() if m.get("merge") and m["correction"] == "none"}
+    by_row = {r["model"]: r for r in rows}
+    pm: dict[str, dict[str, Any]] = {}
+    extra_rows, alias_of = [], {}
+    for name, m in meta.items():
+        p = plain.get(m.get("merge"))
+        if m.get("merge") not in strong or m.get("routing") or m["correction"] == "none" or p not in by_row:
+            continue
+        v = f"{m['correction']}{m['variant'] or ''}"
+        alias = f"{p} (plain, vs {name})"
+        pm[name] = {**m, "correction": "darts", "variant": v}
+        pm[alias] = {**meta[p], "calibration": m["calibration"], "seed": m["seed"], "correction": "surgery",
+                     "variant": v}
+        extra_rows.append({**by_row[p], "model": alias})
+        alias_of[alias] = p
+    if not pm:
+        return pd.DataFrame()
+    plain_examples: dict[str, list[dict]] = {}
+    for e in examples:
+        if e["row"] in alias_of.values():
+            plain_examples.setdefault(e["row"], []).append(e)
+    ex = [e for e in examples if e["row"] in pm] + [
+        {**e, "row": alias} for alias, p in alias_of.items() for e in plain_examples.get(p, [])]
+    all_rows = [r for r in rows if r["model"] in pm] + extra_rows
+    free = {m["merge"] for m in meta.values() if m.get("merge") and m["merge"] not in strong}
+    recs = []
+    comp = comparison_table(all_rows, pm, task_names, primary, families=AGNOSTIC_FAMILIES)
+    for _, c in comp.iterrows():
+        p_holm = None if pd.isna(c["p_holm"]) else float(c["p_holm"])
+        fam = c["metric"]
+        cols = {t: ((primary or {}).get(t) or get_task(t).primary_metrics[0]) if fam == "primary" else f"{t}_{fam}"
+                for t in task_names}
+        g_s, n_s = _head_gains(rows, meta, cols, c["variant"], c["calibration"], strong)
+        g_f, n_f = _head_gains(rows, meta, cols, c["variant"], c["calibration"], free)
+        gains = "" if g_s is None else (f"; mean gain of the head over its merge ({fam}, > 0 better): strong merges "
+                                        f"{g_s:.4g} over {n_s} cells" + ("" if g_f is None else
+                                                                         f", training-free merges {g_f:.4g} over {n_f} cells"))
+        recs.append({"claim": 7, "merge": "all", "task": "all", "split": c["calibration"], "metric": fam,
+                     "variant": c["variant"],
+                     "what": f"{fam} ({c['better']} is better), head - plain strong merge, {c['variant']}: {c['wins']} "
+                             f"wins / {c['ties']} ties / {c['losses']} losses over {c['units']}{gains}",
+                     "estimate": c["median_gain"], "ci_low": None, "ci_high": None, "n_sequences": None,
+                     "p_sign": None if pd.isna(c["p_sign"]) else float(c["p_sign"]), "p_holm": p_holm,
+                     "wins": int(c["wins"]), "losses": int(c["losses"]), "descriptive": None,
+                     "verdict": sign_verdict(int(c["wins"]), int(c["losses"]), p_holm, "Holm p")})
+    for t in cell_tests(ex, [], pm, task_names, run_seed, families=AGNOSTIC_FAMILIES, primary=primary):
+        favours = "> 0" if t["direction"] > 0 else "< 0"
+        what = (f"{t['metric']} head - plain merge ({t['variant']}), mean of {t['n_seeds']} seed(s) ({favours} favours "
+                f"the head), " + (f"{t['test']}: {t['darts_better']} examples head better / {t['surgery_better']} "
+                                  f"merge better" if t["test"].startswith("McNemar")
+                                  else f"{t['test']} over {t['n_units']} {t['unit']}"))
+        recs.append({"claim": 7, "merge": t["merge"], "task": t["task"], "split": t["split"],
+                     "metric": t["metric"], "variant": t["variant"], "what": what, "estimate": t["estimate"],
+                     "ci_low": t["ci_low"], "ci_high": t["ci_high"], "n_sequences": t["n_units"], "p": t.get("p"),
+                     "verdict": cell_test_verdict(t, min_sequences)})
+    return pd.DataFrame(recs)
+
+
 def _fmt_p(p: Any) -> str:
     return "n/a" if p is None or (isinstance(p, float) and math.isnan(p)) else f"{p:.3g}"
 
@@ -374,7 +489,7 @@ def claims_table(evidence: pd.DataFrame) -> pd.DataFrame:
             out.append({"claim": c, "statement": CLAIMS[c], "verdict": rollup(vs, wins, losses, p),
                         "evidence": f"{_counts(vs)}; estimate > 0 in {wins}, < 0 in {losses} informative cells, "
                                     f"sign test p = {_fmt_p(p)}"})
-    for claim in (3, *AGNOSTIC_CLAIMS):
+    for claim in (3, *AGNOSTIC_CLAIMS, 7):
         out += _paired_lines(evidence, claim)
     ev = evidence[evidence["claim"] == 4]
     if len(ev):
@@ -390,7 +505,7 @@ def claims_table(evidence: pd.DataFrame) -> pd.DataFrame:
 
 
 def _paired_lines(evidence: pd.DataFrame, claim: int) -> list[dict[str, Any]]:
-    """The claims-table lines of a paired claim (3, 5, 6): per family, split and variant, the
+    """The claims-table lines of a paired claim (3, 5, 6, 7): per family, split and variant, the
     :func:`rollup` of its per-cell tests and its test over cells."""
     out = []
     c3 = evidence[evidence["claim"] == claim]
@@ -433,7 +548,8 @@ def claims_header(min_sequences: int = MIN_SEQUENCES) -> str:
             "informative cells are significant in both directions the claim is `heterogeneous (k for, m against)`; "
             "otherwise the verdict is the exact two-sided sign test over cells (p < 0.05; claim 3: the p-value "
             "Holm-adjusted across the metric families compared in the same split and variant), never a vote count "
-            "of cells. Claim 4 counts heads.\n\n")
+            "of cells. Claims 5-7 (when their rows exist) pair rows and test them exactly as claim 3: the task-agnostic "
+            "row - its oracle row (5, 6), a strong merge's head row - the plain merge (7). Claim 4 counts heads.\n\n")
 
 
 def claims_markdown(claims: pd.DataFrame, evidence: pd.DataFrame, to_markdown, min_sequences: int = MIN_SEQUENCES) -> str:

@@ -351,22 +351,25 @@ def run_intervals_from_sequences(lines: list[dict], n_boot: int = RUN_N_BOOT) ->
 # --------------------------------------------------------------------- claims and recomputation
 def claims_from(rows: list[dict], meta: dict[str, dict], runs: dict[tuple, dict], methods: list[str],
                 with_heads: list[str], examples: list[dict], sequences: list[dict], run_seed: int,
-                primary: dict[str, str] | None = None):
+                primary: dict[str, str] | None = None, merge_methods: dict[str, str] | None = None):
     """``(comparison, evidence, claims)`` DataFrames of a run: the one computation behind claims.md,
     used by :func:`darts_bench.report.tables.write_report` on the run's records and by
     :func:`recompute` on the files. ``rows``: the per-row table records; ``meta``: row name ->
     {merge, correction, calibration, variant, seed, group}; ``runs``: (merge, task, split, variant,
     seed) -> diagnostics; ``with_heads``: tasks with an expert; ``primary``: task -> its primary
-    metric (``tasks.<task>.primary_metric``; default each task's first headline column)."""
-    from darts_bench.report.claims import agnostic_evidence, claim_evidence, claims_table
+    metric (``tasks.<task>.primary_metric``; default each task's first headline column);
+    ``merge_methods``: merge name -> method (claim 7 reads the strong merges from it)."""
+    from darts_bench.report.claims import agnostic_evidence, claim_evidence, claims_table, strong_merge_evidence
     from darts_bench.report.seeds import comparison_table
 
     comparison = comparison_table(rows, meta, with_heads, primary)
     tests = cell_tests(examples, sequences, meta, with_heads, run_seed, primary=primary)
     evidence = claim_evidence(runs, comparison, methods, tests)
     agnostic = agnostic_evidence(rows, meta, with_heads, examples, run_seed, primary)  # claims 5-6 (routed, shared)
-    if len(agnostic):
-        evidence = pd.concat([evidence, agnostic], ignore_index=True)
+    strong = strong_merge_evidence(rows, meta, with_heads, examples, run_seed, merge_methods, primary)  # claim 7
+    for extra in (agnostic, strong):
+        if len(extra):
+            evidence = pd.concat([evidence, extra], ignore_index=True)
     return comparison, evidence, claims_table(evidence)
 
 
@@ -422,7 +425,8 @@ def load_run(results_dir: Path) -> dict[str, Any]:
             "examples": read_jsonl(d / EXAMPLES_FILE, allow_empty=True),
             "sequences": read_jsonl(d / SEQUENCES_FILE, allow_empty=True),
             "run_seed": int(man["seed"]), "name": man["config"]["name"],
-            "primary": man.get("primary_metrics")}
+            "primary": man.get("primary_metrics"),
+            "merge_methods": {m["name"]: m["method"] for m in man["config"].get("merges", [])}}
 
 
 def _close(a: Any, b: Any, rel: float = 1e-9) -> bool:
@@ -448,7 +452,8 @@ def recompute(results_dir: Path) -> dict[str, Any]:
     d = Path(results_dir)
     run = load_run(d)
     _, evidence, claims = claims_from(run["rows"], run["meta"], run["runs"], run["methods"], run["with_heads"],
-                                      run["examples"], run["sequences"], run["run_seed"], run["primary"])
+                                      run["examples"], run["sequences"], run["run_seed"], run["primary"],
+                                      run["merge_methods"])
     text = f"# darts-bench claims: `{run['name']}`\n\n" + claims_markdown(claims, evidence, to_markdown)
     mismatches = []
     committed = (d / "claims.md").read_text() if (d / "claims.md").is_file() else ""

@@ -404,7 +404,8 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     primary = record.cfg.tasks.primary_metrics(record.task_names)  # tasks.<task>.primary_metric
     comparison, evidence, claims = claims_from(rows, meta, runs or record.train["diagnostics"],
                                                list(record.cfg.surgery.methods), with_heads, examples, sequences,
-                                               record.cfg.seed, primary)
+                                               record.cfg.seed, primary,
+                                               {m.name: m.method for m in record.cfg.merges})
     others = comparison_table(rows, meta, with_heads, primary, families=("other",))  # shown, not tested
     diags = record.train["diagnostics"]
     premise = {f"{m}/{t}/{s}": d["none"]["slope"] for (m, t, s), d in diags.items()}
