@@ -263,10 +263,14 @@ class RowView:
         return self._gather.model().format_chat(user_message)
 
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
-                 num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
-        """See :meth:`darts_bench.api.TextModel.generate`; waits for the gathered call."""
+                 num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0) -> list[list[str]]:
+        """See :meth:`darts_bench.api.TextModel.generate`; waits for the gathered call (``top_p``
+        is passed on only below 1, so a multi-head model without it serves the other calls)."""
         kw = {"max_new_tokens": int(max_new_tokens), "stop": tuple(stop), "num_samples": int(num_samples),
               "temperature": float(temperature), "seed": int(seed)}
+        if top_p != 1.0:
+            kw["top_p"] = float(top_p)
         return self._gather.call(self._slot, "generate", kw, list(prompts))
 
     def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:
