@@ -226,9 +226,12 @@ class HumanEvalTask(Task):
         stop = tuple(cfg.stop) if proto.stop is None else proto.stop
         n = cfg.n_samples
         temperature = 0.0 if n == 1 else cfg.temperature
+        top_p = 1.0 if n == 1 else cfg.top_p
+        # top_p only below 1, so a TextModel without it (a user's) still serves greedy and plain sampling
+        extra = {"top_p": top_p} if top_p < 1 else {}
         raw = model.generate([e.prompt for e in examples], max_new_tokens=cfg.max_new_tokens,
                              stop=list(stop), num_samples=n, temperature=temperature,
-                             seed=ctx.seed)
+                             seed=ctx.seed, **extra)
         if len(raw) != len(examples) or any(len(o) != n for o in raw):
             raise RuntimeError(f"humaneval: model {getattr(model, 'name', model)!r} returned "
                                f"{[len(o) for o in raw][:5]}... completions, expected "
@@ -283,7 +286,8 @@ class HumanEvalTask(Task):
             "source_sha256": _sha256(source),
             "protocol": proto.name, "protocol_version": proto.version, "protocol_source": proto.source,
             "template": proto.template, "example_prompt": examples[0].prompt,
-            "n_samples": n, "temperature": temperature, "k": sorted(set([1] + list(cfg.k))),
+            "n_samples": n, "temperature": temperature, "top_p": top_p, "k": sorted(set([1] + list(cfg.k))),
+            "sampling_departures": cfg.sampling_departures() if hasattr(cfg, "sampling_departures") else {},
             "max_new_tokens": cfg.max_new_tokens, "stop": list(stop),
             "timeout_s": cfg.timeout_s, "memory_mb": cfg.memory_mb, "seed": ctx.seed,
             "status_counts": dict(Counter(r.status for r in flat)),
