@@ -64,8 +64,8 @@ class Completion(str):
     Attributes:
         finish_reason: ``"length"`` when generation hit the token cap (``max_new_tokens``, or the
             engine's context window) without an eos token or a stop sequence, else ``"stop"``.
-        n_tokens: tokens the engine generated (eos excluded), before the text was cut at a stop
-            sequence.
+        n_tokens: the generated token ids behind the text (``generate_ids``' row: eos and trailing
+            padding excluded), counted before the text was cut at a stop sequence.
 
     String operations (slicing, ``strip``, ``+``) return plain ``str``: a completion's finish
     reason describes the generation, not a text derived from it. Pickles (Ray) and JSON-encodes

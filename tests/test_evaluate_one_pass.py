@@ -300,7 +300,7 @@ def test_row_view_attributes_are_the_shared_models_and_a_missing_one_is_named(tm
 def test_micro_one_pass_equals_row_by_row(micro_pipeline, tmp_path):
     """On the micro pool, the rows of merge ``ties`` (plain, Surgery and DARTS on both calibration
     splits) and ``base`` on every task: one-pass and row-by-row give identical completions and
-    task metrics, reference NLLs included (bitwise)."""
+    task metrics, reference NLLs and ``<task>_truncated_rate`` included (bitwise)."""
     from darts_bench.stages.evaluate import evaluate
 
     pipe = micro_pipeline
@@ -316,7 +316,10 @@ def test_micro_one_pass_equals_row_by_row(micro_pipeline, tmp_path):
         for t in tasks:
             a, b = out[False][r.model][t], out[True][r.model][t]
             assert [s.get("output") for s in a.samples] == [s.get("output") for s in b.samples], (r.model, t)
-            assert b.metrics == a.metrics, (r.model, t)  # reference NLLs included, bitwise
+            assert b.metrics == a.metrics, (r.model, t)  # reference NLLs and truncated rates included, bitwise
+            # finish reasons reach every generative task on both paths (one pass == row by row)
+            assert b.metrics[f"{t}_truncated_rate"] is not None and \
+                b.per_example["truncated"] == a.per_example["truncated"], (r.model, t)
             n += 1
     assert n == 6 * len(tasks)
     # the corrected rows really differ from their merge (the heads act in the one-pass path)

@@ -1,7 +1,11 @@
 """A Hugging Face causal LM (optionally with a correction head) behind the :class:`TextModel` API.
 
 Generation is ``model.generate`` batched with left padding and the KV cache; stop sequences are
-handled by transformers' ``stop_strings`` and the text is cut at the first stop sequence.
+handled by transformers' ``stop_strings`` and the text is cut at the first stop sequence. Each
+continuation is a :class:`~darts_bench.api.Completion` (text + finish reason ``stop`` | ``length``:
+:func:`completion_of`). Sampling (temperature, top_p) is greedy decoding over the
+:class:`~darts_bench.evaluate.sampling.SeededSampler` logits processor, one seed per (seed, prompt,
+sample index), so samples do not depend on the batch.
 """
 
 from __future__ import annotations

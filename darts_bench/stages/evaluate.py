@@ -34,7 +34,8 @@ def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str 
     """Cache key of one (row, task) evaluation: the row's model key (``model_key`` overrides it, e.g.
     a corrected row on a task without heads is its merge), task name/version/config, examples, seed,
     judge, and the device and ``tasks.batch_size`` (both change generations: left padding and
-    kernels; sampled generations draw per batch), and the generation engine (empty for ``hf``).
+    kernels; samples are seeded per prompt and sample, not per batch), and the generation engine
+    (empty for ``hf``).
 
     ``evaluate.one_pass`` is not in the key: the one-pass path gives the row-by-row path's greedy
     and sampled completions token for token (each head's prompts in the same ``batch_size`` chunks,
