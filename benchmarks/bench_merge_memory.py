@@ -10,7 +10,10 @@ its own peak RSS (``resource.getrusage(RUSAGE_SELF).ru_maxrss``, plus ``RUSAGE_C
 it start any) and wall time:
   baseline   imports (torch, safetensors, transformers, mergekit, darts_bench.merge) and nothing else
   mergekit   ``darts_bench.merge.mergekit_merge.run_one_merge`` with ``merge_config_dict`` for
-             TIES (density 0.2, weight 1.0, normalize), the pipeline's own merge path
+             TIES (density 0.2, weight 1.0, normalize), the pipeline's own merge path (inputs
+             streamed: each tensor from its own short-lived mapping)
+  mapped     the same with ``stream=False``: mergekit's own loaders, which keep every input file
+             mapped until the process ends (the pipeline's path before streaming); same bytes out
   naive      all 4 checkpoints read into process memory at once (``safetensors.torch.load`` of
              the file bytes; ``load_file`` would mmap lazily), then TIES in torch (top-20%
              magnitude trim per expert and tensor, sign election by summed mass, disjoint mean)
@@ -84,14 +87,14 @@ def naive_ties(work: Path, out: Path) -> None:
     save_file(merged, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def mergekit_ties(work: Path, out: Path) -> None:
+def mergekit_ties(work: Path, out: Path, stream: bool = True) -> None:
     from darts_bench.config import MergeSpec
     from darts_bench.merge.mergekit_merge import merge_config_dict, run_one_merge
     from darts_bench.pool.build import Pool
 
     pool = Pool(base=work / "base", experts={e: work / e for e in EXPERTS}, key="bench")
     spec = MergeSpec(name="ties", method="ties", weight=WEIGHT, density=DENSITY, normalize=True)
-    run_one_merge(merge_config_dict(spec, pool), out, seed=0, base_dir=work / "base")
+    run_one_merge(merge_config_dict(spec, pool), out, seed=0, base_dir=work / "base", stream=stream)
 
 
 class RssSampler:
@@ -143,6 +146,8 @@ def child(mode: str, work: Path, threads: int) -> None:
     t1 = time.perf_counter()
     if mode == "mergekit":
         mergekit_ties(work, work / "out-mergekit")
+    elif mode == "mapped":
+        mergekit_ties(work, work / "out-mapped", stream=False)
     elif mode == "naive":
         naive_ties(work, work / "out-naive")
     elif mode != "baseline":
@@ -206,7 +211,7 @@ def main() -> None:
     print(f"checkpoints: base + {len(EXPERTS)} experts, {n_params / 1e6:.1f}M params each, "
           f"{model_bytes / 2**20:.0f} MiB safetensors each (built in {time.perf_counter() - t0:.0f} s)")
 
-    res: dict[str, list[dict]] = {"baseline": [], "mergekit": [], "naive": []}
+    res: dict[str, list[dict]] = {"baseline": [], "mergekit": [], "mapped": [], "naive": []}
     for r in range(repeats):
         for mode in (list(res) if r % 2 == 0 else list(res)[::-1]):
             res[mode].append(run_child(mode, work, threads))
@@ -228,6 +233,9 @@ def main() -> None:
     print(common.table(["process", "peak MiB", "(peak-base)/model", "(anon-base)/model", "file MiB", "ru_maxrss MiB",
                         "work s"], rows))
 
+    streamed_same = all((work / "out-mapped" / f.name).read_bytes() == f.read_bytes()
+                        for f in (work / "out-mergekit").glob("*.safetensors"))
+    print(f"streamed vs mapped mergekit output: {'byte-identical' if streamed_same else 'DIFFERENT'} safetensors")
     a = load_file(str(next((work / "out-mergekit").glob("*.safetensors"))))
     b = load_file(str(work / "out-naive" / "model.safetensors"))
     common_keys = [k for k in a if k in b]
@@ -243,17 +251,24 @@ def main() -> None:
 
     mka, nva = (pk("mergekit", "peak_anon_b") - base_anon) / M, (pk("naive", "peak_anon_b") - base_anon) / M
     mk, nv = (pk("mergekit", "peak_sum_b") - base_b) / M, (pk("naive", "peak_sum_b") - base_b) / M
+    mpa, mp = (pk("mapped", "peak_anon_b") - base_anon) / M, (pk("mapped", "peak_sum_b") - base_b) / M
     t_ratio = common.med([x["work_s"] for x in res["mergekit"]]) / common.med([x["work_s"] for x in res["naive"]])
+    t_stream = common.med([x["work_s"] for x in res["mergekit"]]) / common.med([x["work_s"] for x in res["mapped"]])
+    print(f"streamed vs mapped mergekit: {mp / mk:.1f}x less total memory ({mp:.2f}x -> {mk:.2f}x a model), "
+          f"time ratio streamed/mapped {t_stream:.2f}")
     print(f"import baseline: {base_b / 2**20:,.0f} MiB RSS after the imports ({base_anon / 2**20:,.0f} MiB anonymous), "
           f"{pk('baseline', 'peak_b') / 2**20:,.0f} MiB ru_maxrss (a transient during the imports)")
     print(f"mergekit vs naive: {nv / mk:.1f}x less total and {nva / mka:.1f}x less anonymous memory with mergekit "
           f"(mergekit reads inputs through mmap: its file-backed pages are reclaimable)")
     common.summary(
         "merge_memory",
-        f"peak RSS above the import baseline, in model sizes: mergekit {mk:.2f}x vs naive all-4-in-torch {nv:.2f}x "
+        f"peak RSS above the import baseline, in model sizes: mergekit {mk:.2f}x (mapped inputs {mp:.2f}x) vs naive "
+        f"all-4-in-torch {nv:.2f}x "
         f"(anonymous only: {mka:.2f}x vs {nva:.2f}x); baseline {base_b / 2**20:,.0f} MiB, model {M / 2**20:,.0f} MiB; "
         f"mergekit/naive time {t_ratio:.2f}; outputs max |diff| {diff:.1e}",
         mergekit_over_model=mk, naive_over_model=nv, mergekit_anon_over_model=mka, naive_anon_over_model=nva,
+        mapped_over_model=mp, mapped_anon_over_model=mpa, time_ratio_streamed_mapped=t_stream,
+        streamed_identical=streamed_same,
         baseline_mib=base_b / 2**20, model_mib=M / 2**20, time_ratio_mergekit_naive=t_ratio, max_abs_diff=diff)
 
 

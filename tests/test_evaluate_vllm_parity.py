@@ -197,34 +197,41 @@ def test_gsm8k_through_lm_eval_same_on_both_engines(setup, tmp_path):
 HEADS = [None, "darts", "darts_bucket", "surgery"]
 
 
-def test_per_request_heads_one_pass_equal_row_by_row(setup):
-    """One ``generate`` over every (head, prompt) pair, heads interleaved so each step's batch
-    mixes them, equals each head's own row-by-row generation token for token; ``score`` likewise
-    equals the per-head scores exactly."""
-    eng = setup["engine"]
-    dirs = [setup["heads"][h] if h else None for h in HEADS]
-    want = {h: eng.text_model("row", d).generate(PROMPTS, max_new_tokens=NEW) for h, d in zip(HEADS, dirs)}
+def _per_request_heads_equal_row_by_row(s, prompts=PROMPTS):
+    """One ``generate`` over every (head, prompt) pair, heads interleaved so each step's batch mixes
+    them, equals each head's own row-by-row generation token for token; ``score`` likewise equals the
+    per-head scores exactly; the row-by-row path's swapped head is untouched by the per-request ones."""
+    eng = s["engine"]
+    dirs = [s["heads"][h] if h else None for h in HEADS]
+    want = {h: eng.text_model("row", d).generate(prompts, max_new_tokens=NEW) for h, d in zip(HEADS, dirs)}
     assert len({str(v) for v in want.values()}) == len(HEADS)  # the heads do differ
     mh = eng.multi_head_model("ties", dirs)
-    reqs = [(k, p) for p in PROMPTS for k in range(len(HEADS))]
+    reqs = [(k, p) for p in prompts for k in range(len(HEADS))]
     got = mh.generate(reqs, max_new_tokens=NEW)
     for (k, p), g in zip(reqs, got):
-        assert g == want[HEADS[k]][PROMPTS.index(p)], (HEADS[k], p)
-    conts = [" 42 is the answer", " a + b", " 5", "Natalia sold 72 clips.", " quick brown fox"]
-    want_s = {h: eng.text_model("row", d).score(PROMPTS, conts) for h, d in zip(HEADS, dirs)}
-    sreq = [(k, c, x) for c, x in zip(PROMPTS, conts) for k in range(len(HEADS))]
+        assert g == want[HEADS[k]][prompts.index(p)], (HEADS[k], p)
+    conts = [" 42 is the answer", " a + b", " 5", "Natalia sold 72 clips.", " quick brown fox"][:len(prompts)]
+    want_s = {h: eng.text_model("row", d).score(prompts, conts) for h, d in zip(HEADS, dirs)}
+    sreq = [(k, c, x) for c, x in zip(prompts, conts) for k in range(len(HEADS))]
     for (k, c, _), g in zip(sreq, mh.score(sreq)):
-        w = want_s[HEADS[k]][PROMPTS.index(c)]
+        w = want_s[HEADS[k]][prompts.index(c)]
         assert g.token_nll == w.token_nll and g.greedy == w.greedy
     # sampled (top_p): each sample seeded by (seed, prompt, index), the same in one pass as row by row
     skw = dict(max_new_tokens=NEW, num_samples=2, temperature=0.8, top_p=0.9, seed=3)
-    short = PROMPTS[:3] if not eng.on_cpu else [p for p in PROMPTS if len(setup["tok"](p)["input_ids"]) <= 16][:3]
+    short = prompts[:3] if not eng.on_cpu else [p for p in prompts if len(s["tok"](p)["input_ids"]) <= 16][:3]
     want_smp = {h: eng.text_model("row", d).generate(short, **skw) for h, d in zip(HEADS[:2], dirs[:2])}
     sreqs = [(k, p) for p in short for k in range(2)]
     for (k, p), g in zip(sreqs, mh.generate(sreqs, **skw)):
         assert g == want_smp[HEADS[k]][short.index(p)], (HEADS[k], p)
     # the swapped head of the row-by-row path is untouched by the per-request ones
-    assert eng.text_model("row", dirs[1]).generate(PROMPTS, max_new_tokens=NEW) == want["darts"]
+    assert eng.text_model("row", dirs[1]).generate(prompts, max_new_tokens=NEW) == want["darts"]
+    return mh
+
+
+def test_per_request_heads_one_pass_equal_row_by_row(setup):
+    """Per-request heads on the Llama-shaped micro pool (:func:`_per_request_heads_equal_row_by_row`);
+    a head index outside the merge's heads is refused."""
+    mh = _per_request_heads_equal_row_by_row(setup)
     with pytest.raises(ValueError, match=r"head indices \[4\] outside 0..3"):
         mh.generate([(4, "hi")], max_new_tokens=2)
 
@@ -269,6 +276,12 @@ def test_qwen2_head_changes_outputs_and_scores_match_hf(qwen2):
     for w, g in zip(want, vm.score(PROMPTS, conts)):
         assert g.n_tokens == w.n_tokens and g.greedy == w.greedy
         assert g.token_nll == pytest.approx(w.token_nll, abs=1e-4)
+
+
+def test_qwen2_per_request_heads_one_pass_equal_row_by_row(qwen2):
+    """Per-request heads through ``DartsQwen2ForCausalLM`` (tied embeddings, grouped-query attention):
+    one pass over 4 heads x 3 prompts equals row by row token for token, scores exactly."""
+    _per_request_heads_equal_row_by_row(qwen2, PROMPTS[:3])
 
 
 def test_architecture_vllm_lacks_is_a_clear_error(tmp_path):

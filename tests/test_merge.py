@@ -1,5 +1,7 @@
 """Merges through mergekit checked against values computed by hand on two tensors."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -227,3 +229,51 @@ def test_every_merge_dir_holds_mergekit_config_that_mergekit_rebuilds(toy, tmp_p
     assert (merges["dare"] / "model.safetensors").stat().st_mtime_ns == mtime
     assert hashlib.sha256((merges["dare"] / "model.safetensors").read_bytes()).hexdigest() == sha["dare"]
     assert (merges["dare"] / MERGEKIT_CONFIG).is_file() and verify(merges["dare"]) is None
+
+
+def _mapped_paths() -> set[str]:
+    """The files mapped into this process (``/proc/self/maps``, resolved paths)."""
+    out = set()
+    for line in open("/proc/self/maps", encoding="utf-8"):
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith("/"):
+            out.add(parts[5].strip())
+    return out
+
+
+@pytest.mark.micro
+@pytest.mark.parametrize("method", ["ties", "dare_ties"])
+def test_streamed_merge_writes_the_same_bytes_and_closes_its_inputs(micro_pipeline, tmp_path, method):
+    """``run_one_merge`` streams its inputs (each tensor from its own short-lived mapping): on the
+    micro pool the weight files equal, byte for byte, those of mergekit's own loaders
+    (``stream=False``; TIES, and DARE-TIES whose random masks come from the seed) and, for the
+    pipeline's own ``ties`` merge, the cached merge dir. Afterwards no input safetensors file is still
+    mapped into the process and mergekit's ``LoaderCache`` holds none of the pool's models."""
+    from mergekit.config import MergeConfiguration
+    from mergekit.io.tasks import LoaderCache
+
+    from darts_bench.artifacts import file_sha256
+
+    pool = micro_pipeline.pool()
+    spec = next(s for s in micro_pipeline.cfg.merges if s.method == "ties")
+    if method == "dare_ties":
+        spec = MergeSpec(name="dare", method="dare_ties", weight=1.0, density=0.5, normalize=True)
+    cd = merge_config_dict(spec, pool)
+    inputs = {str(p.resolve()) for d in [pool.base, *pool.experts.values()] for p in Path(d).glob("*.safetensors")}
+    refs = list(MergeConfiguration.model_validate(cd).referenced_models())
+
+    run_one_merge(cd, tmp_path / "stream", 3, pool.base)
+    assert not inputs & _mapped_paths(), "a streamed merge left input files mapped"
+    assert not any(r in LoaderCache().loaders for r in refs)
+    run_one_merge(cd, tmp_path / "eager", 3, pool.base, stream=False)
+    files = sorted(p.name for p in (tmp_path / "stream").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "eager").iterdir())
+    weights = [f for f in files if f.endswith(".safetensors")]
+    assert weights == ["model.safetensors"]
+    for f in files:
+        assert file_sha256(tmp_path / "stream" / f) == file_sha256(tmp_path / "eager" / f), f
+    if method == "ties":  # the pipeline's own merge (its seed) is byte-identical to a streamed one
+        run_one_merge(cd, tmp_path / "seeded", micro_pipeline.cfg.seed, pool.base)
+        cached = micro_pipeline.merge()[spec.name]
+        for f in weights:
+            assert file_sha256(tmp_path / "seeded" / f) == file_sha256(cached / f)

@@ -10,6 +10,7 @@ import pytest
 
 from darts_bench.config import Config, load_config
 from darts_bench.plan import POSITION_BIAS, STAGE_ORDER, make_plan, print_plan
+from darts_bench.plan.units import gb
 
 pytestmark = [pytest.mark.subprocess]  # tests/README.md: markers
 
@@ -430,3 +431,65 @@ def test_evaluate_counts_engine_passes_per_model_dir_with_one_pass():
     assert e1["seconds"] < e0["seconds"]
     ray = make_plan(load_config("llama2-7b"))["stages"]["evaluate"]  # executor ray: per-slot loop
     assert not ray["one_pass"] and ray["engine_passes"] == make_plan(load_config("llama2-7b"))["rows"] * 3
+
+
+def test_engine_passes_per_merge_for_each_layout():
+    """The llama2-7b dry run counts engine passes per merge for every layout: the Ray layout
+    (HF or vLLM actors: ``LoopedMultiHead``, row by row) 31 rows x 3 tasks = 93, a merge's 9 rows in 27;
+    in-process HF and vLLM one pass per model dir, 7 x 3 = 21, a merge's rows in 3. vLLM in-process
+    one pass: every row's requests in one call per (model dir, task) but the reference NLL still
+    once per row (prompt_logprobs), so its NLL tokens equal row by row's while HF's are per model dir."""
+    def ev(*sets):
+        return make_plan(load_config("llama2-7b", list(sets)))["stages"]["evaluate"]
+
+    for backend in ("hf", "vllm"):
+        ray = ev(f"evaluate.backend={backend}")
+        assert (ray["one_pass_layout"], ray["engine_passes"], ray["engine_passes_per_merge"]) == (None, 93, 27)
+        assert ("row by row (Ray layout: a merge's heads one after another on the actors: 93 engine passes for 93 "
+                "row x task evaluations; a merge's 9 rows in 27)") in ray["what"]
+        local = ev(f"evaluate.backend={backend}", "executor=local")
+        assert (local["one_pass_layout"], local["engine_passes"], local["engine_passes_per_merge"]) == (backend, 21, 3)
+        assert (f"one pass per model dir ({backend}: 7 model dirs x 3 tasks = 21 engine passes for 93 row x task "
+                "evaluations; a merge's 9 rows in 3)") in local["what"]
+        off = ev(f"evaluate.backend={backend}", "executor=local", "evaluate.one_pass=false")
+        assert (off["one_pass_layout"], off["engine_passes"], off["engine_passes_per_merge"]) == (None, 93, 27)
+        assert "row by row (evaluate.one_pass: false: 93 engine passes" in off["what"]
+        assert local["generation_tokens"] == off["generation_tokens"] == ray["generation_tokens"]
+        if backend == "vllm":
+            assert local["nll_tokens"] == off["nll_tokens"]
+        else:
+            assert local["nll_tokens"] * 31 == off["nll_tokens"] * 7
+        assert local["seconds"] <= off["seconds"]
+
+
+def test_vllm_one_pass_fills_decoding_steps_from_every_row():
+    """With fewer examples than ``max_num_seqs``, a row-by-row vLLM call cannot fill a decoding step;
+    one pass per model dir holds all of a merge's rows' requests, so its generation estimate is lower.
+    ``requests`` caps the step batch at what one call holds."""
+    from darts_bench.plan.resources import vllm_generation_seconds
+
+    cfg = load_config("llama2-7b", ["evaluate.backend=vllm"])
+    e = {"weights": 13.5e9, "tp": 1}
+    full = vllm_generation_seconds(0, 32 * 256, 6.7e9, "cuda", cfg, e)
+    assert vllm_generation_seconds(0, 32 * 256, 6.7e9, "cuda", cfg, e, requests=64) == full
+    assert vllm_generation_seconds(0, 32 * 256, 6.7e9, "cuda", cfg, e, requests=8) == pytest.approx(4 * full)
+    sets = ["evaluate.backend=vllm", "executor=local", "tasks.gsm8k.limit=8", "tasks.humaneval.limit=8",
+            "tasks.alpacaeval.limit=8"]
+    one = make_plan(load_config("llama2-7b", sets))["stages"]["evaluate"]
+    rbr = make_plan(load_config("llama2-7b", [*sets, "evaluate.one_pass=false"]))["stages"]["evaluate"]
+    assert one["seconds"] < rbr["seconds"]
+
+
+def test_merge_memory_counts_mergekit_output_shard():
+    """The merge stage holds one output shard (mergekit's default ``out_shard_size``) beside the
+    tensors in flight: a 7B bf16 merge (13.5 GB) a 5 GB shard, a small model all of itself."""
+    from mergekit.options import MergeOptions
+
+    from darts_bench.plan.stages import MERGEKIT_OUT_SHARD_BYTES
+
+    assert MergeOptions().out_shard_size == MERGEKIT_OUT_SHARD_BYTES
+    big = make_plan(load_config("llama2-7b"))["stages"]["merge"]
+    assert "one output shard 5.0 GB" in big["memory_note"]
+    small = make_plan(load_config("smollm2-135m"))
+    m = small["stages"]["merge"]
+    assert f"one output shard {gb(small['model']['weights_bytes'])}" in m["memory_note"]

@@ -52,19 +52,91 @@ def merge_config_dict(spec: MergeSpec, pool: Pool, vocab_alignment: str = "error
     return cfg
 
 
-def run_one_merge(cfg_dict: dict, out: Path, seed: int, base_dir: Path) -> None:
+def _malloc_trim():
+    """glibc's ``malloc_trim(0)`` as a no-argument callable (a no-op where the C library has none,
+    e.g. musl or macOS: only memory is at stake, never a result).
+
+    Why: glibc serves the merge's tensor temporaries from its heap once its dynamic mmap threshold
+    has risen (after the first large free), and keeps freed heap memory resident; which chunks stay
+    depends on the order mergekit frees them (hash-seed dependent), so the merge's anonymous peak
+    varied from 1.3x to 1.7x a model between runs of ``benchmarks/bench_merge_memory.py``. Trimming
+    before each input tensor returns the freed pages (about 10 us a call with a small heap)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    fn = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if fn is None:
+        return lambda: None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: fn(0)
+
+
+def _streaming_loader_class():
+    """A :class:`mergekit.io.lazy_tensor_loader.LazyTensorLoader` that closes its shard after every tensor.
+
+    mergekit reads safetensors through ``safetensors.safe_open`` (a file mapping per shard, kept open
+    in ``LoaderCache`` until the process ends), so every page of every input it has read stays in the
+    process's resident set: a 3-expert merge peaks at the 4 input models (file-backed) plus the
+    output shard. Closing the shard after each ``get_tensor`` leaves the returned tensor a view of its
+    own mapping, unmapped when mergekit's executor drops the tensor after its last use; the merge then
+    holds only the tensors in flight plus the output shard it is writing. Same bytes, same order.
+    """
+    from mergekit.io.lazy_tensor_loader import LazyTensorLoader
+
+    trim = _malloc_trim()
+
+    class StreamingTensorLoader(LazyTensorLoader):
+        def get_tensor(self, key, device="cpu", aliases=None, raise_on_missing=True):
+            trim()  # the previous tensor's freed temporaries go back to the OS before the next one's
+            try:
+                return super().get_tensor(key, device=device, aliases=aliases, raise_on_missing=raise_on_missing)
+            finally:
+                self.flush()
+
+    return StreamingTensorLoader
+
+
+def run_one_merge(cfg_dict: dict, out: Path, seed: int, base_dir: Path, stream: bool = True) -> None:
     """Run mergekit into ``out`` and carry over the base's generation config (eos/pad ids).
+
+    ``stream=True`` (default) reads each input tensor through its own short-lived file mapping
+    (:func:`_streaming_loader_class`, put into mergekit's ``LoaderCache`` for this merge's models and
+    removed afterwards), so the merge peaks near one output shard (mergekit's ``out_shard_size``,
+    default 5e9 bytes) plus the tensors in flight instead of all inputs plus the output; the written
+    files are byte-identical to ``stream=False`` (mergekit's own loaders), hence not in the cache key.
+    Either way the merge's loaders leave ``LoaderCache`` afterwards (mergekit would keep every input
+    mapped for the rest of the process); entries another caller had put there are restored.
+    Models with a LoRA (``model+lora``, never written by :func:`merge_config_dict`) keep mergekit's
+    loader, which applies the LoRA first.
 
     Raises:
         RuntimeError: mergekit wrote no weights, or the merged eos ids differ from the base's.
     """
     from mergekit.config import MergeConfiguration
+    from mergekit.io.lazy_tensor_loader import ShardedTensorIndex
+    from mergekit.io.tasks import LoaderCache
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
 
     conf = MergeConfiguration.model_validate(cfg_dict)
-    run_merge(conf, str(out), options=MergeOptions(random_seed=seed, copy_tokenizer=True, lazy_unpickle=False,
-                                                   write_model_card=False, quiet=True, safe_serialization=True))
+    cache = LoaderCache()
+    refs = list(conf.referenced_models())
+    saved = {r: cache.loaders.pop(r) for r in refs if r in cache.loaders}
+    if stream:
+        streaming = _streaming_loader_class()
+        for r in refs:
+            if r.lora is None:
+                cache.loaders[r] = streaming(ShardedTensorIndex.from_disk(r.local_path()), lazy_unpickle=False)
+    try:
+        run_merge(conf, str(out), options=MergeOptions(random_seed=seed, copy_tokenizer=True, lazy_unpickle=False,
+                                                       write_model_card=False, quiet=True, safe_serialization=True))
+    finally:
+        for r in refs:  # close every mapping this merge opened (mergekit keeps them for the process's life)
+            loader = cache.loaders.pop(r, None)
+            if loader is not None:
+                loader.flush()
+        cache.loaders.update(saved)
     if not any(out.glob("*.safetensors")):
         raise RuntimeError(f"mergekit wrote no safetensors into {out}")
     gen = base_dir / "generation_config.json"

@@ -119,15 +119,18 @@ def decode_seconds(tokens: float, params: int, kind: str, batch: int, weights: f
 
 
 def vllm_generation_seconds(prompt_tokens: float, new_tokens: float, params: int, kind: str, cfg,
-                            engine: dict[str, Any]) -> float:
+                            engine: dict[str, Any], requests: float | None = None) -> float:
     """Generation time on a vLLM engine (seconds): on the CPU the HF estimate over the measured
     :data:`VLLM_CPU_SPEEDUP`; on the GPU prefill at the forward rate and decoding steps of
-    ``max_num_seqs`` requests, each bound by reading the weights once (no HF per-step overhead)."""
+    ``min(max_num_seqs, requests)`` requests (``requests``: those one ``generate`` call holds;
+    None: enough to fill ``max_num_seqs``), each bound by reading the weights once (no HF
+    per-step overhead)."""
     if kind == "cpu":
         return (forward_seconds(prompt_tokens, params, kind)
                 + decode_seconds(new_tokens, params, kind, 1, 0, 0)) / VLLM_CPU_SPEEDUP
     t = THROUGHPUT[kind]
-    steps = new_tokens / cfg.evaluate.vllm.max_num_seqs
+    seqs = cfg.evaluate.vllm.max_num_seqs
+    steps = new_tokens / (seqs if requests is None else max(1.0, min(seqs, requests)))
     step = engine["weights"] / engine["tp"] / t["decode_bw"]
     return forward_seconds(prompt_tokens, params, kind) + max(steps * step, new_tokens * 2 * params / t["forward"])
 

@@ -316,16 +316,25 @@ def pool(x: PlanInputs) -> dict[str, Any]:
     return _finish(s, x.kind)
 
 
+#: mergekit's ``MergeOptions.out_shard_size`` default ("5B", bytes): its writer holds one output shard
+MERGEKIT_OUT_SHARD_BYTES = 5 * 10**9
+
+
 def merge(x: PlanInputs) -> dict[str, Any]:
-    """The mergekit merges, tensor by tensor: peak memory is base + experts + output of the largest
-    tensor in fp32 (+ its copy in the pool dtype); disk one checkpoint per merge in its dtype."""
+    """The mergekit merges, tensor by tensor (inputs streamed: ``run_one_merge``): peak memory is
+    the output shard mergekit's writer holds (the merged model up to :data:`MERGEKIT_OUT_SHARD_BYTES`)
+    plus base + experts + output of the largest tensor in fp32 (+ its copy in the pool dtype); disk
+    one checkpoint per merge in its dtype."""
     cfg, lt = x.cfg, x.largest_tensor
-    peak = ((len(EXPERT_NAMES) + 2) * lt * 4 + x.pool_bytes * lt) if lt else None
+    shard = max((min(x.params * DTYPE_BYTES[m.dtype], MERGEKIT_OUT_SHARD_BYTES) for m in cfg.merges),
+                default=0) if x.params else 0
+    peak = ((len(EXPERT_NAMES) + 2) * lt * 4 + x.pool_bytes * lt + shard) if lt else None
     return {"what": f"{len(cfg.merges)} mergekit merges: "
                     + ", ".join(f"{m.name} ({m.method}, {m.dtype})" for m in cfg.merges),
-            "where": "local, mergekit (tensor by tensor)",
+            "where": "local, mergekit (tensor by tensor, inputs streamed)",
             "memory_bytes": None if peak is None else peak + PROCESS_BASELINE["merge"],
-            "memory_note": "peak: base + experts + output of the largest tensor in fp32",
+            "memory_note": (f"peak: one output shard {gb(shard)} + base + experts + output of the largest tensor "
+                            "in fp32"),
             "disk_bytes": sum(x.params * DTYPE_BYTES[m.dtype] for m in cfg.merges) if x.params else None,
             "process_baseline_bytes": PROCESS_BASELINE["merge"]}
 
@@ -473,11 +482,23 @@ def train(x: PlanInputs) -> dict[str, Any]:
     return _finish(s, kind)
 
 
+def one_pass_layout(cfg) -> str | None:
+    """How the evaluate stage serves the rows of one model dir (a merge and its corrected rows):
+    ``"hf"`` or ``"vllm"`` when ``evaluate.one_pass`` runs in-process on a backend whose
+    ``multi_head_model`` is native (``HFMultiHeadModel``: the heads chosen per sequence in one batched
+    ``generate``, one transformer forward for every head's teacher-forced scores;
+    ``VLLMMultiHeadModel``: each request names its head, one ``generate`` call for all rows), so a
+    model dir costs one engine pass per task; None: row by row, one pass per (row, task) (with
+    ``evaluate.one_pass: false``, or in the Ray layout, whose ``LoopedMultiHead`` runs each head
+    through its own ``get()`` model on the actors one after another)."""
+    if not cfg.evaluate.one_pass or cfg.executor == "ray":
+        return None
+    return cfg.evaluate.backend
+
+
 def one_pass_native(cfg) -> bool:
-    """Whether the evaluate stage serves a model dir's rows in one engine pass per task
-    (``evaluate.one_pass`` with a backend whose ``multi_head_model`` batches heads: the in-process
-    HF backend); otherwise the rows of a merge run one after another (the generic per-slot loop)."""
-    return cfg.evaluate.one_pass and cfg.evaluate.backend == "hf" and cfg.executor != "ray"
+    """Whether :func:`one_pass_layout` serves a model dir's rows in one engine pass per task."""
+    return one_pass_layout(cfg) is not None
 
 
 def evaluate(x: PlanInputs) -> dict[str, Any]:
@@ -486,24 +507,35 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     local judge is held beside the row's model in-process (Ray gives it its own actors); one load
     (or engine start) per model dir in row order, the judges' kept.
 
-    ``engine_passes`` counts (model dir, task) passes when :func:`one_pass_native` (a merge's rows
-    share one batched ``generate`` per task, greedy decoding at ``batch_size`` x its rows sequences a
-    step, and one transformer forward over the reference answers with each further head costing
-    only its ``lm_head``; sampled generation still runs per row), else (row, task) passes."""
+    ``engine_passes`` counts (model dir, task) passes when :func:`one_pass_layout` is native, else
+    (row, task) passes; ``engine_passes_per_merge`` those of one merge's rows. HF one pass: a merge's
+    rows share one batched ``generate`` per task, greedy decoding at ``batch_size`` x its rows
+    sequences a step, and one transformer forward over the reference answers with each further head
+    costing only its ``lm_head``; sampled generation still runs per row. vLLM one pass: one
+    ``generate`` call per (model dir, task) whose requests name their heads, so decoding fills
+    ``max_num_seqs`` from all rows' requests; the reference NLL still runs the transformer per row
+    (``prompt_logprobs`` requests recompute their prompts) and prefills are counted per row (prefix
+    caching may share them: not counted)."""
     cfg, W, P, kind = x.cfg, x.weights, x.params, x.kind
     rows, E, M = len(x.evaluated), len(EXPERT_NAMES), len(cfg.merges)
     ray = cfg.executor == "ray"
     vllm = cfg.evaluate.backend == "vllm"
     judges = x.local_judges
-    native = one_pass_native(cfg)
-    group_sizes = list(Counter(s.merge or s.model for s in x.evaluated).values())  # rows per model dir
+    layout = one_pass_layout(cfg)
+    native = layout is not None
+    groups = Counter(s.merge or s.model for s in x.evaluated)  # rows per model dir
+    group_sizes = list(groups.values())
     n_groups = len(group_sizes)
+    merge_rows = max((groups[m.name] for m in cfg.merges if m.name in groups), default=0)  # rows of one merge
+    T = len(x.tasks)
+    passes, per_merge = (n_groups * T, T if merge_rows else 0) if native else (rows * T, merge_rows * T)
+    nll_once = layout == "hf"  # one transformer forward per model dir for every head's scores
     eval_gen = eval_nll = judge_tokens = 0
     for t, ti in x.tasks.items():
         per_row_gen = ti["n_examples"] * ti["n_samples"] * (ti["prompt_tokens_est"] + ti["max_new_tokens"])
         per_row_nll = ti["n_examples"] * (ti["prompt_tokens_est"] + ti["reference_tokens_est"])
         eval_gen += rows * per_row_gen
-        eval_nll += (n_groups if native else rows) * per_row_nll  # transformer tokens
+        eval_nll += (n_groups if nll_once else rows) * per_row_nll  # transformer tokens
         j = x.needs[t].get("judge")
         if j:
             judge_tokens += rows * (j["prompt_tokens_per_row"] + j["new_tokens_per_row"])
@@ -512,9 +544,13 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
             + ", ".join(f"{t} ({ti['n_examples']}/{ti['of'] or '?'}, {ti['max_new_tokens']} new tokens)"
                         for t, ti in x.tasks.items())
             + "; reference-answer NLL" + "".join(f"; {n['what']}" for n in x.needs.values() if n.get("what"))
-            + (f"; one pass per model dir ({n_groups} model dirs x {len(x.tasks)} tasks = "
-               f"{n_groups * len(x.tasks)} engine passes for {rows * len(x.tasks)} row x task evaluations)"
-               if native else ""))
+            + (f"; one pass per model dir ({layout}: {n_groups} model dirs x {T} tasks = "
+               f"{passes} engine passes for {rows * T} row x task evaluations"
+               + (f"; a merge's {merge_rows} rows in {per_merge}" if merge_rows else "") + ")"
+               if native else
+               f"; row by row ({'evaluate.one_pass: false' if not cfg.evaluate.one_pass else 'Ray layout: a merge' + chr(39) + 's heads one after another on the actors'}"
+               f": {passes} engine passes for {rows * T} row x task evaluations"
+               + (f"; a merge's {merge_rows} rows in {per_merge}" if merge_rows else "") + ")"))
     where = where_executor(cfg) + "".join(f"; {n['where']}" for n in x.needs.values() if n.get("where"))
     row_dirs = [s.merge or s.model for s in x.evaluated]  # a corrected row runs on its merge's checkpoint
     pinned = {j.split("+", 1)[0] for j in judges.values()}
@@ -524,7 +560,8 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         # one load per model dir (the backend's model cache; with Ray an actor group per model dir, kept across its
         # rows and tasks, the judges' pinned), whatever the executor
         "model_loads": len(set(row_dirs) | pinned),
-        "engine_passes": (n_groups if native else rows) * len(x.tasks), "one_pass": native,
+        "engine_passes": passes, "engine_passes_per_merge": per_merge, "one_pass": native,
+        "one_pass_layout": layout,
         "process_baseline_bytes": PROCESS_BASELINE["evaluate"]}
     if vllm:  # engine starts instead of HF loads (the engine runs in the evaluating process)
         workers = x.workers if ray else 1  # vLLM in the driver: one
@@ -552,8 +589,8 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         s["vllm_engine"] = e
         s["load_seconds"] = s["model_loads"] * e["start_s"]
 
-        def gen(prompt_tokens: float, new_tokens: float) -> float:
-            return vllm_generation_seconds(prompt_tokens, new_tokens, P, kind, cfg, e)
+        def gen(prompt_tokens: float, new_tokens: float, requests: float | None = None) -> float:
+            return vllm_generation_seconds(prompt_tokens, new_tokens, P, kind, cfg, e, requests=requests)
     else:
         n_models = 1 if ray else 1 + len(pinned)  # Ray: a judge has its own actors
         bs = cfg.tasks.batch_size
@@ -580,7 +617,10 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     for t, ti in x.tasks.items():
         n = ti["n_examples"] * ti["n_samples"]
         nll_tokens = ti["n_examples"] * (ti["prompt_tokens_est"] + ti["reference_tokens_est"])
-        if native:
+        if layout == "vllm":  # one generate call per model dir: decoding steps hold every row's requests
+            secs += sum(gen(g * n * ti["prompt_tokens_est"], g * n * ti["max_new_tokens"], requests=g * n)
+                        for g in group_sizes) + rows * forward_seconds(nll_tokens, P, kind)
+        elif native:
             if ti["n_samples"] == 1:  # greedy: a model dir's rows in one generate, batch x its rows a step
                 secs += sum(gen(g * n * ti["prompt_tokens_est"], g * n * ti["max_new_tokens"],
                                 batch=cfg.tasks.batch_size * g) for g in group_sizes)
@@ -588,8 +628,9 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
                 secs += rows * gen(n * ti["prompt_tokens_est"], n * ti["max_new_tokens"])
             secs += n_groups * forward_seconds(nll_tokens, P, kind) + (rows - n_groups) * forward_seconds(
                 ti["n_examples"] * ti["reference_tokens_est"], lm_head, kind)
-        else:
-            secs += rows * (gen(n * ti["prompt_tokens_est"], n * ti["max_new_tokens"])
+        else:  # row by row; vLLM in-process: a call holds one row's requests (Ray: shards, as before)
+            kw = {"requests": n} if vllm and not ray else {}
+            secs += rows * (gen(n * ti["prompt_tokens_est"], n * ti["max_new_tokens"], **kw)
                             + forward_seconds(nll_tokens, P, kind))
         if t in judges:  # a judge outside the process (an API annotator) costs no local time
             j = x.needs[t]["judge"]
