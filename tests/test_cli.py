@@ -86,7 +86,7 @@ def test_ls_tasks_lists_a_task_added_by_folder(folder_task, capsys):
     assert by_name["lsdemo"] == ["lsdemo", "-", "7", "plain,shout", "lsdemo_em", str(folder_task.resolve())]
     he = task_class("humaneval")()
     he.protocol = "codex"  # the config default: the version listed is that protocol's
-    assert by_name["humaneval"][:4] == ["humaneval", "code", str(he.version), "codex,instruct,chat"]
+    assert by_name["humaneval"][:4] == ["humaneval", "code", str(he.version), "codex,instruct,chat,mergebench"]
 
     protos = _ls(capsys, "protocols", "--task", "lsdemo")
     assert protos == [

@@ -295,15 +295,15 @@ def test_alpacaeval_plan_declares_its_local_judge_and_its_tokens():
     task, cfg = get_task("alpacaeval"), load_config("llama2-7b")
     got = task.plan(cfg.tasks.alpacaeval, 805)
     assert got == {"judge": {"label": "local judge expert:instruction", "model": "expert:instruction",
-                             "prompt_tokens_per_row": 2_614_640, "new_tokens_per_row": 12_880},
+                             "prompt_tokens_per_row": 4_263_280, "new_tokens_per_row": 12_880},
                    "what": "AlpacaEval judge expert:instruction"}
-    assert 805 * 2 * (200 + 50 + 1024 + 350) == 2_614_640 and 805 * 2 * 8 == 12_880
+    assert 805 * 2 * (200 + 50 + 2048 + 350) == 4_263_280 and 805 * 2 * 8 == 12_880  # 2048: MergeLM's cap
     plan = make_plan(cfg)
-    assert plan["totals"]["judge_tokens"] == 31 * (2_614_640 + 12_880) == 81_453_120
+    assert plan["totals"]["judge_tokens"] == 31 * (4_263_280 + 12_880) == 132_560_960
     assert plan["tasks"]["alpacaeval"]["annotator"] == "local judge expert:instruction"
     # one order: half the calls
     one = task.plan(load_config("llama2-7b", ["tasks.alpacaeval.judge.both_orders=false"]).tasks.alpacaeval, 805)
-    assert one["judge"]["prompt_tokens_per_row"] == 1_307_320 and one["judge"]["new_tokens_per_row"] == 6440
+    assert one["judge"]["prompt_tokens_per_row"] == 2_131_640 and one["judge"]["new_tokens_per_row"] == 6440
 
 
 def test_named_annotator_judges_outside_the_process():

@@ -242,7 +242,7 @@ def test_generation_identical_to_local(ckpt, ray_ex):
         kw = dict(max_new_tokens=6)
         assert tm.generate_ids(PROMPTS, **kw) == local.generate_ids(PROMPTS, **kw)
         assert tm.generate(PROMPTS, stop=["\n"], **kw) == local.generate(PROMPTS, stop=["\n"], **kw)
-        # sampling: per-chunk seeds (seed + chunk start) reproduce the in-process per-batch seeds
+        # sampling: seeds per (seed, prompt, sample index) reproduce the in-process samples whatever the chunks
         kw = dict(max_new_tokens=5, temperature=1.0, num_samples=2, seed=11)
         assert tm.generate_ids(PROMPTS, **kw) == local.generate_ids(PROMPTS, **kw)
         ctx, cont = PROMPTS, [" a b", " c", "d e f", " (", "Hi", " 48", "y"]

@@ -119,7 +119,7 @@ def three(task):
 # ---------------------------------------------------------------------------------- tests
 def test_registered_and_examples(task, three):
     examples, model, refs, instr = three
-    assert (task.name, task.expert, task.version) == ("alpacaeval", "instruction", "3")
+    assert (task.name, task.expert, task.version) == ("alpacaeval", "instruction", "4")
     records = json.loads((DATA / GPT4).read_text())
     assert len(examples) == 3
     for i, e in enumerate(examples):
@@ -188,6 +188,29 @@ def test_length_judge_score_mode(task, three):
     # reference NLL of the gpt4_turbo outputs under the stub: 0.1 nats per char-token
     assert res.metrics["alpacaeval_ref_nll"] == pytest.approx(0.1)
     assert res.per_example["ref_nll"] == pytest.approx([0.1] * 3)
+
+
+class CappedStub(StubModel):
+    """StubModel whose outputs are Completions; the output for instruction #1 hit the token cap."""
+
+    def generate(self, prompts, **kw):
+        from darts_bench.api import Completion
+
+        out = super().generate(prompts, **kw)
+        return [[Completion(o[0], "length" if i == 1 else "stop", 9)] for i, o in enumerate(out)]
+
+
+def test_truncated_rate_from_finish_reasons(task, three):
+    """alpacaeval_truncated_rate: the share of outputs whose generation hit max_new_tokens, from the
+    model's Completion finish reasons; None (unknown) for a model returning plain strings."""
+    examples, model, refs, instr = three
+    res = task.evaluate(CappedStub(model.outputs), examples, _ctx(AlpacaEvalConfig(limit=3), LengthJudge()))
+    assert res.metrics["alpacaeval_truncated_rate"] == pytest.approx(1 / 3)
+    assert res.per_example["truncated"] == [0.0, 1.0, 0.0]
+    assert [s["finish_reason"] for s in res.samples] == ["stop", "length", "stop"]
+    _check_length_judge_result(res)  # the same verdicts as the plain model's
+    plain = task.evaluate(model, examples, _ctx(AlpacaEvalConfig(limit=3), LengthJudge()))
+    assert plain.metrics["alpacaeval_truncated_rate"] is None and "truncated" not in plain.per_example
 
 
 def _task_in_generate_mode(tmp_path):

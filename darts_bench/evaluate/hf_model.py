@@ -1,7 +1,11 @@
 """A Hugging Face causal LM (optionally with a correction head) behind the :class:`TextModel` API.
 
 Generation is ``model.generate`` batched with left padding and the KV cache; stop sequences are
-handled by transformers' ``stop_strings`` and the text is cut at the first stop sequence.
+handled by transformers' ``stop_strings`` and the text is cut at the first stop sequence. Each
+continuation is a :class:`~darts_bench.api.Completion` (text + finish reason ``stop`` | ``length``:
+:func:`completion_of`). Sampling (temperature, top_p) is greedy decoding over the
+:class:`~darts_bench.evaluate.sampling.SeededSampler` logits processor, one seed per (seed, prompt,
+sample index), so samples do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from typing import Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
-from darts_bench.api import ScoreContinuation
+from darts_bench.api import Completion, ScoreContinuation
+from darts_bench.evaluate.sampling import SeededSampler, sample_seed
 from darts_bench.surgery.corrected import attach_head, final_norm
 from darts_bench.surgery.heads import CorrectionHead, positions_from_mask
 
@@ -93,6 +98,24 @@ def strip_generated(ids: Sequence[int], eos_ids: set[int], pad_id: int | None) -
     while out and pad_id is not None and out[-1] == pad_id and pad_id not in eos_ids:
         out.pop()
     return out
+
+
+def finish_generated(ids: Sequence[int], eos_ids: set[int], pad_id: int | None) -> tuple[list[int], bool]:
+    """``(generated ids as strip_generated gives them, whether an eos id ended them)`` for one row of
+    ``model.generate``'s new tokens (the ``stop`` half of a finish reason; the stop-sequence half
+    is read from the decoded text: :func:`completion_of`)."""
+    return strip_generated(ids, eos_ids, pad_id), any(t in eos_ids for t in ids)
+
+
+def completion_of(tokenizer, ids: Sequence[int], hit_eos: bool, stop: Sequence[str]) -> Completion:
+    """The :class:`~darts_bench.api.Completion` of generated ``ids``: decoded (special tokens
+    skipped) and cut before the first stop sequence; ``finish_reason`` ``stop`` when an eos token
+    ended the ids (``hit_eos``) or a stop sequence occurs in the text, else ``length`` (generation
+    ran to ``max_new_tokens``: a row of ``model.generate`` that has neither is not finished, so it
+    ran to the cap); ``n_tokens`` = ``len(ids)``."""
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    text = cut_at_stop(full, stop)
+    return Completion(text, "stop" if hit_eos or len(text) < len(full) else "length", len(ids))
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> str:
@@ -198,13 +221,35 @@ class HFTextModel:
 
     def _generation_config(self, max_new_tokens: int, stop: Sequence[str], num_samples: int,
                            temperature: float) -> GenerationConfig:
+        """The ``GenerationConfig`` of one call: always greedy decoding with one sequence per input
+        row; sampling is the :class:`~darts_bench.evaluate.sampling.SeededSampler` logits processor
+        (:meth:`_sampler`) on rows repeated ``num_samples`` times, so every sample has its own seed.
+
+        Raises:
+            ValueError: greedy (``temperature == 0``) with ``num_samples != 1``; ``num_samples < 1``.
+        """
         if temperature == 0.0 and num_samples != 1:
             raise ValueError("greedy decoding (temperature 0) gives one sample; set temperature > 0")
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         return GenerationConfig(
-            max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-            temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
-            num_return_sequences=num_samples, pad_token_id=self.tokenizer.pad_token_id,
+            max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None, top_k=None,
+            num_return_sequences=1, pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.model.generation_config.eos_token_id, stop_strings=list(stop) or None)
+
+    def _sampler(self, batch: Sequence[str] | Sequence[Sequence[int]], num_samples: int, temperature: float,
+                 top_p: float, seed: int):
+        """``logits_processor`` for ``model.generate`` on ``batch`` with each prompt repeated
+        ``num_samples`` times (row ``i * num_samples + j``: prompt ``i``'s sample ``j``, seeded by
+        ``sample_seed(seed, prompt, j)``); None when greedy."""
+        if temperature == 0.0:
+            if top_p != 1.0:
+                raise ValueError(f"top_p={top_p} needs sampling (temperature > 0)")
+            return None
+        from transformers import LogitsProcessorList
+
+        seeds = [sample_seed(seed, p, j) for p in batch for j in range(num_samples)]
+        return LogitsProcessorList([SeededSampler(seeds, temperature, top_p, device=self.device)])
 
     def _eos_ids(self) -> set[int]:
         eos = self.model.generation_config.eos_token_id
@@ -212,34 +257,50 @@ class HFTextModel:
 
     # --------------------------------------------------------------- generation
     @torch.inference_mode()
-    def generate_ids(self, prompts: Sequence[str] | Sequence[Sequence[int]], *, max_new_tokens: int,
-                     stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
-                     seed: int = 0) -> list[list[list[int]]]:
-        """Generated token ids (prompt excluded, cut at the first eos, trailing padding stripped:
-        :func:`strip_generated`), ``[prompt][sample][token]``.
-        ``prompts`` are strings (tokenized here) or token-id lists (used as they are); they run in
-        chunks of ``batch_size`` (the chunking every path that must match this one copies)."""
+    def generate_finished(self, prompts: Sequence[str] | Sequence[Sequence[int]], *, max_new_tokens: int,
+                          stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
+                          top_p: float = 1.0, seed: int = 0) -> list[list[tuple[list[int], bool]]]:
+        """``[prompt][sample]`` pairs ``(generated ids, ended at an eos id)`` (ids as
+        :meth:`generate_ids`). Prompts run in chunks of ``batch_size`` (the chunking every path
+        that must match this one copies); a sampled chunk's prompts are each repeated
+        ``num_samples`` times and every row draws from its own seed (:meth:`_sampler`), so samples
+        do not depend on the chunking, the batch size or the other prompts (up to the float
+        rounding of a different padded batch)."""
         gen_cfg = self._generation_config(max_new_tokens, stop, num_samples, temperature)
-        out: list[list[list[int]]] = []
+        out: list[list[tuple[list[int], bool]]] = []
         eos_ids, pad = self._eos_ids(), self.tokenizer.pad_token_id
         for start in range(0, len(prompts), self.batch_size):
             batch = prompts[start:start + self.batch_size]
             enc = self._encode_batch(batch)
-            if temperature > 0:
-                torch.manual_seed(seed + start)  # per-batch seed derived from the call's seed
-            seqs = self.model.generate(**enc, generation_config=gen_cfg,
+            sampler = self._sampler(batch, num_samples, temperature, top_p, seed)
+            if num_samples > 1:
+                enc = {k: v.repeat_interleave(num_samples, dim=0) for k, v in enc.items()}
+            seqs = self.model.generate(**enc, generation_config=gen_cfg, logits_processor=sampler,
                                        tokenizer=self.tokenizer if stop else None)
             new = seqs[:, enc["input_ids"].shape[1]:].tolist()
             for i in range(len(batch)):
-                out.append([strip_generated(s, eos_ids, pad) for s in new[i * num_samples:(i + 1) * num_samples]])
+                out.append([finish_generated(s, eos_ids, pad) for s in new[i * num_samples:(i + 1) * num_samples]])
         return out
 
+    def generate_ids(self, prompts: Sequence[str] | Sequence[Sequence[int]], *, max_new_tokens: int,
+                     stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
+                     top_p: float = 1.0, seed: int = 0) -> list[list[list[int]]]:
+        """Generated token ids (prompt excluded, cut at the first eos, trailing padding stripped:
+        :func:`strip_generated`), ``[prompt][sample][token]``.
+        ``prompts`` are strings (tokenized here) or token-id lists (used as they are);
+        :meth:`generate_finished` without the eos flags."""
+        return [[ids for ids, _ in row] for row in self.generate_finished(
+            prompts, max_new_tokens=max_new_tokens, stop=stop, num_samples=num_samples, temperature=temperature,
+            top_p=top_p, seed=seed)]
+
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
-                 num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
-        ids = self.generate_ids(prompts, max_new_tokens=max_new_tokens, stop=stop,
-                                num_samples=num_samples, temperature=temperature, seed=seed)
-        return [[cut_at_stop(self.tokenizer.decode(s, skip_special_tokens=True), stop) for s in row]
-                for row in ids]
+                 num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0) -> list[list[Completion]]:
+        """``[prompt][sample]`` :class:`~darts_bench.api.Completion` strings (decoded, cut before the
+        first stop sequence, with ``finish_reason`` and ``n_tokens``: :func:`completion_of`)."""
+        gens = self.generate_finished(prompts, max_new_tokens=max_new_tokens, stop=stop, num_samples=num_samples,
+                                      temperature=temperature, top_p=top_p, seed=seed)
+        return [[completion_of(self.tokenizer, ids, eos, stop) for ids, eos in row] for row in gens]
 
     # ------------------------------------------------------------------ routing
     @torch.inference_mode()

@@ -22,7 +22,8 @@ Protocol choices (documented here because lm-eval leaves them to the backend):
 
 * ``generate_until``: greedy only. Requests are grouped by ``(until, max_gen_toks)``; within a group
   they are sorted by prompt length (less padding) and passed to ``TextModel.generate`` in one call
-  (the model batches), then put back in lm-eval's order. ``until`` is the stop list; the output is
+  (the model batches), then put back in lm-eval's order; each request's finish reason (``stop`` /
+  ``length``) is kept in ``finish_reasons`` by (task, doc id). ``until`` is the stop list; the output is
   also cut at the first stop sequence here, so a TextModel that ignores ``stop`` still conforms.
 * ``loglikelihood``: ``TextModel.score`` gives summed NLL and greedy-ness; we return ``(-nll, greedy)``.
   Trailing whitespace of the context moves to the continuation (as lm-eval's ``TemplateLM``). An
@@ -117,6 +118,10 @@ class DartsBenchLM(LM):
         self.max_gen_toks = int(max_gen_toks)
         self._device = getattr(model, "device", device or "cpu")
         self._adds_bos_cache: bool | None = None
+        #: ``(task name, doc id) -> finish reason`` of every ``generate_until`` request so far (``stop`` |
+        #: ``length`` from the model's :class:`~darts_bench.api.Completion`; None: the model gives none),
+        #: so a task can report how many answers hit the token cap (lm-eval's results keep text only)
+        self.finish_reasons: dict[tuple[str | None, int | None], str | None] = {}
 
     # ----------------------------------------------------------------- tokenizer-related hooks
     @property
@@ -241,6 +246,8 @@ class DartsBenchLM(LM):
                 raise RuntimeError(f"{type(self.model).__name__}.generate returned {len(texts)} rows for {len(idxs)} prompts")
             for i, row in zip(idxs, texts):
                 text = cut_at_stop(row[0], until)
+                self.finish_reasons[(getattr(requests[i], "task_name", None), getattr(requests[i], "doc_id", None))] = \
+                    getattr(row[0], "finish_reason", None)
                 out[i] = text
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return out  # type: ignore[return-value]

@@ -6,7 +6,8 @@ share the frozen transformer and differ only in the small head applied to its fi
 :class:`HFMultiHeadModel` holds the merge's weights once and ``k`` heads (index ``0..k-1``; a slot
 may be None: the plain merge) and serves requests ``(head index, ...)``:
 
-* greedy :meth:`~HFMultiHeadModel.generate`: the (head, prompt) pairs of all heads in one batched
+* greedy :meth:`~HFMultiHeadModel.generate` (:class:`~darts_bench.api.Completion` strings with their
+  finish reasons, as the row-by-row ``HFTextModel.generate``): the (head, prompt) pairs of all heads in one batched
   ``model.generate`` whose head is chosen per sequence
   (:class:`~darts_bench.surgery.corrected.MultiHeadAttachment`, as multi-LoRA serving chooses an
   adapter per request). Each head's prompts are chunked exactly as the row-by-row path chunks them
@@ -28,9 +29,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from darts_bench.api import ScoreContinuation
-from darts_bench.evaluate.hf_model import (HFTextModel, continuation_scores, cut_at_stop, left_pad, score_pairs,
-                                           strip_generated)
+from darts_bench.api import Completion, ScoreContinuation
+from darts_bench.evaluate.hf_model import (HFTextModel, completion_of, continuation_scores, finish_generated, left_pad,
+                                           score_pairs)
 from darts_bench.surgery.corrected import MultiHeadAttachment, final_norm
 from darts_bench.surgery.heads import CorrectionHead, positions_from_mask
 
@@ -102,18 +103,19 @@ class HFMultiHeadModel:
 
     # --------------------------------------------------------------- generation
     @torch.inference_mode()
-    def generate_ids(self, requests: Sequence[tuple[int | None, Prompt]], *, max_new_tokens: int,
-                     stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
-                     seed: int = 0) -> list[list[list[int]]]:
-        """Generated ids per request, ``[request][sample][token]`` (as ``HFTextModel.generate_ids``).
+    def generate_finished(self, requests: Sequence[tuple[int | None, Prompt]], *, max_new_tokens: int,
+                          stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
+                          top_p: float = 1.0, seed: int = 0) -> list[list[tuple[list[int], bool]]]:
+        """Per request, ``[sample]`` pairs ``(generated ids, ended at an eos id)``, as
+        ``HFTextModel.generate_finished``.
 
         Greedy (``temperature == 0``): each slot's prompts (its requests in order) are chunked by
         ``batch_size`` as the row-by-row path chunks them; equal (head, chunk) pairs are generated
         once, and chunks of equal padded length are stacked into one ``model.generate`` call with
         the head chosen per sequence, so outputs equal the row-by-row path's token for token (test:
         ``tests/test_evaluate_one_pass.py``). Sampled (``temperature > 0``): one head at a time,
-        exactly the row-by-row call (its per-chunk seeds ``seed + start``), so samples equal the
-        row-by-row path's too; batching them would change which random numbers each sequence draws.
+        exactly the row-by-row call (the same chunks and per-sample seeds
+        :func:`~darts_bench.evaluate.sampling.sample_seed`), so samples equal the row-by-row path's.
 
         Raises:
             ValueError: a head index out of range; greedy with ``num_samples != 1``.
@@ -122,17 +124,19 @@ class HFMultiHeadModel:
         for r, (idx, _) in enumerate(requests):
             self._check(idx)
             by_slot[idx].append(r)
-        out: list[list[list[int]] | None] = [None] * len(requests)
+        out: list[list[tuple[list[int], bool]] | None] = [None] * len(requests)
         if temperature > 0:
             for idx, rs in by_slot.items():
                 with self._hooked() as att:
                     att.rows = self._head_of(idx)
-                    gens = self.base.generate_ids([requests[r][1] for r in rs], max_new_tokens=max_new_tokens,
-                                                  stop=stop, num_samples=num_samples, temperature=temperature,
-                                                  seed=seed)
+                    gens = self.base.generate_finished([requests[r][1] for r in rs], max_new_tokens=max_new_tokens,
+                                                       stop=stop, num_samples=num_samples, temperature=temperature,
+                                                       top_p=top_p, seed=seed)
                 for r, g in zip(rs, gens):
                     out[r] = g
             return out  # type: ignore[return-value]
+        if top_p != 1.0:
+            raise ValueError(f"top_p={top_p} needs sampling (temperature > 0)")
         gen_cfg = self.base._generation_config(max_new_tokens, stop, num_samples, temperature)
         # the row-by-row chunks: (head, chunk prompts) -> the request indices it serves (per slot)
         chunks: dict[tuple, list[list[int]]] = {}
@@ -159,21 +163,32 @@ class HFMultiHeadModel:
             i = 0
             for k in keys:
                 n = encoded[k]["input_ids"].shape[0]
-                gens = [[strip_generated(s, eos_ids, pad)] for s in new[i:i + n]]
+                gens = [[finish_generated(s, eos_ids, pad)] for s in new[i:i + n]]
                 i += n
                 for part in chunks[k]:
                     for r, g in zip(part, gens):
                         out[r] = g
         return out  # type: ignore[return-value]
 
+    def generate_ids(self, requests: Sequence[tuple[int | None, Prompt]], *, max_new_tokens: int,
+                     stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
+                     top_p: float = 1.0, seed: int = 0) -> list[list[list[int]]]:
+        """Generated ids per request, ``[request][sample][token]`` (as ``HFTextModel.generate_ids``):
+        :meth:`generate_finished` without the eos flags."""
+        return [[ids for ids, _ in row] for row in self.generate_finished(
+            requests, max_new_tokens=max_new_tokens, stop=stop, num_samples=num_samples, temperature=temperature,
+            top_p=top_p, seed=seed)]
+
     def generate(self, requests: Sequence[tuple[int | None, Prompt]], *, max_new_tokens: int,
-                 stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
-                 seed: int = 0) -> list[list[str]]:
-        """Continuations per request, ``[request][sample]`` strings cut before the first stop
-        sequence (:meth:`generate_ids` decoded as ``HFTextModel.generate`` decodes)."""
-        ids = self.generate_ids(requests, max_new_tokens=max_new_tokens, stop=stop, num_samples=num_samples,
-                                temperature=temperature, seed=seed)
-        return [[cut_at_stop(self.tokenizer.decode(s, skip_special_tokens=True), stop) for s in row] for row in ids]
+                 stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0) -> list[list[Completion]]:
+        """Continuations per request, ``[request][sample]`` :class:`~darts_bench.api.Completion`
+        strings cut before the first stop sequence, with their finish reasons
+        (:meth:`generate_finished` decoded as ``HFTextModel.generate`` decodes:
+        :func:`~darts_bench.evaluate.hf_model.completion_of`)."""
+        gens = self.generate_finished(requests, max_new_tokens=max_new_tokens, stop=stop, num_samples=num_samples,
+                                      temperature=temperature, top_p=top_p, seed=seed)
+        return [[completion_of(self.tokenizer, ids, eos, stop) for ids, eos in row] for row in gens]
 
     def prompt_states(self, prompts: Sequence[str]) -> torch.Tensor:
         """The plain merge's mean-pooled prompt states, ``[n, d_model]`` float32

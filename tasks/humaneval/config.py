@@ -2,24 +2,44 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from darts_bench.api import TaskConfig
 
+from .protocols import PROTOCOL_SAMPLING
+
 
 class HumanEvalConfig(TaskConfig):
-    protocol: Literal["codex", "instruct", "chat"] = Field(
-        "codex", description="prompt + extraction protocol (tasks/humaneval/README.md); `stop` applies to codex only")
+    protocol: Literal["codex", "instruct", "chat", "mergebench"] = Field(
+        "codex", description="prompt + extraction protocol (tasks/humaneval/README.md); `stop` applies to codex only; "
+        "mergebench also sets n_samples, temperature, top_p and k where they are not given")
     max_new_tokens: int = Field(128, ge=1)
     n_samples: int = Field(1, ge=1, description="samples per problem; 1 = greedy")
     k: list[int] = [1]
-    temperature: float = Field(0.8, gt=0)
+    temperature: float = Field(0.8, gt=0, description="sampling temperature (n_samples > 1)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling (Holtzman et al. 2020), n_samples > 1; "
+                         "1 = off")
     timeout_s: float = Field(5.0, gt=0)
     memory_mb: int = Field(1024, ge=64)
     workers: int = Field(2, ge=1)
     stop: list[str] = ["\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _protocol_sampling(cls, data: Any) -> Any:
+        """Fill the protocol's source sampling (``protocols.PROTOCOL_SAMPLING``: ``mergebench``) into
+        the keys the section does not give."""
+        if isinstance(data, dict) and data.get("protocol") in PROTOCOL_SAMPLING:
+            data = {**PROTOCOL_SAMPLING[data["protocol"]], **data}
+        return data
+
+    def sampling_departures(self) -> dict[str, dict[str, Any]]:
+        """``{key: {"protocol": source value, "config": value}}`` where the section departs from its
+        protocol's source sampling (``{}``: it follows it, or the protocol has none)."""
+        want = PROTOCOL_SAMPLING.get(self.protocol, {})
+        return {k: {"protocol": v, "config": getattr(self, k)} for k, v in want.items() if getattr(self, k) != v}
 
     @model_validator(mode="after")
     def _k(self) -> "HumanEvalConfig":

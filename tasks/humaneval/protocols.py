@@ -15,6 +15,15 @@ signature and docstring the problem prompt holds.
   with tabs, as MergeLM does), no stop sequence but end of sequence; the completion is MergeLM's
   post-processing of the response (the ```python block, cut at ``if __name__ == "__main__":`` and
   ``# Example usage``, code-alpaca's ``The solution is:`` / ``The answer is:`` markers).
+* ``mergebench``: MergeBench's code evaluation (He et al., NeurIPS 2025 D&B; ``uiuctml/MergeBench``, the
+  ``code_eval.json`` its merged models publish, @367c06ea): bigcode-evaluation-harness's ``humanevalplus``
+  task, i.e. the problem prompt with surrounding whitespace stripped (``get_prompt`` with
+  ``strip_prompt=True``, prefix ``""``), its stop words (``bigcode_eval/tasks/humaneval.py``
+  ``GeneralHumanEval``), the completion as generated; sampled: temperature 0.2, top_p 0.95, top_k 0,
+  10 samples, pass@1 and pass@10 (:data:`PROTOCOL_SAMPLING`). Departures: the tests are HumanEval's
+  (the harness runs HumanEval+'s, more per problem, so MergeBench's pass@k can only be lower), and the
+  harness caps prompt + completion at 512 tokens (``max_length_generation``) where
+  ``tasks.humaneval.max_new_tokens`` caps the completion alone.
 * ``chat``: the pool's chat template around an instruction and the prompt in a ```python fence;
   the completion is the first Python (```python, ```py) or unlabelled fenced code block of the answer
   (blocks in other languages are skipped; an unterminated block runs to the end; ``\r\n`` line
@@ -34,11 +43,22 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["HumanEvalProtocol", "PROTOCOLS", "get_protocol", "mergelm_postprocess", "extract_fenced_code", "fenced_blocks",
-           "CODEX_STOP", "MERGELM_CODE_TEMPLATE", "CHAT_INSTRUCTION"]
+__all__ = ["HumanEvalProtocol", "PROTOCOLS", "PROTOCOL_SAMPLING", "get_protocol", "mergelm_postprocess",
+           "extract_fenced_code", "fenced_blocks", "CODEX_STOP", "BIGCODE_STOP", "MERGELM_CODE_TEMPLATE", "CHAT_INSTRUCTION"]
 
 #: Codex paper stop sequences (also the default of ``tasks.humaneval.stop``).
 CODEX_STOP: tuple[str, ...] = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")
+
+#: bigcode-evaluation-harness ``GeneralHumanEval`` stop words (``bigcode_eval/tasks/humaneval.py``), MergeBench's.
+BIGCODE_STOP: tuple[str, ...] = ("\nclass", "\ndef", "\n#", "\n@", "\nprint", "\nif", "\n```", "<file_sep>")
+
+#: The sampling a protocol's source used, filled into ``tasks.humaneval`` where the config does not set
+#: it (``HumanEvalConfig``; an explicit value wins and is recorded as a departure): MergeBench's
+#: ``code_eval.json`` config ``do_sample: true, temperature: 0.2, top_k: 0, top_p: 0.95, n_samples: 10``
+#: with pass@1 and pass@10 reported.
+PROTOCOL_SAMPLING: dict[str, dict[str, Any]] = {
+    "mergebench": {"n_samples": 10, "temperature": 0.2, "top_p": 0.95, "k": [1, 10]},
+}
 
 #: MergeLM ``generate_code_task_prompt`` (verbatim, including the two blank lines).
 MERGELM_CODE_TEMPLATE = (
@@ -182,9 +202,13 @@ class HumanEvalProtocol:
 
     def reference(self, problem_prompt: str, canonical_solution: str) -> str:
         """The reference continuation whose NLL is reported: the canonical body for ``codex``, the
-        whole canonical function in a ```python fence for the instruction protocols."""
+        whole canonical function in a ```python fence for the instruction protocols; ``mergebench``:
+        the whitespace its stripped prompt dropped at the end, then the canonical body."""
         if self.name == "codex":
             return canonical_solution
+        if self.name == "mergebench":
+            stripped = problem_prompt.strip()
+            return problem_prompt[problem_prompt.index(stripped) + len(stripped):] + canonical_solution
         return "```python\n" + problem_prompt + canonical_solution.rstrip("\n") + "\n```"
 
     def describe(self, stop: tuple[str, ...]) -> dict[str, Any]:
@@ -209,6 +233,13 @@ PROTOCOLS: dict[str, HumanEvalProtocol] = {
         name="chat", version="2", source="darts-bench (instruction + fenced prompt in the pool's chat template)",
         template="format_chat(" + repr(CHAT_INSTRUCTION) + ")", stop=(), uses_chat_template=True,
         _extract=extract_fenced_code, _render=lambda p: CHAT_INSTRUCTION.format(prompt=p)),
+    "mergebench": HumanEvalProtocol(
+        name="mergebench", version="1",
+        source="uiuctml/MergeBench code_eval.json (@367c06ea): bigcode-evaluation-harness humanevalplus "
+               "(bigcode_eval/tasks/humaneval.py: prompt.strip(), stop words), T 0.2, top_p 0.95, n 10, pass@1/10; "
+               "tests: HumanEval's (not HumanEval+'s)",
+        template="{prompt}.strip()", stop=BIGCODE_STOP, uses_chat_template=False,
+        _extract=lambda r: r, _render=lambda p: p.strip()),
 }
 
 

