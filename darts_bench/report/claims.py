@@ -53,6 +53,7 @@ import pandas as pd
 
 # MIN_SEQUENCES: fewer units (held-out sequences, or examples) than this give a descriptive interval,
 # never a verdict; one threshold for the train stage, the tables and the claims
+from darts_bench.config import DATA_MERGE_METHODS
 from darts_bench.evidence import MIN_SEQUENCES
 from darts_bench.report.seeds import sign_test
 #: the fewest untied pairs for which the two-sided sign test can give p < 0.05 (2 / 2**6 = 0.031)
@@ -260,8 +261,8 @@ CLAIMS = {1: "representation bias grows with position under the causal mask",
           5: "routing keeps the oracle's gain (routed row vs the oracle row)",
           6: "one shared head keeps the oracle's gain (shared row vs the oracle row)",
           7: "the heads still help on top of a strong merge (AdaMerging, RegMean: head row vs the plain merge)"}
-#: merge methods claim 7 counts as strong (darts_bench/merge/: data merges learned or solved on calibration prompts)
-STRONG_MERGE_METHODS = ("adamerging", "regmean")
+#: merge methods claim 7 counts as strong: the data merges (learned or solved on calibration prompts)
+STRONG_MERGE_METHODS = DATA_MERGE_METHODS
 #: claim -> the task-agnostic row kind it compares with the oracle row (darts_bench/rows.py)
 AGNOSTIC_CLAIMS = {5: "routed", 6: "shared"}
 #: the families claims 5 and 6 compare (task metrics: a task-agnostic row has no held-out behaviour signals)
