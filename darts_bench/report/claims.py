@@ -314,8 +314,9 @@ def _gains(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]], pairs_me
     full = [c for c in cells.values() if "agnostic" in c and "oracle" in c]
     if not full:
         return None, None, 0
-    return (float(np.mean([np.mean(c["oracle"]) for c in full])), float(np.mean([np.mean(c["agnostic"]) for c in full])),
-            len(full))
+    # rounded to 12 decimals: a mean of exactly equal pairs reads 0, not float noise such as 4.7e-16
+    return (round(float(np.mean([np.mean(c["oracle"]) for c in full])), 12),
+            round(float(np.mean([np.mean(c["agnostic"]) for c in full])), 12), len(full))
 
 
 def agnostic_evidence(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]], task_names: list[str],
@@ -385,7 +386,7 @@ def _head_gains(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]], col
                 cells.setdefault((m["merge"], t), []).append(direction(col, t) * (a - b))
     if not cells:
         return None, 0
-    return float(np.mean([np.mean(v) for v in cells.values()])), len(cells)
+    return round(float(np.mean([np.mean(v) for v in cells.values()])), 12), len(cells)  # as _gains
 
 
 def strong_merge_evidence(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]], task_names: list[str],
