@@ -514,7 +514,7 @@ def recompute(results_dir: Path) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------ README findings block
 #: the results dirs whose claims the README's findings block shows, in order
-FINDINGS_RUNS = ("smollm2-135m", "tiny")
+FINDINGS_RUNS = ("smollm2-135m", "tiny", "tiny-strong")
 FINDINGS_BEGIN, FINDINGS_END = "<!-- findings:begin -->", "<!-- findings:end -->"
 
 
