@@ -109,7 +109,9 @@ def test_end_to_end_micro_run(micro_dir, micro_pipeline, capsys):
     assert protos["humaneval"]["protocol"] == "codex" and protos["humaneval"]["stop"] == ["\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#"]
     assert protos["gsm8k"]["protocol"] == "lm-eval" and protos["gsm8k"]["template"] == "Question: {{question}}\nAnswer:"
     assert protos["alpacaeval"]["protocol"] == "chat_template" and protos["alpacaeval"]["annotator"] == "darts_local_judge"
-    assert "- **humaneval**: protocol `codex` v1 (task v2)" in md and "annotator `darts_local_judge`" in md
+    from darts_bench_tasks.humaneval import TASK_VERSIONS
+
+    assert f"- **humaneval**: protocol `codex` v1 (task v{TASK_VERSIONS['codex']})" in md and "annotator `darts_local_judge`" in md
     assert (out / "plots" / "gsm8k_l1_by_position.png").is_file()
     # the compact table was printed (model x primary metric per task, gap closed per task, params added)
     assert "| model | humaneval_pass@1 | gsm8k_em_strict | gsm8k_em_flexible | alpacaeval_win_rate | " \
