@@ -12,6 +12,7 @@ through ``DartsQwen2ForCausalLM`` with and without heads (its own engine, after 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -199,8 +200,8 @@ HEADS = [None, "darts", "darts_bucket", "surgery"]
 
 def _per_request_heads_equal_row_by_row(s, prompts=PROMPTS):
     """One ``generate`` over every (head, prompt) pair, heads interleaved so each step's batch mixes
-    them, equals each head's own row-by-row generation token for token; ``score`` likewise equals the
-    per-head scores exactly; the row-by-row path's swapped head is untouched by the per-request ones."""
+    them, equals each head's own row-by-row generation token for token; ``score`` gives the per-head
+    greedy flags exactly and token NLLs within 1e-6 relative; the row-by-row path's swapped head is untouched by the per-request ones."""
     eng = s["engine"]
     dirs = [s["heads"][h] if h else None for h in HEADS]
     want = {h: eng.text_model("row", d).generate(prompts, max_new_tokens=NEW) for h, d in zip(HEADS, dirs)}
@@ -215,7 +216,11 @@ def _per_request_heads_equal_row_by_row(s, prompts=PROMPTS):
     sreq = [(k, c, x) for c, x in zip(prompts, conts) for k in range(len(HEADS))]
     for (k, c, _), g in zip(sreq, mh.score(sreq)):
         w = want_s[HEADS[k]][prompts.index(c)]
-        assert g.token_nll == w.token_nll and g.greedy == w.greedy
+        # within 1e-6 relative, the issue's tolerance for teacher-forced signals: vLLM CPU's prompt
+        # logprobs are not bitwise across batch compositions once earlier tests have filled the engine
+        # (seen: 3.6291075 vs 3.6291077 nats, 6.6e-8 relative, on the Qwen2 pool in the full file)
+        assert g.greedy == w.greedy and len(g.token_nll) == len(w.token_nll)
+        assert np.allclose(g.token_nll, w.token_nll, rtol=1e-6, atol=0.0), (HEADS[k], c, g.token_nll, w.token_nll)
     # the swapped head of the row-by-row path is untouched by the per-request ones
     assert eng.text_model("row", dirs[1]).generate(prompts, max_new_tokens=NEW) == want["darts"]
     return mh
@@ -273,7 +278,7 @@ def test_qwen2_head_changes_outputs_and_scores_match_hf(qwen2):
 
 def test_qwen2_per_request_heads_one_pass_equal_row_by_row(qwen2):
     """Per-request heads through ``DartsQwen2ForCausalLM`` (tied embeddings, grouped-query attention):
-    one pass over 4 heads x 3 prompts equals row by row token for token, scores exactly."""
+    one pass over 4 heads x 3 prompts equals row by row token for token, scores within 1e-6 relative."""
     _per_request_heads_equal_row_by_row(qwen2, PROMPTS[:3])
 
 
