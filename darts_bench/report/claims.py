@@ -319,6 +319,48 @@ def _gains(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]], pairs_me
             round(float(np.mean([np.mean(c["agnostic"]) for c in full])), 12), len(full))
 
 
+def _paired_claim_records(claim: int, rows: list[dict[str, Any]], pairs_meta: dict[str, dict[str, Any]],
+                          task_names: list[str], examples: list[dict], run_seed: int,
+                          primary: dict[str, str] | None, min_sequences: int, *, line_label: str, cell_label: str,
+                          a_favoured: str, a_name: str, b_name: str, gains) -> list[dict[str, Any]]:
+    """Evidence rows of a claim that pairs rows as claim 3 does (5, 6, 7): per (split, variant, family)
+    of :data:`AGNOSTIC_FAMILIES` the sign test over cells with Holm (``merge`` = ``all``), then per cell
+    the test of the seed-mean difference (:func:`darts_bench.report.evidence.cell_tests`), with claim 3's
+    verdict rules. ``pairs_meta`` relabels the compared rows as the ``darts`` (first, ``a_name``) and
+    ``surgery`` (second, ``b_name``) sides; ``gains(family, columns, split, variant)`` gives the text
+    appended to a line's evidence."""
+    from darts_bench.api import get_task
+    from darts_bench.report.evidence import cell_tests
+    from darts_bench.report.seeds import comparison_table
+
+    recs = []
+    for _, c in comparison_table(rows, pairs_meta, task_names, primary, families=AGNOSTIC_FAMILIES).iterrows():
+        p_holm = None if pd.isna(c["p_holm"]) else float(c["p_holm"])
+        fam = c["metric"]
+        cols = {t: ((primary or {}).get(t) or get_task(t).primary_metrics[0]) if fam == "primary" else f"{t}_{fam}"
+                for t in task_names}
+        recs.append({"claim": claim, "merge": "all", "task": "all", "split": c["calibration"], "metric": fam,
+                     "variant": c["variant"],
+                     "what": f"{fam} ({c['better']} is better), {line_label}, {c['variant']}: {c['wins']} wins / "
+                             f"{c['ties']} ties / {c['losses']} losses over {c['units']}"
+                             f"{gains(fam, cols, c['calibration'], c['variant'])}",
+                     "estimate": c["median_gain"], "ci_low": None, "ci_high": None, "n_sequences": None,
+                     "p_sign": None if pd.isna(c["p_sign"]) else float(c["p_sign"]), "p_holm": p_holm,
+                     "wins": int(c["wins"]), "losses": int(c["losses"]), "descriptive": None,
+                     "verdict": sign_verdict(int(c["wins"]), int(c["losses"]), p_holm, "Holm p")})
+    for t in cell_tests(examples, [], pairs_meta, task_names, run_seed, families=AGNOSTIC_FAMILIES, primary=primary):
+        favours = "> 0" if t["direction"] > 0 else "< 0"
+        what = (f"{t['metric']} {cell_label} ({t['variant']}), mean of {t['n_seeds']} seed(s) ({favours} favours "
+                f"{a_favoured}), " + (f"{t['test']}: {t['darts_better']} examples {a_name} better / "
+                                      f"{t['surgery_better']} {b_name} better" if t["test"].startswith("McNemar")
+                                      else f"{t['test']} over {t['n_units']} {t['unit']}"))
+        recs.append({"claim": claim, "merge": t["merge"], "task": t["task"], "split": t["split"],
+                     "metric": t["metric"], "variant": t["variant"], "what": what, "estimate": t["estimate"],
+                     "ci_low": t["ci_low"], "ci_high": t["ci_high"], "n_sequences": t["n_units"], "p": t.get("p"),
+                     "verdict": cell_test_verdict(t, min_sequences)})
+    return recs
+
+
 def agnostic_evidence(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]], task_names: list[str],
                       examples: list[dict], run_seed: int, primary: dict[str, str] | None = None,
                       min_sequences: int = MIN_SEQUENCES) -> pd.DataFrame:
@@ -326,41 +368,20 @@ def agnostic_evidence(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]
     and variant, family) the sign test over cells with Holm over :data:`AGNOSTIC_FAMILIES` (``merge`` =
     ``all``), and per cell the test of the seed-mean task-agnostic - oracle difference, with
     claim 3's rules (:func:`sign_verdict`, :func:`cell_test_verdict`)."""
-    from darts_bench.api import get_task
-    from darts_bench.report.evidence import cell_tests
-    from darts_bench.report.seeds import comparison_table
-
     recs = []
     for claim, kind in AGNOSTIC_CLAIMS.items():
         pm = agnostic_pairs_meta(meta, kind)
         if not pm:
             continue
-        comp = comparison_table(rows, pm, task_names, primary, families=AGNOSTIC_FAMILIES)
-        for _, c in comp.iterrows():
-            p_holm = None if pd.isna(c["p_holm"]) else float(c["p_holm"])
-            fam = c["metric"]
-            cols = {t: ((primary or {}).get(t) or get_task(t).primary_metrics[0]) if fam == "primary" else f"{t}_{fam}"
-                    for t in task_names}
-            g_o, g_a, n = _gains(rows, meta, pm, cols, c["calibration"], c["variant"])
-            gains = ("" if g_o is None else f"; mean gain over the merge ({fam}, > 0 better) over {n} cells: "
-                     f"oracle {g_o:.4g}, {kind} {g_a:.4g}")
-            recs.append({"claim": claim, "merge": "all", "task": "all", "split": c["calibration"], "metric": fam,
-                         "variant": c["variant"],
-                         "what": f"{fam} ({c['better']} is better), {kind} - oracle, {c['variant']}: {c['wins']} wins / "
-                                 f"{c['ties']} ties / {c['losses']} losses over {c['units']}{gains}",
-                         "estimate": c["median_gain"], "ci_low": None, "ci_high": None, "n_sequences": None,
-                         "p_sign": None if pd.isna(c["p_sign"]) else float(c["p_sign"]), "p_holm": p_holm,
-                         "wins": int(c["wins"]), "losses": int(c["losses"]), "descriptive": None,
-                         "verdict": sign_verdict(int(c["wins"]), int(c["losses"]), p_holm, "Holm p")})
-        for t in cell_tests(examples, [], pm, task_names, run_seed, families=AGNOSTIC_FAMILIES, primary=primary):
-            favours = "> 0" if t["direction"] > 0 else "< 0"
-            what = (f"{t['metric']} {kind} - oracle ({t['variant']}), mean of {t['n_seeds']} seed(s) ({favours} favours {kind}), "
-                    + (f"{t['test']}: {t['darts_better']} examples {kind} better / {t['surgery_better']} oracle better"
-                       if t["test"].startswith("McNemar") else f"{t['test']} over {t['n_units']} {t['unit']}"))
-            recs.append({"claim": claim, "merge": t["merge"], "task": t["task"], "split": t["split"],
-                         "metric": t["metric"], "variant": t["variant"], "what": what, "estimate": t["estimate"],
-                         "ci_low": t["ci_low"], "ci_high": t["ci_high"], "n_sequences": t["n_units"], "p": t.get("p"),
-                         "verdict": cell_test_verdict(t, min_sequences)})
+
+        def gains(fam, cols, split, variant, pm=pm, kind=kind):
+            g_o, g_a, n = _gains(rows, meta, pm, cols, split, variant)
+            return ("" if g_o is None else f"; mean gain over the merge ({fam}, > 0 better) over {n} cells: "
+                    f"oracle {g_o:.4g}, {kind} {g_a:.4g}")
+
+        recs += _paired_claim_records(claim, rows, pm, task_names, examples, run_seed, primary, min_sequences,
+                                      line_label=f"{kind} - oracle", cell_label=f"{kind} - oracle",
+                                      a_favoured=kind, a_name=kind, b_name="oracle", gains=gains)
     return pd.DataFrame(recs)
 
 
@@ -403,10 +424,6 @@ def strong_merge_evidence(rows: list[dict[str, Any]], meta: dict[str, dict[str, 
     Args:
         merge_methods: merge name -> merge method (``merges[*].method`` of the config).
     """
-    from darts_bench.api import get_task
-    from darts_bench.report.evidence import cell_tests
-    from darts_bench.report.seeds import comparison_table
-
     strong = {m for m, meth in (merge_methods or {}).items() if meth in STRONG_MERGE_METHODS}
     if not strong:
         return pd.DataFrame()
@@ -435,36 +452,17 @@ def strong_merge_evidence(rows: list[dict[str, Any]], meta: dict[str, dict[str, 
         {**e, "row": alias} for alias, p in alias_of.items() for e in plain_examples.get(p, [])]
     all_rows = [r for r in rows if r["model"] in pm] + extra_rows
     free = {m["merge"] for m in meta.values() if m.get("merge") and m["merge"] not in strong}
-    recs = []
-    comp = comparison_table(all_rows, pm, task_names, primary, families=AGNOSTIC_FAMILIES)
-    for _, c in comp.iterrows():
-        p_holm = None if pd.isna(c["p_holm"]) else float(c["p_holm"])
-        fam = c["metric"]
-        cols = {t: ((primary or {}).get(t) or get_task(t).primary_metrics[0]) if fam == "primary" else f"{t}_{fam}"
-                for t in task_names}
-        g_s, n_s = _head_gains(rows, meta, cols, c["variant"], c["calibration"], strong)
-        g_f, n_f = _head_gains(rows, meta, cols, c["variant"], c["calibration"], free)
-        gains = "" if g_s is None else (f"; mean gain of the head over its merge ({fam}, > 0 better): strong merges "
-                                        f"{g_s:.4g} over {n_s} cells" + ("" if g_f is None else
-                                                                         f", training-free merges {g_f:.4g} over {n_f} cells"))
-        recs.append({"claim": 7, "merge": "all", "task": "all", "split": c["calibration"], "metric": fam,
-                     "variant": c["variant"],
-                     "what": f"{fam} ({c['better']} is better), head - plain strong merge, {c['variant']}: {c['wins']} "
-                             f"wins / {c['ties']} ties / {c['losses']} losses over {c['units']}{gains}",
-                     "estimate": c["median_gain"], "ci_low": None, "ci_high": None, "n_sequences": None,
-                     "p_sign": None if pd.isna(c["p_sign"]) else float(c["p_sign"]), "p_holm": p_holm,
-                     "wins": int(c["wins"]), "losses": int(c["losses"]), "descriptive": None,
-                     "verdict": sign_verdict(int(c["wins"]), int(c["losses"]), p_holm, "Holm p")})
-    for t in cell_tests(ex, [], pm, task_names, run_seed, families=AGNOSTIC_FAMILIES, primary=primary):
-        favours = "> 0" if t["direction"] > 0 else "< 0"
-        what = (f"{t['metric']} head - plain merge ({t['variant']}), mean of {t['n_seeds']} seed(s) ({favours} favours "
-                f"the head), " + (f"{t['test']}: {t['darts_better']} examples head better / {t['surgery_better']} "
-                                  f"merge better" if t["test"].startswith("McNemar")
-                                  else f"{t['test']} over {t['n_units']} {t['unit']}"))
-        recs.append({"claim": 7, "merge": t["merge"], "task": t["task"], "split": t["split"],
-                     "metric": t["metric"], "variant": t["variant"], "what": what, "estimate": t["estimate"],
-                     "ci_low": t["ci_low"], "ci_high": t["ci_high"], "n_sequences": t["n_units"], "p": t.get("p"),
-                     "verdict": cell_test_verdict(t, min_sequences)})
+
+    def gains(fam, cols, split, variant):
+        g_s, n_s = _head_gains(rows, meta, cols, variant, split, strong)
+        g_f, n_f = _head_gains(rows, meta, cols, variant, split, free)
+        return "" if g_s is None else (f"; mean gain of the head over its merge ({fam}, > 0 better): strong merges "
+                                       f"{g_s:.4g} over {n_s} cells" + ("" if g_f is None else
+                                                                        f", training-free merges {g_f:.4g} over {n_f} cells"))
+
+    recs = _paired_claim_records(7, all_rows, pm, task_names, ex, run_seed, primary, min_sequences,
+                                 line_label="head - plain strong merge", cell_label="head - plain merge",
+                                 a_favoured="the head", a_name="head", b_name="merge", gains=gains)
     return pd.DataFrame(recs)
 
 
