@@ -188,7 +188,12 @@ def task_split(cfg, fs: FeatureSet, name: str, split: str, seed: int) -> tuple[l
     """``(train, held-out)`` sequence indices of one task's calibration set under head seed ``seed``:
     the split the task's heads train and validate on (:func:`train_and_diagnose`)."""
     n_seq = len(fs.calib.meta["sequences"])
-    return split_by_sequence(n_seq, cfg.calibration.held_out_fraction, derive_seed(seed, "split", name, split))
+    return split_by_sequence(n_seq, cfg.calibration.held_out_fraction, split_seed(seed, name, split))
+
+
+def split_seed(seed: int, name: str, split: str) -> int:
+    """The seed of one task's train / held-out split under head seed ``seed`` (:func:`task_split`)."""
+    return derive_seed(seed, "split", name, split)
 
 
 def router_key(cfg, fss: dict[str, FeatureSet], seed: int) -> str:
@@ -524,9 +529,8 @@ def diagnosis_inputs(cfg, fs: FeatureSet, merge_dir: Path, expert_dir: Path, ref
     W_e, W_m = lm_head_weight(expert_dir), lm_head_weight(merge_dir)
     W_e = W_e[: W_m.shape[0]]  # pool.vocab_alignment=base: the expert's appended tokens are dropped
     calib = fs.calib  # the calibration set the merged features were collected on
-    n_seq = len(calib.meta["sequences"])
-    seed = derive_seed(run_seed, "split", name, split)
-    tr_seq, va_seq = split_by_sequence(n_seq, cfg.calibration.held_out_fraction, seed)
+    seed = split_seed(run_seed, name, split)
+    tr_seq, va_seq = task_split(cfg, fs, name, split, run_seed)  # the split routers and shared heads read too
     # one [N, d] buffer per model in the stored dtype; train / val are index views of it
     train_, val = load_split(calib.expert_shards(), fs.merged_shards(), tr_seq, scfg.entropy_source, W_e, W_m)
     template = shared_template(calib.meta)  # once per calibration set; every mask is over it
