@@ -67,6 +67,14 @@ class Routing:
                 "counts": {t: int(c.get(t, 0)) for t in self.router.classes}}
 
 
+def check_router_heads(name: str, router: Router, heads) -> None:
+    """Raises ValueError when a class of ``router`` has no entry in ``heads`` (task -> head model or
+    slot), naming row ``name``, the missing classes and the heads there are."""
+    missing = [t for t in router.classes if t not in heads]
+    if missing:
+        raise ValueError(f"{name}: router classes {missing} have no head (heads: {sorted(heads)})")
+
+
 @lru_cache(maxsize=1)
 def _local_plain(model_dir: str, device: str, dtype: str, batch_size: int):
     from darts_bench.evaluate.engines.hf import load_text_model
@@ -102,9 +110,7 @@ class RoutedTextModel:
 
     def __init__(self, name: str, router: Router, plain, heads: dict[str, object], batch_size: int,
                  states: Callable[[list[str]], object] | None = None):
-        missing = [t for t in router.classes if t not in heads]
-        if missing:
-            raise ValueError(f"{name}: router classes {missing} have no head (heads: {sorted(heads)})")
+        check_router_heads(name, router, heads)
         self.name, self.plain, self.heads, self.batch_size = name, plain, heads, batch_size
         self.routing = Routing(router, states if states is not None else plain.prompt_states)
 
@@ -146,4 +152,4 @@ class RoutedTextModel:
                 m.close()
 
 
-__all__ = ["RoutedTextModel", "Routing", "prompt_state_source"]
+__all__ = ["RoutedTextModel", "Routing", "check_router_heads", "prompt_state_source"]

@@ -261,6 +261,16 @@ def evaluate_group(cfg, group: list[Row], task: Task, examples: list[Example], b
     return out  # type: ignore[return-value]
 
 
+def _generate_kw(max_new_tokens, stop, num_samples, temperature, top_p, seed) -> dict:
+    """The gathered ``generate`` call's keyword arguments, normalised (one group per equal set);
+    ``top_p`` only below 1, so a multi-head model without it serves the other calls."""
+    kw = {"max_new_tokens": int(max_new_tokens), "stop": tuple(stop), "num_samples": int(num_samples),
+          "temperature": float(temperature), "seed": int(seed)}
+    if top_p != 1.0:
+        kw["top_p"] = float(top_p)
+    return kw
+
+
 class RowView:
     """One row's model as its task sees it in the one-pass path (a
     :class:`~darts_bench.api.TextModel`): ``generate`` and ``score`` are gathered with the other
@@ -301,10 +311,7 @@ class RowView:
                  seed: int = 0) -> list[list[str]]:
         """See :meth:`darts_bench.api.TextModel.generate`; waits for the gathered call (``top_p``
         is passed on only below 1, so a multi-head model without it serves the other calls)."""
-        kw = {"max_new_tokens": int(max_new_tokens), "stop": tuple(stop), "num_samples": int(num_samples),
-              "temperature": float(temperature), "seed": int(seed)}
-        if top_p != 1.0:
-            kw["top_p"] = float(top_p)
+        kw = _generate_kw(max_new_tokens, stop, num_samples, temperature, top_p, seed)
         return self._gather.call(self._slot, "generate", kw, [(self._slot, p) for p in prompts])
 
     def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:
@@ -327,11 +334,9 @@ class RoutedRowView(RowView):
 
     def __init__(self, name: str, slot: int, gather: "_Gather", router, slots: dict[str, int], cfg, model_dir):
         super().__init__(name, slot, gather)
-        from darts_bench.evaluate.routed import Routing, prompt_state_source
+        from darts_bench.evaluate.routed import Routing, check_router_heads, prompt_state_source
 
-        missing = [t for t in router.classes if t not in slots]
-        if missing:
-            raise ValueError(f"{name}: router classes {missing} have no head (heads: {sorted(slots)})")
+        check_router_heads(name, router, slots)
 
         def states(texts):
             return prompt_state_source(gather.model(), model_dir, cfg)(texts)
@@ -349,10 +354,7 @@ class RoutedRowView(RowView):
         prompts = list(prompts)
         choices = self.routing.route(prompts)
         plan = chunk_plan(choices, self._bs, whole=temperature > 0)
-        kw = {"max_new_tokens": int(max_new_tokens), "stop": tuple(stop), "num_samples": int(num_samples),
-              "temperature": float(temperature), "seed": int(seed)}
-        if top_p != 1.0:
-            kw["top_p"] = float(top_p)
+        kw = _generate_kw(max_new_tokens, stop, num_samples, temperature, top_p, seed)
         res = self._gather.call(self._slot, "generate", kw,
                                 [(self._slots[t], prompts[j]) for t, idx in plan.items() for j in idx])
         outs, o = {}, 0
