@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import random
+import time
 
 import torch
 from tqdm.auto import tqdm
 
 from darts_bench.data import strip_calculator
 from darts_bench.evaluate.hf_model import DEFAULT_TEMPLATE
+
+log = logging.getLogger(__name__)
+
+# a log line every this many steps: the tqdm bar is off in a non-tty log (a long pool build was silent for 77 min)
+LOG_EVERY = 10
 
 
 def expert_texts(records: list[dict], fmt: str, eos: str, chat) -> list[str]:
@@ -63,6 +70,7 @@ def train_causal_lm(model, chunks: torch.Tensor, *, steps: int, batch_size: int,
     model.train()
     losses = []
     bar = tqdm(range(steps), desc=desc, leave=False, mininterval=2.0)
+    t0 = time.perf_counter()
     for step in bar:
         idx = torch.randint(0, chunks.shape[0], (batch_size,), generator=g)
         x = chunks[idx]
@@ -77,6 +85,10 @@ def train_causal_lm(model, chunks: torch.Tensor, *, steps: int, batch_size: int,
         losses.append(loss.item())
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
+        if (step + 1) % LOG_EVERY == 0 or step + 1 == steps:
+            el = time.perf_counter() - t0
+            log.info("%s: step %d/%d, loss %.4f nats/token, %.1f s/step, %.0f s elapsed", desc, step + 1, steps,
+                     losses[-1], el / (step + 1), el)
     model.eval()
     return losses
 
