@@ -281,6 +281,29 @@ def test_report_from_results_recomputes_a_micro_run(micro_pipeline, tmp_path, ca
     assert "differs: table_gsm8k.csv ties+darts gsm8k_ref_nll" in said
 
 
+COMMITTED_WITH_EVIDENCE = sorted(p.parent.name for p in (REPO / "results").glob("*/evidence"))
+
+
+@pytest.mark.parametrize("name", COMMITTED_WITH_EVIDENCE)
+def test_committed_results_recompute_from_their_own_files(name, tmp_path, capsys):
+    """Every committed results dir with an ``evidence/`` folder: ``report --from-results`` recomputes its
+    claims.md verdicts and every interval of its tables from results.json + the per-example and
+    per-sequence files alone, identical to the committed ones (the reviewer's recomputation)."""
+    from darts_bench.cli import main
+
+    assert "tiny" in COMMITTED_WITH_EVIDENCE
+    copy = tmp_path / name
+    shutil.copytree(REPO / "results" / name, copy)
+    capsys.readouterr()
+    assert main(["report", "--from-results", str(copy), "--out", str(tmp_path / "re")]) == 0
+    said = capsys.readouterr().out
+    assert "identical to the committed ones" in said
+    n_verdicts = int(said.split(" verdict rows")[0].rsplit(" ", 1)[1])
+    n_iv = int(said.split(" intervals recomputed")[0].rsplit(" ", 1)[1])
+    assert n_verdicts > 0 and n_iv > 0
+    assert (tmp_path / "re" / "claims.md").read_text() == (REPO / "results" / name / "claims.md").read_text()
+
+
 def test_readme_findings_block_matches_results():
     """The README's findings block is generated from the committed results (scripts/readme_findings.py);
     the coordinator regenerates it after a rerun (`--write`)."""
