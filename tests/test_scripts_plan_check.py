@@ -1,0 +1,49 @@
+"""scripts/plan_check.py: the planner's stage times beside a measured run's (the 25% check)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("plan_check", REPO / "scripts" / "plan_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_plan_check_sets_the_plan_beside_the_committed_tiny_run():
+    from darts_bench.config import Config
+    from darts_bench.plan import make_plan
+
+    pc = _script()
+    manifest = json.loads((REPO / "results" / "tiny" / "results.json").read_text())["manifest"]
+    plan = make_plan(Config.model_validate(manifest["config"]))
+    recs = {r["stage"]: r for r in pc.plan_check(REPO / "results" / "tiny")}
+    for s in ("pool", "collect", "train", "evaluate"):
+        r = recs[s]
+        assert r["measured_s"] == manifest["stage_seconds"][s]
+        assert r["planned_s"] == plan["stages"][s]["wall_seconds"]
+        assert r["ratio"] == pytest.approx(r["measured_s"] / r["planned_s"])
+        assert r["verdict"] == ("within" if abs(r["ratio"] - 1) <= 0.25 else "over" if r["ratio"] > 1 else "under")
+    # a 10x tolerance holds every stage
+    assert all(r["verdict"] in ("within", "not planned") for r in pc.plan_check(REPO / "results" / "tiny", 10.0))
+
+
+def test_plan_check_cached_stages_and_missing_files(tmp_path, capsys):
+    pc = _script()
+    run = tmp_path / "run"
+    shutil.copytree(REPO / "results" / "tiny", run, ignore=shutil.ignore_patterns("samples", "evidence", "plots"))
+    doc = json.loads((run / "results.json").read_text())
+    doc["manifest"]["stage_seconds"]["pool"] = 0.3  # a cache hit
+    (run / "results.json").write_text(json.dumps(doc))
+    assert {r["stage"]: r["verdict"] for r in pc.plan_check(run)}["pool"] == "cached"
+    assert pc.main([str(tmp_path / "nothing")]) == 2
+    assert "cannot check the plan" in capsys.readouterr().err
