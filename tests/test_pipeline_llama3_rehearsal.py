@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 # tests/README.md: markers (a pool built here, a pipeline run of ~80 s on the shared 2-core machine)
-pytestmark = [pytest.mark.micro, pytest.mark.slow]
+pytestmark = [pytest.mark.micro, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 ROWS = ["base", "expert:instruction", "expert:math", "expert:coding", "task_arithmetic", "task_arithmetic+darts"]
 TASK_EXPERTS = {"humaneval": "coding", "gsm8k": "math", "alpacaeval": "instruction"}
