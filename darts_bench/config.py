@@ -11,6 +11,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -147,14 +148,12 @@ class PoolConfig(_Strict):
         "merge on the base's (mergekit tokenizer_source: base); 'error': any difference fails")
     architecture: str | PlanArchitecture | None = Field(
         None, description="the pool's architecture for `run --dry-run` when no config.json of the base is at hand "
-        "(a local dir or the local hub cache, which win): a known architecture's name (darts_bench.plan."
-        "architecture.KNOWN_ARCHITECTURES, e.g. llama-3.2-3b) or its config.json numbers; read by the planner "
+        "(a local dir or the local hub cache, which win): a known architecture's name (KNOWN_ARCHITECTURES, "
+        "e.g. llama-3.2-3b) or its config.json numbers; read by the planner "
         "only, left out of every cache key")
 
     @model_validator(mode="after")
-    def _hf_needs_paths(self) -> "PoolConfig":
-        import re
-
+    def _experts(self) -> "PoolConfig":
         bad = [e for e in self.experts if not re.match(EXPERT_NAME_PATTERN, e) or e == "base"]
         if bad:
             raise ValueError(f"pool.experts: invalid expert name(s) {bad}: an expert name is a row name "
