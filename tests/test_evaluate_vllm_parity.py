@@ -314,6 +314,8 @@ def test_per_request_heads_sampled_equal_row_by_row(qwen2):
 
 
 # ------------------------------------------------ the MergeBench preset on the 3B-shaped rehearsal pool
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # two pipeline runs; the vLLM one starts an engine per model dir (5, 25-120 s each on CPU)
 def test_llama3_rehearsal_metrics_equal_hf(llama3_hub, data_dir, tmp_path_factory):
     """The ``mergebench-llama3.2-3b`` preset, shrunk, on the 3B-shaped Llama-3 rehearsal pool
     (tests/test_pipeline_llama3_rehearsal.py: tied embeddings, GQA, rope_scaling llama3, 128,256-entry
