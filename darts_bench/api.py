@@ -207,14 +207,24 @@ class TaskConfig(BaseModel):
         None, exclude=True, description="the task's primary metric: one of its headline columns "
         "(Task.primary_metrics), read by the compact table, the DARTS vs Surgery comparison, the claims and the "
         "figures; the other headline columns are shown beside it. None: the first headline column")
+    # not in model_dump either: the expert enters the keys of what it changes through its checkpoint's
+    # content key (calibration, features, heads, corrected rows); results.json records it as
+    # manifest.task_experts
+    expert: str | None = Field(
+        None, exclude=True, description="the pool expert (a name in pool.experts, or of the built pools: code, "
+        "math, instruction) whose features the task's Surgery / DARTS heads are trained toward. None: the task's "
+        "own default (Task.expert)")
 
 
 class Task(ABC):
     """One benchmark. Subclasses set:
 
     * ``name`` (the registry key, ``tasks.<name>`` config section, column prefix),
-    * ``expert``: the pool expert (``code``, ``math`` or ``instruction``: ``config.EXPERT_NAMES``) whose
-      features calibrate the Surgery / DARTS heads for this task; ``None``: the task is evaluated on
+    * ``expert``: the pool expert (built pools: ``code``, ``math`` or ``instruction``: ``config.EXPERT_NAMES``)
+      whose features calibrate the Surgery / DARTS heads for this task, by default; a run's
+      ``tasks.<name>.expert`` names another (e.g. MergeBench's ``coding``; :func:`get_task` sets it on the
+      instance, so the class attribute stays the default and names the task's expert-training data
+      for :meth:`training_prompts`); ``None``: the task is evaluated on
       every row but gets no heads (corrected rows are evaluated as their merge; the report says so),
     * ``version`` (bumped on any protocol change; recorded in results),
     * ``primary_metrics``: the headline columns, in ``TaskResult.metrics`` and the report,
@@ -543,7 +553,8 @@ def get_task(name: str, config: TaskConfig | None = None) -> Task:
     """Instantiate the task registered as ``name``. With ``config`` (its ``tasks.<name>`` section)
     the instance's :attr:`Task.protocol` is ``config.protocol`` when the section has that field:
     the one place a run gives a task its protocol (its :meth:`Task.examples` and
-    :meth:`Task.evaluate` both read ``task.protocol``, not the config).
+    :meth:`Task.evaluate` both read ``task.protocol``, not the config); likewise its
+    :attr:`Task.expert` is ``config.expert`` when set.
 
     Raises:
         KeyError: no such task (the message lists the installed ones).
@@ -557,4 +568,7 @@ def get_task(name: str, config: TaskConfig | None = None) -> Task:
     protocol = getattr(config, "protocol", None)
     if protocol is not None:
         task.protocol = protocol
+    expert = getattr(config, "expert", None)
+    if expert is not None:  # tasks.<name>.expert: the pool expert this run's heads are trained toward
+        task.expert = expert
     return task

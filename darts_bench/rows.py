@@ -129,15 +129,15 @@ def agnostic_suffix(cfg, split: str, method: str, kind: str, tag: str, seed: int
 
 
 def row_specs(cfg) -> list[RowSpec]:
-    """Every row of ``cfg`` in table order: base, ``expert:<e>`` for each pool expert, then each
+    """Every row of ``cfg`` in table order: base, ``expert:<e>`` for each pool expert (``pool.experts``
+    in order, or the built pools' three), then each
     merge followed by its corrected rows (split, then method, then sweep variant, then head seed),
     each split's control rows after its method rows (:func:`control_tags`, then head seed), then its
     task-agnostic rows (``surgery.task_agnostic`` kind in :data:`ROUTING_KINDS` order, then method,
     variant, head seed)."""
-    from darts_bench.config import EXPERT_NAMES
     from darts_bench.controls import CONTROL_METHOD
 
-    specs = [RowSpec("base", expert="base"), *(RowSpec(f"expert:{e}", expert=e) for e in EXPERT_NAMES)]
+    specs = [RowSpec("base", expert="base"), *(RowSpec(f"expert:{e}", expert=e) for e in cfg.pool.expert_names)]
     tags = [tag for tag, _ in surgery_variants(cfg)]
     heads = [(method, tag) for method in cfg.surgery.methods for tag in tags]
     heads += [(CONTROL_METHOD, tag) for tag in control_tags(cfg)]

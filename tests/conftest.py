@@ -190,3 +190,14 @@ def rehearsal_hub(micro_pipeline, tmp_path_factory) -> Path:
     home = tmp_path_factory.mktemp("rehearsal-hf")
     build_rehearsal_hub({"base": pool.base, **pool.experts}, home / "hub")
     return home
+
+
+@pytest.fixture(scope="session")
+def llama3_hub(data_dir, tmp_path_factory) -> Path:
+    """The 3B-shaped Llama-3 rehearsal pool (darts_bench/pool/rehearsal_llama3.py: MergeBench's hub ids)
+    laid out in a hub cache; returns its HF_HOME (the cache is ``HF_HOME/hub``)."""
+    from darts_bench.pool.rehearsal_llama3 import build_llama3_rehearsal_hub
+
+    home = tmp_path_factory.mktemp("llama3-hf")
+    build_llama3_rehearsal_hub(data_dir, home / "hub")
+    return home

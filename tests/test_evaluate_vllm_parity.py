@@ -311,3 +311,32 @@ def test_per_request_heads_sampled_equal_row_by_row(qwen2):
     for (k, p), g in zip(reqs, got):
         assert g == want[k][short.index(p)], (HEADS[k], p)
     assert want[0] != want[1]  # the head changes the samples
+
+
+# ------------------------------------------------ the MergeBench preset on the 3B-shaped rehearsal pool
+@pytest.mark.slow
+@pytest.mark.timeout(2400)  # two pipeline runs; the vLLM one starts an engine per model dir (5, 25-120 s each on CPU)
+def test_llama3_rehearsal_metrics_equal_hf(llama3_hub, data_dir, tmp_path_factory):
+    """The ``mergebench-llama3.2-3b`` preset, shrunk, on the 3B-shaped Llama-3 rehearsal pool
+    (tests/test_pipeline_llama3_rehearsal.py: tied embeddings, GQA, rope_scaling llama3, 128,256-entry
+    vocabulary, MergeBench's expert names) end to end with ``evaluate.backend: vllm`` (the heads inside
+    vLLM's Llama, per request) against the same run on HF, sharing the pool, merge, features and heads:
+    every greedy metric equal, reference NLLs within 1e-4 nats. HumanEval greedy here (n_samples 1):
+    HF and vLLM draw different samples (tasks/humaneval/README.md), so sampled pass@k would differ."""
+    from test_pipeline_llama3_rehearsal import ROWS, TASK_EXPERTS, rehearsal_run
+
+    tmp = tmp_path_factory.mktemp("llama3-vllm")
+    greedy = ["tasks.humaneval.n_samples=1", "tasks.humaneval.k=[1]"]
+    vllm = ["evaluate.backend=vllm", "evaluate.vllm.max_model_len=4096", "evaluate.vllm.max_num_seqs=4",
+            "evaluate.vllm.max_num_batched_tokens=512", "evaluate.vllm.kv_cache_gb=1",
+            "evaluate.vllm.cpu_threads_bind=0"]
+    _, hf, hf_res = rehearsal_run(llama3_hub, data_dir, tmp / "hf", [*greedy, f"work_dir={tmp / 'work'}"])
+    _, vl, vl_res = rehearsal_run(llama3_hub, data_dir, tmp / "vllm", [*greedy, *vllm, f"work_dir={tmp / 'work'}"])
+    assert list(hf["model"]) == list(vl["model"]) == ROWS
+    assert hf_res["manifest"]["task_experts"] == vl_res["manifest"]["task_experts"] == TASK_EXPERTS
+    hf, vl = hf.set_index("model"), vl.set_index("model")
+    for col in ("humaneval_pass@1", "gsm8k_em_strict", "gsm8k_em_flexible", "alpacaeval_win_rate",
+                "humaneval_truncated_rate", "n_humaneval", "n_gsm8k", "n_alpacaeval"):
+        assert hf[col].equals(vl[col]), (col, hf[col].tolist(), vl[col].tolist())
+    for t in TASK_EXPERTS:
+        assert np.allclose(hf[f"{t}_ref_nll"], vl[f"{t}_ref_nll"], atol=1e-4, rtol=0), t

@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from darts_bench.artifacts import cached, stable_hash
-from darts_bench.config import EXPERT_NAMES, Config
+from darts_bench.config import Config
 from darts_bench.merge.mergekit_merge import merge_config_dict, run_one_merge, write_mergekit_config
 from darts_bench.pool.build import Pool
 
@@ -59,7 +59,7 @@ def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None) -> dict[s
             final = work_dir / "merges" / f"{spec.name}-{key}"
             mod, fn, _ = DATA_MERGES[spec.method]
             builder = getattr(importlib.import_module(mod), fn)
-            experts = {e: pool.experts[e] for e in EXPERT_NAMES}
+            experts = dict(pool.experts)  # every expert of the pool, in its order
             cached(final, lambda tmp, b=builder, s=spec, p=prompts: b(s, pool.base, experts, p, loaded.tokenizer,
                                                                        cfg, tmp),
                    what=f"merge {spec.name} ({spec.method})",

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from darts_bench.config import EXPERT_NAMES, MergeSpec
+from darts_bench.config import MergeSpec
 from darts_bench.merge.data import copy_base_files
 from darts_bench.pool.build import Pool
 
@@ -29,12 +29,13 @@ MERGEKIT_CONFIG = "mergekit_config.yml"
 
 
 def merge_config_dict(spec: MergeSpec, pool: Pool, vocab_alignment: str = "error") -> dict:
-    """The mergekit ``MergeConfiguration`` (as a dict) for ``spec`` over all experts of ``pool``;
+    """The mergekit ``MergeConfiguration`` (as a dict) for ``spec`` over all experts of ``pool``, in
+    the pool's order (``pool.experts``: any names, any number);
     ``vocab_alignment="base"`` merges on the base's tokenizer (``tokenizer_source: base``)."""
     params: dict = {"weight": spec.weight}
     if spec.density is not None:
         params["density"] = spec.density
-    models = [{"model": str(pool.experts[e]), "parameters": dict(params)} for e in EXPERT_NAMES]
+    models = [{"model": str(path), "parameters": dict(params)} for path in pool.experts.values()]
     cfg: dict = {"merge_method": spec.method, "models": models, "dtype": spec.dtype}
     if spec.method != "linear":
         cfg["base_model"] = str(pool.base)

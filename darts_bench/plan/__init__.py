@@ -117,12 +117,15 @@ def print_plan(cfg: Config, suite: str = "all", limit: int | None = None, file: 
     Raises:
         DataError: a given data dir, or a selected task's folder in it, is missing.
         PermissionError: the output dir (``out_dir`` or the config's) or the work dir cannot be written.
-        ValueError: as :func:`make_plan`.
+        ValueError: as :func:`make_plan`; a task mapped to an expert the pool does not have, or
+            merges from fewer than two experts (:mod:`darts_bench.checks`).
     """
     from darts_bench.api import resolve_suite
-    from darts_bench.checks import check_data_dir, check_output_dir
+    from darts_bench.checks import check_data_dir, check_output_dir, check_pool_experts, check_task_experts
 
     names = resolve_suite(suite, cfg.tasks)
+    check_pool_experts(cfg)
+    check_task_experts(cfg, names)
     check_data_dir(cfg.resolved_data_dir(), names)
     check_output_dir(Path(out_dir) if out_dir else cfg.resolved_out_dir(), "output dir", create=False)
     check_output_dir(Path(cfg.work_dir), "work dir", create=False)

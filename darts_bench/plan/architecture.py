@@ -3,8 +3,9 @@ contacted), and the parameter counts derived from it.
 
 Where it comes from, first match wins: ``pool.tiny`` for the tiny tier; ``config.json`` of a local
 model dir, or of a hub id whose snapshot is in the local hub cache (``HF_HOME`` / ``HF_HUB_CACHE``;
-looked up with ``huggingface_hub.try_to_load_from_cache``, never fetched); else
-:data:`KNOWN_ARCHITECTURES`, matched on the model id (SmolLM2-135M, Llama-2-7B).
+looked up with ``huggingface_hub.try_to_load_from_cache``, never fetched); ``pool.architecture`` (a
+name in :data:`KNOWN_ARCHITECTURES` or the numbers, :class:`~darts_bench.config.PlanArchitecture`);
+else :data:`KNOWN_ARCHITECTURES`, matched on the model id (SmolLM2-135M, Llama-2-7B, Llama-3.2-3B).
 
 An architecture is a dict with the ``config.json`` keys ``hidden_size``, ``num_hidden_layers``,
 ``vocab_size``, ``intermediate_size``, ``num_attention_heads``, ``num_key_value_heads`` (ints),
@@ -17,19 +18,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from darts_bench.config import Config
+from darts_bench.config import KNOWN_ARCHITECTURES, Config
 
 #: bytes per element of the dtypes a config may name (``pool.dtype``, ``merges[].dtype``, vLLM's)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-#: architectures of the packaged tiers' models, used when no local or cached config.json is there
-KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
-    "smollm2-135m": {"hidden_size": 576, "num_hidden_layers": 30, "vocab_size": 49152, "intermediate_size": 1536,
-                     "num_attention_heads": 9, "num_key_value_heads": 3, "tie_word_embeddings": True,
-                     "max_position_embeddings": 8192},
-    "llama-2-7b": {"hidden_size": 4096, "num_hidden_layers": 32, "vocab_size": 32000, "intermediate_size": 11008,
-                   "num_attention_heads": 32, "num_key_value_heads": 32, "tie_word_embeddings": False,
-                   "max_position_embeddings": 4096},
-}
 _ARCH_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "num_attention_heads",
               "num_key_value_heads", "tie_word_embeddings")
 
@@ -40,6 +32,8 @@ def _known(name: str | None) -> str | None:
         return "smollm2-135m"
     if "llama-2-7b" in n or "llama2-7b" in n:
         return "llama-2-7b"
+    if "llama-3.2-3b" in n or "llama3.2-3b" in n:
+        return "llama-3.2-3b"
     return None
 
 
@@ -87,7 +81,8 @@ def _from_dir(path: str | None) -> dict[str, Any] | None:
 
 def architecture(cfg: Config) -> tuple[dict[str, Any] | None, str]:
     """``(arch, source)``: the pool's architecture (see the module docstring; None if unknown) and a
-    sentence saying where it came from (``pool.tiny``, a ``config.json`` path, a known model id)."""
+    sentence saying where it came from (``pool.tiny``, a ``config.json`` path, ``pool.architecture``,
+    a known model id)."""
     pool = cfg.pool
     if pool.kind == "tiny":
         t = pool.tiny
@@ -99,12 +94,20 @@ def architecture(cfg: Config) -> tuple[dict[str, Any] | None, str]:
     arch = _from_dir(pool.base)
     if arch:
         return arch, str(_config_file(pool.base))
+    given = pool.architecture
+    if isinstance(given, str):
+        return dict(KNOWN_ARCHITECTURES[given]), f"pool.architecture {given} (known architecture)"
+    if given is not None:
+        arch = given.model_dump(mode="json")
+        arch["num_key_value_heads"] = arch["num_key_value_heads"] or arch["num_attention_heads"]
+        return arch, "pool.architecture (given in the config)"
     for cand in (pool.base, pool.gguf_file if pool.kind == "gguf" else None,
                  pool.gguf_wheel if pool.kind == "gguf" else None, cfg.name):
         k = _known(cand)
         if k:
             return dict(KNOWN_ARCHITECTURES[k]), f"known architecture {k} (from {cand!r})"
-    return None, "unknown (no local config.json and not a known model id)"
+    return None, ("unknown (no local config.json, no pool.architecture and not a known model id; set "
+                  f"pool.architecture to one of {sorted(KNOWN_ARCHITECTURES)} or to the base's config.json numbers)")
 
 
 def param_count(arch: dict[str, Any]) -> dict[str, int]:

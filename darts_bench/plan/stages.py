@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from darts_bench.api import get_task, resolve_suite
-from darts_bench.config import EXPERT_NAMES, Config
+from darts_bench.config import Config
 from darts_bench.plan.architecture import DTYPE_BYTES, activations, architecture, kv_cache, param_count
 from darts_bench.plan.resources import (ACTOR_START_S, DIAG_BATCH, DIAG_TEMPS, FEATURE_COLUMNS_BYTES,
                                         LOAD_BYTES_PER_S, PROCESS_BASELINE, THROUGHPUT, decode_seconds,
@@ -150,7 +150,7 @@ def _task_entries(cfg: Config, names: list[str], limit: int | None
         prompt = typ["prompt"] + (typ.get("per_shot", 0) * getattr(tc, "num_fewshot", 0))
         tasks[t] = {"n_examples": n, "of": size, "max_new_tokens": getattr(tc, "max_new_tokens", 0),
                     "n_samples": getattr(tc, "n_samples", 1), "prompt_tokens_est": prompt,
-                    "reference_tokens_est": typ["reference"], "expert": task.expert,
+                    "reference_tokens_est": typ["reference"], "expert": cfg.tasks.expert(t),
                     "protocol": getattr(tc, "protocol", None)}
         per_row_gen = n * tasks[t]["n_samples"] * (prompt + tasks[t]["max_new_tokens"])
         tasks[t]["eval_forward_tokens_per_row"] = per_row_gen + n * (prompt + typ["reference"])
@@ -285,7 +285,7 @@ def pool(x: PlanInputs) -> dict[str, Any]:
     """Building or checking the pool: the tiny tier trains a tokenizer and its models (fp32 weights,
     gradients and Adam state + activations), a GGUF pool dequantizes and fine-tunes, a hub or local
     pool is checked (one model's weights)."""
-    cfg, p, E, P = x.cfg, x.cfg.pool, len(EXPERT_NAMES), x.params
+    cfg, p, E, P = x.cfg, x.cfg.pool, len(x.cfg.pool.expert_names), x.params
     if p.kind == "tiny":
         t = p.tiny
         train_tok = t.pretrain_steps * t.batch_size * t.seq_len + E * t.finetune_steps * t.batch_size * t.seq_len
@@ -302,9 +302,9 @@ def pool(x: PlanInputs) -> dict[str, Any]:
                if P else None)
     else:
         train_tok = 0
-        srcs = [p.base, *[p.experts[e] for e in EXPERT_NAMES]]
+        srcs = [p.base, *p.experts.values()]
         local = [s for s in srcs if s and Path(s).expanduser().is_dir()]
-        what = (f"use base {p.base} and experts " + ", ".join(f"{e}={p.experts[e]}" for e in EXPERT_NAMES)
+        what = (f"use base {p.base} and experts " + ", ".join(f"{e}={ref}" for e, ref in p.experts.items())
                 + f" ({len(local)} local dirs, {len(srcs) - len(local)} from the hub); check architectures and tokenizers")
         mem = x.weights
     s = {"what": what, "where": "local" + (f" (device {cfg.device})" if train_tok else ""),
@@ -348,7 +348,7 @@ def _data_merge(x: PlanInputs, m) -> dict[str, Any]:
                 f"forward + backward) on the entropy of {num(total)} {m.calibration_split} prompt tokens")
         secs = None if flops is None else (m.steps * step_tok * 6 * P) / THROUGHPUT[kind]["train"] + \
             (2 * total * 2 * P) / THROUGHPUT[kind]["forward"]
-        mem = (len(EXPERT_NAMES) + 4) * P * 4 + activations(arch, m.batch_size, x.cfg.calibration.max_prompt_tokens, 4) * 3 \
+        mem = (len(x.cfg.pool.expert_names) + 4) * P * 4 + activations(arch, m.batch_size, x.cfg.calibration.max_prompt_tokens, 4) * 3 \
             if P and arch else None
     else:
         h, f, L = (arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"]) if arch else (0, 0, 0)
@@ -373,7 +373,7 @@ def merge(x: PlanInputs) -> dict[str, Any]:
     data = [_data_merge(x, m) for m in cfg.merges if m.uses_data]
     shard = max((min(x.params * DTYPE_BYTES[m.dtype], MERGEKIT_OUT_SHARD_BYTES) for m in mk),
                 default=0) if x.params else 0
-    peak = ((len(EXPERT_NAMES) + 2) * lt * 4 + x.pool_bytes * lt + shard) if lt else None
+    peak = ((len(cfg.pool.expert_names) + 2) * lt * 4 + x.pool_bytes * lt + shard) if lt else None
     what = [f"{len(mk)} mergekit merges: " + ", ".join(f"{m.name} ({m.method}, {m.dtype})" for m in mk)] if mk else []
     s = {"what": "; ".join(what + [d["what"] for d in data]),
          "where": "local, mergekit (tensor by tensor, inputs streamed)"
@@ -585,7 +585,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     (``prompt_logprobs`` requests recompute their prompts) and prefills are counted per row (prefix
     caching may share them: not counted)."""
     cfg, W, P, kind = x.cfg, x.weights, x.params, x.kind
-    rows, E, M = len(x.evaluated), len(EXPERT_NAMES), len(cfg.merges)
+    rows, E, M = len(x.evaluated), len(cfg.pool.expert_names), len(cfg.merges)
     ray = cfg.executor == "ray"
     vllm = cfg.evaluate.backend == "vllm"
     judges = x.local_judges

@@ -126,11 +126,24 @@ def _appended_tokens(base_vocab: dict[str, int], expert_vocab: dict[str, int]) -
 
 def pool_config_key(pc) -> dict:
     """``pool`` config as it enters a built pool's key: ``tiny.architecture`` is left out at its
-    default (``llama``), so the Llama tiny pools built before the field existed keep their keys."""
+    default (``llama``), so the Llama tiny pools built before the field existed keep their keys, and
+    ``architecture`` (the planner's, :class:`~darts_bench.config.PlanArchitecture`) always."""
     d = pc.model_dump(mode="json")
+    d.pop("architecture", None)  # the planner's hint (pool.architecture), not the pool's content
     if d["tiny"].get("architecture") == "llama":
         del d["tiny"]["architecture"]
     return d
+
+
+def hf_pool_key(members: dict[str, str], names: tuple[str, ...] | list[str], vocab_alignment: str) -> str:
+    """Key of an ``hf`` pool: its models' content keys (``members``: ``base`` and each expert),
+    ``pool.vocab_alignment`` and the experts' order (``names``: the order merges take them in, which
+    their rounding depends on), the order left out when it is :data:`EXPERT_NAMES`' so the pools
+    keyed before experts had free names keep their keys."""
+    key: dict = {"members": members, "vocab_alignment": vocab_alignment}
+    if tuple(names) != EXPERT_NAMES:
+        key["experts"] = list(names)
+    return stable_hash(key)
 
 
 def build_pool(cfg: Config, work_dir: Path) -> Pool:
@@ -139,7 +152,10 @@ def build_pool(cfg: Config, work_dir: Path) -> Pool:
     The pool key covers the pool's content: for ``hf`` the sha256 of every checkpoint file
     (weights, safetensors index, config, tokenizer; :mod:`darts_bench.pool.hashing`, remembered by
     size + mtime in ``<work_dir>/pool/hash-memo.json``), the hub revision of hub snapshots,
-    ``pool.dtype`` and ``pool.vocab_alignment``; for built pools their config and training data.
+    ``pool.dtype``, ``pool.vocab_alignment`` and the experts' names and order (:func:`hf_pool_key`);
+    for built pools their config (:func:`pool_config_key`) and training data. An ``hf`` pool has
+    the experts of ``pool.experts`` (any names, in the order listed); a built pool the three of
+    :data:`EXPERT_NAMES`.
     ``report["weights"]`` holds each model's file hashes (written to the results manifest).
 
     Raises:
@@ -151,9 +167,10 @@ def build_pool(cfg: Config, work_dir: Path) -> Pool:
         from darts_bench.pool.hub import resolve_model
 
         # hub ids -> local snapshot dirs, once: every later stage gets the local paths
-        sources = {"base": pc.base, **{e: pc.experts[e] for e in EXPERT_NAMES}}
+        names = pc.expert_names
+        sources = {"base": pc.base, **{e: pc.experts[e] for e in names}}
         resolved = {n: resolve_model(ref) for n, ref in sources.items()}
-        experts = {e: resolved[e][0] for e in EXPERT_NAMES}
+        experts = {e: resolved[e][0] for e in names}
         check_compatible(resolved["base"][0], experts, pc.vocab_alignment)
         # the key hashes the checkpoints' content (and the snapshot revision), not the ids or paths
         fps = pool_fingerprints({n: p for n, (p, _) in resolved.items()}, work_dir)
@@ -161,8 +178,7 @@ def build_pool(cfg: Config, work_dir: Path) -> Pool:
         report = {"sources": {n: {"id": str(sources[n]), "path": str(p), "revision": rev}
                               for n, (p, rev) in resolved.items()},
                   "weights": fps}
-        return Pool(base=resolved["base"][0], experts=experts,
-                    key=stable_hash({"members": members, "vocab_alignment": pc.vocab_alignment}),
+        return Pool(base=resolved["base"][0], experts=experts, key=hf_pool_key(members, names, pc.vocab_alignment),
                     report=report, members=members)
     key = stable_hash({"pool": pool_config_key(pc), "data": data_fingerprint(data_dir)})
     root = work_dir / "pool" / f"{pc.kind}-{key}"

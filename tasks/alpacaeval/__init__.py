@@ -194,7 +194,8 @@ class AlpacaEvalTask(Task):
             check_annotator(cfg.judge.annotator)
 
     def training_prompts(self, data_dir: Path | None, model: TextModel | None, n: int, seed: int) -> list[str]:
-        records = load_expert_records(data_dir, self.expert)
+        # the class's expert names the training set; tasks.<name>.expert may pick another pool expert
+        records = load_expert_records(data_dir, type(self).expert)
         picked = random.Random(seed).sample(records, min(n, len(records)))
         texts = [alpaca_text(r) for r in picked]
         return [model.format_chat(t) for t in texts] if model is not None else texts

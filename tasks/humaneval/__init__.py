@@ -205,7 +205,8 @@ class HumanEvalTask(Task):
         ``random.Random(seed)``, wrapped in the model's chat template when a model is given."""
         if n < 1:
             raise ValueError(f"humaneval.training_prompts: n must be >= 1, got {n}")
-        records = load_expert_records(data_dir, self.expert)
+        # the class's expert names the training set; tasks.<name>.expert may pick another pool expert
+        records = load_expert_records(data_dir, type(self).expert)
         chosen = random.Random(seed).sample(records, min(n, len(records)))
         texts = [alpaca_text(r) for r in chosen]
         return [model.format_chat(t) for t in texts] if model is not None else texts
