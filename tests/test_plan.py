@@ -199,7 +199,7 @@ def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
     alive beside it; the start-up (25-120 s on CPU) is in the time."""
     from darts_bench.plan.resources import VLLM_START_S
 
-    cfg = load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32", "surgery.task_agnostic=[]"])
+    cfg = load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32", "surgery.task_agnostic=[]", "evaluate.rows=null"])
     plan = print_plan(cfg)
     out = capsys.readouterr().out
     e = plan["stages"]["evaluate"]
@@ -216,7 +216,7 @@ def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
     assert e["load_seconds"] == 6 * (VLLM_START_S["cpu"]["eager"] + 538_060_032 / 1e9)
     # one engine in the driver: the starts add to the wall time; generation at 1/3 of HF's CPU time
     assert e["wall_seconds"] == pytest.approx(e["seconds"]) and e["wall_seconds"] > e["load_seconds"]
-    hf = make_plan(load_config("smollm2-135m", ["surgery.task_agnostic=[]"]))["stages"]["evaluate"]
+    hf = make_plan(load_config("smollm2-135m", ["surgery.task_agnostic=[]", "evaluate.rows=null"]))["stages"]["evaluate"]
     assert e["seconds"] - e["load_seconds"] < hf["seconds"] - hf["load_seconds"]
     assert "vLLM engine (float32): weights 538.1 MB + KV cache 2 GiB" in out
     assert "6 engine starts in evaluate, 25-120 s per engine measured on CPU" in out
@@ -422,8 +422,8 @@ def test_evaluate_counts_engine_passes_per_model_dir_with_one_pass():
     the reference NLL's transformer tokens once per model dir; row by row, Ray or vLLM (the generic
     per-slot loop): one pass per (row, task)."""
     # without the task-agnostic rows (a routed row's prompt-state forward is counted per row: test below)
-    one = make_plan(load_config("smollm2-135m", ["surgery.task_agnostic=[]"]))
-    rbr = make_plan(load_config("smollm2-135m", ["evaluate.one_pass=false", "surgery.task_agnostic=[]"]))
+    one = make_plan(load_config("smollm2-135m", ["surgery.task_agnostic=[]", "evaluate.rows=null"]))
+    rbr = make_plan(load_config("smollm2-135m", ["evaluate.one_pass=false", "surgery.task_agnostic=[]", "evaluate.rows=null"]))
     e1, e0 = one["stages"]["evaluate"], rbr["stages"]["evaluate"]
     # 18 rows: base, 3 experts, 2 merges, 12 corrected (Surgery, DARTS, matched control x 2 splits per merge)
     assert one["rows"] == 18 and e1["one_pass"] and not e0["one_pass"]
