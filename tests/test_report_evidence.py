@@ -316,6 +316,28 @@ def test_readme_findings_block_matches_results():
     assert "| claim |" in block
 
 
+def test_findings_tables_come_from_the_committed_files():
+    """The block's compact table is table.md's first table line for line, and its routing accuracy is
+    table.csv's ``<task>_routing_acc`` of the routed rows (results/tiny: the DARE-TIES router sends 7 of
+    8 held-out HumanEval prompts (0.875) and 11 of 12 AlpacaEval prompts (0.9167) to their own head)."""
+    from darts_bench.report.evidence import compact_table_md, findings_block, routing_accuracy_table
+
+    md = (REPO / "results" / "tiny" / "table.md").read_text()
+    compact = compact_table_md(md)
+    lines = compact.split("\n")
+    assert lines[0].startswith("| model | humaneval_pass@1 |") and lines[1].startswith("|---|")
+    assert len(lines) == 2 + 79 and lines[2].startswith("| base |") and compact in md
+    assert compact_table_md("no table here\n| a | b |\n") is None
+    acc = routing_accuracy_table(REPO / "results" / "tiny" / "table.csv")
+    assert list(acc.columns) == ["model", "humaneval_routing_acc", "gsm8k_routing_acc", "alpacaeval_routing_acc"]
+    assert len(acc) == 20 and all("@routed" in m for m in acc["model"])
+    row = acc.set_index("model").loc["dare_ties+darts@inductive@routed"]
+    assert row["humaneval_routing_acc"] == 0.875 and row["gsm8k_routing_acc"] == 1.0
+    assert acc.set_index("model").loc["dare_ties+surgery@routed", "alpacaeval_routing_acc"] == pytest.approx(11 / 12)
+    block = findings_block(REPO / "results", runs=("tiny",), tables=("tiny",))
+    assert compact in block and "| dare_ties+darts@inductive@routed | 0.875 | 1 |" in block
+
+
 def test_recompute_checks_per_run_intervals_from_sequences(tmp_path):
     """A hand-made results dir whose run has per-sequence sums: `recompute` finds the recorded
     per-run intervals (``intervals_gen``) in them, and a changed recorded bound is reported."""

@@ -515,12 +515,40 @@ def recompute(results_dir: Path) -> dict[str, Any]:
 # ------------------------------------------------------------------------ README findings block
 #: the results dirs whose claims the README's findings block shows, in order
 FINDINGS_RUNS = ("smollm2-135m", "tiny", "tiny-strong")
+#: the results dirs whose compact table (table.md's first table) and per-task routing accuracy the block
+#: also shows (the reference tier; tiny's 79 rows are in its own table.md)
+FINDINGS_TABLE_RUNS = ("smollm2-135m",)
 FINDINGS_BEGIN, FINDINGS_END = "<!-- findings:begin -->", "<!-- findings:end -->"
 
 
-def findings_block(results_root: Path, runs: Iterable[str] = FINDINGS_RUNS) -> str:
+def compact_table_md(table_md: str) -> str | None:
+    """The first markdown table of a ``table.md`` text (its compact table: the lines from the first
+    ``| model |`` header up to the first line that is not a table row), or None when it has none."""
+    lines = table_md.split("\n")
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("| model |")), None)
+    if start is None:
+        return None
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def routing_accuracy_table(table_csv: Path) -> pd.DataFrame | None:
+    """``model`` and ``<task>_routing_acc`` of the ``@routed`` rows of a ``table.csv`` (the router's
+    accuracy on each task's held-out calibration prompts, a share), or None without routed rows."""
+    df = pd.read_csv(table_csv)
+    cols = [c for c in df.columns if c.endswith("_routing_acc")]
+    rows = df[df["model"].str.contains("@routed", regex=False)]
+    if not cols or rows.empty:
+        return None
+    return rows[["model", *cols]].reset_index(drop=True)
+
+
+def findings_block(results_root: Path, runs: Iterable[str] = FINDINGS_RUNS,
+                   tables: Iterable[str] = FINDINGS_TABLE_RUNS) -> str:
     """The README's generated findings: per results dir, its claims table (``results.json``
-    ``claims``: the verdicts claims.md gives, by one rule), between the begin / end markers.
+    ``claims``: the verdicts claims.md gives, by one rule), and for the dirs in ``tables`` its
+    compact table (:func:`compact_table_md`) and routing accuracy (:func:`routing_accuracy_table`),
+    between the begin / end markers.
 
     Raises:
         FileNotFoundError: a listed results dir has no ``results.json``.
@@ -536,6 +564,17 @@ def findings_block(results_root: Path, runs: Iterable[str] = FINDINGS_RUNS) -> s
         parts.append(f"\n**`results/{name}`** (verdicts and evidence from `results/{name}/claims.md`):\n")
         cols = ["claim", "statement", "verdict", "evidence"]
         parts.append(to_markdown(pd.DataFrame(claims, columns=cols)).rstrip("\n") if claims else "(no claims)")
+        if name in tables:
+            compact = compact_table_md((f.parent / "table.md").read_text())
+            if compact:
+                parts.append(f"\nIts compact table (`results/{name}/table.md`; every column: `table.csv`):\n")
+                parts.append(compact)
+            acc = routing_accuracy_table(f.parent / "table.csv")
+            if acc is not None:
+                parts.append(f"\nRouting accuracy of the `@routed` rows per task (`results/{name}/table.csv`, "
+                             "`<task>_routing_acc`: the router's share of held-out calibration prompts sent to "
+                             "their own task's head):\n")
+                parts.append(to_markdown(acc).rstrip("\n"))
     parts.append(FINDINGS_END)
     return "\n".join(parts)
 
