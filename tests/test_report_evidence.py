@@ -153,8 +153,16 @@ def test_run_intervals_recompute_from_per_sequence_sums():
     groups, per_token = _per_token(rng, 22)
     run_seed = 3
     want = behaviour_intervals(per_token, groups, n_boot=200, seed=derive_seed(run_seed, "split", "gsm8k", "transductive"))
-    runs = {("ties", "gsm8k", "transductive", "", 0): {"per_sequence": {"gen": _per_sequence(groups, per_token)}}}
+    # the run's head seed is the run seed here (seeds unset); the bootstrap seed falls back to it
+    runs = {("ties", "gsm8k", "transductive", "", run_seed): {"per_sequence": {"gen": _per_sequence(groups, per_token)}}}
     lines = sequence_records(runs, run_seed)
+    # a seeded sweep's run (head seed 1 under run seed 3): the seed its diagnostics recorded wins
+    rec = {("ties", "gsm8k", "transductive", "[w_max=1]", 1): {
+        "per_sequence": {"gen": _per_sequence(groups, per_token)},
+        "bootstrap": {"n_boot": 200, "seed": derive_seed(1, "split", "gsm8k", "transductive")}}}
+    assert {ln["boot_seed"] for ln in sequence_records(rec, run_seed)} == {derive_seed(1, "split", "gsm8k", "transductive")}
+    no_rec = {k: {"per_sequence": v["per_sequence"]} for k, v in rec.items()}
+    assert {ln["boot_seed"] for ln in sequence_records(no_rec, run_seed)} == {derive_seed(1, "split", "gsm8k", "transductive")}
     assert len(lines) == 22 and {ln["set"] for ln in lines} == {"gen"}
     got = run_intervals_from_sequences(lines)
     for row in ("none", "surgery", "darts", "paired"):
@@ -282,16 +290,7 @@ def test_report_from_results_recomputes_a_micro_run(micro_pipeline, tmp_path, ca
 
 
 COMMITTED_WITH_EVIDENCE = sorted(p.parent.name for p in (REPO / "results").glob("*/evidence"))
-#: known defect (2026-12-02): in a seeded sweep run (results/smollm2-135m-wmax: `--sweep surgery.w_max=1,5`,
-#: seeds [0, 1, 2]) the per-run behaviour intervals recomputed from evidence/sequences.jsonl.gz keep the
-#: committed value but not the committed CI bounds (791 of 1,202 intervals; claims.md and every table interval
-#: recompute identically): the bootstrap seed of a swept head's run differs between the writer and the
-#: recomputation. Strict: the test fails loudly once it is fixed, so the mark is removed then.
-RECOMPUTE_KNOWN_DEFECT = {"smollm2-135m-wmax": "seeded sweep: per-run behaviour CI bounds do not recompute"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=RECOMPUTE_KNOWN_DEFECT[n], strict=True))
-                                  if n in RECOMPUTE_KNOWN_DEFECT else n for n in COMMITTED_WITH_EVIDENCE])
+@pytest.mark.parametrize("name", COMMITTED_WITH_EVIDENCE)
 def test_committed_results_recompute_from_their_own_files(name, tmp_path, capsys):
     """Every committed results dir with an ``evidence/`` folder: ``report --from-results`` recomputes its
     claims.md verdicts and every interval of its tables from results.json + the per-example and

@@ -101,7 +101,8 @@ def example_records(results: dict[str, dict[str, Any]], row_names: list[str], ta
 def sequence_records(runs: dict[tuple, dict], run_seed: int) -> list[dict]:
     """The lines of ``sequences.jsonl.gz`` from each run's ``per_sequence`` (runs keyed (merge, task,
     split[, variant, seed]); runs without one give none). ``boot_seed`` is the seed of that run's
-    sequence intervals (the train stage's ``derive_seed(run_seed, "split", task, split)``).
+    sequence intervals: the seed the run's diagnostics recorded (``bootstrap.seed``: the train stage's
+    ``split_seed(head seed, task, split)``), else ``derive_seed(head seed or run_seed, "split", task, split)``.
 
     Raises:
         ValueError: a set whose per-row lists differ in length from its ``sequence`` list.
@@ -112,7 +113,9 @@ def sequence_records(runs: dict[tuple, dict], run_seed: int) -> list[dict]:
     for key, d in runs.items():
         m, t, split = key[:3]
         variant, seed = (key[3], key[4]) if len(key) > 4 else ("", None)
-        boot = derive_seed(run_seed, "split", t, split)
+        boot = (d.get("bootstrap") or {}).get("seed")
+        if boot is None:
+            boot = derive_seed(run_seed if seed is None else seed, "split", t, split)
         for set_name, ps in sorted((d.get("per_sequence") or {}).items()):
             seqs, n_tok = list(ps["sequence"]), list(ps["n_tokens"])
             rows = {r: v for r, v in ps.items() if r not in ("sequence", "n_tokens")}
