@@ -30,25 +30,19 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
+from darts_bench.report.evidence import CELL_N_BOOT, gap_closed_share
+from darts_bench.report.seeds import SIGNAL_DIRECTION
+
 SIGNALS = ("kl_expert", "agree_top1", "gap_closed")
-#: +1: a larger A - B difference favours A; -1: a smaller one does
-DIRECTION = {"kl_expert": -1, "agree_top1": 1, "gap_closed": 1}
-N_BOOT = 2000
-
-
-def _gap(none_kl, head_kl, floor, n):
-    g = (none_kl - floor) / n
-    return np.where(g > 1e-12, (none_kl - head_kl) / n / np.where(g > 1e-12, g, 1.0), np.nan)
 
 
 STAT = {
     "kl_expert": lambda s: (s["a_kl"] - s["b_kl"]) / s["n"],
     "agree_top1": lambda s: (s["a_agree"] - s["b_agree"]) / s["n"],
-    "gap_closed": lambda s: _gap(s["none_kl"], s["a_kl"], s["none_floor"], s["n"])
-    - _gap(s["none_kl"], s["b_kl"], s["none_floor"], s["n"]),
+    "gap_closed": lambda s: gap_closed_share(s["none_kl"], s["a_kl"], s["none_floor"], s["n"])
+    - gap_closed_share(s["none_kl"], s["b_kl"], s["none_floor"], s["n"]),
 }
 
 
@@ -96,8 +90,8 @@ def cell_table(records: list[dict], a: str, b: str, method: str = "darts", set_n
                 "none_floor": [va[i]["rows"]["none"]["floor_sum"] for i in ids],
                 "n": [va[i]["n_tokens"] for i in ids]})
         for sig in SIGNALS:
-            r = nested_bootstrap(per_seed, STAT[sig], N_BOOT, derive_seed(run_seed, "wmax-cell", merge, task, split, sig))
-            d = DIRECTION[sig]
+            r = nested_bootstrap(per_seed, STAT[sig], CELL_N_BOOT, derive_seed(run_seed, "wmax-cell", merge, task, split, sig))
+            d = SIGNAL_DIRECTION[sig]
             fav_lo, fav_hi = sorted((d * r["ci_low"], d * r["ci_high"]))  # the CI in A's favour (NaN: no CI)
             if r["n_units"] < MIN_SEQUENCES:
                 verdict = "insufficient"
@@ -121,7 +115,7 @@ def roll_up(cells: pd.DataFrame) -> pd.DataFrame:
 
     rows = []
     for sig, g in cells.groupby("signal", sort=False):
-        d = DIRECTION[sig.rsplit("_", 1)[0]]
+        d = SIGNAL_DIRECTION[sig]
         fav = d * g["estimate"].to_numpy()
         wa, wb = int((fav > 0).sum()), int((fav < 0).sum())
         rows.append({"signal": sig, "cells": len(g), "wins_a": wa, "wins_b": wb, "p": sign_test(wa, wb),

@@ -217,7 +217,9 @@ def _task_cell(fam: str, t: str, pairs: dict[Any, tuple[str, str]], ex: dict, se
             "ci_low": r["ci_low"] * scale, "ci_high": r["ci_high"] * scale, "n_units": r["n_units"], "p": None}
 
 
-def _gap(none_kl, head_kl, floor, n):
+def gap_closed_share(none_kl, head_kl, floor, n):
+    """Share of the plain merge's closable KL gap a head closes, ``(KL_none - KL_head) / (KL_none - floor)``
+    from summed KLs (nats) and token counts (any matching shapes); NaN where the gap is <= 1e-12 nats/token."""
     g = (none_kl - floor) / n
     return np.where(g > 1e-12, (none_kl - head_kl) / n / np.where(g > 1e-12, g, 1.0), np.nan)
 
@@ -225,8 +227,8 @@ def _gap(none_kl, head_kl, floor, n):
 BEHAVIOUR_STAT = {
     "kl_expert": lambda s: (s["darts_kl_sum"] - s["surgery_kl_sum"]) / s["n_tokens"],
     "agree_top1": lambda s: (s["darts_agree_sum"] - s["surgery_agree_sum"]) / s["n_tokens"],
-    "gap_closed": lambda s: (_gap(s["none_kl_sum"], s["darts_kl_sum"], s["none_floor_sum"], s["n_tokens"])
-                             - _gap(s["none_kl_sum"], s["surgery_kl_sum"], s["none_floor_sum"], s["n_tokens"])),
+    "gap_closed": lambda s: (gap_closed_share(s["none_kl_sum"], s["darts_kl_sum"], s["none_floor_sum"], s["n_tokens"])
+                             - gap_closed_share(s["none_kl_sum"], s["surgery_kl_sum"], s["none_floor_sum"], s["n_tokens"])),
 }
 
 
