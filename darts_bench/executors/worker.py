@@ -13,7 +13,7 @@ from darts_bench.collect.store import encode_features
 from darts_bench.evaluate.engines.hf import load_text_model
 from darts_bench.evaluate.hf_model import HFTextModel, left_pad
 from darts_bench.surgery.heads import load_head, positions_from_mask
-from darts_bench.surgery.losses import next_token_entropy
+from darts_bench.surgery.losses import lm_head_entropy
 
 
 @torch.inference_mode()
@@ -41,15 +41,16 @@ def hidden_state_features(model, sequences: list[list[int]], pad_id: int, batch_
         out = model.model(input_ids=ids.to(dev), attention_mask=mask.to(dev),
                           position_ids=positions_from_mask(mask).to(dev))
         h = out.last_hidden_state  # [batch, seq, d_model], after the final norm
-        ent = next_token_entropy(model.lm_head(h))  # [batch, seq]
+        real = torch.cat([h[i, L - len(s):] for i, s in enumerate(chunk)])  # [tokens, d_model], no padding
+        ents.append(lm_head_entropy(model.lm_head, real).cpu())
+        hs.append(real.cpu())
         for i, s in enumerate(chunk):
             n = len(s)
-            hs.append(h[i, L - n:].cpu())
-            ents.append(ent[i, L - n:].float().cpu())
             poss.append(torch.arange(n, dtype=torch.long))
             sids.append(torch.full((n,), start + i, dtype=torch.long))
     return {"h": torch.cat(hs), "entropy": torch.cat(ents), "positions": torch.cat(poss),
             "seq_index": torch.cat(sids)}
+
 
 
 TEXT_OPS = ("generate_ids", "generate", "score")
