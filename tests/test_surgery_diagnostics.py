@@ -249,3 +249,39 @@ def test_blocked_vocabulary_work_is_bitwise_the_whole_tensor_computation():
     from darts_bench.surgery.losses import row_blocks
 
     assert row_blocks(300, 299) == [(0, 150), (150, 300)] and row_blocks(5, 512) == [(0, 5)] and row_blocks(0, 8) == []
+
+
+def test_grouped_diagnostics_equal_one_call_per_group():
+    """``diagnose_rows(..., groups=...)`` (the task-agnostic rows' one pass: routed and shared heads of
+    both methods beside one plain-merge row) gives, per group, exactly the JSON of a call with that
+    group's heads alone."""
+    import json
+
+    from darts_bench.stages.train import diagnose_rows
+    from darts_bench.surgery.data import answer_prediction_mask, shared_template
+    from darts_bench.surgery.heads import build_head
+
+    meta, val, offset, W_e, W_m = _prefix_case(seed=2)
+    val.base.h_merged[val.base.positions >= 6] += 0.2 * torch.randn(int((val.base.positions >= 6).sum()), val.dim)
+    template = shared_template(meta)
+    heads = {}
+    for k, (kind, method) in enumerate((("a", "surgery"), ("a", "darts"), ("b", "surgery"), ("b", "darts"))):
+        h = build_head(method, val.dim, rank=2, max_len=32, seed=k)
+        with torch.no_grad():
+            h.up.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(k))
+        heads[f"{kind}/{method}"] = h
+    ref_meta = {"sequences": meta["sequences"][:3], "prompt_len": meta["prompt_len"][:3]}
+    part = val.base.select(torch.nonzero(val.base.seq_index < 3)[:, 0])
+    ref = part.select(answer_prediction_mask(part.positions, part.seq_index, ref_meta).nonzero()[:, 0])
+    args = (val, meta, template, lambda: iter([ref]), ref.seq_index.numpy(), 0)
+    kw = {"mean_h": 0.6, "w_max": 5.0, "W_e": W_e, "W_m": W_m, "seed": 4}
+    groups = {g: {"none": "none", "surgery": f"{g}/surgery", "darts": f"{g}/darts"} for g in ("a", "b")}
+    together = diagnose_rows({"none": None, **heads}, *args, **kw, groups=groups)
+    assert set(together) == {"a", "b"}
+    for g in groups:
+        alone = diagnose_rows({"none": None, "surgery": heads[f"{g}/surgery"], "darts": heads[f"{g}/darts"]},
+                              *args, **kw)
+        assert json.dumps(together[g], sort_keys=True) == json.dumps(alone, sort_keys=True), g
+    assert together["a"]["darts"]["kl_expert"] != together["b"]["darts"]["kl_expert"]
+    with pytest.raises(ValueError, match="needs the row 'none'"):
+        diagnose_rows({"none": None, **heads}, *args, **kw, groups={"a": {"darts": "a/darts"}})

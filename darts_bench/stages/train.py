@@ -14,6 +14,8 @@ per-sequence sums those intervals are computed from (``per_sequence``). Methods 
 
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
 import json
 import logging
@@ -306,15 +308,17 @@ def agnostic_diagnostics(cfg, feats: dict, merges: dict[str, Path], pool, tasks:
             def build(tmp: Path, m=m, name=name, split=split, fs=fs, ref_fs=ref_fs, scfg=scfg, seed=seed) -> None:
                 x = diagnosis_inputs(cfg, fs, merges[m], pool.path(tasks[name][0].expert), ref_fs, name, split, scfg,
                                      seed)
-                res = {}
+                # one pass for every kind: the rows of both kinds share the token streams, the expert's
+                # distribution, the plain merge's row and the KL floor (diagnose_rows' groups)
+                heads, groups, ref_stream = {"none": None}, {}, x["ref_stream"]
                 for kind in kinds:
-                    ref_stream = x["ref_stream"]
                     if kind == "routed":
                         rdir = routers[(m, split, seed)]
                         router = Router.load(rdir / "router.json")
                         held = json.loads((rdir / "routing.json").read_text())["tasks"][name]
                         seq_task = dict(zip(held["held_out_sequences"], held["held_out_routed"]))
-                        # reference sequences are looked up past the calibration set's indices
+                        # reference sequences are looked up past the calibration set's indices (only the
+                        # routed heads read sequence indices; the other rows ignore them)
                         off = len(fs.calib.meta["sequences"])
                         ref_routed = router.predict(calibration_prompt_features(ref_fs))
                         seq_task.update({off + i: t for i, t in enumerate(ref_routed)})
@@ -324,17 +328,19 @@ def agnostic_diagnostics(cfg, feats: dict, merges: dict[str, Path], pool, tasks:
                             for b in base_stream():
                                 yield TokenData(b.h_merged, b.h_expert, b.positions, b.seq_index + off, b.weight_source)
 
-                        heads = {meth: sequence_routed_head(
+                        kind_heads = {meth: sequence_routed_head(
                             {t: load_head(run_heads[(m, t, meth, split, tag, seed)]) for t in router.classes}, seq_task)
                             for meth in scfg.methods}
                     else:
-                        heads = {meth: load_head(run_heads[(m, SHARED_TASK, meth, split, tag, seed)])
-                                 for meth in scfg.methods}
-                    d = diagnose_rows({"none": None, **heads}, x["val"], fs.calib.meta, x["template"], ref_stream,
-                                      x["ref_groups"], x["n_ref_excluded"], x["mean_h"], scfg.w_max, x["W_e"],
-                                      x["W_m"], x["seed"], device=cfg.device)
+                        kind_heads = {meth: load_head(run_heads[(m, SHARED_TASK, meth, split, tag, seed)])
+                                      for meth in scfg.methods}
+                    heads.update({f"{kind}/{meth}": h for meth, h in kind_heads.items()})
+                    groups[kind] = {"none": "none", **{meth: f"{kind}/{meth}" for meth in kind_heads}}
+                res = diagnose_rows(heads, x["val"], fs.calib.meta, x["template"], ref_stream, x["ref_groups"],
+                                    x["n_ref_excluded"], x["mean_h"], scfg.w_max, x["W_e"], x["W_m"], x["seed"],
+                                    device=cfg.device, groups=groups)
+                for d in res.values():
                     d.update({"n_heldout": len(x["va_seq"]), "held_out_sequences": x["va_seq"]})
-                    res[kind] = d
                 (tmp / "diagnostics.json").write_text(json.dumps(res))
 
             cached(final, build, what=f"diagnose task-agnostic rows {m}/{name}/{split}{tag}{seed_tag(cfg, seed)}",
@@ -437,7 +443,7 @@ def _leading_run(positions: list[int]) -> int:
 
 def diagnose_rows(heads: dict[str, Any], val, meta: dict, template: dict[int, int], ref_stream,
                   ref_groups: np.ndarray, n_ref_excluded: int, mean_h: float, w_max: float, W_e, W_m, seed: int,
-                  device: str = "cpu") -> dict:
+                  device: str = "cpu", groups: dict[str, dict[str, str]] | None = None) -> dict:
     """The diagnostics of ``heads`` (row -> head, ``none`` -> None first) on one calibration set's
     held-out tokens and on the reference answers, each head run once over each token stream.
 
@@ -451,6 +457,10 @@ def diagnose_rows(heads: dict[str, Any], val, meta: dict, template: dict[int, in
             ``template``) and ``n_ref_excluded``, the answer tokens that left out.
         mean_h, w_max: entropy-weight normaliser (nats) and cap; W_e, W_m: ``[V, d]`` lm_heads.
         seed: of every bootstrap (``N_BOOT`` resamples).
+        groups: several diagnostics from one pass: ``{group: {row name: key of heads}}``, each group
+            with ``"none": "none"``; the result is then ``{group: <the dict below for those rows>}``,
+            the same values as one call per group (each row's signals are its own; the pass over the
+            tokens, the expert's distribution and the KL floor are shared by all groups).
     Returns:
         per row the signals on all held-out tokens, ``gen`` / ``prompt`` (the
         :func:`~darts_bench.surgery.data.position_sets`) and ``reference`` (per-position
@@ -461,9 +471,8 @@ def diagnose_rows(heads: dict[str, Any], val, meta: dict, template: dict[int, in
     Raises:
         RuntimeError: ``ref_groups`` and the reference stream disagree in length.
     """
-    from darts_bench.surgery.data import POSITION_SETS, position_sets, template_mask
+    from darts_bench.surgery.data import POSITION_SETS, position_sets
     from darts_bench.surgery.diagnostics import Diagnostics
-    from darts_bench.surgery.intervals import intervals_from_sums, sequence_sums
 
     val_pos, val_seq = val.positions, val.seq_index
     masks = position_sets(val_pos, val_seq, meta, template)  # [N] bool per set over the held-out tokens
@@ -486,6 +495,31 @@ def diagnose_rows(heads: dict[str, Any], val, meta: dict, template: dict[int, in
         d["reference"] = {k: r[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor", "n_tokens")}
         per_token_ref[row] = {k: np.asarray(r[f"per_token_{k}"]) for k in keys}
         rows[row] = d
+    if len(ref_groups) != len(per_token_ref["none"]["kl"]):
+        raise RuntimeError(f"{len(ref_groups)} reference-answer tokens in the features, "
+                           f"{len(per_token_ref['none']['kl'])} in the diagnostics stream")
+    finish = functools.partial(_finish_rows, masks=masks, seq_np=seq_np, ref_groups=ref_groups, val=val, meta=meta,
+                               template=template, n_ref_excluded=n_ref_excluded, n_ref_tokens=diag_ref.n_tokens,
+                               seed=seed)
+    if groups is None:
+        return finish(rows, per_token, per_token_ref)
+    out = {}
+    for group, sel in groups.items():
+        if sel.get("none") != "none":
+            raise ValueError(f"diagnostics group {group!r} needs the row 'none': 'none', got {sel}")
+        out[group] = finish({r: copy.deepcopy(rows[k]) for r, k in sel.items()},
+                            {r: per_token[k] for r, k in sel.items()}, {r: per_token_ref[k] for r, k in sel.items()})
+    return out
+
+
+def _finish_rows(rows: dict, per_token: dict, per_token_ref: dict, *, masks, seq_np, ref_groups, val, meta, template,
+                 n_ref_excluded: int, n_ref_tokens: int, seed: int) -> dict:
+    """The rest of :func:`diagnose_rows` for one set of rows (``none`` among them): gap closed, the
+    template record, per-sequence sums and every interval."""
+    from darts_bench.surgery.data import POSITION_SETS, template_mask
+    from darts_bench.surgery.intervals import intervals_from_sums, sequence_sums
+
+    val_pos, val_seq = val.positions, val.seq_index
     for row in rows:
         if row == "none":
             continue
@@ -493,11 +527,8 @@ def diagnose_rows(heads: dict[str, Any], val, meta: dict, template: dict[int, in
             src = rows[row] if not k else rows[row][k]
             base_ = rows["none"] if not k else rows["none"][k]
             src["gap_closed"] = gap_closed(base_["kl_expert"], src["kl_expert"], base_["kl_floor"])
-    if len(ref_groups) != len(per_token_ref["none"]["kl"]):
-        raise RuntimeError(f"{len(ref_groups)} reference-answer tokens in the features, "
-                           f"{len(per_token_ref['none']['kl'])} in the diagnostics stream")
     in_template = template_mask(val_pos, val_seq, meta, template)
-    out = {**rows, "n_val_tokens": len(val), "n_reference_tokens": diag_ref.n_tokens,
+    out = {**rows, "n_val_tokens": len(val), "n_reference_tokens": n_ref_tokens,
            "template": {"positions": sorted(template), "n_positions": len(template),
                         "prefix_len": _leading_run(sorted(template)),
                         "rule": "positions whose token id is the same in every sequence of the calibration set "
