@@ -26,10 +26,10 @@ from typing import Any
 
 from darts_bench.api import get_task, resolve_suite
 from darts_bench.config import Config
-from darts_bench.plan.architecture import DTYPE_BYTES, activations, architecture, kv_cache, param_count
+from darts_bench.plan.architecture import DTYPE_BYTES, activations, architecture, kv_cache, kv_dim, param_count
 from darts_bench.plan.resources import (ACTOR_START_S, DIAG_BATCH, DIAG_TEMPS, FEATURE_COLUMNS_BYTES,
-                                        LOAD_BYTES_PER_S, PROCESS_BASELINE, THROUGHPUT, decode_seconds,
-                                        device_kind, engine_starts, forward_seconds, vllm_engine,
+                                        LOAD_BYTES_PER_S, PROCESS_BASELINE, RECOMBINE_BACKWARD, THROUGHPUT,
+                                        decode_seconds, device_kind, engine_starts, forward_seconds, vllm_engine,
                                         vllm_generation_seconds)
 from darts_bench.plan.units import gb, num
 from darts_bench.controls import CONTROL_METHOD, head_param_count, param_matched_rank
@@ -332,42 +332,80 @@ def _data_merge_prompt_tokens(x: PlanInputs, split: str) -> dict[str, int]:
     return out
 
 
+def _linear_inputs(arch: dict[str, Any]) -> list[tuple[int, int]]:
+    """``(d_in, d_out)`` of every linear layer RegMean solves (:func:`darts_bench.merge.regmean.linear_modules`):
+    per decoder layer q, k, v, o, gate, up, down, and an output layer not tied to the input embeddings."""
+    h, f, kv = arch["hidden_size"], arch["intermediate_size"], kv_dim(arch)
+    layer = [(h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h)]
+    return layer * arch["num_hidden_layers"] + ([] if arch["tie_word_embeddings"] else [(h, arch["vocab_size"])])
+
+
 def _data_merge(x: PlanInputs, m) -> dict[str, Any]:
-    """One data merge: AdaMerging runs ``steps`` forward + backward passes through the weights over a
-    batch of prompts (6 P FLOP per token, as training) plus two forwards over all prompts (the entropy
-    before and after); RegMean one forward per expert over its task's prompts plus the fp64 Gram
-    products (2 d_in^2 FLOP per token per linear layer) and one fp64 solve per layer."""
+    """One data merge (AdaMerging or RegMean, on the ``m.calibration_split`` prompts of the tasks with an
+    expert): ``{"what", "seconds", "memory_bytes", "flops"}``; ``seconds`` (device seconds) is None when
+    the architecture is unknown. What it counts, each at its :data:`THROUGHPUT` rate:
+
+    * AdaMerging (:func:`darts_bench.merge.adamerging.build_adamerging`): ``steps`` Adam steps, each a
+      forward + backward of the merged model over one batch of ``batch_size`` prompts (6 P FLOPs per
+      token at ``train``) and the lambda-weighted recombination of the K task vectors with its backward
+      (K x P elements at ``recombine``, x :data:`RECOMBINE_BACKWARD`); then the entropy before and after,
+      each a pass over every prompt batch: a forward (2 P FLOPs per token at ``forward``) and a
+      recombination (no backward) per batch.
+    * RegMean (:func:`darts_bench.merge.regmean.build_regmean`): each expert's forward over its own
+      task's prompts (2 P FLOPs per token), and in fp64 (``fp64``): the Gram products of every linear
+      layer's inputs (2 d_in^2 FLOPs per token and layer), each expert's ``G W^T`` (2 d_in^2 d_out per
+      layer), and per layer one LU solve (2/3 d_in^3 + 2 d_in^2 d_out).
+    * both: reading the base and the K experts in float32 and writing the merged checkpoint in
+      ``m.dtype`` at :data:`LOAD_BYTES_PER_S`.
+
+    ``flops`` is the model FLOPs (forwards, backwards and fp64 work; the recombination is elements, not
+    counted there). Token counts are the plan's typical prompt lengths (:func:`_data_merge_prompt_tokens`).
+    """
     P, arch, kind = x.params, x.arch, x.kind
+    t = THROUGHPUT[kind]
+    K = len(x.cfg.pool.expert_names)
     toks = _data_merge_prompt_tokens(x, m.calibration_split)
     total = sum(toks.values())
-    n_prompts = sum(x.calib[f"{t}/{m.calibration_split}"]["sequences"] for t in x.head_tasks) or 1
+    n_prompts = sum(x.calib[f"{t_}/{m.calibration_split}"]["sequences"] for t_ in x.head_tasks) or 1
+    io_s = ((1 + K) * P * 4 + P * DTYPE_BYTES[m.dtype]) / LOAD_BYTES_PER_S if P else None
     if m.method == "adamerging":
         step_tok = min(m.batch_size, n_prompts) * total / n_prompts
+        n_batches = math.ceil(n_prompts / m.batch_size)
+        recombinations = 2 * n_batches + m.steps * RECOMBINE_BACKWARD  # in no-grad recombinations
         flops = (m.steps * step_tok * 6 + 2 * total * 2) * P if P else None
         what = (f"{m.name}: AdaMerging, {m.steps} Adam steps of {m.batch_size} prompts (~{num(step_tok)} tokens, "
-                f"forward + backward) on the entropy of {num(total)} {m.calibration_split} prompt tokens")
-        secs = None if flops is None else (m.steps * step_tok * 6 * P) / THROUGHPUT[kind]["train"] + \
-            (2 * total * 2 * P) / THROUGHPUT[kind]["forward"]
-        mem = (len(x.cfg.pool.expert_names) + 4) * P * 4 + activations(arch, m.batch_size, x.cfg.calibration.max_prompt_tokens, 4) * 3 \
+                f"forward + backward, and the recombination of {K} task vectors) on the entropy of {num(total)} "
+                f"{m.calibration_split} prompt tokens; the entropy before and after over its {n_batches} batches")
+        secs = None if not P else (m.steps * step_tok * 6 * P / t["train"] + 2 * total * 2 * P / t["forward"]
+                                   + recombinations * K * P / t["recombine"] + io_s)
+        mem = (K + 4) * P * 4 + activations(arch, m.batch_size, x.cfg.calibration.max_prompt_tokens, 4) * 3 \
             if P and arch else None
     else:
-        h, f, L = (arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"]) if arch else (0, 0, 0)
-        gram_flops_tok = 2 * L * (6 * h * h + f * f) if arch else 0  # q, k, v, o, gate, up take d; down takes d_ff
-        secs = None if not P else total * 2 * P / THROUGHPUT[kind]["forward"] + total * gram_flops_tok / THROUGHPUT[kind]["matmul"]
+        lin = _linear_inputs(arch) if arch else []
+        gram_flops_tok = sum(2 * i * i for i, _ in lin)
+        gw = sum(2 * i * i * o for i, o in lin)  # one expert's G W^T (and the solve's substitutions)
+        lu = sum(2 * i ** 3 / 3 for i, _ in lin)
+        fp64 = total * gram_flops_tok + (K + 1) * gw + lu
+        flops = total * 2 * P + fp64 if P and arch else None
+        secs = None if flops is None else total * 2 * P / t["forward"] + fp64 / t["fp64"] + io_s
         what = (f"{m.name}: RegMean (alpha {m.alpha}), each expert's forward over its own task's "
                 f"{m.calibration_split} prompts ({num(total)} tokens in all), Gram matrices of every linear layer's "
                 "inputs (fp64), one solve per layer")
+        h, f, L = (arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"]) if arch else (0, 0, 0)
         mem = (P * 4 * 2 + 2 * L * (6 * h * h + f * f) * 8 + 2 * L * (4 * h * h + 3 * h * f) * 8) if P and arch else None
-    return {"what": what, "seconds": secs, "memory_bytes": mem}
+    return {"what": what, "seconds": secs, "memory_bytes": mem, "flops": flops}
 
 
 def merge(x: PlanInputs) -> dict[str, Any]:
     """The mergekit merges, tensor by tensor (inputs streamed: ``run_one_merge``): peak memory is
     the output shard mergekit's writer holds (the merged model up to :data:`MERGEKIT_OUT_SHARD_BYTES`)
     plus base + experts + output of the largest tensor in fp32 (+ its copy in the pool dtype); disk
-    one checkpoint per merge in its dtype. The data merges (AdaMerging, RegMean) add their forwards /
-    backwards over the calibration prompts and Gram matrices (:func:`_data_merge`), and their peak
-    (all experts' task vectors and the graph for AdaMerging; the fp64 Gram sums for RegMean)."""
+    one checkpoint per merge in its dtype. The data merges (AdaMerging, RegMean) add their peak (all
+    experts' task vectors and the graph for AdaMerging; the fp64 Gram sums for RegMean) and their time:
+    ``seconds`` (device seconds) and ``data_merge_seconds`` (per data merge) are what :func:`_data_merge`
+    counts (AdaMerging's steps, recombinations and entropy passes; RegMean's forwards and fp64 work;
+    their loads), ``data_merge_flops`` their model FLOPs. The mergekit merges are not timed (seconds
+    of streamed tensor arithmetic; a stage of them alone has no ``seconds``)."""
     cfg, lt = x.cfg, x.largest_tensor
     mk = [m for m in cfg.merges if not m.uses_data]
     data = [_data_merge(x, m) for m in cfg.merges if m.uses_data]
@@ -389,6 +427,9 @@ def merge(x: PlanInputs) -> dict[str, Any]:
             s["memory_bytes"] = max(s["memory_bytes"], max(mems) + PROCESS_BASELINE["merge"])
             s["memory_note"] += "; the data merges: experts' task vectors + merged graph (AdaMerging), fp64 Grams (RegMean)"
         if all(d["seconds"] is not None for d in data):
+            names = [m.name for m in cfg.merges if m.uses_data]
+            s["data_merge_seconds"] = {n: d["seconds"] for n, d in zip(names, data)}
+            s["data_merge_flops"] = {n: d["flops"] for n, d in zip(names, data)}
             s["seconds"] = sum(d["seconds"] for d in data)
             return _finish(s, x.kind)
     return s
