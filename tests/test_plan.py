@@ -592,3 +592,41 @@ def test_merge_line_counts_regmean_forwards_and_fp64_work():
     llama = make_plan(load_config("llama2-7b"))["model"]["architecture"]
     assert _linear_inputs(llama)[-1] == (4096, 32000) and len(_linear_inputs(llama)) == 7 * 32 + 1
 
+
+def test_train_line_counts_the_diagnostics():
+    """The train stage's time counts the diagnostics as lm_head matmuls ([d] x [d, V], 2 d V FLOPs per
+    token) at the vocabulary rate: per diagnose_rows call (held-out + reference-answer tokens) x (rows + 2)
+    (the expert's logits, each row's, the KL floor), once with the methods' heads, once per matched
+    control (rows none + its head) and once per task-agnostic kind (routed, shared); it grows with
+    ``surgery.task_agnostic`` and scales with 1 / THROUGHPUT["cpu"]["vocab"]."""
+    from darts_bench.plan import resources
+
+    def train(*sets):
+        return make_plan(load_config("smollm2-135m", list(sets)))["stages"]["train"]
+    cfg = load_config("smollm2-135m")
+    plan = make_plan(cfg)
+    d, V = 576, 49152
+    M, rows = len(cfg.merges), 1 + len(cfg.surgery.methods)
+    n = sum(round(c["tokens"] * cfg.calibration.held_out_fraction)
+            + plan["tasks"][k.split("/")[0]]["n_examples"] * plan["tasks"][k.split("/")[0]]["reference_tokens_est"]
+            for k, c in plan["stages"]["collect"]["calibration"].items() if not k.endswith("/reference"))
+    off, shared, both = (train("surgery.task_agnostic=[]"), train("surgery.task_agnostic=[shared]"),
+                         train("surgery.task_agnostic=[routed,shared]"))
+    assert off["diagnostics_flops"] == M * n * ((rows + 2) + (2 + 2)) * 2 * d * V  # methods + the matched control
+    assert shared["diagnostics_flops"] - off["diagnostics_flops"] == M * n * (rows + 2) * 2 * d * V
+    assert both["diagnostics_flops"] - shared["diagnostics_flops"] == M * n * (rows + 2) * 2 * d * V
+    assert both["diagnostics_tokens"] == 4 * M * n
+    assert off["seconds"] < shared["seconds"] < both["seconds"]
+    assert both["seconds"] == pytest.approx(both["diagnostics_seconds"] + both["head_seconds"])
+    assert both["diagnostics_seconds"] == pytest.approx(both["diagnostics_flops"] / resources.THROUGHPUT["cpu"]["vocab"])
+    # the diagnostics are most of the smollm2-135m train stage (measured 1,436 s: results/smollm2-135m/TIMINGS.md)
+    assert both["diagnostics_seconds"] > 3 * both["head_seconds"]
+    # the vocabulary rate is the one constant to re-set from a new measurement
+    rates = {**resources.THROUGHPUT["cpu"], "vocab": 2 * resources.THROUGHPUT["cpu"]["vocab"]}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(resources.THROUGHPUT, "cpu", rates)
+        faster = train()
+    assert faster["diagnostics_seconds"] == pytest.approx(both["diagnostics_seconds"] / 2)
+    assert faster["head_seconds"] == pytest.approx(both["head_seconds"])
+    # the KL weight source adds two matmuls per token of every loaded split and reference pass
+    assert train("surgery.entropy_source=kl")["diagnostics_flops"] > both["diagnostics_flops"]

@@ -491,11 +491,57 @@ def collect(x: PlanInputs) -> dict[str, Any]:
     return _finish(s, kind, x.workers)
 
 
+def diagnostics_work(x: PlanInputs) -> dict[str, Any]:
+    """The train stage's diagnostics, counted as lm_head matmuls over the vocabulary (the rate
+    ``THROUGHPUT[kind]["vocab"]`` carries the log-softmax / KL / argmax passes that go with each).
+
+    :func:`darts_bench.stages.train.diagnose_rows` runs :meth:`darts_bench.surgery.diagnostics.Diagnostics.many`
+    over a (merge, task, split)'s held-out tokens and again over its task's reference-answer tokens; per
+    token one expert matmul, one per scored row (``none`` and each head) and one for the KL floor: rows + 2
+    matmuls of ``[d] x [d, V]``. It runs once per (merge, task, split, sweep variant, head seed) with the
+    methods' heads, once more per matched control (rows ``none`` and the control's head), and with
+    ``surgery.task_agnostic`` once per (merge, task, split, variant, seed) and kind (``routed``, ``shared``;
+    :func:`~darts_bench.stages.train.agnostic_diagnostics`, rows ``none`` and each method). With
+    ``surgery.entropy_source: kl`` each call adds two matmuls per token of its split and of its
+    references (the KL weight source; the second task-agnostic kind reuses the loaded split, so a slight
+    overcount). Held-out tokens are ``calibration.held_out_fraction`` of a set's tokens,
+    reference tokens ``n_examples x reference_tokens_est`` of the task.
+
+    Returns ``{"diagnostics_tokens"`` (tokens scored, summed over the calls), ``"diagnostics_matmuls"``
+    (token x matmul products), ``"diagnostics_flops"`` (FLOPs: 2 d V per token and matmul)``}``;
+    zeros without an architecture or heads.
+    """
+    cfg, cal, scfg = x.cfg, x.cfg.calibration, x.cfg.surgery
+    M, runs = len(cfg.merges), len(head_seeds(cfg)) * len(surgery_variants(cfg))
+    rows = 1 + len(scfg.methods)  # none + each method
+    kinds = sum(k in scfg.task_agnostic for k in ("routed", "shared"))
+    calls = {"methods": (runs, rows), "controls": (runs * len(scfg.controls), 2), "agnostic": (runs * kinds, rows)}
+    tokens = matmuls = 0
+    for key, c in x.splits.items():
+        task = key.split("/", 1)[0]
+        ti = x.tasks[task]
+        n = round(c["tokens"] * cal.held_out_fraction) + ti["n_examples"] * ti["reference_tokens_est"]
+        for n_calls, n_rows in calls.values():
+            tokens += M * n_calls * n
+            matmuls += M * n_calls * n * (n_rows + 2)
+            if scfg.entropy_source == "kl":  # each call loads its split and streams the references again
+                matmuls += M * n_calls * 2 * (c["tokens"] + ti["n_examples"] * ti["reference_tokens_est"])
+    flops = matmuls * 2 * x.arch["hidden_size"] * x.arch["vocab_size"] if x.arch else 0
+    return {"diagnostics_tokens": tokens, "diagnostics_matmuls": matmuls, "diagnostics_flops": flops}
+
+
 def train(x: PlanInputs) -> dict[str, Any]:
     """Head training on the cached features and the diagnostics: one head per (merge, task with an
     expert, split, method, sweep variant, head seed). Memory is the driver's: the lm_heads, the
     largest split's buffers, the held-out copy, a reference shard, the diagnostics' logits (on the
-    GPU on ``cuda``), the head with its Adam state and, with DeepSpeed, the split's float32 copy."""
+    GPU on ``cuda``), the head with its Adam state and, with DeepSpeed, the split's float32 copy.
+
+    Time (device seconds, ``seconds`` = ``diagnostics_seconds`` + ``head_seconds``): the diagnostics'
+    lm_head matmuls (:func:`diagnostics_work`: ``diagnostics_flops`` FLOPs at ``THROUGHPUT[kind]["vocab"]``,
+    which carries the passes over the vocabulary) and the heads' training: ``head_flops`` (6 x 2 d r FLOPs
+    per trained token, the matched controls at their rank) at the ``train`` rate plus ``head_step_s`` per
+    optimiser step (``steps``, the shared heads' included). The routers' fits (one least-squares-sized fit
+    per (merge, split, seed), under a second each) are not counted."""
     cfg, cal, scfg, ds, kind = x.cfg, x.cfg.calibration, x.cfg.surgery, x.cfg.deepspeed, x.kind
     M, n_tasks, n_splits = len(cfg.merges), len(x.head_tasks), len(cal.splits)
     runs = len(head_seeds(cfg)) * len(surgery_variants(cfg))  # heads per (merge, task, split, method)
@@ -522,6 +568,7 @@ def train(x: PlanInputs) -> dict[str, Any]:
                                                        if k.endswith(f"/{sp}")), 1) / scfg.batch_size)
                        for sp in cal.splits) * M * len(scfg.methods) * runs if shared else 0
     steps += shared_steps
+    diag = diagnostics_work(x)
     if ds.enabled:
         where = (f"DeepSpeed, {ds.num_procs} procs via {ds.launcher}, ZeRO stage {ds.zero_stage}, "
                  f"{'nccl' if cfg.device.startswith('cuda') else 'gloo'}; micro batch "
@@ -537,7 +584,9 @@ def train(x: PlanInputs) -> dict[str, Any]:
                  + (f"; + {M * n_splits * len(head_seeds(cfg))} routers" if "routed" in scfg.task_agnostic else "")
                  + f"), rank {scfg.rank}" + (f" (matched Surgery: rank {rank_c})" if rank_c else "")
                  + f", position table {x.max_len} rows, {scfg.epochs} epochs of "
-                 f"{scfg.batch_size}-token batches ({steps} steps in all)"),
+                 f"{scfg.batch_size}-token batches ({steps} steps in all); diagnostics: every scored row's lm_head and KL "
+                 f"over the vocabulary, {num(diag['diagnostics_tokens'])} held-out and reference-answer tokens "
+                 "over all calls"),
         "where": where,
         "head_params": hp,
         "params_overhead": {m: p / x.params for m, p in hp.items()} if x.params else {},
@@ -577,17 +626,15 @@ def train(x: PlanInputs) -> dict[str, Any]:
                         f"{gb(ref_b)} + diagnostics logits {gb(diag_tmp)}{' (GPU)' if kind == 'cuda' else ''}"
                         + (f" + DeepSpeed float32 copy {gb(ds_copy)}" if ds_copy else "")
                         + f" + head/Adam {gb(head_b)} + process {gb(PROCESS_BASELINE['train'])}")
-    ref_ans = sum(ti["n_examples"] * ti["reference_tokens_est"] for ti in x.tasks.values())
-    diag_tokens = sum(round(c["tokens"] * cal.held_out_fraction) for c in x.splits.values()) * M
-    diag_tokens += ref_ans * M * n_splits
-    diag_flops = diag_tokens * 2 * d * V * (2 * (1 + len(scfg.methods)) + 1)  # le, lm per call; floor once
-    # a control's artifact scores the uncorrected merge and its one head again
-    diag_flops += diag_tokens * 2 * d * V * (2 * 2 + 1) * len(scfg.controls)
+    s.update(diag)
     head_flops = s["head_train_tokens"] * 6 * 2 * d * scfg.rank
     if rank_c:  # the matched heads' share of the steps runs at their rank
         head_flops += s["head_train_tokens"] * len(scfg.controls) / n_heads * 6 * 2 * d * (rank_c - scfg.rank)
-    s["seconds"] = diag_flops / THROUGHPUT[kind]["matmul"] + head_flops / THROUGHPUT[kind]["train"]
-    s["diagnostics_flops"] = diag_flops
+    t = THROUGHPUT[kind]
+    s["head_flops"] = head_flops
+    s["diagnostics_seconds"] = diag["diagnostics_flops"] / t["vocab"]
+    s["head_seconds"] = head_flops / t["train"] + steps * t["head_step_s"]
+    s["seconds"] = s["diagnostics_seconds"] + s["head_seconds"]
     return _finish(s, kind)
 
 
