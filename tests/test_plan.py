@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -523,3 +524,109 @@ def test_plan_counts_task_agnostic_rows_shared_heads_and_routing_forwards():
         == 2 * 5 * 2 * 2 * per_gen
     assert rbr["stages"]["evaluate"]["nll_tokens"] - rbr_off["stages"]["evaluate"]["nll_tokens"] \
         == 5 * 2 * 2 * prompts + 2 * 5 * 2 * 2 * per_row
+
+
+def _transductive_prompt_tokens(plan, cfg):
+    """Prompts and prompt tokens of the transductive calibration sets (what a data merge reads)."""
+    cal = plan["stages"]["collect"]["calibration"]
+    n = sum(cal[f"{t}/transductive"]["sequences"] for t, ti in plan["tasks"].items() if ti["expert"])
+    toks = sum(cal[f"{t}/transductive"]["sequences"] * min(ti["prompt_tokens_est"], cfg.calibration.max_prompt_tokens)
+               for t, ti in plan["tasks"].items() if ti["expert"])
+    return n, toks
+
+
+def test_merge_line_grows_with_adamerging_steps():
+    """AdaMerging's time (seconds) grows by one Adam step per step: a forward + backward of the merged
+    model over one batch of prompts (6 P FLOPs per token at the training rate) and the recombination of
+    the K task vectors with its backward (K x P elements, x RECOMBINE_BACKWARD); the fixed part is the
+    two entropy passes (a forward and a recombination per batch) and reading 1 + K models, writing one."""
+    from darts_bench.plan.resources import LOAD_BYTES_PER_S, RECOMBINE_BACKWARD, THROUGHPUT
+
+    def merge(steps):
+        return make_plan(load_config("smollm2-135m", [
+            f"merges=[{{name: ada, method: adamerging, steps: {steps}, batch_size: 4}}]"]))
+    p30, p60 = merge(30), merge(60)
+    from darts_bench.plan.architecture import DTYPE_BYTES
+
+    cfg, t = load_config("smollm2-135m"), THROUGHPUT["cpu"]
+    out_b = DTYPE_BYTES[load_config("smollm2-135m", ["merges=[{name: ada, method: adamerging}]"]).merges[0].dtype]
+    P, K = p30["model"]["params"], len(cfg.pool.expert_names)
+    n_prompts, total = _transductive_prompt_tokens(p30, cfg)
+    step = 4 * total / n_prompts * 6 * P / t["train"] + RECOMBINE_BACKWARD * K * P / t["recombine"]
+    m30, m60 = p30["stages"]["merge"], p60["stages"]["merge"]
+    assert m60["seconds"] - m30["seconds"] == pytest.approx(30 * step)
+    fixed = (2 * total * 2 * P / t["forward"] + 2 * math.ceil(n_prompts / 4) * K * P / t["recombine"]
+             + ((1 + K) * P * 4 + P * out_b) / LOAD_BYTES_PER_S)
+    assert m30["seconds"] == pytest.approx(fixed + 30 * step)
+    assert m30["data_merge_seconds"] == {"ada": m30["seconds"]} and m30["wall_seconds"] == m30["seconds"]
+    assert "30 Adam steps of 4 prompts" in m30["what"] and "recombination of 3 task vectors" in m30["what"]
+    # the recombination, not the forwards, is most of a SmolLM2 step on the CPU (measured: 1.0 s per
+    # recombination, results/smollm2-135m/TIMINGS.md)
+    assert RECOMBINE_BACKWARD * K * P / t["recombine"] > 4 * total / n_prompts * 6 * P / t["train"]
+
+
+def test_merge_line_counts_regmean_forwards_and_fp64_work():
+    """RegMean's time (seconds): each expert's forward over its task's prompts (2 P FLOPs per token),
+    the fp64 Grams of every linear layer's inputs (2 d_in^2 per token and layer), K + 1 ``G W^T``-sized
+    products (each expert's, and the solve's substitutions) and one LU per layer, and the model reads."""
+    from darts_bench.plan.resources import LOAD_BYTES_PER_S, THROUGHPUT
+
+    from darts_bench.plan.architecture import DTYPE_BYTES
+
+    rm_cfg = load_config("smollm2-135m", ["merges=[{name: rm, method: regmean, alpha: 0.9}]"])
+    plan = make_plan(rm_cfg)
+    cfg, t, out_b = load_config("smollm2-135m"), THROUGHPUT["cpu"], DTYPE_BYTES[rm_cfg.merges[0].dtype]
+    a, P, K = plan["model"]["architecture"], plan["model"]["params"], 3
+    h, f, L, kv = a["hidden_size"], a["intermediate_size"], a["num_hidden_layers"], 192  # SmolLM2: 3 KV heads x 64
+    assert a["tie_word_embeddings"]  # no output layer to solve
+    _, total = _transductive_prompt_tokens(plan, cfg)
+    gram = total * 2 * L * (6 * h * h + f * f)
+    gw = L * 2 * (h * h * (2 * h + 2 * kv + 2 * f) + f * f * h)
+    lu = L * 2 / 3 * (6 * h ** 3 + f ** 3)
+    m = plan["stages"]["merge"]
+    assert m["data_merge_flops"]["rm"] == pytest.approx(total * 2 * P + gram + (K + 1) * gw + lu)
+    assert m["seconds"] == pytest.approx(total * 2 * P / t["forward"] + (gram + (K + 1) * gw + lu) / t["fp64"]
+                                         + ((1 + K) * P * 4 + P * out_b) / LOAD_BYTES_PER_S)
+    # an untied output layer is a linear layer RegMean solves too: the 7B-shaped plan counts it
+    from darts_bench.plan.stages import _linear_inputs
+    llama = make_plan(load_config("llama2-7b"))["model"]["architecture"]
+    assert _linear_inputs(llama)[-1] == (4096, 32000) and len(_linear_inputs(llama)) == 7 * 32 + 1
+
+
+def test_train_line_counts_the_diagnostics():
+    """The train stage's time counts the diagnostics as lm_head matmuls ([d] x [d, V], 2 d V FLOPs per
+    token) at the vocabulary rate: per diagnose_rows call (held-out + reference-answer tokens) x (rows + 2)
+    (the expert's logits, each row's, the KL floor), once with the methods' heads, once per matched
+    control (rows none + its head) and once per task-agnostic kind (routed, shared); it grows with
+    ``surgery.task_agnostic`` and scales with 1 / THROUGHPUT["cpu"]["vocab"]."""
+    from darts_bench.plan import resources
+
+    def train(*sets):
+        return make_plan(load_config("smollm2-135m", list(sets)))["stages"]["train"]
+    cfg = load_config("smollm2-135m")
+    plan = make_plan(cfg)
+    d, V = 576, 49152
+    M, rows = len(cfg.merges), 1 + len(cfg.surgery.methods)
+    n = sum(round(c["tokens"] * cfg.calibration.held_out_fraction)
+            + plan["tasks"][k.split("/")[0]]["n_examples"] * plan["tasks"][k.split("/")[0]]["reference_tokens_est"]
+            for k, c in plan["stages"]["collect"]["calibration"].items() if not k.endswith("/reference"))
+    off, shared, both = (train("surgery.task_agnostic=[]"), train("surgery.task_agnostic=[shared]"),
+                         train("surgery.task_agnostic=[routed,shared]"))
+    assert off["diagnostics_flops"] == M * n * ((rows + 2) + (2 + 2)) * 2 * d * V  # methods + the matched control
+    assert shared["diagnostics_flops"] - off["diagnostics_flops"] == M * n * (rows + 2) * 2 * d * V
+    assert both["diagnostics_flops"] - shared["diagnostics_flops"] == M * n * (rows + 2) * 2 * d * V
+    assert both["diagnostics_tokens"] == 4 * M * n
+    assert off["seconds"] < shared["seconds"] < both["seconds"]
+    assert both["seconds"] == pytest.approx(both["diagnostics_seconds"] + both["head_seconds"])
+    assert both["diagnostics_seconds"] == pytest.approx(both["diagnostics_flops"] / resources.THROUGHPUT["cpu"]["vocab"])
+    # the diagnostics are most of the smollm2-135m train stage (measured 1,436 s: results/smollm2-135m/TIMINGS.md)
+    assert both["diagnostics_seconds"] > 3 * both["head_seconds"]
+    # the vocabulary rate is the one constant to re-set from a new measurement
+    rates = {**resources.THROUGHPUT["cpu"], "vocab": 2 * resources.THROUGHPUT["cpu"]["vocab"]}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(resources.THROUGHPUT, "cpu", rates)
+        faster = train()
+    assert faster["diagnostics_seconds"] == pytest.approx(both["diagnostics_seconds"] / 2)
+    assert faster["head_seconds"] == pytest.approx(both["head_seconds"])
+    # the KL weight source adds two matmuls per token of every loaded split and reference pass
+    assert train("surgery.entropy_source=kl")["diagnostics_flops"] > both["diagnostics_flops"]

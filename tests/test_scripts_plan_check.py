@@ -47,3 +47,13 @@ def test_plan_check_cached_stages_and_missing_files(tmp_path, capsys):
     assert {r["stage"]: r["verdict"] for r in pc.plan_check(run)}["pool"] == "cached"
     assert pc.main([str(tmp_path / "nothing")]) == 2
     assert "cannot check the plan" in capsys.readouterr().err
+
+
+def test_plan_check_holds_the_smollm2_reference_merge_and_train_stages():
+    """The planner's data-merge and train-stage constants are fitted to the committed smollm2-135m reference
+    run (results/smollm2-135m/TIMINGS.md, darts_bench/plan/resources.py): its merge (AdaMerging + RegMean,
+    444.6 s) and train (heads, diagnostics, task-agnostic rows, 1,436.5 s) stages are within 25%."""
+    recs = {r["stage"]: r for r in _script().plan_check(REPO / "results" / "smollm2-135m")}
+    assert recs["merge"]["measured_s"] == pytest.approx(444.6, abs=0.1)
+    assert recs["train"]["measured_s"] == pytest.approx(1436.5, abs=0.1)
+    assert (recs["merge"]["verdict"], recs["train"]["verdict"]) == ("within", "within")

@@ -29,11 +29,14 @@ and the KV cache, flagged when the weights leave no room for one ``max_model_len
 Each engine start costs :data:`VLLM_START_S` plus reading the weights.
 
 Time: work in FLOPs (``2 x params`` per forwarded token, ``6 x params`` per trained token, ``2 d V``
-per lm_head matmul token) over a stated throughput (:data:`THROUGHPUT`): on the CPU the rates
-measured with SmolLM2-135M on 2 cores (``LAB-NOTES.md``) taken as FLOP/s and assumed to scale
-with FLOPs; on ``cuda`` an assumed A100/H100-class GPU (bf16 forward at 40% of 312 TFLOP/s;
-a decoding step bound by reading the weights once at 1.5 TB/s, and by 25 ms per 32 layers of HF
-``generate`` overhead; fp32 diagnostics at 10 TFLOP/s).
+per lm_head matmul token) or in elements (AdaMerging's recombination of the task vectors) over a
+stated throughput (:data:`THROUGHPUT`), plus a fixed time per head optimiser step: on the CPU the
+rates measured with SmolLM2-135M on 2 cores (``LAB-NOTES.md``) taken as FLOP/s and assumed to scale
+with FLOPs, and the data merges' and the train stage's rates fitted to the logged stage times of
+the committed reference run (``results/smollm2-135m/TIMINGS.md``; each constant says which lines);
+on ``cuda`` an assumed A100/H100-class GPU (bf16 forward at 40% of 312 TFLOP/s; a decoding step
+bound by reading the weights once at 1.5 TB/s, and by 25 ms per 32 layers of HF ``generate``
+overhead; fp32 diagnostics and fp64 Grams at 10 TFLOP/s).
 ``device_hours`` are GPU-hours on ``cuda`` (all actors together), else CPU-hours (2-core units
 counted as 2); ``wall_seconds`` divides by the actors working at once. Expect a factor of 2 either
 way: these are budgets, not measurements.
@@ -52,18 +55,51 @@ from darts_bench.plan.units import gb
 # collect / train / evaluate, less the working set this module estimates for that pool. Bytes.
 PROCESS_BASELINE = {"pool": 0.455e9, "merge": 0.445e9, "collect": 0.41e9, "train": 0.44e9, "evaluate": 0.55e9,
                     "report": 0.45e9}
-# Measured (CPU) / assumed (GPU) throughput, FLOP/s or B/s; see the module docstring.
+# Measured (CPU) / assumed (GPU) throughput, FLOP/s or B/s; see the module docstring. The keys:
+# forward / decode / train: FLOP/s of a model's forward, HF generation and training (2 / 2 / 6 x params per token).
+# vocab: FLOP/s of the diagnostics' vocabulary-sized work (darts_bench.surgery.diagnostics.Diagnostics.many),
+#   counted as its lm_head matmuls (2 d V FLOPs per token and matmul); the rate carries the log-softmaxes, KL and
+#   argmax passes over V that go with each matmul, so re-set it (not the count) when those get cheaper.
+# fp64: FLOP/s of RegMean's fp64 Gram products, G W^T products and solves (darts_bench.merge.regmean).
+# recombine: task-vector elements per second through AdaMerging's theta_base + sum_k lambda_k tau_k (one
+#   recombination touches K x params elements; darts_bench.merge.adamerging.LayerWiseMerge.params).
+# head_step_s: seconds per head optimiser step beyond its FLOPs (batch gather, Python, Adam over the head).
 _SMOL = 134_515_008
 THROUGHPUT = {
-    "cpu": {"forward": 600 * 2 * _SMOL, "decode": 68 * 2 * _SMOL, "train": 180 * 6 * _SMOL, "matmul": 600 * 2 * _SMOL,
+    "cpu": {"forward": 600 * 2 * _SMOL, "decode": 68 * 2 * _SMOL, "train": 180 * 6 * _SMOL,
+            # vocab, head_step_s: least squares over the 40 train-stage lines of results/smollm2-135m/TIMINGS.md
+            # (12 "train heads", 12 "[rank=matched]", 4 "train shared heads", 12 "diagnose task-agnostic rows"),
+            # each line's held-out + reference-answer tokens and steps from that run's results.json: 60.4 GFLOP/s
+            # and 3.75 ms per step (the 12 task-agnostic lines alone, no training in them: 62.0 GFLOP/s). The
+            # w_max check (results/smollm2-135m-wmax, 36 lines) ran at 0.74x of what these predict.
+            "vocab": 60e9, "head_step_s": 3.75e-3,
+            # fp64: RegMean 138.8 s (TIMINGS.md; 19,379 prompt tokens) less its forwards at the forward rate and
+            # its loads = 103.8 s for 5.85 TFLOP of fp64 work: 56 GFLOP/s (the 2026-12-02 rerun, 26,906
+            # tokens, 201.5 s: 51 GFLOP/s)
+            "fp64": 55e9,
+            # recombine: AdaMerging 305.8 s (TIMINGS.md: 30 steps, 45 batches of 4 prompts, 19,379 tokens) and
+            # 515.4 s (the 2026-12-02 rerun, results/smollm2-135m-rerun-2026-12-02/TIMINGS.md: 60 steps, 60
+            # batches, 26,906 tokens), less their forwards, backwards and loads: 166.7 s and 273.5 s for 90 + 30
+            # and 120 + 60 (no-grad + with-backward) recombinations of 3 x 134.5M elements: 1.0 s each, x
+            # RECOMBINE_BACKWARD with the backward
+            "recombine": 4.0e8,
             "source": "SmolLM2-135M on 2 CPU cores (LAB-NOTES): forward 600 tok/s, generation 68 tok/s at batch 8, "
-                      "training 180 tok/s; taken as FLOP/s"},
+                      "training 180 tok/s; taken as FLOP/s; diagnostics 60 GFLOP/s of lm_head matmuls, RegMean fp64 "
+                      "55 GFLOP/s, AdaMerging recombination 4e8 elements/s, 3.75 ms per head step (fitted to "
+                      "results/smollm2-135m/TIMINGS.md)"},
     "cuda": {"forward": 0.4 * 312e12, "decode_bw": 1.5e12, "step_s_per_layer": 0.025 / 32, "train": 0.4 * 312e12,
-             "matmul": 10e12,
+             # assumed: the passes over V are small beside the d x V matmul at 7B widths; fp64 Grams as fp32
+             # diagnostics (A100 fp64 tensor cores: 19.5 TFLOP/s peak); recombination bound by reading and writing
+             # ~20 B per task-vector element at 1.5 TB/s; 1 ms per eager Adam step of a small head
+             "vocab": 10e12, "fp64": 10e12, "recombine": 1.5e12 / 20, "head_step_s": 1e-3,
              "source": "assumed GPU: bf16 at 40% of 312 TFLOP/s; a decoding step reads the weights once at "
                        "1.5 TB/s but takes at least 25 ms per 32 layers (HF generate, eager); fp32 diagnostics "
                        "at 10 TFLOP/s"},
 }
+# An AdaMerging step's recombination with its backward (gradients to lambda: one reduction per task vector
+# and parameter tensor, autograd's temporaries), in no-grad recombinations: fitted with "recombine" to the
+# 30- and 60-step runs above (2.56).
+RECOMBINE_BACKWARD = 2.5
 # Loading a checkpoint: weights read at LOAD_BYTES_PER_S (assumed: local NVMe / cold page cache);
 # with Ray every artifact starts its own actors (ACTOR_START_S each, assumed for a GPU node; 33-82 s
 # per artifact were measured on a 2-core head with a tiny model, see ray_configs/README.md).

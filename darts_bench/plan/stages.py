@@ -26,10 +26,10 @@ from typing import Any
 
 from darts_bench.api import get_task, resolve_suite
 from darts_bench.config import Config
-from darts_bench.plan.architecture import DTYPE_BYTES, activations, architecture, kv_cache, param_count
+from darts_bench.plan.architecture import DTYPE_BYTES, activations, architecture, kv_cache, kv_dim, param_count
 from darts_bench.plan.resources import (ACTOR_START_S, DIAG_BATCH, DIAG_TEMPS, FEATURE_COLUMNS_BYTES,
-                                        LOAD_BYTES_PER_S, PROCESS_BASELINE, THROUGHPUT, decode_seconds,
-                                        device_kind, engine_starts, forward_seconds, vllm_engine,
+                                        LOAD_BYTES_PER_S, PROCESS_BASELINE, RECOMBINE_BACKWARD, THROUGHPUT,
+                                        decode_seconds, device_kind, engine_starts, forward_seconds, vllm_engine,
                                         vllm_generation_seconds)
 from darts_bench.plan.units import gb, num
 from darts_bench.controls import CONTROL_METHOD, head_param_count, param_matched_rank
@@ -332,42 +332,80 @@ def _data_merge_prompt_tokens(x: PlanInputs, split: str) -> dict[str, int]:
     return out
 
 
+def _linear_inputs(arch: dict[str, Any]) -> list[tuple[int, int]]:
+    """``(d_in, d_out)`` of every linear layer RegMean solves (:func:`darts_bench.merge.regmean.linear_modules`):
+    per decoder layer q, k, v, o, gate, up, down, and an output layer not tied to the input embeddings."""
+    h, f, kv = arch["hidden_size"], arch["intermediate_size"], kv_dim(arch)
+    layer = [(h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h)]
+    return layer * arch["num_hidden_layers"] + ([] if arch["tie_word_embeddings"] else [(h, arch["vocab_size"])])
+
+
 def _data_merge(x: PlanInputs, m) -> dict[str, Any]:
-    """One data merge: AdaMerging runs ``steps`` forward + backward passes through the weights over a
-    batch of prompts (6 P FLOP per token, as training) plus two forwards over all prompts (the entropy
-    before and after); RegMean one forward per expert over its task's prompts plus the fp64 Gram
-    products (2 d_in^2 FLOP per token per linear layer) and one fp64 solve per layer."""
+    """One data merge (AdaMerging or RegMean, on the ``m.calibration_split`` prompts of the tasks with an
+    expert): ``{"what", "seconds", "memory_bytes", "flops"}``; ``seconds`` (device seconds) is None when
+    the architecture is unknown. What it counts, each at its :data:`THROUGHPUT` rate:
+
+    * AdaMerging (:func:`darts_bench.merge.adamerging.build_adamerging`): ``steps`` Adam steps, each a
+      forward + backward of the merged model over one batch of ``batch_size`` prompts (6 P FLOPs per
+      token at ``train``) and the lambda-weighted recombination of the K task vectors with its backward
+      (K x P elements at ``recombine``, x :data:`RECOMBINE_BACKWARD`); then the entropy before and after,
+      each a pass over every prompt batch: a forward (2 P FLOPs per token at ``forward``) and a
+      recombination (no backward) per batch.
+    * RegMean (:func:`darts_bench.merge.regmean.build_regmean`): each expert's forward over its own
+      task's prompts (2 P FLOPs per token), and in fp64 (``fp64``): the Gram products of every linear
+      layer's inputs (2 d_in^2 FLOPs per token and layer), each expert's ``G W^T`` (2 d_in^2 d_out per
+      layer), and per layer one LU solve (2/3 d_in^3 + 2 d_in^2 d_out).
+    * both: reading the base and the K experts in float32 and writing the merged checkpoint in
+      ``m.dtype`` at :data:`LOAD_BYTES_PER_S`.
+
+    ``flops`` is the model FLOPs (forwards, backwards and fp64 work; the recombination is elements, not
+    counted there). Token counts are the plan's typical prompt lengths (:func:`_data_merge_prompt_tokens`).
+    """
     P, arch, kind = x.params, x.arch, x.kind
+    t = THROUGHPUT[kind]
+    K = len(x.cfg.pool.expert_names)
     toks = _data_merge_prompt_tokens(x, m.calibration_split)
     total = sum(toks.values())
-    n_prompts = sum(x.calib[f"{t}/{m.calibration_split}"]["sequences"] for t in x.head_tasks) or 1
+    n_prompts = sum(x.calib[f"{t_}/{m.calibration_split}"]["sequences"] for t_ in x.head_tasks) or 1
+    io_s = ((1 + K) * P * 4 + P * DTYPE_BYTES[m.dtype]) / LOAD_BYTES_PER_S if P else None
     if m.method == "adamerging":
         step_tok = min(m.batch_size, n_prompts) * total / n_prompts
+        n_batches = math.ceil(n_prompts / m.batch_size)
+        recombinations = 2 * n_batches + m.steps * RECOMBINE_BACKWARD  # in no-grad recombinations
         flops = (m.steps * step_tok * 6 + 2 * total * 2) * P if P else None
         what = (f"{m.name}: AdaMerging, {m.steps} Adam steps of {m.batch_size} prompts (~{num(step_tok)} tokens, "
-                f"forward + backward) on the entropy of {num(total)} {m.calibration_split} prompt tokens")
-        secs = None if flops is None else (m.steps * step_tok * 6 * P) / THROUGHPUT[kind]["train"] + \
-            (2 * total * 2 * P) / THROUGHPUT[kind]["forward"]
-        mem = (len(x.cfg.pool.expert_names) + 4) * P * 4 + activations(arch, m.batch_size, x.cfg.calibration.max_prompt_tokens, 4) * 3 \
+                f"forward + backward, and the recombination of {K} task vectors) on the entropy of {num(total)} "
+                f"{m.calibration_split} prompt tokens; the entropy before and after over its {n_batches} batches")
+        secs = None if not P else (m.steps * step_tok * 6 * P / t["train"] + 2 * total * 2 * P / t["forward"]
+                                   + recombinations * K * P / t["recombine"] + io_s)
+        mem = (K + 4) * P * 4 + activations(arch, m.batch_size, x.cfg.calibration.max_prompt_tokens, 4) * 3 \
             if P and arch else None
     else:
-        h, f, L = (arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"]) if arch else (0, 0, 0)
-        gram_flops_tok = 2 * L * (6 * h * h + f * f) if arch else 0  # q, k, v, o, gate, up take d; down takes d_ff
-        secs = None if not P else total * 2 * P / THROUGHPUT[kind]["forward"] + total * gram_flops_tok / THROUGHPUT[kind]["matmul"]
+        lin = _linear_inputs(arch) if arch else []
+        gram_flops_tok = sum(2 * i * i for i, _ in lin)
+        gw = sum(2 * i * i * o for i, o in lin)  # one expert's G W^T (and the solve's substitutions)
+        lu = sum(2 * i ** 3 / 3 for i, _ in lin)
+        fp64 = total * gram_flops_tok + (K + 1) * gw + lu
+        flops = total * 2 * P + fp64 if P and arch else None
+        secs = None if flops is None else total * 2 * P / t["forward"] + fp64 / t["fp64"] + io_s
         what = (f"{m.name}: RegMean (alpha {m.alpha}), each expert's forward over its own task's "
                 f"{m.calibration_split} prompts ({num(total)} tokens in all), Gram matrices of every linear layer's "
                 "inputs (fp64), one solve per layer")
+        h, f, L = (arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"]) if arch else (0, 0, 0)
         mem = (P * 4 * 2 + 2 * L * (6 * h * h + f * f) * 8 + 2 * L * (4 * h * h + 3 * h * f) * 8) if P and arch else None
-    return {"what": what, "seconds": secs, "memory_bytes": mem}
+    return {"what": what, "seconds": secs, "memory_bytes": mem, "flops": flops}
 
 
 def merge(x: PlanInputs) -> dict[str, Any]:
     """The mergekit merges, tensor by tensor (inputs streamed: ``run_one_merge``): peak memory is
     the output shard mergekit's writer holds (the merged model up to :data:`MERGEKIT_OUT_SHARD_BYTES`)
     plus base + experts + output of the largest tensor in fp32 (+ its copy in the pool dtype); disk
-    one checkpoint per merge in its dtype. The data merges (AdaMerging, RegMean) add their forwards /
-    backwards over the calibration prompts and Gram matrices (:func:`_data_merge`), and their peak
-    (all experts' task vectors and the graph for AdaMerging; the fp64 Gram sums for RegMean)."""
+    one checkpoint per merge in its dtype. The data merges (AdaMerging, RegMean) add their peak (all
+    experts' task vectors and the graph for AdaMerging; the fp64 Gram sums for RegMean) and their time:
+    ``seconds`` (device seconds) and ``data_merge_seconds`` (per data merge) are what :func:`_data_merge`
+    counts (AdaMerging's steps, recombinations and entropy passes; RegMean's forwards and fp64 work;
+    their loads), ``data_merge_flops`` their model FLOPs. The mergekit merges are not timed (seconds
+    of streamed tensor arithmetic; a stage of them alone has no ``seconds``)."""
     cfg, lt = x.cfg, x.largest_tensor
     mk = [m for m in cfg.merges if not m.uses_data]
     data = [_data_merge(x, m) for m in cfg.merges if m.uses_data]
@@ -389,6 +427,9 @@ def merge(x: PlanInputs) -> dict[str, Any]:
             s["memory_bytes"] = max(s["memory_bytes"], max(mems) + PROCESS_BASELINE["merge"])
             s["memory_note"] += "; the data merges: experts' task vectors + merged graph (AdaMerging), fp64 Grams (RegMean)"
         if all(d["seconds"] is not None for d in data):
+            names = [m.name for m in cfg.merges if m.uses_data]
+            s["data_merge_seconds"] = {n: d["seconds"] for n, d in zip(names, data)}
+            s["data_merge_flops"] = {n: d["flops"] for n, d in zip(names, data)}
             s["seconds"] = sum(d["seconds"] for d in data)
             return _finish(s, x.kind)
     return s
@@ -450,11 +491,57 @@ def collect(x: PlanInputs) -> dict[str, Any]:
     return _finish(s, kind, x.workers)
 
 
+def diagnostics_work(x: PlanInputs) -> dict[str, Any]:
+    """The train stage's diagnostics, counted as lm_head matmuls over the vocabulary (the rate
+    ``THROUGHPUT[kind]["vocab"]`` carries the log-softmax / KL / argmax passes that go with each).
+
+    :func:`darts_bench.stages.train.diagnose_rows` runs :meth:`darts_bench.surgery.diagnostics.Diagnostics.many`
+    over a (merge, task, split)'s held-out tokens and again over its task's reference-answer tokens; per
+    token one expert matmul, one per scored row (``none`` and each head) and one for the KL floor: rows + 2
+    matmuls of ``[d] x [d, V]``. It runs once per (merge, task, split, sweep variant, head seed) with the
+    methods' heads, once more per matched control (rows ``none`` and the control's head), and with
+    ``surgery.task_agnostic`` once per (merge, task, split, variant, seed) and kind (``routed``, ``shared``;
+    :func:`~darts_bench.stages.train.agnostic_diagnostics`, rows ``none`` and each method). With
+    ``surgery.entropy_source: kl`` each call adds two matmuls per token of its split and of its
+    references (the KL weight source; the second task-agnostic kind reuses the loaded split, so a slight
+    overcount). Held-out tokens are ``calibration.held_out_fraction`` of a set's tokens,
+    reference tokens ``n_examples x reference_tokens_est`` of the task.
+
+    Returns ``{"diagnostics_tokens"`` (tokens scored, summed over the calls), ``"diagnostics_matmuls"``
+    (token x matmul products), ``"diagnostics_flops"`` (FLOPs: 2 d V per token and matmul)``}``;
+    zeros without an architecture or heads.
+    """
+    cfg, cal, scfg = x.cfg, x.cfg.calibration, x.cfg.surgery
+    M, runs = len(cfg.merges), len(head_seeds(cfg)) * len(surgery_variants(cfg))
+    rows = 1 + len(scfg.methods)  # none + each method
+    kinds = sum(k in scfg.task_agnostic for k in ("routed", "shared"))
+    calls = {"methods": (runs, rows), "controls": (runs * len(scfg.controls), 2), "agnostic": (runs * kinds, rows)}
+    tokens = matmuls = 0
+    for key, c in x.splits.items():
+        task = key.split("/", 1)[0]
+        ti = x.tasks[task]
+        n = round(c["tokens"] * cal.held_out_fraction) + ti["n_examples"] * ti["reference_tokens_est"]
+        for n_calls, n_rows in calls.values():
+            tokens += M * n_calls * n
+            matmuls += M * n_calls * n * (n_rows + 2)
+            if scfg.entropy_source == "kl":  # each call loads its split and streams the references again
+                matmuls += M * n_calls * 2 * (c["tokens"] + ti["n_examples"] * ti["reference_tokens_est"])
+    flops = matmuls * 2 * x.arch["hidden_size"] * x.arch["vocab_size"] if x.arch else 0
+    return {"diagnostics_tokens": tokens, "diagnostics_matmuls": matmuls, "diagnostics_flops": flops}
+
+
 def train(x: PlanInputs) -> dict[str, Any]:
     """Head training on the cached features and the diagnostics: one head per (merge, task with an
     expert, split, method, sweep variant, head seed). Memory is the driver's: the lm_heads, the
     largest split's buffers, the held-out copy, a reference shard, the diagnostics' logits (on the
-    GPU on ``cuda``), the head with its Adam state and, with DeepSpeed, the split's float32 copy."""
+    GPU on ``cuda``), the head with its Adam state and, with DeepSpeed, the split's float32 copy.
+
+    Time (device seconds, ``seconds`` = ``diagnostics_seconds`` + ``head_seconds``): the diagnostics'
+    lm_head matmuls (:func:`diagnostics_work`: ``diagnostics_flops`` FLOPs at ``THROUGHPUT[kind]["vocab"]``,
+    which carries the passes over the vocabulary) and the heads' training: ``head_flops`` (6 x 2 d r FLOPs
+    per trained token, the matched controls at their rank) at the ``train`` rate plus ``head_step_s`` per
+    optimiser step (``steps``, the shared heads' included). The routers' fits (one least-squares-sized fit
+    per (merge, split, seed), under a second each) are not counted."""
     cfg, cal, scfg, ds, kind = x.cfg, x.cfg.calibration, x.cfg.surgery, x.cfg.deepspeed, x.kind
     M, n_tasks, n_splits = len(cfg.merges), len(x.head_tasks), len(cal.splits)
     runs = len(head_seeds(cfg)) * len(surgery_variants(cfg))  # heads per (merge, task, split, method)
@@ -481,6 +568,7 @@ def train(x: PlanInputs) -> dict[str, Any]:
                                                        if k.endswith(f"/{sp}")), 1) / scfg.batch_size)
                        for sp in cal.splits) * M * len(scfg.methods) * runs if shared else 0
     steps += shared_steps
+    diag = diagnostics_work(x)
     if ds.enabled:
         where = (f"DeepSpeed, {ds.num_procs} procs via {ds.launcher}, ZeRO stage {ds.zero_stage}, "
                  f"{'nccl' if cfg.device.startswith('cuda') else 'gloo'}; micro batch "
@@ -496,7 +584,9 @@ def train(x: PlanInputs) -> dict[str, Any]:
                  + (f"; + {M * n_splits * len(head_seeds(cfg))} routers" if "routed" in scfg.task_agnostic else "")
                  + f"), rank {scfg.rank}" + (f" (matched Surgery: rank {rank_c})" if rank_c else "")
                  + f", position table {x.max_len} rows, {scfg.epochs} epochs of "
-                 f"{scfg.batch_size}-token batches ({steps} steps in all)"),
+                 f"{scfg.batch_size}-token batches ({steps} steps in all); diagnostics: every scored row's lm_head and KL "
+                 f"over the vocabulary, {num(diag['diagnostics_tokens'])} held-out and reference-answer tokens "
+                 "over all calls"),
         "where": where,
         "head_params": hp,
         "params_overhead": {m: p / x.params for m, p in hp.items()} if x.params else {},
@@ -536,17 +626,15 @@ def train(x: PlanInputs) -> dict[str, Any]:
                         f"{gb(ref_b)} + diagnostics logits {gb(diag_tmp)}{' (GPU)' if kind == 'cuda' else ''}"
                         + (f" + DeepSpeed float32 copy {gb(ds_copy)}" if ds_copy else "")
                         + f" + head/Adam {gb(head_b)} + process {gb(PROCESS_BASELINE['train'])}")
-    ref_ans = sum(ti["n_examples"] * ti["reference_tokens_est"] for ti in x.tasks.values())
-    diag_tokens = sum(round(c["tokens"] * cal.held_out_fraction) for c in x.splits.values()) * M
-    diag_tokens += ref_ans * M * n_splits
-    diag_flops = diag_tokens * 2 * d * V * (2 * (1 + len(scfg.methods)) + 1)  # le, lm per call; floor once
-    # a control's artifact scores the uncorrected merge and its one head again
-    diag_flops += diag_tokens * 2 * d * V * (2 * 2 + 1) * len(scfg.controls)
+    s.update(diag)
     head_flops = s["head_train_tokens"] * 6 * 2 * d * scfg.rank
     if rank_c:  # the matched heads' share of the steps runs at their rank
         head_flops += s["head_train_tokens"] * len(scfg.controls) / n_heads * 6 * 2 * d * (rank_c - scfg.rank)
-    s["seconds"] = diag_flops / THROUGHPUT[kind]["matmul"] + head_flops / THROUGHPUT[kind]["train"]
-    s["diagnostics_flops"] = diag_flops
+    t = THROUGHPUT[kind]
+    s["head_flops"] = head_flops
+    s["diagnostics_seconds"] = diag["diagnostics_flops"] / t["vocab"]
+    s["head_seconds"] = head_flops / t["train"] + steps * t["head_step_s"]
+    s["seconds"] = s["diagnostics_seconds"] + s["head_seconds"]
     return _finish(s, kind)
 
 
