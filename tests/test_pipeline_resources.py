@@ -232,6 +232,77 @@ def test_features_stored_in_the_model_dtype(micro_pipeline, tmp_path):
     assert math.isfinite(float(b.h_merged.sum()))
 
 
+def test_features_batched_by_length_are_stored_in_sequence_order_and_resume(micro_pipeline, tmp_path):
+    """Forward batches group sequences by length (little padding); the store still holds shards of
+    ``shard_size`` sequences in stored order, each sequence's rows bitwise those of the length-sorted
+    batch it was computed in; a run killed after some batches resumes with only the missing ones."""
+    from darts_bench.collect.features import length_order
+    from darts_bench.executors.worker import hidden_state_features
+    from darts_bench.evaluate.hf_model import load_causal_lm
+
+    pipe = micro_pipeline
+    base = str(pipe.pool().base)
+    seqs = pipe.collect()["calibration"][("gsm8k", "transductive")].meta["sequences"]
+    seqs = [s[:3 + (7 * i) % 23] for i, s in enumerate(seqs)]  # lengths out of order
+    order = length_order(seqs)
+    assert [len(seqs[i]) for i in order] == sorted(len(s) for s in seqs) and order != sorted(order)
+    assert len(seqs) >= 6  # >= 3 batches of 2: the kill below leaves some undone
+    ex = LocalExecutor(batch_size=2)
+    calls = []
+    orig_map = ex.map
+
+    def counting_map(model_dir, op, payloads, skip=(), **kw):
+        calls.append(len(payloads) - len(set(skip)))
+        return orig_map(model_dir, op, payloads, skip=skip, **kw)
+
+    ex.map = counting_map
+    out, partial = tmp_path / "feats", tmp_path / "partial"
+    out.mkdir()
+    _run_sharded(ex, base, seqs, 2, out, partial, "merged", "sorted features")
+    index = json.loads((out / "index.json").read_text())
+    assert index["shards"] == [f"merged-{k:05d}.safetensors" for k in range(-(-len(seqs) // 2))]
+    feats = load_shards(out)
+    assert feats["seq_index"].tolist() == [j for j, s in enumerate(seqs) for _ in s]
+    assert feats["positions"].tolist() == [p for s in seqs for p in range(len(s))]
+    model, tok = load_causal_lm(base, dtype=torch.float32, device="cpu")
+    for b in range(0, len(order), 2):
+        batch = order[b:b + 2]
+        ref = hidden_state_features(model, [seqs[j] for j in batch], tok.pad_token_id or 0, batch_size=2)
+        for k, j in enumerate(batch):
+            assert torch.equal(feats["h"][feats["seq_index"] == j], ref["h"][ref["seq_index"] == k])
+            assert torch.equal(feats["entropy"][feats["seq_index"] == j], ref["entropy"][ref["seq_index"] == k])
+    # resume: two of the batches survive a kill; the rerun computes the others only, same bytes
+    first = {n: (out / n).read_bytes() for n in index["shards"]}
+    out2 = tmp_path / "feats2"
+    out2.mkdir()
+    _run_sharded(ex, base, seqs, 2, out2, partial, "merged", "sorted features")  # fills partial, then clears it
+    assert not partial.exists()
+
+    def kill_after(i, res, seen=[]):  # noqa: B006 - a counter across calls
+        seen.append(i)
+        if len(seen) > 2:
+            raise KeyboardInterrupt
+
+    calls.clear()
+
+    def dying_map(model_dir, op, payloads, skip=(), on_result=None, **kw):
+        def on(i, res):
+            kill_after(i, res)
+            on_result(i, res)
+        return orig_map(model_dir, op, payloads, skip=skip, on_result=on, **kw)
+
+    ex.map = dying_map
+    out3 = tmp_path / "feats3"
+    out3.mkdir()
+    with pytest.raises(KeyboardInterrupt):
+        _run_sharded(ex, base, seqs, 2, out3, partial, "merged", "sorted features")
+    assert len(list(partial.glob("batch-merged-*.safetensors"))) == 2
+    ex.map = counting_map
+    _run_sharded(ex, base, seqs, 2, out3, partial, "merged", "sorted features")
+    assert calls == [-(-len(seqs) // 2) - 2]
+    assert {n: (out3 / n).read_bytes() for n in index["shards"]} == first
+
+
 def test_evaluate_loads_each_checkpoint_once(micro_cfg_path, micro_pipeline, tmp_path, monkeypatch):
     """Evaluating 14 rows on AlpacaEval (judge: expert:instruction) loads each of the 6 model dirs
     once (dcca732: one load per (row, task) plus one judge load per row, 28 here), with the same

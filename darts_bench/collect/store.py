@@ -109,6 +109,45 @@ def decode_features(res: dict[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
+def regroup(src: Path, batch_files: list[str], out: Path, prefix: str, n_sequences: int,
+            shard_size: int) -> list[str]:
+    """Write the store's shards (``prefix``, ``shard_size`` sequences each in stored order, tokens in
+    order) into ``out`` from feature files in ``src`` that hold whole sequences in any grouping (the
+    length-sorted forward batches of :func:`darts_bench.collect.features._run_sharded`; ``seq_index``
+    names each token's sequence). Reads through memory maps, one output shard in memory at a time;
+    returns the shard names.
+
+    Raises:
+        ValueError: a sequence is missing, or is split across files.
+    """
+    where: dict[int, tuple[Path, int, int]] = {}  # sequence -> (file, first row, end row)
+    for name in batch_files:
+        with safe_open(str(src / name), "pt") as st:
+            seq = st.get_tensor("seq_index")
+        if not len(seq):
+            continue
+        cuts = (torch.nonzero(seq[1:] != seq[:-1])[:, 0] + 1).tolist()
+        for a, b in zip([0, *cuts], [*cuts, len(seq)]):
+            j = int(seq[a])
+            if j in where:
+                raise ValueError(f"sequence {j} is in more than one place ({where[j][0].name}, {name})")
+            where[j] = (src / name, a, b)
+    missing = [j for j in range(n_sequences) if j not in where]
+    if missing:
+        raise ValueError(f"{len(missing)} of {n_sequences} sequences have no features in {src} (first: {missing[0]})")
+    names = []
+    for k, start in enumerate(range(0, n_sequences, shard_size)):
+        parts: dict[str, list[torch.Tensor]] = {c: [] for c in COLUMNS}
+        for j in range(start, min(start + shard_size, n_sequences)):
+            path, a, b = where[j]
+            with safe_open(str(path), "pt") as st:
+                for c in COLUMNS:
+                    parts[c].append(st.get_slice(c)[a:b])
+        write_shard(out, prefix, k, {c: torch.cat(v) for c, v in parts.items()})
+        names.append(shard_name(prefix, k))
+    return names
+
+
 def load_shards(root: Path) -> dict[str, torch.Tensor]:
     """Concatenate the shards listed in ``root/index.json`` (tokens in sequence order).
 
