@@ -47,7 +47,8 @@ evicted recreates it on its next call. On a local instance the number of actors 
 capped at what the machine can hold (a warning says so) instead of waiting forever for resources.
 :attr:`RayExecutor.actor_starts` counts the actors started per model dir (each one loads it).
 
-Engines (``evaluate.backend: vllm``). :meth:`RayExecutor.vllm_text_model` returns a
+Engines (``evaluate.backend: vllm``, and ``calibration.backend: vllm`` for the experts'
+continuations). :meth:`RayExecutor.vllm_text_model` returns a
 :class:`RayVLLMTextModel` over a group of ``num_actors`` actors each holding one engine of the
 model dir (:class:`~darts_bench.executors.vllm_worker.VLLMWorker`; the engine class and settings
 come from the caller, the vLLM backend :class:`~darts_bench.evaluate.engines.vllm.VLLMBackend`,

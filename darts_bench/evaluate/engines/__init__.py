@@ -70,8 +70,8 @@ def check_backends(cfg) -> None:
     Raises:
         ImportError: ``evaluate.backend`` or ``calibration.backend`` is ``vllm`` without vllm (the
             message names the key and the install command).
-        ValueError: ``evaluate.backend: vllm`` on Ray with more tensor-parallel GPUs than an actor
-            holds.
+        ValueError: ``evaluate.backend`` or ``calibration.backend`` ``vllm`` on Ray with more
+            tensor-parallel GPUs than an actor holds (both run their engines on Ray actors).
     """
     for role in ROLES:
         backend_class(cfg, role).check(cfg, role)

@@ -19,8 +19,11 @@ Layouts of :class:`VLLMBackend` (chosen by ``executor.in_process``):
   with this backend's engine class and settings), one group of ``ray.num_actors`` actors per model
   dir held open like the HF backend's; prompts are split over the actors (data parallel).
 
-The experts' calibration continuations (``calibration.backend: vllm``) always come from an
-in-process engine in the driver.
+The experts' calibration continuations (``calibration.backend: vllm``,
+:meth:`VLLMBackend.continuations`) follow the same layout: in-process, from the driver's engine; on
+Ray, from the expert's engine-actor group (greedy, the prompts split over its actors), held from
+one call to the next (an expert's splits share it) until a request for another model dir or
+:meth:`VLLMBackend.close` (the collect stage closes its calibration backend at its end).
 
 Conventions shared with :class:`~darts_bench.evaluate.hf_model.HFTextModel` so that fp32 greedy
 outputs are token-identical:
@@ -537,8 +540,8 @@ class VLLMBackend(Backend):
             batch_size=...)`` and ``shutdown()``).
 
     Raises:
-        ValueError: (from :meth:`get` in the Ray layout) ``evaluate.vllm.tensor_parallel_size`` above
-            the GPUs of an actor (:func:`check_ray_vllm`).
+        ValueError: (from :meth:`get` and :meth:`continuations` in the Ray layout)
+            ``evaluate.vllm.tensor_parallel_size`` above the GPUs of an actor (:func:`check_ray_vllm`).
     """
 
     name = "vllm"
@@ -552,11 +555,11 @@ class VLLMBackend(Backend):
 
     @classmethod
     def check(cls, cfg, role: str) -> None:
-        """Raises ``ImportError`` (with the install command) when vllm is missing, and for
-        ``role="evaluate"`` ``ValueError`` from :func:`check_ray_vllm`."""
+        """Raises ``ImportError`` (with the install command) when vllm is missing, and
+        ``ValueError`` from :func:`check_ray_vllm` (either role: with ``executor: ray`` both run
+        their engines on Ray actors)."""
         require_vllm(f"{role}.backend=vllm")
-        if role == "evaluate":
-            check_ray_vllm(cfg)
+        check_ray_vllm(cfg)
 
     @classmethod
     def cache_key(cls, cfg) -> dict[str, Any]:
@@ -633,11 +636,37 @@ class VLLMBackend(Backend):
 
     def continuations(self, name: str, model_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
                       desc: str = "") -> list[list[int]]:
-        """See :meth:`Backend.continuations`: from the in-process engine of ``model_dir`` (in the
-        driver, whatever the executor)."""
-        log.info("%s: greedy continuations of %d prompts from the vLLM engine of %s", desc or name,
-                 len(prompt_ids), model_dir)
-        gens = self.engine_for(model_dir).text_model(name).generate_ids(prompt_ids, max_new_tokens=max_new_tokens)
+        """See :meth:`Backend.continuations`: greedy, plain model (no head), at most
+        ``max_new_tokens`` new tokens per prompt; ``prompt_ids[i]`` is continued into ``out[i]``
+        (token ids, cut before the first eos/pad token).
+
+        In-process: from the in-process engine of ``model_dir`` (:meth:`engine_for`). Ray layout:
+        from the engine-actor group of ``model_dir`` (:meth:`RayExecutor.vllm_text_model
+        <darts_bench.executors.ray_executor.RayExecutor.vllm_text_model>`, one contiguous chunk of
+        prompts per actor), held like an evaluation row's group (:meth:`Backend._get_remote`) so the
+        next call for the same model dir reuses its engines; it is released by a call for another
+        model dir or by :meth:`close`. Greedy fp32 ids are the same in both layouts.
+
+        Raises:
+            RuntimeError: the backend is closed; (Ray) a chunk failed on its actor (the message
+                names the chunk, the op and the model dir).
+            ValueError: a prompt longer than the engine's ``max_model_len``; (Ray) from
+                :func:`check_ray_vllm`.
+        """
+        self._check_open()
+        key = str(model_dir)
+        if not self.executor.in_process:
+            log.info("%s: greedy continuations of %d prompts from the vLLM engine actors of %s", desc or name,
+                     len(prompt_ids), key)
+            tm = self._get_remote(name, key, None, pin=False)
+            try:
+                gens = tm.generate_ids(prompt_ids, max_new_tokens=max_new_tokens)
+            finally:
+                tm.close()  # the group stays held (hold_groups) until another model dir or close()
+        else:
+            log.info("%s: greedy continuations of %d prompts from the vLLM engine of %s", desc or name,
+                     len(prompt_ids), key)
+            gens = self.engine_for(key).text_model(name).generate_ids(prompt_ids, max_new_tokens=max_new_tokens)
         return [s[0] for s in gens]
 
     def close(self) -> None:
