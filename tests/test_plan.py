@@ -274,7 +274,8 @@ def test_vllm_dry_run_needs_no_vllm():
 def test_vllm_engines_in_ray_actors_are_planned_per_actor():
     """With the Ray executor each actor holds an engine: the memory per actor is the in-process
     engine's, starts are counted per actor (``ray.num_actors`` per group), the judge's group is held
-    beside the row's, and the generation is spread over the actors."""
+    beside the row's, and the generation is spread over the actors; in collect, one engine group per
+    expert for the calibration continuations."""
     cfg = load_config("llama2-7b", ["evaluate.backend=vllm"])
     actors = make_plan(cfg)["stages"]["evaluate"]
     local = make_plan(load_config("llama2-7b", ["evaluate.backend=vllm", "executor=local"]))["stages"]["evaluate"]
@@ -284,6 +285,10 @@ def test_vllm_engines_in_ray_actors_are_planned_per_actor():
     # in-process on a GPU two engines cannot share the device: the judge swaps in for every other row
     assert local["model_loads"] == local["engine_starts"] == 2 * (31 - 1)
     assert actors["wall_seconds"] < local["wall_seconds"] / 4
+    # the experts' calibration continuations (calibration.backend: vllm): one engine group per expert
+    cal = make_plan(load_config("llama2-7b", ["calibration.backend=vllm"]))["stages"]["collect"]
+    cal_local = make_plan(load_config("llama2-7b", ["calibration.backend=vllm", "executor=local"]))["stages"]["collect"]
+    assert cal_local["engine_starts"] > 0 and cal["engine_starts"] == cal_local["engine_starts"] * cfg.ray.num_actors
 
 
 # ------------------------------------------------------------------------------ Task.plan() contributions

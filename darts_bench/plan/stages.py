@@ -437,7 +437,8 @@ def merge(x: PlanInputs) -> dict[str, Any]:
 
 def collect(x: PlanInputs) -> dict[str, Any]:
     """Calibration: each task expert's greedy continuations (HF, or a vLLM engine beside the HF
-    model with ``calibration.backend: vllm``), then the final hidden states and entropies of the
+    model with ``calibration.backend: vllm``: in the driver, or with Ray one engine per actor of the
+    expert's engine group, beside its HF group), then the final hidden states and entropies of the
     expert and every merge, stored in ``pool.dtype``. One load per task expert and per merge
     (model-major, the latest model kept loaded; with Ray one actor group each)."""
     cfg, cal, W, P, kind = x.cfg, x.cfg.calibration, x.weights, x.params, x.kind
@@ -475,7 +476,7 @@ def collect(x: PlanInputs) -> dict[str, Any]:
     gen = s["generation_tokens"]  # prompt + new tokens
     new = sum(c["sequences"] * cal.max_new_tokens for c in x.splits.values())
     s["load_seconds"] = s["model_loads"] * x.checkpoint_load_seconds
-    if cal.backend == "vllm":  # the experts' continuations from a vLLM engine in the driver, beside the HF model
+    if cal.backend == "vllm":  # the experts' continuations from a vLLM engine beside the HF model (per worker)
         e = x.engine
         gen_s = vllm_generation_seconds(gen - new, new, P, kind, cfg, e)
         s["memory_bytes"] += e["ram"]
@@ -483,7 +484,9 @@ def collect(x: PlanInputs) -> dict[str, Any]:
             s["gpu_bytes"] = s.get("gpu_bytes", 0) + e["gpu"]
         s["memory_note"] += f"; calibration generation: {e['note']}"
         s["vllm_engine"] = e
-        s["engine_starts"] = T  # one per task expert (model-major collection)
+        # one per task expert (model-major collection); with Ray a group of x.workers engines, held across
+        # the expert's sets (restarted per set when the instance cannot hold it beside the HF group)
+        s["engine_starts"] = T * (x.workers if cfg.executor == "ray" else 1)
         s["load_seconds"] += T * e["start_s"]
     else:
         gen_s = forward_seconds(gen - new, P, kind) + decode_seconds(new, P, kind, cal.batch_size, W, L)
