@@ -15,7 +15,7 @@ import torch
 
 from darts_bench.evidence import held_out_count
 from darts_bench.surgery.heads import METHODS, CorrectionHead, build_head
-from darts_bench.surgery.losses import entropy_weights, kl_divergence, l1_loss, weighted_l1_loss
+from darts_bench.surgery.losses import entropy_weights, l1_loss, weighted_l1_loss
 
 log = logging.getLogger("darts_bench")
 
@@ -66,11 +66,13 @@ def weight_source(source: str, expert: dict, merged: dict, lm_head_expert: torch
         return merged["entropy"].float()
     if lm_head_expert is None or lm_head_merged is None:
         raise ValueError("entropy_source=kl needs both lm_head weights")
+    from darts_bench.surgery.diagnostics import ExpertDistribution  # (diagnostics imports this module)
+
     out = []
     for s in range(0, expert["h"].shape[0], chunk):
         le = expert["h"][s:s + chunk].float() @ lm_head_expert.float().T
         lm = merged["h"][s:s + chunk].float() @ lm_head_merged.float().T
-        out.append(kl_divergence(le, lm))
+        out.append(ExpertDistribution(le).kl(lm))  # kl_divergence's values, the softmaxes in cache-sized blocks
     return torch.cat(out)
 
 
