@@ -17,7 +17,7 @@ Features are computed in forward batches of ``ray.shard_size`` sequences grouped
 (:data:`BATCHING`: little padding), each batch persisted as it finishes so a resumed run redoes only
 missing ones, and stored in the layout of :mod:`darts_bench.collect.store` (safetensors shards of
 ``ray.shard_size`` sequences in the set's fixed order, an ``index.json``). NaN/inf features fail the
-run, naming the batch.
+run, naming the shard (forward batch) and its sequences.
 Readers never concatenate a whole artifact: :class:`~darts_bench.collect.store.ShardedFeatures`
 reads it shard by shard.
 
@@ -67,7 +67,7 @@ def _run_sharded(executor, model_dir: Path, sequences: list[list[int]], shard_si
     ``shard_size`` sequences in stored order, an index), one shard in memory at a time.
 
     Raises:
-        FloatingPointError: a batch holds NaN/inf (named by index and ``desc``).
+        FloatingPointError: a batch holds NaN/inf (named by its shard index, ``desc`` and its sequences).
     """
     order = length_order(sequences)
     batches = [order[i:i + shard_size] for i in range(0, len(order), shard_size)]
@@ -79,7 +79,7 @@ def _run_sharded(executor, model_dir: Path, sequences: list[list[int]], shard_si
     def persist(i: int, res: dict) -> None:
         feats = store.decode_features(res)
         feats["seq_index"] = torch.tensor(batches[i], dtype=torch.long)[feats["seq_index"]]  # batch -> stored index
-        store.check_finite(feats, f"batch {i} of {desc}")
+        store.check_finite(feats, f"shard {i} of {desc} (sequences {batches[i]})")
         store.write_shard(partial, bname, i, feats)
 
     if done:
