@@ -557,6 +557,12 @@ class EvaluateConfig(_Strict):
         "and their generate / score calls go to the backend's multi-head model in one pass (in-process HF: "
         "one batched forward with the head chosen per sequence). False: row by row. Outputs "
         "and scores are identical, so it is in no cache key")
+    one_pass_max_batch: int | None = Field(
+        None, ge=1, description="HF one pass: at most this many sequences per multi-head generate call (the "
+        "rows' chunks of tasks.batch_size prompts are stacked up to it; always at least one chunk). The KV "
+        "cache grows with it: at 7B and thousands of new tokens a merge's 9 rows x 32 prompts need ~330 GB, so "
+        "a GPU preset caps it (llama2-7b: 32). None: every chunk of one padded length in one call. vLLM "
+        "schedules its own batches (evaluate.vllm.max_num_seqs). Outputs do not depend on it (no cache key)")
     rows: list[str] | None = Field(
         None, description="evaluate only the rows whose names match one of these fnmatch patterns (e.g. "
         "['base', 'expert:*'] for base and experts only: no merge, collection or head training then); "

@@ -124,6 +124,35 @@ def test_multi_head_generate_batches_heads_in_one_call(model_and_tok, heads):
     assert len(calls) <= 3  # chunks [3, 3, 1] of each head, stacked by padded length
 
 
+@pytest.mark.parametrize("max_batch", [1, 4, 6])
+def test_multi_head_max_batch_caps_each_generate_and_keeps_outputs(model_and_tok, heads, max_batch):
+    """``evaluate.one_pass_max_batch``: 7 prompts x 3 distinct heads at batch_size 3 (chunks 3, 3, 1
+    per head) stacked into calls of at most ``max_batch`` sequences (a chunk is never split: cap 1
+    still sends chunks of 3), ids equal to the uncapped model's."""
+    model, tok = model_and_tok
+    slots = [None, heads[0], heads[1]]
+    reqs = [(k, p) for k in range(3) for p in PROMPTS]
+    want = HFMultiHeadModel(HFTextModel("plain", model, tok, batch_size=3), slots, name="m").generate_ids(
+        reqs, max_new_tokens=4)
+    calls = []
+    orig = model.generate
+
+    def counting(*a, **k):
+        calls.append(k["input_ids"].shape[0])
+        return orig(*a, **k)
+
+    model.generate = counting
+    try:
+        mh = HFMultiHeadModel(HFTextModel("plain", model, tok, batch_size=3), slots, name="m", max_batch=max_batch)
+        got = mh.generate_ids(reqs, max_new_tokens=4)
+    finally:
+        del model.generate
+    assert got == want
+    assert sum(calls) == 3 * len(PROMPTS)
+    assert all(c <= max(3, max_batch) for c in calls)  # a call holds whole chunks up to the cap
+    assert len(calls) >= -(-sum(calls) // max(3, max_batch))
+
+
 def test_multi_head_sampling_equals_row_by_row(model_and_tok, heads):
     model, tok = model_and_tok
     mh = HFMultiHeadModel(HFTextModel("plain", model, tok, batch_size=3), [heads[1], None], name="m")

@@ -425,8 +425,8 @@ def test_old_planner_modules_are_gone():
 
 def test_evaluate_counts_engine_passes_per_model_dir_with_one_pass():
     """``evaluate.one_pass`` on the in-process HF backend: one engine pass per (model dir, task),
-    the reference NLL's transformer tokens once per model dir; row by row, Ray or vLLM (the generic
-    per-slot loop): one pass per (row, task)."""
+    the reference NLL's transformer tokens once per model dir; row by row: one pass per (row, task);
+    the Ray layout (llama2-7b) serves a merge's heads on its actors in one pass too."""
     # without the task-agnostic rows (a routed row's prompt-state forward is counted per row: test below)
     one = make_plan(load_config("smollm2-135m", ["surgery.task_agnostic=[]", "evaluate.rows=null"]))
     rbr = make_plan(load_config("smollm2-135m", ["evaluate.one_pass=false", "surgery.task_agnostic=[]", "evaluate.rows=null"]))
@@ -438,24 +438,25 @@ def test_evaluate_counts_engine_passes_per_model_dir_with_one_pass():
     assert e1["generation_tokens"] == e0["generation_tokens"]
     assert e1["nll_tokens"] * 18 == e0["nll_tokens"] * 6
     assert e1["seconds"] < e0["seconds"]
-    ray = make_plan(load_config("llama2-7b"))["stages"]["evaluate"]  # executor ray: per-slot loop
-    assert not ray["one_pass"] and ray["engine_passes"] == make_plan(load_config("llama2-7b"))["rows"] * 3
+    ray = make_plan(load_config("llama2-7b"))["stages"]["evaluate"]  # executor ray: each actor's multi-head model
+    assert ray["one_pass"] and ray["engine_passes"] == 7 * 3
 
 
 def test_engine_passes_per_merge_for_each_layout():
-    """The llama2-7b dry run counts engine passes per merge for every layout: the Ray layout
-    (HF or vLLM actors: ``LoopedMultiHead``, row by row) 31 rows x 3 tasks = 93, a merge's 9 rows in 27;
-    in-process HF and vLLM one pass per model dir, 7 x 3 = 21, a merge's rows in 3. vLLM in-process
-    one pass: every row's requests in one call per (model dir, task) but the reference NLL still
-    once per row (prompt_logprobs), so its NLL tokens equal row by row's while HF's are per model dir."""
+    """The llama2-7b dry run counts engine passes per merge for every layout: one pass per model dir,
+    7 x 3 = 21, a merge's 9 rows in 3, in the Ray layout (each actor's multi-head model:
+    ``RayMultiHeadModel``) as in-process, on HF and vLLM; row by row (``evaluate.one_pass: false``)
+    31 rows x 3 tasks = 93, a merge's rows in 27. vLLM one pass: every row's requests in one call per
+    (model dir, task) but the reference NLL still once per row (prompt_logprobs), so its NLL tokens
+    equal row by row's while HF's are per model dir."""
     def ev(*sets):
         return make_plan(load_config("llama2-7b", list(sets)))["stages"]["evaluate"]
 
     for backend in ("hf", "vllm"):
         ray = ev(f"evaluate.backend={backend}")
-        assert (ray["one_pass_layout"], ray["engine_passes"], ray["engine_passes_per_merge"]) == (None, 93, 27)
-        assert ("row by row (Ray layout: a merge's heads one after another on the actors: 93 engine passes for 93 "
-                "row x task evaluations; a merge's 9 rows in 27)") in ray["what"]
+        assert (ray["one_pass_layout"], ray["engine_passes"], ray["engine_passes_per_merge"]) == (backend, 21, 3)
+        assert (f"one pass per model dir ({backend}: 7 model dirs x 3 tasks = 21 engine passes for 93 row x task "
+                "evaluations; a merge's 9 rows in 3)") in ray["what"]
         local = ev(f"evaluate.backend={backend}", "executor=local")
         assert (local["one_pass_layout"], local["engine_passes"], local["engine_passes_per_merge"]) == (backend, 21, 3)
         assert (f"one pass per model dir ({backend}: 7 model dirs x 3 tasks = 21 engine passes for 93 row x task "
@@ -464,6 +465,7 @@ def test_engine_passes_per_merge_for_each_layout():
         assert (off["one_pass_layout"], off["engine_passes"], off["engine_passes_per_merge"]) == (None, 93, 27)
         assert "row by row (evaluate.one_pass: false: 93 engine passes" in off["what"]
         assert local["generation_tokens"] == off["generation_tokens"] == ray["generation_tokens"]
+        assert ray["nll_tokens"] == local["nll_tokens"]
         if backend == "vllm":
             assert local["nll_tokens"] == off["nll_tokens"]
         else:

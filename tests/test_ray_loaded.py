@@ -79,6 +79,71 @@ def test_proxies_with_different_heads_share_one_group(models, ray_instance):
         ex.close()
 
 
+def _spy_ops(ex: RayExecutor) -> list[tuple[str, int]]:
+    """Record ``(op, number of payloads)`` of every call the executor sends to an actor group."""
+    calls: list[tuple[str, int]] = []
+    run = ex._run_shards
+
+    def spy(g, op, payloads, todo, on_result, desc):
+        calls.append((op, len(payloads)))
+        return run(g, op, payloads, todo, on_result, desc)
+
+    ex._run_shards = spy
+    return calls
+
+
+def test_multi_head_on_the_actors_equals_each_heads_outputs_in_one_op_per_chunk(models, ray_instance):
+    """``evaluate.one_pass`` in the Ray layout, HF actors: the backend's multi-head model serves
+    interleaved requests of slots plain / head 1 / head 2 / head 1 again with the greedy ids,
+    completions and teacher-forced scores of the in-process model with each head (scores bitwise);
+    the 28 requests travel as 2 payloads (the 7 prompts' chunks of 4 = shard 3 rounded up to the
+    batch of 2, every slot's chunk ``k`` together), not 2 per head; the plain model's prompt states
+    come from the actors, equal to the local model's; the group starts once."""
+    from darts_bench.evaluate.engines import open_models
+    from darts_bench.executors.ray_executor import RayHFMultiHeadModel
+
+    a, h1, h2 = models["a"], models["h1"], models["h2"]
+    slots = [None, h1, h2, h1]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the actors (torch_threads 1): a mean over tokens reduces per thread count
+    refs = {}  # each head on its own copy (a head's hook acts on every forward of its model)
+    for h in (None, h1, h2):
+        model, tok = load_causal_lm(a)
+        refs[h] = HFTextModel("ref", model, tok, head=load_head(h) if h else None, batch_size=BATCH)
+    conts = [" 42", " b", " fox", " i", " Waves", " 72", " y"]
+    ex = RayExecutor(make_cfg(num_actors=2, num_cpus_per_actor=0.5))
+    calls = _spy_ops(ex)
+    cache = open_models(ex.cfg, ex, batch_size=BATCH)
+    try:
+        mh = cache.multi_head_model("a", a, slots)
+        assert isinstance(mh, RayHFMultiHeadModel)
+        reqs = [(k, p) for p in PROMPTS for k in range(len(slots))]  # interleaved slots
+        got = mh.generate_ids(reqs, max_new_tokens=6)
+        want = {h: refs[h].generate_ids(PROMPTS, max_new_tokens=6) for h in refs}
+        assert len({str(v) for v in want.values()}) == 3  # the heads change the outputs
+        assert got == [want[slots[k]][PROMPTS.index(p)] for k, p in reqs]
+        assert calls == [("multi_generate_ids", 2)]
+        texts = mh.generate([(2, p) for p in PROMPTS] + [(None, p) for p in PROMPTS], max_new_tokens=6)
+        assert texts == refs[h2].generate(PROMPTS, max_new_tokens=6) + refs[None].generate(PROMPTS, max_new_tokens=6)
+        sreqs = [(k, p, c) for p, c in zip(PROMPTS, conts) for k in (1, None, 2)]
+        scores = mh.score(sreqs)
+        for k, h in ((None, None), (1, h1), (2, h2)):
+            want_s = refs[h].score(PROMPTS, conts)
+            mine = [s for (kk, _, _), s in zip(sreqs, scores) if kk == k]
+            assert [(s.token_nll, s.n_tokens, s.greedy) for s in mine] == [
+                (w.token_nll, w.n_tokens, w.greedy) for w in want_s], h
+        assert calls[-1] == ("multi_score", 2)
+        assert torch.equal(mh.prompt_states(PROMPTS), refs[None].prompt_states(PROMPTS))
+        with pytest.raises(ValueError, match="out of range"):
+            mh.generate_ids([(4, "x")], max_new_tokens=2)
+        mh.close()
+        assert dict(ex.actor_starts) == {str(a): 2}
+    finally:
+        torch.set_num_threads(threads)
+        cache.close()
+        ex.close()
+
+
 # -------------------------------------------------------------- the evaluate stage on Ray
 @pytest.mark.micro
 @pytest.mark.slow
@@ -137,6 +202,10 @@ def hf_engine_cls():
             self.worker.set_head(head_dir)
             return self.worker.text_model
 
+        def multi_head_model(self, name, head_dirs):
+            self.worker.set_head(None)
+            return self.worker.multi_head_model(head_dirs)
+
         def shutdown(self):
             d = self.model_dir.parent / f"shutdowns-{self.model_dir.name}"
             d.mkdir(exist_ok=True)
@@ -174,6 +243,35 @@ def test_vllm_engine_actors_kept_per_model_dir(models, ray_instance):
         ex.close()
     for m in (a, b):
         assert len(list((m.parent / f"shutdowns-{m.name}").iterdir())) == 2  # each engine shut down
+
+
+def test_vllm_multi_head_on_engine_actors_splits_every_head_over_the_actors(models, ray_instance):
+    """``evaluate.one_pass`` with engine actors: each slot's prompts are split into one contiguous
+    chunk per actor (4 and 3), chunk ``k`` of every slot in one payload to actor ``k`` (2 payloads
+    for 21 requests), and every request gets its head's in-process output."""
+    from darts_bench.evaluate.engines import open_models
+    from darts_bench.executors.ray_executor import RayHFMultiHeadModel, RayMultiHeadModel
+
+    a, h1, h2 = models["a"], models["h1"], models["h2"]
+    slots = [h2, None, h1]
+    cfg = make_cfg(num_actors=2, num_cpus_per_actor=0.5).model_copy(update={"evaluate": EvaluateConfig(backend="vllm")})
+    ex = RayExecutor(cfg)
+    calls = _spy_ops(ex)
+    cache = open_models(cfg, ex, batch_size=BATCH, engine_cls=hf_engine_cls())
+    try:
+        mh = cache.multi_head_model("a", a, slots)
+        assert isinstance(mh, RayMultiHeadModel) and not isinstance(mh, RayHFMultiHeadModel)
+        assert not hasattr(mh, "prompt_states")  # routed rows read the plain model locally
+        reqs = [(k, p) for k in (1, 0, 2) for p in PROMPTS]
+        got = mh.generate_ids(reqs, max_new_tokens=6)
+        want = {h: _reference(a, h) for h in (None, h1, h2)}
+        assert got == [want[slots[k]][PROMPTS.index(p)] for k, p in reqs]
+        assert calls == [("multi_generate_ids", 2)]
+        mh.close()
+        assert dict(ex.actor_starts) == {str(a): 2}
+    finally:
+        cache.close()
+        ex.close()
 
 
 def test_vllm_calibration_continuations_on_engine_actors(models, ray_instance):

@@ -1,6 +1,7 @@
 """A real vLLM engine on a Ray actor (``evaluate.backend: vllm``, ``executor: ray``): one engine for
 the plain model and two heads (swapped in the running engine), fp32 greedy ids identical to the HF
-path with the head attached by hooks, per-token NLL within 1e-4, and the engine's processes gone
+path with the head attached by hooks, per-token NLL within 1e-4, the same from the one-pass
+multi-head call (every head's requests in one call on the engine), and the engine's processes gone
 after the actor's group is released; and the experts' calibration continuations
 (``calibration.backend: vllm``) from the engine actor equal to the in-process engine's.
 
@@ -62,6 +63,8 @@ def test_engine_on_a_ray_actor_swaps_heads_and_matches_hf(pool, ray_instance):
     ex = RayExecutor(pool["cfg"])
     cache = open_models(pool["cfg"], ex, batch_size=4)
     engine_procs: list[psutil.Process] = []
+    want: dict = {}
+    conts = [" 42 is the answer", " a + b", " 5", "Natalia sold 72 clips.", " quick brown fox"]
     try:
         for head in (None, "darts", "surgery", None):  # rows of one merge: plain, corrected, plain again
             hd = pool["heads"][head] if head else None
@@ -70,10 +73,11 @@ def test_engine_on_a_ray_actor_swaps_heads_and_matches_hf(pool, ray_instance):
             try:
                 assert isinstance(tm, RayVLLMTextModel)
                 got = tm.generate_ids(PROMPTS, max_new_tokens=NEW)
-                assert got == ref.generate_ids(PROMPTS, max_new_tokens=NEW), head
+                want[head] = ref.generate_ids(PROMPTS, max_new_tokens=NEW)
+                assert got == want[head], head
                 if head == "darts":
-                    conts = [" 42 is the answer", " a + b", " 5", "Natalia sold 72 clips.", " quick brown fox"]
-                    for w, g in zip(ref.score(PROMPTS, conts), tm.score(PROMPTS, conts)):
+                    want["darts-score"] = ref.score(PROMPTS, conts)
+                    for w, g in zip(want["darts-score"], tm.score(PROMPTS, conts)):
                         assert g.n_tokens == w.n_tokens and g.greedy == w.greedy
                         assert g.token_nll == pytest.approx(w.token_nll, abs=1e-4)
             finally:
@@ -83,7 +87,20 @@ def test_engine_on_a_ray_actor_swaps_heads_and_matches_hf(pool, ray_instance):
                 (g,) = ex._groups.values()
                 actor_pid = ray.get(g.actors[0].pid.remote())
                 engine_procs = psutil.Process(actor_pid).children(recursive=True)
-        assert dict(ex.actor_starts) == {str(pool["base"]): 1}  # one engine for all four rows
+        # the one pass (evaluate.one_pass): every row's requests in one multi-head call on the same engine
+        slots = [pool["heads"]["surgery"], None, pool["heads"]["darts"]]
+        mh = cache.multi_head_model("merge", pool["base"], slots)
+        try:
+            reqs = [(k, p) for p in PROMPTS for k in (2, 0, 1)]
+            got = mh.generate_ids(reqs, max_new_tokens=NEW)
+            assert got == [want[(None if k == 1 else "surgery" if k == 0 else "darts")][PROMPTS.index(p)]
+                           for k, p in reqs]
+            for w, g in zip(want["darts-score"], mh.score([(2, p, c) for p, c in zip(PROMPTS, conts)])):
+                assert g.n_tokens == w.n_tokens and g.greedy == w.greedy
+                assert g.token_nll == pytest.approx(w.token_nll, abs=1e-4)
+        finally:
+            mh.close()
+        assert dict(ex.actor_starts) == {str(pool["base"]): 1}  # one engine for all four rows and the one pass
         assert engine_procs, "the engine should run its engine-core process under the actor"
     finally:
         cache.close()

@@ -21,6 +21,7 @@ bit-exactly). Readers (:mod:`darts_bench.surgery.data`) never concatenate a whol
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -136,15 +137,18 @@ def regroup(src: Path, batch_files: list[str], out: Path, prefix: str, n_sequenc
     if missing:
         raise ValueError(f"{len(missing)} of {n_sequences} sequences have no features in {src} (first: {missing[0]})")
     names = []
-    for k, start in enumerate(range(0, n_sequences, shard_size)):
-        parts: dict[str, list[torch.Tensor]] = {c: [] for c in COLUMNS}
-        for j in range(start, min(start + shard_size, n_sequences)):
-            path, a, b = where[j]
-            with safe_open(str(path), "pt") as st:
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, Any] = {}  # each batch file opened once (memory-mapped), closed at the end
+        for k, start in enumerate(range(0, n_sequences, shard_size)):
+            parts: dict[str, list[torch.Tensor]] = {c: [] for c in COLUMNS}
+            for j in range(start, min(start + shard_size, n_sequences)):
+                path, a, b = where[j]
+                if path not in handles:
+                    handles[path] = stack.enter_context(safe_open(str(path), "pt"))
                 for c in COLUMNS:
-                    parts[c].append(st.get_slice(c)[a:b])
-        write_shard(out, prefix, k, {c: torch.cat(v) for c, v in parts.items()})
-        names.append(shard_name(prefix, k))
+                    parts[c].append(handles[path].get_slice(c)[a:b])
+            write_shard(out, prefix, k, {c: torch.cat(v) for c, v in parts.items()})
+            names.append(shard_name(prefix, k))
     return names
 
 

@@ -52,14 +52,17 @@ class HFMultiHeadModel:
         name: label (logs).
         keys: optional identity per slot (e.g. the head dir) so equal heads are recognised; by
             default slots are equal when they hold the same object (or both None).
+        max_batch: greedy generation stacks chunks of equal padded length into one
+            ``model.generate`` of at most this many sequences (at least one chunk; None: no cap):
+            it bounds the KV cache (``evaluate.one_pass_max_batch``); outputs do not depend on it.
 
     Raises:
         ValueError: a head's ``d_model`` differs from the model's hidden size.
     """
 
     def __init__(self, base: HFTextModel, heads: Sequence[CorrectionHead | None], name: str = "merge",
-                 keys: Sequence[object] | None = None):
-        self.base, self.name = base, name
+                 keys: Sequence[object] | None = None, max_batch: int | None = None):
+        self.base, self.name, self.max_batch = base, name, max_batch
         self.model, self.tokenizer = base.model, base.tokenizer
         self.batch_size, self.max_length, self.device = base.batch_size, base.max_length, base.device
         final_norm(self.model)  # fails early for an architecture without a Llama-style final norm
@@ -111,8 +114,8 @@ class HFMultiHeadModel:
 
         Greedy (``temperature == 0``): each slot's prompts (its requests in order) are chunked by
         ``batch_size`` as the row-by-row path chunks them; equal (head, chunk) pairs are generated
-        once, and chunks of equal padded length are stacked into one ``model.generate`` call with
-        the head chosen per sequence, so outputs equal the row-by-row path's token for token (test:
+        once, and chunks of equal padded length are stacked into one ``model.generate`` call (up to
+        ``max_batch`` sequences) with the head chosen per sequence, so outputs equal the row-by-row path's token for token (test:
         ``tests/test_evaluate_one_pass.py``). Sampled (``temperature > 0``): one head at a time,
         exactly the row-by-row call (the same chunks and per-sample seeds
         :func:`~darts_bench.evaluate.sampling.sample_seed`), so samples equal the row-by-row path's.
@@ -150,8 +153,19 @@ class HFMultiHeadModel:
         by_len: dict[int, list[tuple]] = defaultdict(list)  # padded length -> chunks stacked in one call
         for key, enc in encoded.items():
             by_len[enc["input_ids"].shape[1]].append(key)
-        eos_ids, pad = self.base._eos_ids(), self.tokenizer.pad_token_id
+        calls: list[tuple[int, list[tuple]]] = []  # (padded length, chunks), at most max_batch sequences a call
         for L, keys in by_len.items():
+            calls.append((L, []))
+            n = 0
+            for k in keys:
+                size = encoded[k]["input_ids"].shape[0]
+                if calls[-1][1] and self.max_batch is not None and n + size > self.max_batch:
+                    calls.append((L, []))
+                    n = 0
+                calls[-1][1].append(k)
+                n += size
+        eos_ids, pad = self.base._eos_ids(), self.tokenizer.pad_token_id
+        for L, keys in calls:
             ids = torch.cat([encoded[k]["input_ids"] for k in keys])  # [sum of chunk sizes, L]
             mask = torch.cat([encoded[k]["attention_mask"] for k in keys])
             rows = [k[0] for k in keys for _ in range(encoded[k]["input_ids"].shape[0])]

@@ -47,6 +47,13 @@ evicted recreates it on its next call. On a local instance the number of actors 
 capped at what the machine can hold (a warning says so) instead of waiting forever for resources.
 :attr:`RayExecutor.actor_starts` counts the actors started per model dir (each one loads it).
 
+Every head of a merge in one pass (the evaluate stage's ``evaluate.one_pass``): a proxy's
+:meth:`RayTextModel.multi_head` is a :class:`RayMultiHeadModel` on the same actor group whose
+requests name their head slot; each actor serves its share with the multi-head model of its loaded
+weights (``HFMultiHeadModel``, or the engine's ``VLLMMultiHeadModel``): one batched pass for the
+rows' prompts instead of one per row. A slot's prompts are chunked as that slot's single-head proxy
+chunks them, so outputs equal the row-by-row path's.
+
 Engines (``evaluate.backend: vllm``, and ``calibration.backend: vllm`` for the experts'
 continuations). :meth:`RayExecutor.vllm_text_model` returns a
 :class:`RayVLLMTextModel` over a group of ``num_actors`` actors each holding one engine of the
@@ -510,10 +517,7 @@ class RayTextModel:
         if temperature == 0.0 and num_samples != 1:
             raise ValueError("greedy decoding (temperature 0) gives one sample; set temperature > 0")
         prompts = list(prompts)
-        kw = dict(max_new_tokens=max_new_tokens, stop=list(stop), num_samples=num_samples, temperature=temperature,
-                  seed=seed)
-        if top_p != 1.0:
-            kw["top_p"] = top_p
+        kw = _gen_kwargs(max_new_tokens, stop, num_samples, temperature, top_p, seed)
         payloads = [{"prompts": prompts[s:e], "kwargs": kw} for s, e in self._spans(len(prompts))]
         return [row for shard in self._run(op, payloads, f"{op} {self.name}") for row in shard]
 
@@ -530,6 +534,22 @@ class RayTextModel:
         from darts_bench.evaluate.hf_model import format_chat
 
         return format_chat(self.tokenizer, user_message)
+
+    def multi_head(self, name: str, head_dirs: Sequence[str | None],
+                   max_batch: int | None = None) -> "RayMultiHeadModel":
+        """A :class:`RayMultiHeadModel` with one slot per entry of ``head_dirs`` (None: the plain
+        model) on this proxy's actor group; it owns this proxy (closing it closes the proxy). This
+        proxy must be the plain one (``head_dir`` None). ``max_batch``: the HF actors' cap on
+        sequences per stacked ``generate`` (``evaluate.one_pass_max_batch``).
+
+        Raises:
+            ValueError: this proxy carries a head.
+        """
+        if self.head_dir is not None:
+            raise ValueError(f"{self.name}: a multi-head model is made from the plain proxy, not one with head "
+                             f"{self.head_dir}")
+        cls = RayMultiHeadModel if isinstance(self, RayVLLMTextModel) else RayHFMultiHeadModel
+        return cls(self, name, head_dirs, max_batch=max_batch)
 
     def close(self) -> None:
         """Release this proxy's actors (killed when no other open proxy uses the same model)."""
@@ -579,6 +599,154 @@ class RayVLLMTextModel(RayTextModel):
                 tok.pad_token = tok.eos_token
             self._tokenizer = tok
         return self._tokenizer
+
+
+class RayMultiHeadModel:
+    """Every head of one model dir on its Ray actor group, serving requests that name their slot
+    (the Ray layout of ``Backend.multi_head_model``; interface of
+    :class:`~darts_bench.evaluate.multi_head.HFMultiHeadModel`: ``generate`` / ``generate_ids``
+    over ``(slot, prompt)`` requests, ``score`` over ``(slot, context, continuation)``, results in
+    request order).
+
+    Each slot's requests are cut into the chunks its single-head proxy would send
+    (:meth:`RayTextModel._spans`: ``ray.shard_size`` rounded up to a multiple of the batch size
+    for HF actors, one contiguous chunk per actor for engine actors), and chunk ``k`` of every
+    slot travels in one payload (op ``multi_*``, :data:`~darts_bench.executors.worker.MULTI_OPS`),
+    so an actor runs the chunks of all heads in one multi-head call: greedy outputs equal the
+    row-by-row path's token for token (the same batches per head), and a score request's
+    (context, continuation) pair is run through the transformer once for all heads asking for it
+    (distinct pairs are chunked in first-request order, as in-process).
+
+    Args:
+        proxy: the plain :class:`RayTextModel` (or :class:`RayVLLMTextModel`) of the model dir;
+            owned (closed by :meth:`close`).
+        name: label (progress bars, the engine's logs).
+        head_dirs: one entry per slot (None: the plain model).
+        max_batch: sent with every payload: the HF actors' cap on sequences per stacked
+            ``generate`` (``evaluate.one_pass_max_batch``; engine actors ignore it).
+    """
+
+    def __init__(self, proxy: RayTextModel, name: str, head_dirs: Sequence[str | None], max_batch: int | None = None):
+        self._proxy, self.name, self.max_batch = proxy, name, max_batch
+        self.head_dirs = [str(h) if h else None for h in head_dirs]
+
+    @property
+    def n_heads(self) -> int:
+        return len(self.head_dirs)
+
+    @property
+    def tokenizer(self):
+        return self._proxy.tokenizer
+
+    def format_chat(self, user_message: str) -> str:
+        return self._proxy.format_chat(user_message)
+
+    def _check(self, slots) -> None:
+        bad = sorted({s for s in slots if s is not None and not 0 <= s < len(self.head_dirs)})
+        if bad:
+            raise ValueError(f"{self.name}: head slots {bad[:5]} out of range ({len(self.head_dirs)} slots; "
+                             f"None = plain)")
+
+    def _by_chunk(self, keys: Sequence[Any]) -> list[list[int]]:
+        """Request indices per payload: for each key (slot) its requests in order, cut by the
+        proxy's spans; payload ``k`` holds chunk ``k`` of every key."""
+        by: dict[Any, list[int]] = {}
+        for r, k in enumerate(keys):
+            by.setdefault(k, []).append(r)
+        parts: list[list[int]] = []
+        for rs in by.values():
+            for k, (s, e) in enumerate(self._proxy._spans(len(rs))):
+                if k == len(parts):
+                    parts.append([])
+                parts[k].extend(rs[s:e])
+        return parts
+
+    def _gen(self, op: str, requests, kw: dict[str, Any]) -> list:
+        requests = [(s, p) for s, p in requests]
+        self._check([s for s, _ in requests])
+        if kw["temperature"] == 0.0 and kw["num_samples"] != 1:
+            raise ValueError("greedy decoding (temperature 0) gives one sample; set temperature > 0")
+        parts = self._by_chunk([s for s, _ in requests])
+        payloads = [{"head_dirs": self.head_dirs, "requests": [requests[r] for r in rs], "kwargs": kw,
+                     "max_batch": self.max_batch} for rs in parts]
+        out: list = [None] * len(requests)
+        for rs, res in zip(parts, self._proxy._run(op, payloads, f"{op} {self.name}")):
+            for r, x in zip(rs, res):
+                out[r] = x
+        return out
+
+    def generate(self, requests: Sequence[tuple[int | None, str]], *, max_new_tokens: int,
+                 stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0) -> list[list[str]]:
+        """``[request][sample]`` :class:`~darts_bench.api.Completion` strings (as
+        :meth:`RayTextModel.generate` of the request's head), every chunk with the call's seed.
+
+        Raises:
+            ValueError: a slot out of range; greedy with ``num_samples != 1``.
+            RuntimeError: a chunk failed on its actor (names the chunk, op and model dir).
+        """
+        return self._gen("multi_generate", requests, _gen_kwargs(max_new_tokens, stop, num_samples, temperature,
+                                                                 top_p, seed))
+
+    def generate_ids(self, requests: Sequence[tuple[int | None, Any]], *, max_new_tokens: int,
+                     stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+                     seed: int = 0) -> list[list[list[int]]]:
+        """``[request][sample][token]``, as :meth:`generate` (prompts as text or token ids)."""
+        return self._gen("multi_generate_ids", requests, _gen_kwargs(max_new_tokens, stop, num_samples,
+                                                                     temperature, top_p, seed))
+
+    def score(self, requests: Sequence[tuple[int | None, str, str]]) -> list[ScoreContinuation]:
+        """Log-likelihood per ``(slot, context, continuation)`` request; the distinct pairs (first
+        request order) are cut into the proxy's spans, each span's requests in one payload.
+
+        Raises:
+            ValueError: a slot out of range.
+        """
+        requests = [(s, c, x) for s, c, x in requests]
+        self._check([s for s, _, _ in requests])
+        distinct: dict[tuple[str, str], int] = {}
+        for _, c, x in requests:
+            distinct.setdefault((c, x), len(distinct))
+        span_of = {}
+        for k, (s, e) in enumerate(self._proxy._spans(len(distinct))):
+            span_of.update({i: k for i in range(s, e)})
+        parts: dict[int, list[int]] = {}
+        for r, (_, c, x) in enumerate(requests):
+            parts.setdefault(span_of[distinct[(c, x)]], []).append(r)
+        order = sorted(parts)
+        payloads = [{"head_dirs": self.head_dirs, "requests": [requests[r] for r in parts[k]]} for k in order]
+        out: list = [None] * len(requests)
+        for k, res in zip(order, self._proxy._run("multi_score", payloads, f"score {self.name}")):
+            for r, x in zip(parts[k], res):
+                out[r] = x
+        return out
+
+    def close(self) -> None:
+        """Close the proxy (its actors are released once no other open proxy uses them)."""
+        self._proxy.close()
+
+
+class RayHFMultiHeadModel(RayMultiHeadModel):
+    """:class:`RayMultiHeadModel` on HF actors, which also serve the plain model's prompt states
+    (what a routed row's router reads) from the actors."""
+
+    def prompt_states(self, prompts: Sequence[str]):
+        """The plain model's mean-pooled prompt states ``[n, d_model]`` float32
+        (``HFTextModel.prompt_states`` on the actors, chunked as :meth:`generate` chunks them)."""
+        import torch
+
+        prompts = list(prompts)
+        payloads = [{"prompts": prompts[s:e]} for s, e in self._proxy._spans(len(prompts))]
+        parts = self._proxy._run("prompt_states", payloads, f"prompt states {self.name}")
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def _gen_kwargs(max_new_tokens, stop, num_samples, temperature, top_p, seed) -> dict[str, Any]:
+    kw = dict(max_new_tokens=max_new_tokens, stop=list(stop), num_samples=num_samples, temperature=temperature,
+              seed=seed)
+    if top_p != 1.0:
+        kw["top_p"] = top_p
+    return kw
 
 
 # --------------------------------------------------------------------- stopping a head by pid

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from darts_bench.executors.worker import TEXT_OPS, run_text_op
+from darts_bench.executors.worker import MULTI_OPS, TEXT_OPS, run_multi_op, run_text_op
 
 
 class VLLMWorker:
     """One engine of ``model_dir``; ``run(op, payload)`` serves ``generate_ids`` / ``generate`` /
     ``score`` / ``ping`` like :class:`~darts_bench.executors.worker.ModelWorker`, with the
     payload's ``head_dir`` (None: plain) put into the running engine for the op
-    (``VLLMEngine.text_model(name, head_dir)``; the head is swapped by an RPC, no reload).
+    (``VLLMEngine.text_model(name, head_dir)``; the head is swapped by an RPC, no reload), and the
+    multi-head ops (:data:`~darts_bench.executors.worker.MULTI_OPS`) on
+    ``VLLMEngine.multi_head_model(name, head_dirs)``: each request names its head, all of them in
+    one ``generate`` of the engine.
 
     Args:
         model_dir: the checkpoint dir the engine serves.
@@ -41,10 +44,14 @@ class VLLMWorker:
         """Run one op (see the class docstring).
 
         Raises:
-            ValueError: ``op`` is not ``ping`` or one of :data:`~darts_bench.executors.worker.TEXT_OPS`.
+            ValueError: ``op`` is not ``ping`` or one of :data:`~darts_bench.executors.worker.TEXT_OPS`
+                / :data:`~darts_bench.executors.worker.MULTI_OPS`.
         """
         if op == "ping":
             return "ok"
+        if op in MULTI_OPS:
+            mh = self.engine.multi_head_model(payload.get("name", "model"), payload["head_dirs"])
+            return run_multi_op(mh, op, payload)
         if op not in TEXT_OPS:
             raise ValueError(f"unknown vLLM worker op {op!r}")
         tm = self.engine.text_model(payload.get("name", "model"), payload.get("head_dir"), batch_size=self.batch_size)

@@ -54,6 +54,10 @@ def hidden_state_features(model, sequences: list[list[int]], pad_id: int, batch_
 
 
 TEXT_OPS = ("generate_ids", "generate", "score")
+#: the multi-head ops (the evaluate stage's one pass over a merge's rows in the Ray layout): payload
+#: ``head_dirs`` (one entry per slot, None: plain), ``requests`` (``(slot, prompt)`` for the generate
+#: ops, ``(slot, context, continuation)`` for ``multi_score``) and, for generation, ``kwargs``
+MULTI_OPS = ("multi_generate_ids", "multi_generate", "multi_score")
 
 
 def run_text_op(tm, op: str, payload: dict[str, Any]) -> Any:
@@ -74,9 +78,28 @@ def run_text_op(tm, op: str, payload: dict[str, Any]) -> Any:
     raise ValueError(f"unknown text-model op {op!r} (ops: {TEXT_OPS})")
 
 
+def run_multi_op(mh, op: str, payload: dict[str, Any]) -> Any:
+    """One call of a worker's multi-head model (``HFMultiHeadModel`` or ``VLLMMultiHeadModel``) for a
+    :data:`MULTI_OPS` payload; results one per request, in request order.
+
+    Raises:
+        ValueError: ``op`` is not one of :data:`MULTI_OPS`; a slot out of range (from the model).
+    """
+    reqs = [tuple(r) for r in payload["requests"]]
+    if op == "multi_generate_ids":
+        return mh.generate_ids(reqs, **payload["kwargs"])
+    if op == "multi_generate":
+        return mh.generate(reqs, **payload["kwargs"])
+    if op == "multi_score":
+        return mh.score(reqs)
+    raise ValueError(f"unknown multi-head op {op!r} (ops: {MULTI_OPS})")
+
+
 class ModelWorker:
     """Holds one model (loaded in ``dtype``: ``float32`` | ``bfloat16`` | ``float16``); ``run(op, payload)``
-    serves ``generate_ids``, ``generate``, ``score``, ``features``, ``set_head`` and ``ping``.
+    serves ``generate_ids``, ``generate``, ``score``, the multi-head ops (:data:`MULTI_OPS`: every
+    head of a merge in one pass, :class:`~darts_bench.evaluate.multi_head.HFMultiHeadModel` over the
+    loaded weights), ``prompt_states``, ``features``, ``set_head`` and ``ping``.
 
     The checkpoint is loaded once, in the constructor; the correction head on it can be swapped
     without reloading (:meth:`set_head`): every payload may carry ``head_dir`` (a head dir, or None
@@ -98,7 +121,31 @@ class ModelWorker:
                                       torch_threads=torch_threads)
         self.checkpoint_loads, self.head_loads = 1, 0
         self.text_model, self.head_dir = self._plain, None
+        self._multi: tuple[tuple, Any] | None = None  # (head dirs, HFMultiHeadModel) of the last multi-head op
         self.set_head(head_dir)
+
+    def multi_head_model(self, head_dirs: list[str | None], max_batch: int | None = None):
+        """The :class:`~darts_bench.evaluate.multi_head.HFMultiHeadModel` of the loaded weights with
+        ``head_dirs``'s heads (one slot each; None: plain), kept for the next call with the same
+        dirs (the heads are loaded once per merge's group of rows); its hooks exist only during its
+        calls, so the single-head text model is unaffected. ``max_batch``: sequences per stacked
+        ``generate`` (``evaluate.one_pass_max_batch``; None: no cap).
+
+        Raises:
+            FileNotFoundError / ValueError: a missing or corrupt head, or one whose ``d_model``
+                differs from the model's hidden size.
+        """
+        from darts_bench.evaluate.multi_head import HFMultiHeadModel
+
+        key = tuple(str(h) if h else None for h in head_dirs)
+        if self._multi is None or self._multi[0] != key:
+            self._multi = None
+            loaded = {h: load_head(h) for h in dict.fromkeys(k for k in key if k)}
+            self.head_loads += len(loaded)
+            self._multi = (key, HFMultiHeadModel(self._plain, [loaded[h] if h else None for h in key],
+                                                 name=self._plain.name, keys=list(key)))
+        self._multi[1].max_batch = max_batch
+        return self._multi[1]
 
     def set_head(self, head_dir: str | None) -> None:
         """Put the head saved in ``head_dir`` on the loaded model (None: the plain model): the
@@ -128,6 +175,10 @@ class ModelWorker:
         tm = self.text_model
         if op in TEXT_OPS:
             return run_text_op(tm, op, payload)
+        if op in MULTI_OPS:
+            return run_multi_op(self.multi_head_model(payload["head_dirs"], payload.get("max_batch")), op, payload)
+        if op == "prompt_states":  # the plain model's (the routed rows' router reads them)
+            return self._plain.prompt_states(payload["prompts"])
         if op == "features":
             feats = hidden_state_features(tm.model, payload["sequences"], tm.tokenizer.pad_token_id, tm.batch_size)
             return encode_features(feats)

@@ -643,16 +643,24 @@ def train(x: PlanInputs) -> dict[str, Any]:
 
 def one_pass_layout(cfg) -> str | None:
     """How the evaluate stage serves the rows of one model dir (a merge and its corrected rows):
-    ``"hf"`` or ``"vllm"`` when ``evaluate.one_pass`` runs in-process on a backend whose
-    ``multi_head_model`` is native (``HFMultiHeadModel``: the heads chosen per sequence in one batched
-    ``generate``, one transformer forward for every head's teacher-forced scores;
-    ``VLLMMultiHeadModel``: each request names its head, one ``generate`` call for all rows), so a
-    model dir costs one engine pass per task; None: row by row, one pass per (row, task) (with
-    ``evaluate.one_pass: false``, or in the Ray layout, whose ``LoopedMultiHead`` runs each head
-    through its own ``get()`` model on the actors one after another)."""
-    if not cfg.evaluate.one_pass or cfg.executor == "ray":
+    ``"hf"`` or ``"vllm"`` with ``evaluate.one_pass``, the backend's native multi-head model
+    (``HFMultiHeadModel``: the heads chosen per sequence in one batched ``generate``, one transformer
+    forward for every head's teacher-forced scores; ``VLLMMultiHeadModel``: each request names its
+    head, one ``generate`` call for all rows), in-process or on each Ray actor of the model dir's
+    group (``RayMultiHeadModel``: every head's chunk of the actor's share in one call), so a model
+    dir costs one engine pass per task; None: row by row, one pass per (row, task)
+    (``evaluate.one_pass: false``)."""
+    if not cfg.evaluate.one_pass:
         return None
     return cfg.evaluate.backend
+
+
+def one_pass_batch(cfg, rows: int) -> int:
+    """Sequences per HF one-pass ``generate`` for a model dir with ``rows`` rows: a chunk of
+    ``tasks.batch_size`` prompts per row, stacked, at most ``evaluate.one_pass_max_batch`` (at least
+    one chunk)."""
+    bs, cap = cfg.tasks.batch_size, cfg.evaluate.one_pass_max_batch
+    return bs * rows if cap is None else max(bs, min(bs * rows, cap // bs * bs))
 
 
 def one_pass_native(cfg) -> bool:
@@ -713,8 +721,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
                f"{passes} engine passes for {rows * T} row x task evaluations"
                + (f"; a merge's {merge_rows} rows in {per_merge}" if merge_rows else "") + ")"
                if native else
-               f"; row by row ({'evaluate.one_pass: false' if not cfg.evaluate.one_pass else 'Ray layout: a merge' + chr(39) + 's heads one after another on the actors'}"
-               f": {passes} engine passes for {rows * T} row x task evaluations"
+               f"; row by row (evaluate.one_pass: false: {passes} engine passes for {rows * T} row x task evaluations"
                + (f"; a merge's {merge_rows} rows in {per_merge}" if merge_rows else "") + ")"))
     where = where_executor(cfg) + "".join(f"; {n['where']}" for n in x.needs.values() if n.get("where"))
     row_dirs = [s.merge or s.model for s in x.evaluated]  # a corrected row runs on its merge's checkpoint
@@ -760,7 +767,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         n_models = 1 if ray else 1 + len(pinned)  # Ray: a judge has its own actors
         bs = cfg.tasks.batch_size
         dtype_b = _max_dtype_bytes(x)
-        gen_batch = bs * max(group_sizes, default=1) if native else bs  # one-pass: a chunk x a merge's rows
+        gen_batch = one_pass_batch(cfg, max(group_sizes, default=1)) if native else bs
         kv = kv_cache(x.arch, gen_batch, max((ti["prompt_tokens_est"] + ti["max_new_tokens"]
                                               for ti in x.tasks.values()), default=0), dtype_b)
         act = activations(x.arch, gen_batch, max((ti["prompt_tokens_est"] for ti in x.tasks.values()), default=0),
@@ -788,7 +795,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         elif native:
             if ti["n_samples"] == 1:  # greedy: a model dir's rows in one generate, batch x its rows a step
                 secs += sum(gen(g * n * ti["prompt_tokens_est"], g * n * ti["max_new_tokens"],
-                                batch=cfg.tasks.batch_size * g) for g in group_sizes)
+                                batch=one_pass_batch(cfg, g)) for g in group_sizes)
             else:  # sampled: one head at a time (the row-by-row samples)
                 secs += rows * gen(n * ti["prompt_tokens_est"], n * ti["max_new_tokens"])
             secs += n_groups * forward_seconds(nll_tokens, P, kind) + (rows - n_groups) * forward_seconds(

@@ -96,15 +96,23 @@ class Backend(ABC):
         ``score(requests: list[(slot, context, continuation)]) -> list[ScoreContinuation]``,
         ``format_chat``, ``tokenizer``, ``close()``.
 
-        This generic implementation serves each slot with :meth:`get` (one text model per slot,
-        opened on first use, closed with the multi-head model): the row-by-row semantics, for
-        backends and layouts without per-request heads (the Ray layout, vLLM until it has them).
+        Ray layout (``executor.in_process`` False): the executor's multi-head proxy on the model
+        dir's actor group (``RayTextModel.multi_head``: each actor serves its chunk of every slot
+        with the multi-head model of its loaded weights or engine, one pass for all heads), held
+        like :meth:`get`'s proxies. In-process, this generic implementation serves each slot with
+        :meth:`get` (:class:`LoopedMultiHead`: one text model per slot, opened on first use, closed
+        with the multi-head model): the row-by-row semantics, for a backend without per-request
+        heads (the HF and vLLM backends override it with their native ones).
 
         Raises:
             RuntimeError: the backend is closed.
         """
         self._check_open()
-        return LoopedMultiHead(self, name, str(model_dir), [str(h) if h else None for h in head_dirs])
+        dirs = [str(h) if h else None for h in head_dirs]
+        if not self.executor.in_process:
+            return self._get_remote(name, str(model_dir), None, pin=False).multi_head(
+                name, dirs, max_batch=self.cfg.evaluate.one_pass_max_batch)
+        return LoopedMultiHead(self, name, str(model_dir), dirs)
 
     @abstractmethod
     def continuations(self, name: str, model_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,

@@ -120,7 +120,8 @@ class HFBackend(Backend):
         :class:`~darts_bench.evaluate.multi_head.HFMultiHeadModel` over the shared weights of
         ``model_dir`` (loaded once, as :meth:`get` loads it) with every slot's head, each chosen per
         sequence of one batched forward; its hooks exist only during its calls, so it shares the
-        weights with the plain wrappers :meth:`get` hands out. Ray: the generic per-slot loop.
+        weights with the plain wrappers :meth:`get` hands out. Ray: the base class's multi-head
+        proxy (each actor's ``HFMultiHeadModel``).
 
         Raises:
             FileNotFoundError / ValueError: a missing or corrupt checkpoint or head.
@@ -141,7 +142,8 @@ class HFBackend(Backend):
             base = self._base[key]
         dirs = [str(h) if h else None for h in head_dirs]
         loaded = {d: load_head(d) for d in dict.fromkeys(d for d in dirs if d)}
-        return HFMultiHeadModel(base, [loaded[d] if d else None for d in dirs], name=name, keys=dirs)
+        return HFMultiHeadModel(base, [loaded[d] if d else None for d in dirs], name=name, keys=dirs,
+                                max_batch=self.cfg.evaluate.one_pass_max_batch)
 
     def continuations(self, name: str, model_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
                       desc: str = "") -> list[list[int]]:

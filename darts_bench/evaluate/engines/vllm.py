@@ -517,6 +517,17 @@ class VLLMMultiHeadModel:
                                  num_samples=num_samples, temperature=temperature, top_p=top_p, seed=seed,
                                  heads=heads)
 
+    def generate_ids(self, requests: Sequence[tuple[int, str | Sequence[int]]], *, max_new_tokens: int,
+                     stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+                     seed: int = 0) -> list[list[list[int]]]:
+        """As :meth:`generate`, token ids ``[request][sample][token]`` (:meth:`VLLMTextModel.generate_ids`)."""
+        if not requests:
+            return []
+        heads = self._heads([h for h, _ in requests])
+        return self._tm.generate_ids([p for _, p in requests], max_new_tokens=max_new_tokens, stop=stop,
+                                     num_samples=num_samples, temperature=temperature, top_p=top_p, seed=seed,
+                                     heads=heads)
+
     def score(self, requests: Sequence[tuple[int, str, str]]) -> list[ScoreContinuation]:
         """``requests``: ``(head index, context, continuation)``; NLL per request as
         :meth:`VLLMTextModel.score`."""
@@ -627,8 +638,9 @@ class VLLMBackend(Backend):
 
     def multi_head_model(self, name: str, model_dir: str | Path, head_dirs: list[str | None]):
         """All heads of a merge on one engine, each request naming its head
-        (:class:`VLLMMultiHeadModel`): in-process. In the Ray layout, the base class's row-by-row
-        default (each head through :meth:`get`)."""
+        (:class:`VLLMMultiHeadModel`): in-process. In the Ray layout, the base class's multi-head
+        proxy on the engine actors (each engine's ``VLLMMultiHeadModel``, requests split into one
+        contiguous chunk per actor and head)."""
         self._check_open()
         if not self.executor.in_process:
             return super().multi_head_model(name, model_dir, head_dirs)

@@ -26,7 +26,7 @@ Per-request heads (one ``generate`` batching the rows of a merge): :meth:`DartsH
 loads a list of heads beside the swapped one (``collective_rpc("darts_set_heads", args=(DIRS,))``)
 and a request names its head by ``SamplingParams(extra_args={"darts_head": i})`` (``-1``: no head;
 no key: the swapped head). :class:`DartsHeadRouter`, a logits processor that leaves logits
-unchanged, keeps each persistent-batch row's head from vLLM's ``BatchUpdate``\ s (called before
+unchanged, keeps each persistent-batch row's head from vLLM's ``BatchUpdate`` records (called before
 every forward pass); ``forward`` expands the rows to tokens with the attention metadata's
 ``query_start_loc`` and applies each head to its own tokens' hidden states.
 
