@@ -285,3 +285,46 @@ def test_grouped_diagnostics_equal_one_call_per_group():
     assert together["a"]["darts"]["kl_expert"] != together["b"]["darts"]["kl_expert"]
     with pytest.raises(ValueError, match="needs the row 'none'"):
         diagnose_rows({"none": None, **heads}, *args, **kw, groups={"a": {"darts": "a/darts"}})
+
+
+@pytest.mark.parametrize("overflow", ["clamp", "zero", "bucket"])
+def test_factored_head_logits_equal_lm_head_on_the_head_output(overflow):
+    """A low-rank head's logits from the plain merge's (``HeadLogits``: ``W h - (W U) relu(D h) +
+    (W b)[p]``) equal ``lm_head`` on the head's output up to float32 rounding; ``Diagnostics`` with
+    and without the factored form give the same KL (1e-6 relative), agreement and L1 for plain,
+    Surgery and DARTS heads (positions past ``max_len`` included), and the rank-matched head (rank
+    near ``d``) is not factored."""
+    from darts_bench.surgery.diagnostics import Diagnostics, HeadLogits
+    from darts_bench.surgery.heads import build_head
+    from darts_bench.surgery.train import TokenData
+
+    torch.manual_seed(0)
+    n, d, V = 700, 64, 3000
+    W_e, W_m = torch.randn(V, d) * 0.3, torch.randn(V, d) * 0.3
+    hm = torch.randn(n, d)
+    he = hm + 0.3 * torch.randn(n, d)
+    pos = torch.arange(n) % 70  # 10 sequences of 70 tokens; max_len 48 below: overflow handled
+    heads = [None]
+    for k, method in enumerate(("surgery", "darts", "darts_pos_only")):
+        h = build_head(method, d, rank=4, max_len=48, overflow=overflow, seed=k)
+        with torch.no_grad():
+            h.up.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(10 + k))
+            if h.pos_bias is not None:
+                h.pos_bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(20 + k))
+        heads.append(h)
+    big = build_head("surgery", d, rank=40, max_len=48, seed=9)
+    assert [HeadLogits.pays(h, d) for h in heads[1:]] == [True] * 3 and not HeadLogits.pays(big, d)
+    for h in heads[1:]:
+        want = h(hm, pos) @ W_m.T
+        got = HeadLogits(h, W_m).logits(hm @ W_m.T, hm, pos)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    data = TokenData(h_merged=hm, h_expert=he, positions=pos, weight_source=torch.rand(n),
+                     seq_index=torch.arange(n) // 70)
+    res = {f: Diagnostics(lambda: [data], 1.0, 5.0, W_e, W_m, batch_tokens=256, factored=f).many(heads + [big])
+           for f in (True, False)}
+    for a, b in zip(res[True], res[False]):
+        assert a["per_token_l1"] == b["per_token_l1"] and a["per_token_agree"] == b["per_token_agree"]
+        assert np.allclose(a["per_token_kl"], b["per_token_kl"], rtol=1e-6, atol=1e-9)
+        assert a["kl_expert"] == pytest.approx(b["kl_expert"], rel=1e-6)
+    assert res[True][0]["per_token_kl"] == res[False][0]["per_token_kl"]  # the plain row: the same matmul
+    assert res[True][-1]["per_token_kl"] == res[False][-1]["per_token_kl"]  # not factored

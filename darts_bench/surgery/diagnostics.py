@@ -19,7 +19,10 @@ For a merged model, with and without a head, against the task expert:
   state is; above 1 possible.
 
 :class:`Diagnostics` computes them on ``cfg.device``, batched over tokens, and computes
-``kl_floor`` once per token set for all heads.
+``kl_floor`` once per token set for all heads. A low-rank head's logits come from the plain merge's
+(:class:`HeadLogits`): ``lm_head`` is linear, so ``W (h - U relu(D h) + b_p) = W h - (W U) relu(D h)
++ W b_p``, and only the rank-``r`` term and the bias rows of the block's distinct positions are
+computed per head.
 """
 
 from __future__ import annotations
@@ -57,13 +60,20 @@ class ExpertDistribution:
     Args:
         logits_expert: ``[n, V]`` (any float dtype; the work is in float32).
         rows: tokens per block (:data:`~darts_bench.surgery.losses.ENTROPY_ROWS`).
+        buffers: optional two float32 tensors of at least ``[n, V]`` (on the logits' device) to hold
+            the log-probabilities and probabilities, reused across blocks by the caller: a fresh
+            ``[512, 49152]`` tensor costs its page faults on every block.
     """
 
-    def __init__(self, logits_expert: torch.Tensor, rows: int = ENTROPY_ROWS):
+    def __init__(self, logits_expert: torch.Tensor, rows: int = ENTROPY_ROWS,
+                 buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.rows = rows
         n = logits_expert.shape[0]
-        self.logp = torch.empty(logits_expert.shape, dtype=torch.float32, device=logits_expert.device)  # nats
-        self.p = torch.empty_like(self.logp)
+        if buffers is not None:
+            self.logp, self.p = (b.view(-1)[:logits_expert.numel()].view(logits_expert.shape) for b in buffers)
+        else:
+            self.logp = torch.empty(logits_expert.shape, dtype=torch.float32, device=logits_expert.device)  # nats
+            self.p = torch.empty_like(self.logp)
         for r in range(0, n, rows):
             self.logp[r:r + rows] = torch.log_softmax(logits_expert[r:r + rows].float(), dim=-1)
             self.p[r:r + rows] = self.logp[r:r + rows].exp()
@@ -83,6 +93,61 @@ class ExpertDistribution:
         """``(kl, agree)`` of ``logits_model`` ``[n, V]``: per-token KL (nats, fp32) and top-1
         agreement (0/1 float), both ``[n]``."""
         return self.kl(logits_model), (self.top1 == logits_model.argmax(-1)).float()
+
+
+class HeadLogits:
+    """A low-rank head's logits from the plain merge's, without a ``[tokens, d] x [d, V]`` matmul
+    of its own.
+
+    :class:`~darts_bench.surgery.heads.CorrectionHead` maps ``h`` to ``h - U relu(D h) + b[p]``
+    (``D``: ``[r, d]``, ``U``: ``[d, r]``, ``b``: the position-bias table, DARTS only), and
+    ``lm_head`` is linear (``W``: ``[V, d]``, no bias), so
+    ``W out = W h - (W U) relu(D h) + (W b)[p]``: with ``W h`` (the plain merge's logits, computed
+    anyway) a head costs a ``[tokens, r] x [r, V]`` matmul plus ``W b`` for the distinct positions
+    of the block (:meth:`logits`). ``W U`` (``[V, r]``) is computed once per head. Exact in real
+    arithmetic; in float32 the logits differ from ``W @ out`` by rounding only (tested: KL within
+    1e-6 relative on the micro pool's features).
+
+    Args:
+        head: the head (float32 parameters on the matmuls' device).
+        W: ``[V, d]`` float32 ``lm_head`` weights of the merged model.
+
+    Use :meth:`pays` first: at ``r`` near ``d`` (the parameter-matched Surgery control) the
+    factored form saves nothing.
+    """
+
+    def __init__(self, head: CorrectionHead, W: torch.Tensor):
+        self.head = head
+        self.D = head.down.weight.detach().float()  # [r, d]
+        self.WU = W @ head.up.weight.detach().float()  # [V, r]
+        self.W = W
+
+    @staticmethod
+    def pays(head, d_model: int) -> bool:
+        """Whether ``head`` is a plain :class:`CorrectionHead` (not a per-sequence router) of rank
+        below ``d_model / 4`` in float32, for which the factored logits are much cheaper."""
+        return (type(head) is CorrectionHead and head.cfg.rank * 4 < d_model
+                and head.down.weight.dtype == torch.float32)
+
+    @torch.no_grad()
+    def logits(self, plain: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, V]`` float32 logits of the head on ``h`` (``[n, d]`` float32 merged hidden states;
+        ``plain`` = ``h @ W.T``, ``[n, V]``; ``positions`` ``[n]`` int64), written into ``out``
+        (``[n, V]``, reused by the caller) when given."""
+        z = torch.relu(h @ self.D.T)  # [n, r]
+        if out is None:
+            out = torch.empty_like(plain)
+        torch.addmm(plain, z, self.WU.T, alpha=-1, out=out)
+        if self.head.pos_bias is not None:
+            idx, keep = self.head.bias_index(positions.to(h.device))
+            rows, inv = torch.unique(idx, return_inverse=True)
+            wb = self.head.pos_bias[rows].float() @ self.W.T  # [distinct positions, V]
+            if self.head.cfg.overflow == "zero":
+                wb = torch.cat([wb, torch.zeros_like(wb[:1])])  # a zero row for the positions without bias
+                inv = torch.where(keep > 0, inv, len(rows))
+            out.add_(wb[inv])
+        return out
 
 
 def gap_closed(kl_merged: float, kl_row: float, kl_floor: float) -> float | None:
@@ -144,17 +209,31 @@ class Diagnostics:
         lm_head_expert, lm_head_merged: ``[V, d]`` output weights (cast to float32).
         device: torch device of the matmuls (``cfg.device``).
         batch_tokens: tokens per matmul (logits ``[batch_tokens, V]`` float32, three at a time).
+        factored: low-rank heads' logits from the plain merge's (:class:`HeadLogits`; default);
+            False: ``lm_head`` on every head's output (the reference ``benchmarks/bench_diagnostics.py``
+            compares against).
     """
 
     def __init__(self, batches: Callable[[], Iterable], mean_h: float, w_max: float, lm_head_expert: torch.Tensor,
-                 lm_head_merged: torch.Tensor, device: str | torch.device = "cpu", batch_tokens: int = 2048):
-        self.batches, self.mean_h, self.w_max = batches, mean_h, w_max
+                 lm_head_merged: torch.Tensor, device: str | torch.device = "cpu", batch_tokens: int = 2048,
+                 factored: bool = True):
+        self.batches, self.mean_h, self.w_max, self.factored = batches, mean_h, w_max, factored
         self.device = torch.device(device)
         self.W_e = lm_head_expert.to(self.device, torch.float32)
         self.W_m = lm_head_merged.to(self.device, torch.float32)
         self.batch_tokens = batch_tokens
         self._floor: torch.Tensor | None = None  # [N] per-token KL floor (nats), cpu
+        self._bufs: list[torch.Tensor] | None = None  # see _buffers
         self.floor_computations = 0  # how often the floor was computed (1 after any number of calls)
+
+    def _buffers(self, n: int) -> list[torch.Tensor]:
+        """Five ``[n, V]`` float32 views of buffers kept across blocks and calls (expert logits,
+        a head's logits, the expert's log-probabilities and probabilities, the plain merge's logits):
+        fresh ``[LOGIT_ROWS, V]`` tensors per block cost their page faults every time."""
+        V = self.W_m.shape[0]
+        if self._bufs is None or self._bufs[0].shape[0] < n:
+            self._bufs = [torch.empty(n, V, dtype=torch.float32, device=self.device) for _ in range(5)]
+        return [b[:n] for b in self._bufs]
 
     @property
     def n_tokens(self) -> int:
@@ -185,6 +264,8 @@ class Diagnostics:
         ``per_token_floor`` (nats), in stream order, for slopes, entropy contrasts and
         sequence-level intervals."""
         heads = [self._on_device(h) for h in heads]
+        d_model = self.W_m.shape[1]
+        fac = [HeadLogits(h, self.W_m) if self.factored and HeadLogits.pays(h, d_model) else None for h in heads]
         need_floor = self._floor is None
         per = [{"l1": [], "kl": [], "agree": []} for _ in heads]
         floors, poss, ents = [], [], []
@@ -204,15 +285,25 @@ class Diagnostics:
                         out = head(hm, pos.to(self.device))
                     acc["l1"].append(token_l1(out, he).cpu())
                     outs.append(out.float())
-                # logits in blocks of LOGIT_ROWS tokens: the expert's distribution once per block for every head
+                # logits in blocks of LOGIT_ROWS tokens: the expert's distribution once per block for every head,
+                # the plain merge's logits once for the plain row and every factored head
+                dev_pos = pos.to(self.device)
                 for r, e in row_blocks(len(hm), LOGIT_ROWS):
-                    expert = ExpertDistribution(he[r:e] @ self.W_e.T)
-                    for out, acc in zip(outs, per):
-                        kl, ag = expert.compare(out[r:e] @ self.W_m.T)
+                    bufs = self._buffers(e - r)
+                    expert = ExpertDistribution(torch.mm(he[r:e], self.W_e.T, out=bufs[0]), buffers=bufs[2:4])
+                    plain = None
+                    for head, out, acc, f in zip(heads, outs, per, fac):
+                        if f is None and head is not None:
+                            logits = torch.mm(out[r:e], self.W_m.T, out=bufs[1])
+                        else:
+                            if plain is None:
+                                plain = torch.mm(hm[r:e], self.W_m.T, out=bufs[4])
+                            logits = plain if f is None else f.logits(plain, hm[r:e], dev_pos[r:e], out=bufs[1])
+                        kl, ag = expert.compare(logits)
                         acc["kl"].append(kl.cpu())
                         acc["agree"].append(ag.cpu())
                     if need_floor:
-                        floors.append(expert.kl(he[r:e] @ self.W_m.T).cpu())
+                        floors.append(expert.kl(torch.mm(he[r:e], self.W_m.T, out=bufs[1])).cpu())
                     del expert
                 poss.append(pos)
                 ents.append(b.weight_source[s:s + self.batch_tokens])

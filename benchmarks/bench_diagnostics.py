@@ -1,0 +1,92 @@
+"""Held-out diagnostics of a merge's heads: ``lm_head`` on every head's output vs the factored
+low-rank logits (``darts_bench.surgery.diagnostics.HeadLogits``).
+
+Workload: one call of ``Diagnostics.many`` as the train stage makes it for one (merge, task, split):
+the plain merge, a Surgery and a DARTS head (rank 16, the DARTS position table 512 rows), on
+``--tokens`` held-out tokens (sequences of ``--seq-len``), with random ``lm_head`` weights of the
+tier's shape (tiny: d 128, V 4096; smollm2-135m: d 576, V 49,152, SmolLM2-135M's). Random features:
+the cost depends on the shapes only. The heads are random, scaled as trained heads are. With
+``--matched`` the parameter-matched Surgery control (rank d + 32, never factored) is diagnosed too.
+One timed unit is one call:
+
+  lm_head per head  ``Diagnostics(..., factored=False)``: ``[tokens, d] x [d, V]`` per head
+  factored          ``Diagnostics(...)``: the plain logits once, each head's as
+                    ``W h - (W U) relu(D h) + (W b)[p]`` (a rank-16 matmul and the bias rows of the
+                    block's distinct positions)
+
+Figures: ``diagnostics_factored`` = {ratio: lm_head per head / factored (median wall per call),
+max_rel_kl: the largest relative difference of a per-token KL, agree_identical: per-token top-1
+agreements equal out of n, n}.
+
+    .venv/bin/python benchmarks/bench_diagnostics.py [--tier smollm2-135m] [--tokens 2048]
+"""
+
+from __future__ import annotations
+
+import common  # noqa: F401  (sets sys.path and env first)
+import torch
+
+from darts_bench.surgery.diagnostics import Diagnostics
+from darts_bench.surgery.heads import build_head
+from darts_bench.surgery.train import TokenData
+
+SHAPES = {"tiny": (128, 4096), "smollm2-135m": (576, 49152)}
+
+
+def main() -> None:
+    ap = common.parser(__doc__)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--matched", action="store_true", help="also diagnose the rank d + 32 Surgery control")
+    args = ap.parse_args()
+    threads = common.set_threads(args.threads)
+    repeats = args.repeats or 3
+    d, V = SHAPES[args.tier]
+    g = torch.Generator().manual_seed(0)
+    W_e = torch.randn(V, d, generator=g) * d ** -0.5 * 4
+    W_m = W_e + torch.randn(V, d, generator=g) * d ** -0.5 * 0.4
+    n = args.tokens
+    hm = torch.randn(n, d, generator=g)
+    data = TokenData(h_merged=hm, h_expert=hm + 0.3 * torch.randn(n, d, generator=g),
+                     positions=torch.arange(n) % args.seq_len, seq_index=torch.arange(n) // args.seq_len,
+                     weight_source=torch.rand(n, generator=g) * 3)
+    heads = [None]
+    for k, (method, rank) in enumerate([("surgery", 16), ("darts", 16)] + ([("surgery", d + 32)] if args.matched else [])):
+        h = build_head(method, d, rank=rank, max_len=512, seed=k)
+        with torch.no_grad():
+            h.up.weight.copy_(torch.randn(h.up.weight.shape, generator=g) * 0.05)
+            if h.pos_bias is not None:
+                h.pos_bias.copy_(torch.randn(h.pos_bias.shape, generator=g) * 0.05)
+        heads.append(h)
+    res: dict[str, list] = {}
+
+    def run(factored: bool):
+        def fn(u):
+            diag = Diagnostics(lambda: [data], 1.0, 5.0, W_e, W_m, factored=factored)
+            res[factored] = diag.many(heads)
+        return fn
+
+    tm = common.interleave({"lm_head per head": run(False), "factored": run(True)}, repeats=repeats, warmup=1)
+    kl_rel, agree_same, total = 0.0, 0, 0
+    for a, b in zip(res[False], res[True]):
+        ka, kb = torch.tensor(a["per_token_kl"]), torch.tensor(b["per_token_kl"])
+        kl_rel = max(kl_rel, float(((ka - kb).abs() / ka.abs().clamp_min(1e-12)).max()))
+        agree_same += sum(x == y for x, y in zip(a["per_token_agree"], b["per_token_agree"]))
+        total += len(a["per_token_agree"])
+    ratio, cpu_ratio = tm.ratio("lm_head per head", "factored"), tm.ratio("lm_head per head", "factored", "cpu")
+    print(f"{args.tier} shapes: d {d}, V {V}; {n} held-out tokens (sequences of {args.seq_len}); rows: plain, "
+          f"Surgery r16, DARTS r16{', Surgery r' + str(d + 32) if args.matched else ''}; {threads} thread(s); "
+          f"{repeats} rounds")
+    print(common.table(["path", "wall s per call", "cpu s per call"],
+                       [[p, common.spread(tm.per_round(p)), common.spread(tm.per_round(p, "cpu"))] for p in tm.wall]))
+    print(f"lm_head per head / factored: {ratio:.2f}x wall ({cpu_ratio:.2f}x cpu); per-token KL max relative "
+          f"difference {kl_rel:.2e}; top-1 agreement identical {agree_same}/{total}")
+    common.summary("diagnostics",
+                   f"{len(heads)} rows' held-out diagnostics ({args.tier} shapes, {n} tokens): lm_head per head / "
+                   f"factored {ratio:.2f}x (KL within {kl_rel:.1e} relative, {agree_same}/{total} agreements equal)",
+                   diagnostics_factored={"ratio": round(ratio, 3), "cpu_ratio": round(cpu_ratio, 3),
+                                         "max_rel_kl": kl_rel, "agree_identical": agree_same, "n": total})
+
+
+if __name__ == "__main__":
+    main()
