@@ -4,6 +4,8 @@ row by row on the micro pool, the Qwen2-shaped tiny pool and the 7B-shaped rehea
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -101,12 +103,10 @@ def test_multi_head_greedy_equals_row_by_row(model_and_tok, heads, stop):
     assert n_diff == 3  # every head changes the greedy continuations
 
 
-def test_multi_head_generate_batches_heads_in_one_call(model_and_tok, heads):
-    """7 prompts x 4 slots at batch_size 3: the chunks of equal padded length are stacked, so there
-    are fewer generate calls than the row-by-row path's 4 x 3; equal (head, chunk) pairs (two
-    slots with the same head) are generated once."""
-    model, tok = model_and_tok
-    calls = []
+@contextlib.contextmanager
+def _counting_generate(model):
+    """Record the number of sequences of every ``model.generate`` call made inside the block."""
+    calls: list[int] = []
     orig = model.generate
 
     def counting(*a, **k):
@@ -115,11 +115,20 @@ def test_multi_head_generate_batches_heads_in_one_call(model_and_tok, heads):
 
     model.generate = counting
     try:
+        yield calls
+    finally:
+        del model.generate
+
+
+def test_multi_head_generate_batches_heads_in_one_call(model_and_tok, heads):
+    """7 prompts x 4 slots at batch_size 3: the chunks of equal padded length are stacked, so there
+    are fewer generate calls than the row-by-row path's 4 x 3; equal (head, chunk) pairs (two
+    slots with the same head) are generated once."""
+    model, tok = model_and_tok
+    with _counting_generate(model) as calls:
         mh = HFMultiHeadModel(HFTextModel("plain", model, tok, batch_size=3), [None, heads[0], heads[0], None],
                               name="m")
         mh.generate_ids([(k, p) for k in range(4) for p in PROMPTS], max_new_tokens=4)
-    finally:
-        del model.generate
     assert sum(calls) == 2 * len(PROMPTS)  # two distinct heads (None, heads[0]) x 7 prompts
     assert len(calls) <= 3  # chunks [3, 3, 1] of each head, stacked by padded length
 
@@ -134,19 +143,9 @@ def test_multi_head_max_batch_caps_each_generate_and_keeps_outputs(model_and_tok
     reqs = [(k, p) for k in range(3) for p in PROMPTS]
     want = HFMultiHeadModel(HFTextModel("plain", model, tok, batch_size=3), slots, name="m").generate_ids(
         reqs, max_new_tokens=4)
-    calls = []
-    orig = model.generate
-
-    def counting(*a, **k):
-        calls.append(k["input_ids"].shape[0])
-        return orig(*a, **k)
-
-    model.generate = counting
-    try:
+    with _counting_generate(model) as calls:
         mh = HFMultiHeadModel(HFTextModel("plain", model, tok, batch_size=3), slots, name="m", max_batch=max_batch)
         got = mh.generate_ids(reqs, max_new_tokens=4)
-    finally:
-        del model.generate
     assert got == want
     assert sum(calls) == 3 * len(PROMPTS)
     assert all(c <= max(3, max_batch) for c in calls)  # a call holds whole chunks up to the cap

@@ -115,8 +115,8 @@ class HFMultiHeadModel:
         Greedy (``temperature == 0``): each slot's prompts (its requests in order) are chunked by
         ``batch_size`` as the row-by-row path chunks them; equal (head, chunk) pairs are generated
         once, and chunks of equal padded length are stacked into one ``model.generate`` call (up to
-        ``max_batch`` sequences) with the head chosen per sequence, so outputs equal the row-by-row path's token for token (test:
-        ``tests/test_evaluate_one_pass.py``). Sampled (``temperature > 0``): one head at a time,
+        ``max_batch`` sequences) with the head chosen per sequence, so outputs equal the row-by-row
+        path's token for token (test: ``tests/test_evaluate_one_pass.py``). Sampled (``temperature > 0``): one head at a time,
         exactly the row-by-row call (the same chunks and per-sample seeds
         :func:`~darts_bench.evaluate.sampling.sample_seed`), so samples equal the row-by-row path's.
 

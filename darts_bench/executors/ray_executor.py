@@ -514,8 +514,6 @@ class RayTextModel:
         return self._generate("generate", prompts, max_new_tokens, stop, num_samples, temperature, top_p, seed)
 
     def _generate(self, op, prompts, max_new_tokens, stop, num_samples, temperature, top_p, seed) -> list:
-        if temperature == 0.0 and num_samples != 1:
-            raise ValueError("greedy decoding (temperature 0) gives one sample; set temperature > 0")
         prompts = list(prompts)
         kw = _gen_kwargs(max_new_tokens, stop, num_samples, temperature, top_p, seed)
         payloads = [{"prompts": prompts[s:e], "kwargs": kw} for s, e in self._spans(len(prompts))]
@@ -664,8 +662,6 @@ class RayMultiHeadModel:
     def _gen(self, op: str, requests, kw: dict[str, Any]) -> list:
         requests = [(s, p) for s, p in requests]
         self._check([s for s, _ in requests])
-        if kw["temperature"] == 0.0 and kw["num_samples"] != 1:
-            raise ValueError("greedy decoding (temperature 0) gives one sample; set temperature > 0")
         parts = self._by_chunk([s for s, _ in requests])
         payloads = [{"head_dirs": self.head_dirs, "requests": [requests[r] for r in rs], "kwargs": kw,
                      "max_batch": self.max_batch} for rs in parts]
@@ -742,6 +738,13 @@ class RayHFMultiHeadModel(RayMultiHeadModel):
 
 
 def _gen_kwargs(max_new_tokens, stop, num_samples, temperature, top_p, seed) -> dict[str, Any]:
+    """A generate payload's ``kwargs`` (``top_p`` only below 1).
+
+    Raises:
+        ValueError: greedy (temperature 0) with ``num_samples != 1``.
+    """
+    if temperature == 0.0 and num_samples != 1:
+        raise ValueError("greedy decoding (temperature 0) gives one sample; set temperature > 0")
     kw = dict(max_new_tokens=max_new_tokens, stop=list(stop), num_samples=num_samples, temperature=temperature,
               seed=seed)
     if top_p != 1.0:

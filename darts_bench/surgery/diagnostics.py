@@ -105,8 +105,8 @@ class HeadLogits:
     ``W out = W h - (W U) relu(D h) + (W b)[p]``: with ``W h`` (the plain merge's logits, computed
     anyway) a head costs a ``[tokens, r] x [r, V]`` matmul plus ``W b`` for the distinct positions
     of the block (:meth:`logits`). ``W U`` (``[V, r]``) is computed once per head. Exact in real
-    arithmetic; in float32 the logits differ from ``W @ out`` by rounding only (tested: KL within
-    1e-6 relative on the micro pool's features).
+    arithmetic; in float32 the logits differ from ``W @ out`` by rounding only (tested on random
+    heads and features: per-token KL within 1e-6 relative, agreements equal).
 
     Args:
         head: the head (float32 parameters on the matmuls' device).

@@ -510,23 +510,23 @@ class VLLMMultiHeadModel:
         Raises:
             ValueError: a head index outside ``head_dirs``; greedy with ``num_samples != 1``.
         """
-        if not requests:
-            return []
-        heads = self._heads([h for h, _ in requests])
-        return self._tm.generate([p for _, p in requests], max_new_tokens=max_new_tokens, stop=stop,
-                                 num_samples=num_samples, temperature=temperature, top_p=top_p, seed=seed,
-                                 heads=heads)
+        return self._generate(self._tm.generate, requests, max_new_tokens=max_new_tokens, stop=stop,
+                              num_samples=num_samples, temperature=temperature, top_p=top_p, seed=seed)
 
     def generate_ids(self, requests: Sequence[tuple[int, str | Sequence[int]]], *, max_new_tokens: int,
                      stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0, top_p: float = 1.0,
                      seed: int = 0) -> list[list[list[int]]]:
         """As :meth:`generate`, token ids ``[request][sample][token]`` (:meth:`VLLMTextModel.generate_ids`)."""
+        return self._generate(self._tm.generate_ids, requests, max_new_tokens=max_new_tokens, stop=stop,
+                              num_samples=num_samples, temperature=temperature, top_p=top_p, seed=seed)
+
+    def _generate(self, fn, requests, **kw) -> list:
+        """``fn`` (the text model's ``generate`` or ``generate_ids``) on the requests' prompts, each
+        with its head."""
         if not requests:
             return []
         heads = self._heads([h for h, _ in requests])
-        return self._tm.generate_ids([p for _, p in requests], max_new_tokens=max_new_tokens, stop=stop,
-                                     num_samples=num_samples, temperature=temperature, top_p=top_p, seed=seed,
-                                     heads=heads)
+        return fn([p for _, p in requests], heads=heads, **kw)
 
     def score(self, requests: Sequence[tuple[int, str, str]]) -> list[ScoreContinuation]:
         """``requests``: ``(head index, context, continuation)``; NLL per request as
