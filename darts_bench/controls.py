@@ -34,6 +34,15 @@ CONTROLS: dict[str, str] = {"param_matched": "rank=matched"}
 CONTROL_METHOD, MATCHED_METHOD = "surgery", "darts"
 
 
+def factored_logits_pay(rank: int, d_model: int) -> bool:
+    """Whether a head of bottleneck ``rank`` on hidden size ``d_model`` gets its diagnostics logits in
+    factored form (:class:`darts_bench.surgery.diagnostics.HeadLogits`: a ``[tokens, rank] x [rank, V]``
+    matmul on the plain merge's logits instead of its own ``[tokens, d] x [d, V]``): rank below ``d / 4``.
+    The matched control (rank near ``d``) is never factored. The planner counts the diagnostics' matmuls
+    with it."""
+    return rank * 4 < d_model
+
+
 def head_param_count(method: str, d_model: int, rank: int, max_len: int | None, overflow: str = "clamp") -> int:
     """Parameters of one correction head (``CorrectionHead.num_parameters()`` without building it):
     ``W_down [rank, d_model]`` + ``W_up [d_model, rank]``, plus for a method with a position bias

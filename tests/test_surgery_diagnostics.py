@@ -328,3 +328,94 @@ def test_factored_head_logits_equal_lm_head_on_the_head_output(overflow):
         assert a["kl_expert"] == pytest.approx(b["kl_expert"], rel=1e-6)
     assert res[True][0]["per_token_kl"] == res[False][0]["per_token_kl"]  # the plain row: the same matmul
     assert res[True][-1]["per_token_kl"] == res[False][-1]["per_token_kl"]  # not factored
+
+
+def test_factored_logits_of_a_routed_head_equal_lm_head_on_its_output():
+    """A head chosen per sequence (the ``@routed`` rows) whose heads are all low-rank is factored too: each
+    token's logits come from its routed head's factors. They equal ``lm_head`` on the routed head's output
+    up to float32 rounding, and ``Diagnostics`` gives the same KL (1e-6 relative), agreements and L1 with
+    and without the factored form. A routed head with a full-rank head among its heads is not factored;
+    the factored logits of a routed head need the tokens' sequences."""
+    from darts_bench.surgery.diagnostics import Diagnostics, HeadLogits
+    from darts_bench.surgery.heads import build_head
+    from darts_bench.surgery.routing import sequence_routed_head
+    from darts_bench.surgery.train import TokenData
+
+    torch.manual_seed(1)
+    n, d, V, L = 600, 64, 2500, 60
+    W_e, W_m = torch.randn(V, d) * 0.3, torch.randn(V, d) * 0.3
+    hm = torch.randn(n, d)
+    he = hm + 0.3 * torch.randn(n, d)
+    pos, seq = torch.arange(n) % L, torch.arange(n) // L  # 10 sequences
+    subs = {}
+    for k, (task, method) in enumerate((("code", "darts"), ("math", "surgery"), ("chat", "darts"))):
+        h = build_head(method, d, rank=4, max_len=48, seed=k)
+        with torch.no_grad():
+            h.up.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(30 + k))
+            if h.pos_bias is not None:
+                h.pos_bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(40 + k))
+        subs[task] = h
+    seq_task = {i: ("code", "math", "chat")[i % 3] for i in range(10)}
+    routed = sequence_routed_head(subs, seq_task)
+    assert HeadLogits.pays(routed, d)
+    want = routed(hm, pos, seq) @ W_m.T
+    got = HeadLogits(routed, W_m).logits(hm @ W_m.T, hm, pos, seq_index=seq)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="needs each token's seq_index"):
+        HeadLogits(routed, W_m).logits(hm @ W_m.T, hm, pos)
+    assert not HeadLogits.pays(sequence_routed_head({**subs, "big": build_head("surgery", d, rank=40)}, seq_task), d)
+    data = TokenData(h_merged=hm, h_expert=he, positions=pos, weight_source=torch.rand(n), seq_index=seq)
+    res = {f: Diagnostics(lambda: [data], 1.0, 5.0, W_e, W_m, batch_tokens=256, factored=f).many([None, routed])
+           for f in (True, False)}
+    a, b = res[True][1], res[False][1]
+    assert a["per_token_l1"] == b["per_token_l1"] and a["per_token_agree"] == b["per_token_agree"]
+    assert np.allclose(a["per_token_kl"], b["per_token_kl"], rtol=1e-6, atol=1e-9)
+    assert a["kl_expert"] != res[True][0]["kl_expert"]  # the head changes the logits
+
+
+def test_known_plain_row_and_floor_are_reused_bitwise():
+    """A second ``Diagnostics`` over the same stream with the first one's ``known`` computes neither the
+    plain merge's row nor the KL floor, and gives exactly the first one's values (every per-token list);
+    ``diagnose_rows`` with a ``known`` dict filled by an earlier call gives the JSON of a fresh call. A
+    stream of another length with that ``known`` raises."""
+    import json
+
+    from darts_bench.stages.train import diagnose_rows
+    from darts_bench.surgery.data import answer_prediction_mask, shared_template
+    from darts_bench.surgery.diagnostics import Diagnostics
+    from darts_bench.surgery.heads import build_head
+
+    meta, val, offset, W_e, W_m = _prefix_case(seed=3)
+    val.base.h_merged[val.base.positions >= 6] += 0.2 * torch.randn(int((val.base.positions >= 6).sum()), val.dim)
+    heads = {}
+    for k, method in enumerate(("surgery", "darts", "surgery")):
+        h = build_head(method, val.dim, rank=2 + 4 * (k == 2), max_len=32, seed=k)
+        with torch.no_grad():
+            h.up.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(k))
+        heads[f"{method}{k}"] = h
+    rows = [None, *heads.values()]
+    first = Diagnostics(lambda: val.batches(50), 0.6, 5.0, W_e, W_m, batch_tokens=40)
+    assert first.known is None
+    want = first.many(rows)
+    assert (first.plain_computations, first.floor_computations) == (1, 1)
+    again = Diagnostics(lambda: val.batches(50), 0.6, 5.0, W_e, W_m, batch_tokens=40, known=first.known)
+    got = again.many(rows)
+    assert (again.plain_computations, again.floor_computations) == (0, 0)
+    assert json.dumps(got) == json.dumps(want)
+    assert json.dumps(again.many([None])) == json.dumps(want[:1])  # nothing but known rows: no logits at all
+    short = Diagnostics(lambda: [val.select(torch.arange(30))], 0.6, 5.0, W_e, W_m, known=first.known)
+    with pytest.raises(ValueError, match="token stream changed"):
+        short.many([None])
+
+    template = shared_template(meta)
+    ref_meta = {"sequences": meta["sequences"][:3], "prompt_len": meta["prompt_len"][:3]}
+    part = val.base.select(torch.nonzero(val.base.seq_index < 3)[:, 0])
+    ref = part.select(answer_prediction_mask(part.positions, part.seq_index, ref_meta).nonzero()[:, 0])
+    args = (val, meta, template, lambda: iter([ref]), ref.seq_index.numpy(), 0)
+    kw = {"mean_h": 0.6, "w_max": 5.0, "W_e": W_e, "W_m": W_m, "seed": 4}
+    known: dict = {}
+    pair = {"none": None, "surgery": heads["surgery0"], "darts": heads["darts1"]}
+    assert json.dumps(diagnose_rows(pair, *args, **kw, known=known)) == json.dumps(diagnose_rows(pair, *args, **kw))
+    assert set(known) == {"val", "reference"}
+    control = {"none": None, "surgery": heads["surgery2"]}
+    assert json.dumps(diagnose_rows(control, *args, **kw, known=known)) == json.dumps(diagnose_rows(control, *args, **kw))

@@ -295,3 +295,50 @@ def test_micro_routed_behaviour_uses_the_routed_head_per_sequence(agnostic_pipel
                     n_other += 1
         assert d["shared"]["none"]["kl_expert"] == tr["runs"][(m, t, split, tag, seed)]["none"]["kl_expert"]
     assert n_same and n_other
+
+
+@pytest.mark.micro
+def test_micro_later_artifacts_reuse_the_plain_row_and_floor_bitwise(agnostic_pipeline, monkeypatch):
+    """The task-agnostic rows' diagnostics read the same held-out and reference tokens as the methods'
+    heads of their (merge, task, split): in one train stage the plain merge's row and the KL floor of
+    each token stream are computed once (``known_streams``), and every ``diagnostics.json`` is
+    byte-equal to the one a stage without that reuse writes."""
+    import shutil
+    from pathlib import Path
+
+    from darts_bench.pipeline import Pipeline
+    from darts_bench.stages import train as train_stage
+    from darts_bench.surgery.diagnostics import Diagnostics
+
+    heads_dir = Path(agnostic_pipeline.cfg.work_dir) / "heads"
+    mine = lambda: sorted(p for p in heads_dir.glob("ties-*") if not p.name.startswith("ties-shared-"))  # noqa: E731
+    counts: list[tuple[int, int]] = []
+    many = Diagnostics.many
+
+    def counting(self, *a, **k):
+        out = many(self, *a, **k)
+        counts.append((self.plain_computations, self.floor_computations))
+        return out
+
+    monkeypatch.setattr(Diagnostics, "many", counting)
+
+    def rebuild(max_known: int) -> dict[str, bytes]:
+        for p in mine():
+            shutil.rmtree(p)
+        train_stage._known_streams.clear()
+        monkeypatch.setattr(train_stage, "KNOWN_STREAMS_MAX", max_known)
+        counts.clear()
+        pipe = Pipeline(agnostic_pipeline.cfg)
+        try:
+            pipe.train()
+        finally:
+            pipe.close()
+        return {p.name: (p / "diagnostics.json").read_bytes() for p in mine()}
+
+    default = train_stage.KNOWN_STREAMS_MAX
+    fresh = rebuild(0)
+    assert len(counts) == 2 * 2 * 3 * 2 and all(c == (1, 1) for c in counts)  # (pair, agnostic) x streams x tasks x splits
+    reused = rebuild(default)
+    assert len(fresh) == 2 * 3 * 2 and reused == fresh  # pair and agnostic artifacts of 3 tasks x 2 splits
+    # each (task, split)'s two streams: computed by the methods' heads, reused by the task-agnostic rows
+    assert sorted(counts) == [(0, 0)] * 12 + [(1, 1)] * 12

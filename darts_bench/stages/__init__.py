@@ -22,6 +22,12 @@ from typing import Any
 from darts_bench.artifacts import stable_hash
 
 
+#: token streams (one (merge, task, split, head seed)'s held-out and reference tokens) whose plain-merge row
+#: and KL floor the train stage keeps for its later artifacts (:func:`darts_bench.stages.train.known_streams`;
+#: the planner counts those matmuls once when a run's streams fit)
+KNOWN_STREAMS_MAX = 64
+
+
 def derive_seed(run_seed: int, *parts: Any) -> int:
     """A 31-bit seed derived from the run seed and a name (never from global RNG order)."""
     return int(stable_hash([run_seed, *parts], n=8), 16) & 0x7FFFFFFF

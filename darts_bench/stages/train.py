@@ -14,6 +14,7 @@ per-sequence sums those intervals are computed from (``per_sequence``). Methods 
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import itertools
@@ -30,7 +31,7 @@ from darts_bench.collect.features import FeatureSet
 from darts_bench.evidence import RUN_N_BOOT
 from darts_bench.pool.checkpoint import lm_head_weight
 from darts_bench.rows import seed_tag, surgery_variants
-from darts_bench.stages import derive_seed
+from darts_bench.stages import KNOWN_STREAMS_MAX, derive_seed
 from darts_bench.surgery.diagnostics import entropy_contrast, gap_closed, position_slope
 from darts_bench.surgery.heads import save_head
 from darts_bench.surgery.train import split_by_sequence, train_head
@@ -338,7 +339,9 @@ def agnostic_diagnostics(cfg, feats: dict, merges: dict[str, Path], pool, tasks:
                     groups[kind] = {"none": "none", **{meth: f"{kind}/{meth}" for meth in kind_heads}}
                 res = diagnose_rows(heads, x["val"], fs.calib.meta, x["template"], ref_stream, x["ref_groups"],
                                     x["n_ref_excluded"], x["mean_h"], scfg.w_max, x["W_e"], x["W_m"], x["seed"],
-                                    device=cfg.device, groups=groups)
+                                    device=cfg.device, groups=groups,
+                                    known=known_streams(fs, ref_fs, merges[m], pool.path(tasks[name][0].expert),
+                                                        x["va_seq"], cfg.device))
                 for d in res.values():
                     d.update({"n_heldout": len(x["va_seq"]), "held_out_sequences": x["va_seq"]})
                 (tmp / "diagnostics.json").write_text(json.dumps(res))
@@ -423,6 +426,28 @@ def train_shared(cfg, feats: dict, merges: dict[str, Path], pool, tasks: dict, v
     return out
 
 
+_known_streams: "collections.OrderedDict[str, dict]" = collections.OrderedDict()
+
+
+def known_streams(fs: FeatureSet, ref_fs: FeatureSet, merge_dir: Path, expert_dir: Path, held_out: list[int],
+                  device: str) -> dict:
+    """The ``known`` dict of :func:`diagnose_rows` for one (merge, task, split, head seed)'s held-out and
+    reference tokens, kept in this process across the train stage's artifacts that diagnose them (the
+    methods' heads, the matched control, the task-agnostic rows: each would otherwise recompute the plain
+    merge's row and the KL floor, three ``[tokens, d] x [d, V]`` matmuls per block between them).
+    Keyed by both feature sets' keys (which fix the merge, the expert and the calibration and
+    reference sequences), the two model dirs, the held-out sequences and the device; at most
+    :data:`~darts_bench.stages.KNOWN_STREAMS_MAX` streams are kept, the least recently used dropped first
+    (per-token float32 values only: four per token and stream)."""
+    key = stable_hash({"features": fs.key, "reference": ref_fs.key, "merge": str(merge_dir),
+                       "expert": str(expert_dir), "held_out": list(held_out), "device": str(device)})
+    entry = _known_streams.pop(key, None)
+    _known_streams[key] = entry = {} if entry is None else entry
+    while len(_known_streams) > KNOWN_STREAMS_MAX:
+        _known_streams.popitem(last=False)
+    return entry
+
+
 def _trends(pos: np.ndarray, l1: np.ndarray, entropy: np.ndarray, groups: np.ndarray, seed: int) -> dict:
     """Position slope (with ``n_sequences``) and entropy-quartile contrast of per-token L1 on one
     token set (all ``[n]``), sequence-bootstrap CIs; None for both on an empty set."""
@@ -443,7 +468,8 @@ def _leading_run(positions: list[int]) -> int:
 
 def diagnose_rows(heads: dict[str, Any], val, meta: dict, template: dict[int, int], ref_stream,
                   ref_groups: np.ndarray, n_ref_excluded: int, mean_h: float, w_max: float, W_e, W_m, seed: int,
-                  device: str = "cpu", groups: dict[str, dict[str, str]] | None = None) -> dict:
+                  device: str = "cpu", groups: dict[str, dict[str, str]] | None = None,
+                  known: dict | None = None) -> dict:
     """The diagnostics of ``heads`` (row -> head, ``none`` -> None first) on one calibration set's
     held-out tokens and on the reference answers, each head run once over each token stream.
 
@@ -461,6 +487,10 @@ def diagnose_rows(heads: dict[str, Any], val, meta: dict, template: dict[int, in
             with ``"none": "none"``; the result is then ``{group: <the dict below for those rows>}``,
             the same values as one call per group (each row's signals are its own; the pass over the
             tokens, the expert's distribution and the KL floor are shared by all groups).
+        known: a dict the caller keeps for these two token streams (one (merge, task, split, head
+            seed): :func:`known_streams`), read and filled under ``"val"`` / ``"reference"`` with
+            :attr:`~darts_bench.surgery.diagnostics.Diagnostics.known`: a later call over the same
+            streams does not compute the plain merge's row and the KL floor again (same values).
     Returns:
         per row the signals on all held-out tokens, ``gen`` / ``prompt`` (the
         :func:`~darts_bench.surgery.data.position_sets`) and ``reference`` (per-position
@@ -477,8 +507,9 @@ def diagnose_rows(heads: dict[str, Any], val, meta: dict, template: dict[int, in
     val_pos, val_seq = val.positions, val.seq_index
     masks = position_sets(val_pos, val_seq, meta, template)  # [N] bool per set over the held-out tokens
     pos_np, seq_np, ent_np = val_pos.numpy(), val_seq.numpy(), val.weight_source.float().numpy()
-    diag_val = Diagnostics(lambda: val.batches(8192), mean_h, w_max, W_e, W_m, device=device)
-    diag_ref = Diagnostics(ref_stream, mean_h, w_max, W_e, W_m, device=device)
+    known = {} if known is None else known
+    diag_val = Diagnostics(lambda: val.batches(8192), mean_h, w_max, W_e, W_m, device=device, known=known.get("val"))
+    diag_ref = Diagnostics(ref_stream, mean_h, w_max, W_e, W_m, device=device, known=known.get("reference"))
     keys = ("l1", "kl", "agree", "floor")
     per_token: dict[str, dict] = {}  # row -> per-token L1 / KL / agreement / floor on the held-out tokens
     per_token_ref: dict[str, dict] = {}  # the same on the reference-answer tokens
@@ -495,6 +526,9 @@ def diagnose_rows(heads: dict[str, Any], val, meta: dict, template: dict[int, in
         d["reference"] = {k: r[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor", "n_tokens")}
         per_token_ref[row] = {k: np.asarray(r[f"per_token_{k}"]) for k in keys}
         rows[row] = d
+    for name, diag in (("val", diag_val), ("reference", diag_ref)):
+        if diag.known is not None:
+            known[name] = diag.known
     if len(ref_groups) != len(per_token_ref["none"]["kl"]):
         raise RuntimeError(f"{len(ref_groups)} reference-answer tokens in the features, "
                            f"{len(per_token_ref['none']['kl'])} in the diagnostics stream")
@@ -620,7 +654,8 @@ def train_and_diagnose(cfg, out: Path, fs: FeatureSet, merge_dir: Path, expert_d
         trained[method] = res.head
     try:
         d = diagnose_rows({"none": None, **trained}, val, calib.meta, template, ref_stream, ref_groups,
-                          n_ref_excluded, mean_h, scfg.w_max, W_e, W_m, seed, device=cfg.device)
+                          n_ref_excluded, mean_h, scfg.w_max, W_e, W_m, seed, device=cfg.device,
+                          known=known_streams(fs, ref_fs, merge_dir, expert_dir, va_seq, cfg.device))
     except RuntimeError as e:
         raise RuntimeError(f"{m}/{name}: {e}") from e
     diags = {"none": d.pop("none"), "n_train_tokens": len(train_), "train_sequences": tr_seq,

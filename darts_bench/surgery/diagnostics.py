@@ -34,6 +34,7 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
+from darts_bench.controls import factored_logits_pay
 from darts_bench.report.stats import sequence_bootstrap
 from darts_bench.surgery.heads import CorrectionHead
 from darts_bench.surgery.losses import ENTROPY_ROWS, LOGIT_ROWS, entropy_weights, row_blocks, token_l1
@@ -108,45 +109,75 @@ class HeadLogits:
     arithmetic; in float32 the logits differ from ``W @ out`` by rounding only (tested on random
     heads and features: per-token KL within 1e-6 relative, agreements equal).
 
+    A head chosen per sequence (the ``@routed`` rows' :func:`~darts_bench.surgery.routing.sequence_routed_head`)
+    is factored too when every head it routes to is: each token's logits come from its routed head's
+    factors (``head.which(seq_index)``).
+
     Args:
-        head: the head (float32 parameters on the matmuls' device).
+        head: the head (float32 parameters on the matmuls' device), or a routed head whose ``heads``
+            all :meth:`pays`.
         W: ``[V, d]`` float32 ``lm_head`` weights of the merged model.
 
     Use :meth:`pays` first: at ``r`` near ``d`` (the parameter-matched Surgery control) the
     factored form saves nothing.
     """
 
-    def __init__(self, head: CorrectionHead, W: torch.Tensor):
+    def __init__(self, head, W: torch.Tensor):
         self.head = head
-        self.D = head.down.weight.detach().float()  # [r, d]
-        self.WU = W @ head.up.weight.detach().float()  # [V, r]
+        self.routed = bool(getattr(head, "per_sequence", False))
+        # per head routed to (one for a plain head): (head, D [r, d], W U [V, r])
+        self.parts = [(h, h.down.weight.detach().float(), W @ h.up.weight.detach().float())
+                      for h in (head.heads if self.routed else [head])]
         self.W = W
 
     @staticmethod
     def pays(head, d_model: int) -> bool:
-        """Whether ``head`` is a plain :class:`CorrectionHead` (not a per-sequence router) of rank
-        below ``d_model / 4`` in float32, for which the factored logits are much cheaper."""
-        return (type(head) is CorrectionHead and head.cfg.rank * 4 < d_model
+        """Whether ``head`` is a :class:`CorrectionHead` of rank below ``d_model / 4`` in float32
+        (the factored logits are then much cheaper), or a routed head (``per_sequence``, with
+        ``heads`` and ``which``) whose every head is."""
+        if getattr(head, "per_sequence", False):
+            return hasattr(head, "which") and all(HeadLogits.pays(h, d_model) for h in getattr(head, "heads", []))
+        return (type(head) is CorrectionHead and factored_logits_pay(head.cfg.rank, d_model)
                 and head.down.weight.dtype == torch.float32)
 
-    @torch.no_grad()
-    def logits(self, plain: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """``[n, V]`` float32 logits of the head on ``h`` (``[n, d]`` float32 merged hidden states;
-        ``plain`` = ``h @ W.T``, ``[n, V]``; ``positions`` ``[n]`` int64), written into ``out``
-        (``[n, V]``, reused by the caller) when given."""
-        z = torch.relu(h @ self.D.T)  # [n, r]
+    def _one(self, k: int, plain: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
+             out: torch.Tensor | None) -> torch.Tensor:
+        head, D, WU = self.parts[k]
+        z = torch.relu(h @ D.T)  # [n, r]
         if out is None:
             out = torch.empty_like(plain)
-        torch.addmm(plain, z, self.WU.T, alpha=-1, out=out)
-        if self.head.pos_bias is not None:
-            idx, keep = self.head.bias_index(positions.to(h.device))
+        torch.addmm(plain, z, WU.T, alpha=-1, out=out)
+        if head.pos_bias is not None:
+            idx, keep = head.bias_index(positions.to(h.device))
             rows, inv = torch.unique(idx, return_inverse=True)
-            wb = self.head.pos_bias[rows].float() @ self.W.T  # [distinct positions, V]
-            if self.head.cfg.overflow == "zero":
+            wb = head.pos_bias[rows].float() @ self.W.T  # [distinct positions, V]
+            if head.cfg.overflow == "zero":
                 wb = torch.cat([wb, torch.zeros_like(wb[:1])])  # a zero row for the positions without bias
                 inv = torch.where(keep > 0, inv, len(rows))
             out.add_(wb[inv])
+        return out
+
+    @torch.no_grad()
+    def logits(self, plain: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,
+               out: torch.Tensor | None = None, seq_index: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, V]`` float32 logits of the head on ``h`` (``[n, d]`` float32 merged hidden states;
+        ``plain`` = ``h @ W.T``, ``[n, V]``; ``positions`` ``[n]`` int64), written into ``out``
+        (``[n, V]``, reused by the caller) when given. A routed head needs ``seq_index`` (``[n]``
+        int64: each token's sequence).
+
+        Raises:
+            ValueError: a routed head without ``seq_index``.
+        """
+        if not self.routed:
+            return self._one(0, plain, h, positions, out)
+        if seq_index is None:
+            raise ValueError("HeadLogits.logits: a routed head needs each token's seq_index")
+        if out is None:
+            out = torch.empty_like(plain)
+        which = self.head.which(seq_index).to(h.device)
+        for k in which.unique().tolist():
+            idx = (which == k).nonzero()[:, 0]
+            out[idx] = self._one(k, plain[idx], h[idx], positions[idx], None)
         return out
 
 
@@ -202,6 +233,12 @@ class Diagnostics:
     call (per token) and reused by every later call. :meth:`many` diagnoses several heads in one
     pass over the stream.
 
+    Another object over the same stream (the train stage's matched-control and task-agnostic rows
+    read the token sets of a (merge, task, split) again) takes the first one's :attr:`known`: the
+    per-token KL floor and the plain merge's per-token L1 / KL / agreement, which then are not
+    computed again (bitwise the values a new pass computes: the same operations on the same blocks,
+    ``tests/test_surgery_diagnostics.py``).
+
     Args:
         batches: re-iterable source of batches (``h_merged``, ``h_expert`` ``[n, d]`` float32,
             ``positions`` ``[n]`` int64, ``weight_source`` ``[n]`` nats).
@@ -212,19 +249,34 @@ class Diagnostics:
         factored: low-rank heads' logits from the plain merge's (:class:`HeadLogits`; default);
             False: ``lm_head`` on every head's output (the reference ``benchmarks/bench_diagnostics.py``
             compares against).
+        known: :attr:`known` of an earlier object over the same stream, batches and ``lm_head`` weights
+            (the caller keys it; a stream of another length raises ``ValueError`` on the first call).
     """
 
     def __init__(self, batches: Callable[[], Iterable], mean_h: float, w_max: float, lm_head_expert: torch.Tensor,
                  lm_head_merged: torch.Tensor, device: str | torch.device = "cpu", batch_tokens: int = 2048,
-                 factored: bool = True):
+                 factored: bool = True, known: dict | None = None):
         self.batches, self.mean_h, self.w_max, self.factored = batches, mean_h, w_max, factored
         self.device = torch.device(device)
         self.W_e = lm_head_expert.to(self.device, torch.float32)
         self.W_m = lm_head_merged.to(self.device, torch.float32)
         self.batch_tokens = batch_tokens
         self._floor: torch.Tensor | None = None  # [N] per-token KL floor (nats), cpu
+        self._plain: dict[str, torch.Tensor] | None = None  # the plain merge's per-token l1 / kl / agree, [N] cpu
+        if known is not None:
+            self._floor, self._plain = known["floor"], known["plain"]
         self._bufs: list[torch.Tensor] | None = None  # see _buffers
         self.floor_computations = 0  # how often the floor was computed (1 after any number of calls)
+        self.plain_computations = 0  # how often the plain merge's row was computed
+
+    @property
+    def known(self) -> dict | None:
+        """``{"floor": [N], "plain": {"l1", "kl", "agree": [N]}}`` (cpu float32) once a call has
+        diagnosed the plain merge (``None``) on this stream, else None: another object over the same
+        stream takes it as ``known``."""
+        if self._floor is None or self._plain is None:
+            return None
+        return {"floor": self._floor, "plain": self._plain}
 
     def _buffers(self, n: int) -> list[torch.Tensor]:
         """Five ``[n, V]`` float32 views of buffers kept across blocks and calls (expert logits,
@@ -262,21 +314,36 @@ class Diagnostics:
         holds ``d[name]``, the :func:`summarize` of those tokens only (no further pass). Each dict also holds the per-token
         lists ``per_token_l1`` / ``per_token_kl`` (nats) / ``per_token_agree`` (0/1) /
         ``per_token_floor`` (nats), in stream order, for slopes, entropy contrasts and
-        sequence-level intervals."""
+        sequence-level intervals.
+
+        Raises:
+            ValueError: the stream's length differs from an earlier call's (or from ``known``'s), or a
+                mask's length from the stream's.
+        """
         heads = [self._on_device(h) for h in heads]
         d_model = self.W_m.shape[1]
-        fac = [HeadLogits(h, self.W_m) if self.factored and HeadLogits.pays(h, d_model) else None for h in heads]
+        fac = [HeadLogits(h, self.W_m) if self.factored and h is not None and HeadLogits.pays(h, d_model) else None
+               for h in heads]
         need_floor = self._floor is None
+        # the rows this pass computes: every head, and the plain merge unless it is known
+        todo = [h is not None or self._plain is None for h in heads]
         per = [{"l1": [], "kl": [], "agree": []} for _ in heads]
         floors, poss, ents = [], [], []
         for b in self.batches():
             for s in range(0, len(b), self.batch_tokens):
                 hm = b.h_merged[s:s + self.batch_tokens].to(self.device, torch.float32)
-                he = b.h_expert[s:s + self.batch_tokens].to(self.device, torch.float32)
                 pos = b.positions[s:s + self.batch_tokens]
                 seq = b.seq_index[s:s + self.batch_tokens]
+                poss.append(pos)
+                ents.append(b.weight_source[s:s + self.batch_tokens])
+                if not (need_floor or any(todo)):
+                    continue
+                he = b.h_expert[s:s + self.batch_tokens].to(self.device, torch.float32)
                 outs = []
-                for head, acc in zip(heads, per):
+                for head, acc, t in zip(heads, per, todo):
+                    if not t:
+                        outs.append(None)
+                        continue
                     if head is None:
                         out = hm
                     elif getattr(head, "per_sequence", False):  # a head chosen per sequence (SequenceRoutedHead)
@@ -292,31 +359,39 @@ class Diagnostics:
                     bufs = self._buffers(e - r)
                     expert = ExpertDistribution(torch.mm(he[r:e], self.W_e.T, out=bufs[0]), buffers=bufs[2:4])
                     plain = None
-                    for head, out, acc, f in zip(heads, outs, per, fac):
+                    for head, out, acc, f, t in zip(heads, outs, per, fac, todo):
+                        if not t:
+                            continue
                         if f is None and head is not None:
                             logits = torch.mm(out[r:e], self.W_m.T, out=bufs[1])
                         else:
                             if plain is None:
                                 plain = torch.mm(hm[r:e], self.W_m.T, out=bufs[4])
-                            logits = plain if f is None else f.logits(plain, hm[r:e], dev_pos[r:e], out=bufs[1])
+                            logits = plain if f is None else f.logits(plain, hm[r:e], dev_pos[r:e], out=bufs[1],
+                                                                      seq_index=seq[r:e])
                         kl, ag = expert.compare(logits)
                         acc["kl"].append(kl.cpu())
                         acc["agree"].append(ag.cpu())
                     if need_floor:
                         floors.append(expert.kl(torch.mm(he[r:e], self.W_m.T, out=bufs[1])).cpu())
                     del expert
-                poss.append(pos)
-                ents.append(b.weight_source[s:s + self.batch_tokens])
+        positions, entropy = torch.cat(poss), torch.cat(ents).float()
         if need_floor:
             self._floor = torch.cat(floors)
             self.floor_computations += 1
-        positions, entropy = torch.cat(poss), torch.cat(ents).float()
         if self._floor.shape != positions.shape:
             raise ValueError(f"token stream changed between calls: {positions.numel()} tokens vs {self._floor.numel()}")
+        rows = []
+        for head, acc, t in zip(heads, per, todo):
+            row = {k: torch.cat(v) for k, v in acc.items()} if t else self._plain
+            if head is None and t:
+                self._plain = row
+                self.plain_computations += 1
+            rows.append(row)
         w = entropy_weights(entropy, self.mean_h, self.w_max)
         out = []
-        for acc in per:
-            l1, kl, agree = torch.cat(acc["l1"]), torch.cat(acc["kl"]), torch.cat(acc["agree"])
+        for row in rows:
+            l1, kl, agree = row["l1"], row["kl"], row["agree"]
             d = summarize(l1, kl, agree, self._floor, positions, entropy, w)
             for name, mask in (masks or {}).items():
                 if mask.shape != positions.shape:

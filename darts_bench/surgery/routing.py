@@ -210,8 +210,13 @@ def sequence_routed_head(heads: dict, seq_task: dict[int, str]):
             self.heads = nn.ModuleList([heads[t] for t in classes])
             self.seq_task = {int(k): classes.index(v) for k, v in seq_task.items()}
 
+        def which(self, seq_index):
+            """``[n]`` int64: the index into ``self.heads`` of each token's routed head (``seq_index``
+            ``[n]`` int64)."""
+            return torch.tensor([self.seq_task[int(i)] for i in seq_index.tolist()], device=seq_index.device)
+
         def forward(self, h, positions, seq_index):
-            which = torch.tensor([self.seq_task[int(i)] for i in seq_index.tolist()], device=h.device)
+            which = self.which(seq_index).to(h.device)
             out = h.clone()
             for k in which.unique().tolist():
                 idx = (which == k).nonzero()[:, 0]
