@@ -18,6 +18,18 @@ Figures: ``diagnostics_factored`` = {ratio: lm_head per head / factored (median 
 max_rel_kl: the largest relative difference of a per-token KL, agree_identical: per-token top-1
 agreements equal out of n, n}.
 
+Second workload (``--no-stage`` skips it): the three ``Diagnostics.many`` calls the train stage makes
+over one (merge, task, split)'s tokens: the methods' heads (plain, Surgery, DARTS), the matched control
+(plain, the rank d + 32 head) and the task-agnostic rows (plain, a routed Surgery and a routed DARTS head,
+each made of three random task heads, a shared Surgery and a shared DARTS head). One timed unit is the
+three calls:
+
+  every call on its own   each call computes the plain merge's row and the KL floor again
+  known streams           the later two calls take the first one's ``Diagnostics.known``
+
+Figure ``diagnostics_known_streams`` = {ratio: every call on its own / known streams (median wall per
+unit), identical: rows whose per-token L1 / KL / agreement / floor lists are equal, n: rows}.
+
     .venv/bin/python benchmarks/bench_diagnostics.py [--tier smollm2-135m] [--tokens 2048]
 """
 
@@ -38,6 +50,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--matched", action="store_true", help="also diagnose the rank d + 32 Surgery control")
+    ap.add_argument("--no-stage", action="store_true", help="skip the train stage's three-call workload")
     args = ap.parse_args()
     threads = common.set_threads(args.threads)
     repeats = args.repeats or 3
@@ -81,11 +94,59 @@ def main() -> None:
                        [[p, common.spread(tm.per_round(p)), common.spread(tm.per_round(p, "cpu"))] for p in tm.wall]))
     print(f"lm_head per head / factored: {ratio:.2f}x wall ({cpu_ratio:.2f}x cpu); per-token KL max relative "
           f"difference {kl_rel:.2e}; top-1 agreement identical {agree_same}/{total}")
-    common.summary("diagnostics",
-                   f"{len(heads)} rows' held-out diagnostics ({args.tier} shapes, {n} tokens): lm_head per head / "
-                   f"factored {ratio:.2f}x (KL within {kl_rel:.1e} relative, {agree_same}/{total} agreements equal)",
-                   diagnostics_factored={"ratio": round(ratio, 3), "cpu_ratio": round(cpu_ratio, 3),
-                                         "max_rel_kl": kl_rel, "agree_identical": agree_same, "n": total})
+    text = (f"{len(heads)} rows' held-out diagnostics ({args.tier} shapes, {n} tokens): lm_head per head / "
+            f"factored {ratio:.2f}x (KL within {kl_rel:.1e} relative, {agree_same}/{total} agreements equal)")
+    figures = {"diagnostics_factored": {"ratio": round(ratio, 3), "cpu_ratio": round(cpu_ratio, 3),
+                                        "max_rel_kl": kl_rel, "agree_identical": agree_same, "n": total}}
+    if not args.no_stage:
+        fig = stage_calls(data, heads[1:3], W_e, W_m, d, g, repeats)
+        figures["diagnostics_known_streams"] = fig
+        text += (f"; the train stage's three calls over those tokens, each on its own / with known streams "
+                 f"{fig['ratio']:.2f}x ({fig['identical']}/{fig['n']} rows identical)")
+    common.summary("diagnostics", text, **figures)
+
+
+def stage_calls(data, pair, W_e, W_m, d: int, g: torch.Generator, repeats: int) -> dict:
+    """The train stage's three calls over one token set, with and without ``known`` (module docstring)."""
+    from darts_bench.surgery.routing import sequence_routed_head
+
+    def rand_head(method, rank, seed):
+        h = build_head(method, d, rank=rank, max_len=512, seed=seed)
+        with torch.no_grad():
+            h.up.weight.copy_(torch.randn(h.up.weight.shape, generator=g) * 0.05)
+            if h.pos_bias is not None:
+                h.pos_bias.copy_(torch.randn(h.pos_bias.shape, generator=g) * 0.05)
+        return h
+
+    n_seq = int(data.seq_index.max()) + 1
+    seq_task = {i: ("code", "math", "chat")[i % 3] for i in range(n_seq)}
+    routed = [sequence_routed_head({t: rand_head(m, 16, 10 + 3 * k + j) for j, t in enumerate(("code", "math", "chat"))},
+                                   seq_task) for k, m in enumerate(("surgery", "darts"))]
+    calls = [[None, *pair], [None, rand_head("surgery", d + 32, 20)],
+             [None, *routed, rand_head("surgery", 16, 21), rand_head("darts", 16, 22)]]
+    res: dict[bool, list] = {}
+
+    def run(reuse: bool):
+        def fn(u):
+            known, out = None, []
+            for hs in calls:
+                diag = Diagnostics(lambda: [data], 1.0, 5.0, W_e, W_m, known=known)
+                out += diag.many(hs)
+                known = diag.known if reuse else None
+            res[reuse] = out
+        return fn
+
+    tm = common.interleave({"every call on its own": run(False), "known streams": run(True)}, repeats=repeats,
+                           warmup=1)
+    keys = ("per_token_l1", "per_token_kl", "per_token_agree", "per_token_floor")
+    same = sum(all(a[k] == b[k] for k in keys) for a, b in zip(res[False], res[True]))
+    ratio = tm.ratio("every call on its own", "known streams")
+    print(f"\nthe train stage's three calls (methods {len(calls[0])} rows, matched control 2, task-agnostic "
+          f"{len(calls[2])}), {len(data)} tokens:")
+    print(common.table(["path", "wall s per unit", "cpu s per unit"],
+                       [[p, common.spread(tm.per_round(p)), common.spread(tm.per_round(p, "cpu"))] for p in tm.wall]))
+    print(f"every call on its own / known streams: {ratio:.2f}x wall; rows identical {same}/{len(res[True])}")
+    return {"ratio": round(ratio, 3), "identical": same, "n": len(res[True])}
 
 
 if __name__ == "__main__":
