@@ -601,39 +601,56 @@ def test_merge_line_counts_regmean_forwards_and_fp64_work():
 
 
 def test_train_line_counts_the_diagnostics():
-    """The train stage's time counts the diagnostics as lm_head matmuls ([d] x [d, V], 2 d V FLOPs per
-    token) at the vocabulary rate: per diagnose_rows call (held-out + reference-answer tokens) x (rows + 2)
-    (the expert's logits, each row's, the KL floor), once with the methods' heads, once per matched
-    control (rows none + its head) and once per task-agnostic kind (routed, shared); it grows with
-    ``surgery.task_agnostic`` and scales with 1 / THROUGHPUT["cpu"]["vocab"]."""
+    """The train stage's time counts the diagnostics as lm_head matmuls ([d] x [d, V], 2 d V FLOPs per token)
+    at the vocabulary rate and passes over the vocabulary (V elements per token) at the pass rate, per
+    diagnose_rows call over held-out + reference-answer tokens: the methods' call computes the expert's
+    logits, the plain merge's (also the base of the factored rank-16 heads) and the KL floor (3 matmuls; 3 +
+    2 passes); the matched control's call reuses the plain row and floor (the expert's and its own rank-608
+    logits: 2 matmuls, 2 passes); the task-agnostic call scores both kinds' factored heads on the plain
+    logits (2 matmuls, 1 + 4 passes). Without the reuse (more streams than KNOWN_STREAMS_MAX) the later
+    calls pay the plain row and floor again; a rank that is not factored pays a matmul per head."""
+    from darts_bench import stages as stages_pkg
     from darts_bench.plan import resources
 
     def train(*sets):
         return make_plan(load_config("smollm2-135m", list(sets)))["stages"]["train"]
     cfg = load_config("smollm2-135m")
     plan = make_plan(cfg)
-    d, V = 576, 49152
-    M, rows = len(cfg.merges), 1 + len(cfg.surgery.methods)
+    d, V, r = 576, 49152, cfg.surgery.rank
+    M, meth = len(cfg.merges), len(cfg.surgery.methods)
     n = sum(round(c["tokens"] * cfg.calibration.held_out_fraction)
             + plan["tasks"][k.split("/")[0]]["n_examples"] * plan["tasks"][k.split("/")[0]]["reference_tokens_est"]
             for k, c in plan["stages"]["collect"]["calibration"].items() if not k.endswith("/reference"))
     off, shared, both = (train("surgery.task_agnostic=[]"), train("surgery.task_agnostic=[shared]"),
                          train("surgery.task_agnostic=[routed,shared]"))
-    assert off["diagnostics_flops"] == M * n * ((rows + 2) + (2 + 2)) * 2 * d * V  # methods + the matched control
-    assert shared["diagnostics_flops"] - off["diagnostics_flops"] == M * n * (rows + 2) * 2 * d * V
-    assert both["diagnostics_flops"] - shared["diagnostics_flops"] == M * n * (rows + 2) * 2 * d * V
-    assert both["diagnostics_tokens"] == 4 * M * n
+    assert off["diagnostics_matmuls"] == M * n * (3 + 2)  # methods (expert, plain, floor) + the control
+    assert off["diagnostics_passes"] == M * n * ((3 + meth) + 2)
+    assert off["diagnostics_flops"] == M * n * ((3 + 2) * 2 * d + meth * 2 * r) * V
+    assert shared["diagnostics_matmuls"] - off["diagnostics_matmuls"] == M * n * 2  # expert + plain
+    assert shared["diagnostics_passes"] - off["diagnostics_passes"] == M * n * (1 + meth)
+    assert both["diagnostics_passes"] - off["diagnostics_passes"] == M * n * (1 + 2 * meth)  # one call for both kinds
+    assert both["diagnostics_matmuls"] == shared["diagnostics_matmuls"]
+    assert both["diagnostics_tokens"] == 3 * M * n
     assert off["seconds"] < shared["seconds"] < both["seconds"]
     assert both["seconds"] == pytest.approx(both["diagnostics_seconds"] + both["head_seconds"])
-    assert both["diagnostics_seconds"] == pytest.approx(both["diagnostics_flops"] / resources.THROUGHPUT["cpu"]["vocab"])
-    # the diagnostics are most of the smollm2-135m train stage (measured 1,436 s: results/smollm2-135m/TIMINGS.md)
-    assert both["diagnostics_seconds"] > 3 * both["head_seconds"]
-    # the vocabulary rate is the one constant to re-set from a new measurement
-    rates = {**resources.THROUGHPUT["cpu"], "vocab": 2 * resources.THROUGHPUT["cpu"]["vocab"]}
+    t = resources.THROUGHPUT["cpu"]
+    assert both["diagnostics_seconds"] == pytest.approx(both["diagnostics_flops"] / t["vocab"]
+                                                        + both["diagnostics_passes"] * V / t["vocab_pass"])
+    # the rates are the constants to re-set from a new measurement
     with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(resources.THROUGHPUT, "cpu", rates)
+        mp.setitem(resources.THROUGHPUT, "cpu", {**t, "vocab": 2 * t["vocab"], "vocab_pass": 2 * t["vocab_pass"]})
         faster = train()
     assert faster["diagnostics_seconds"] == pytest.approx(both["diagnostics_seconds"] / 2)
     assert faster["head_seconds"] == pytest.approx(both["head_seconds"])
+    # more streams than the train stage keeps: the control's and the task-agnostic call recompute the plain
+    # row and the floor
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stages_pkg, "KNOWN_STREAMS_MAX", 1)
+        kept_none = train()
+    assert kept_none["diagnostics_matmuls"] - both["diagnostics_matmuls"] == M * n * (2 + 1)
+    assert kept_none["diagnostics_passes"] - both["diagnostics_passes"] == M * n * (2 + 2)
+    # rank 200 on d 576 is not factored: a matmul per method head in the methods' and task-agnostic calls
+    wide = train("surgery.rank=200")
+    assert wide["diagnostics_matmuls"] - both["diagnostics_matmuls"] == M * n * (meth + 2 * meth - 1)
     # the KL weight source adds two matmuls per token of every loaded split and reference pass
     assert train("surgery.entropy_source=kl")["diagnostics_flops"] > both["diagnostics_flops"]

@@ -67,12 +67,12 @@ PROCESS_BASELINE = {"pool": 0.455e9, "merge": 0.445e9, "collect": 0.41e9, "train
 _SMOL = 134_515_008
 THROUGHPUT = {
     "cpu": {"forward": 600 * 2 * _SMOL, "decode": 68 * 2 * _SMOL, "train": 180 * 6 * _SMOL,
-            # vocab, head_step_s: least squares over the 40 train-stage lines of results/smollm2-135m/TIMINGS.md
-            # (12 "train heads", 12 "[rank=matched]", 4 "train shared heads", 12 "diagnose task-agnostic rows"),
-            # each line's held-out + reference-answer tokens and steps from that run's results.json: 60.4 GFLOP/s
-            # and 3.75 ms per step (the 12 task-agnostic lines alone, no training in them: 62.0 GFLOP/s). The
-            # w_max check (results/smollm2-135m-wmax, 36 lines) ran at 0.74x of what these predict.
-            "vocab": 60e9, "head_step_s": 3.75e-3,
+            # vocab: the fp32 matmul rate of these cores (~95 GFLOP/s, benchmarks/bench_collect.py); vocab_pass,
+            # head_step_s: least squares over the 40 train-stage lines of run 4 (results/smollm2-135m/TIMINGS.md,
+            # 2026-12-03: known streams, factored routed heads; `python scripts/fit_train_rates.py LOG --vocab 95e9`,
+            # the per-line table there): 250 M elements/s and 2.16 ms per step, 596 s fitted for 592 s measured.
+            # (The reference run's older code, one matmul per row, was fitted at 60 GFLOP/s of matmuls alone.)
+            "vocab": 95e9, "vocab_pass": 2.5e8, "head_step_s": 2.16e-3,
             # fp64: RegMean 138.8 s (TIMINGS.md; 19,379 prompt tokens) less its forwards at the forward rate and
             # its loads = 103.8 s for 5.85 TFLOP of fp64 work: 56 GFLOP/s (the 2026-12-02 rerun, 26,906
             # tokens, 201.5 s: 51 GFLOP/s)
@@ -84,14 +84,14 @@ THROUGHPUT = {
             # RECOMBINE_BACKWARD with the backward
             "recombine": 4.0e8,
             "source": "SmolLM2-135M on 2 CPU cores (LAB-NOTES): forward 600 tok/s, generation 68 tok/s at batch 8, "
-                      "training 180 tok/s; taken as FLOP/s; diagnostics 60 GFLOP/s of lm_head matmuls, RegMean fp64 "
-                      "55 GFLOP/s, AdaMerging recombination 4e8 elements/s, 3.75 ms per head step (fitted to "
-                      "results/smollm2-135m/TIMINGS.md)"},
+                      "training 180 tok/s; taken as FLOP/s; diagnostics 95 GFLOP/s of lm_head matmuls and 250 M "
+                      "elements/s of passes over the vocabulary, RegMean fp64 55 GFLOP/s, AdaMerging recombination "
+                      "4e8 elements/s, 2.16 ms per head step (fitted to results/smollm2-135m/TIMINGS.md)"},
     "cuda": {"forward": 0.4 * 312e12, "decode_bw": 1.5e12, "step_s_per_layer": 0.025 / 32, "train": 0.4 * 312e12,
              # assumed: the passes over V are small beside the d x V matmul at 7B widths; fp64 Grams as fp32
              # diagnostics (A100 fp64 tensor cores: 19.5 TFLOP/s peak); recombination bound by reading and writing
              # ~20 B per task-vector element at 1.5 TB/s; 1 ms per eager Adam step of a small head
-             "vocab": 10e12, "fp64": 10e12, "recombine": 1.5e12 / 20, "head_step_s": 1e-3,
+             "vocab": 10e12, "vocab_pass": 1e11, "fp64": 10e12, "recombine": 1.5e12 / 20, "head_step_s": 1e-3,
              "source": "assumed GPU: bf16 at 40% of 312 TFLOP/s; a decoding step reads the weights once at "
                        "1.5 TB/s but takes at least 25 ms per 32 layers (HF generate, eager); fp32 diagnostics "
                        "at 10 TFLOP/s"},

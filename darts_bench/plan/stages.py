@@ -495,42 +495,69 @@ def collect(x: PlanInputs) -> dict[str, Any]:
 
 
 def diagnostics_work(x: PlanInputs) -> dict[str, Any]:
-    """The train stage's diagnostics, counted as lm_head matmuls over the vocabulary (the rate
-    ``THROUGHPUT[kind]["vocab"]`` carries the log-softmax / KL / argmax passes that go with each).
+    """The train stage's diagnostics: lm_head matmuls (``[d] x [d, V]`` per token, 2 d V FLOPs, at
+    ``THROUGHPUT[kind]["vocab"]``) and passes over the vocabulary (the expert's log-softmax, each scored
+    row's log-softmax, KL and argmax: V elements per token, at ``THROUGHPUT[kind]["vocab_pass"]``).
 
     :func:`darts_bench.stages.train.diagnose_rows` runs :meth:`darts_bench.surgery.diagnostics.Diagnostics.many`
-    over a (merge, task, split)'s held-out tokens and again over its task's reference-answer tokens; per
-    token one expert matmul, one per scored row (``none`` and each head) and one for the KL floor: rows + 2
-    matmuls of ``[d] x [d, V]``. It runs once per (merge, task, split, sweep variant, head seed) with the
-    methods' heads, once more per matched control (rows ``none`` and the control's head), and with
-    ``surgery.task_agnostic`` once per (merge, task, split, variant, seed) and kind (``routed``, ``shared``;
-    :func:`~darts_bench.stages.train.agnostic_diagnostics`, rows ``none`` and each method). With
-    ``surgery.entropy_source: kl`` each call adds two matmuls per token of its split and of its
-    references (the KL weight source; the second task-agnostic kind reuses the loaded split, so a slight
-    overcount). Held-out tokens are ``calibration.held_out_fraction`` of a set's tokens,
-    reference tokens ``n_examples x reference_tokens_est`` of the task.
+    over a (merge, task, split, head seed)'s held-out tokens and again over its task's reference-answer
+    tokens: once per sweep variant with the methods' heads, once more per matched control (its head) and,
+    with ``surgery.task_agnostic``, once for every kind's heads (``routed``, ``shared``:
+    :func:`~darts_bench.stages.train.agnostic_diagnostics`). Per token and call: the expert's logits (one
+    matmul, one pass) and each head's row (one pass; one matmul unless its logits are factored,
+    :func:`darts_bench.controls.factored_logits_pay`: the methods' heads at rank below ``d / 4``, and the routed
+    heads made of them; a factored head adds ``2 r V`` FLOPs and needs the plain merge's logits, one matmul per
+    call). The plain merge's row and the KL floor (two matmuls, two passes) are computed by the first call over
+    a stream and reused by the later ones (:func:`~darts_bench.stages.train.known_streams`) when the run's
+    streams fit in :data:`darts_bench.stages.KNOWN_STREAMS_MAX`. With ``surgery.entropy_source: kl`` each call
+    adds two matmuls per token of its split and of its references (the KL weight source). Held-out tokens are
+    ``calibration.held_out_fraction`` of a set's tokens, reference tokens ``n_examples x reference_tokens_est``
+    of the task.
 
-    Returns ``{"diagnostics_tokens"`` (tokens scored, summed over the calls), ``"diagnostics_matmuls"``
-    (token x matmul products), ``"diagnostics_flops"`` (FLOPs: 2 d V per token and matmul)``}``;
-    zeros without an architecture or heads.
+    Returns ``{"diagnostics_tokens"`` (tokens scored, summed over the calls), ``"diagnostics_matmuls"`` (token x
+    matmul products), ``"diagnostics_flops"`` (FLOPs: 2 d V per token and matmul, plus the factored heads'
+    2 r V), ``"diagnostics_passes"`` (token x pass products)``}``; zeros without an architecture or heads.
     """
+    from darts_bench.controls import factored_logits_pay
+    from darts_bench.stages import KNOWN_STREAMS_MAX
+
     cfg, cal, scfg = x.cfg, x.cfg.calibration, x.cfg.surgery
-    M, runs = len(cfg.merges), len(head_seeds(cfg)) * len(surgery_variants(cfg))
-    rows = 1 + len(scfg.methods)  # none + each method
+    M, seeds, n_var = len(cfg.merges), len(head_seeds(cfg)), len(surgery_variants(cfg))
+    d = x.arch["hidden_size"] if x.arch else 0
+    n_meth = len(scfg.methods)
     kinds = sum(k in scfg.task_agnostic for k in ("routed", "shared"))
-    calls = {"methods": (runs, rows), "controls": (runs * len(scfg.controls), 2), "agnostic": (runs * kinds, rows)}
-    tokens = matmuls = 0
+    fac = bool(d) and factored_logits_pay(scfg.rank, d)
+    n_streams = M * seeds * sum(1 for k in x.splits if not k.endswith("/reference"))
+    reuse = n_streams <= KNOWN_STREAMS_MAX
+
+    def call(heads: int, factored: bool, first: bool) -> tuple[int, int, int]:
+        """(matmuls, passes, factored heads) per token of one call scoring ``heads`` heads: the expert's
+        logits; on a first call the plain merge's and the floor's (the plain logits are the factored heads'
+        base too), else the plain logits only when factored heads need them; each unfactored head's."""
+        mm = 1 + (2 if first else int(factored)) + (0 if factored else heads)
+        return mm, 1 + (2 if first else 0) + heads, heads if factored else 0
+
+    # per stream: the first variant's methods call computes the plain row and floor; the rest reuse them
+    calls = [call(n_meth, fac, True)] + [call(n_meth, fac, not reuse)] * (n_var - 1)
+    calls += [call(1, False, not reuse)] * (n_var * len(scfg.controls))
+    if kinds:
+        calls += [call(kinds * n_meth, fac, not reuse)] * n_var
+    tokens = matmuls = passes = fac_heads = 0
     for key, c in x.splits.items():
         task = key.split("/", 1)[0]
         ti = x.tasks[task]
         n = round(c["tokens"] * cal.held_out_fraction) + ti["n_examples"] * ti["reference_tokens_est"]
-        for n_calls, n_rows in calls.values():
-            tokens += M * n_calls * n
-            matmuls += M * n_calls * n * (n_rows + 2)
+        for mm, ps, fh in calls:
+            tokens += M * seeds * n
+            matmuls += M * seeds * n * mm
+            passes += M * seeds * n * ps
+            fac_heads += M * seeds * n * fh
             if scfg.entropy_source == "kl":  # each call loads its split and streams the references again
-                matmuls += M * n_calls * 2 * (c["tokens"] + ti["n_examples"] * ti["reference_tokens_est"])
-    flops = matmuls * 2 * x.arch["hidden_size"] * x.arch["vocab_size"] if x.arch else 0
-    return {"diagnostics_tokens": tokens, "diagnostics_matmuls": matmuls, "diagnostics_flops": flops}
+                matmuls += M * seeds * 2 * (c["tokens"] + ti["n_examples"] * ti["reference_tokens_est"])
+    V = x.arch["vocab_size"] if x.arch else 0
+    flops = (matmuls * 2 * d + fac_heads * 2 * scfg.rank) * V
+    return {"diagnostics_tokens": tokens, "diagnostics_matmuls": matmuls, "diagnostics_flops": flops,
+            "diagnostics_passes": passes}
 
 
 def train(x: PlanInputs) -> dict[str, Any]:
@@ -540,8 +567,9 @@ def train(x: PlanInputs) -> dict[str, Any]:
     GPU on ``cuda``), the head with its Adam state and, with DeepSpeed, the split's float32 copy.
 
     Time (device seconds, ``seconds`` = ``diagnostics_seconds`` + ``head_seconds``): the diagnostics'
-    lm_head matmuls (:func:`diagnostics_work`: ``diagnostics_flops`` FLOPs at ``THROUGHPUT[kind]["vocab"]``,
-    which carries the passes over the vocabulary) and the heads' training: ``head_flops`` (6 x 2 d r FLOPs
+    lm_head matmuls and passes over the vocabulary (:func:`diagnostics_work`: ``diagnostics_flops`` FLOPs at
+    ``THROUGHPUT[kind]["vocab"]``, ``diagnostics_passes`` x V elements at ``THROUGHPUT[kind]["vocab_pass"]``)
+    and the heads' training: ``head_flops`` (6 x 2 d r FLOPs
     per trained token, the matched controls at their rank) at the ``train`` rate plus ``head_step_s`` per
     optimiser step (``steps``, the shared heads' included). The routers' fits (one least-squares-sized fit
     per (merge, split, seed), under a second each) are not counted."""
@@ -635,7 +663,7 @@ def train(x: PlanInputs) -> dict[str, Any]:
         head_flops += s["head_train_tokens"] * len(scfg.controls) / n_heads * 6 * 2 * d * (rank_c - scfg.rank)
     t = THROUGHPUT[kind]
     s["head_flops"] = head_flops
-    s["diagnostics_seconds"] = diag["diagnostics_flops"] / t["vocab"]
+    s["diagnostics_seconds"] = diag["diagnostics_flops"] / t["vocab"] + diag["diagnostics_passes"] * V / t["vocab_pass"]
     s["head_seconds"] = head_flops / t["train"] + steps * t["head_step_s"]
     s["seconds"] = s["diagnostics_seconds"] + s["head_seconds"]
     return _finish(s, kind)

@@ -1,0 +1,147 @@
+"""Fit the planner's train-stage rates to a measured train stage (issue "Every head of a merge in one pass").
+
+    python scripts/fit_train_rates.py RUN_LOG [--config smollm2-135m] [--set KEY=VALUE ...] [--vocab FLOP/s] [--markdown]
+
+Reads the ``built in`` lines of a run's log (``darts-bench train`` / ``run`` at INFO level: one line per
+artifact of the train stage, with its time and its directory) and, from each artifact's ``diagnostics.json``,
+the tokens it scored and trained on; the surgery settings come from the run's config (``--config`` /
+``--set`` as the run was given them), d and V from the planner's architecture of it. Per line it counts what :func:`darts_bench.plan.stages.diagnostics_work`
+and :func:`darts_bench.plan.stages.train` count for that artifact:
+
+* ``train heads <merge>/<task>/<split>`` (the methods' heads; the first call over its streams): per
+  held-out and reference-answer token 3 lm_head matmuls (expert, plain merge, KL floor; the rank-r heads are
+  factored: ``2 r V`` FLOPs each) and ``3 + heads`` passes over the vocabulary; each head's steps;
+* ``train heads ...[rank=matched]`` (the matched control; plain row and floor reused): 2 matmuls, 2 passes;
+* ``diagnose task-agnostic rows ...`` (plain row and floor reused; routed and shared heads factored):
+  2 matmuls and ``1 + kinds x methods`` passes;
+* ``train shared heads <merge>/<split>``: the shared heads' steps (no vocabulary work);
+
+and fits ``seconds = FLOPs / vocab + passes x V / vocab_pass + steps x head_step_s + head FLOPs / train``
+(``train`` fixed at ``THROUGHPUT["cpu"]["train"]``) by least squares over the lines. Prints the three rates
+and, with ``--markdown``, the per-line table (inputs, measured, fitted) for TIMINGS.md, so the fit can be
+recomputed from the table alone. Exit status 0; 2 when the log has no train-stage lines or an artifact's
+``diagnostics.json`` is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+LINE = re.compile(r"INFO (?P<what>train heads|train shared heads|diagnose task-agnostic rows) "
+                  r"(?P<name>\S+): built in (?P<s>[0-9.]+) s \((?P<dir>[^)]+)\)")
+
+
+def line_inputs(what: str, name: str, art: Path, cfg) -> dict:
+    """The counted work of one train-stage artifact (see the module docstring)."""
+    from darts_bench.controls import param_matched_rank
+
+    scfg = cfg["surgery"]
+    d, V, r, meth = cfg["d"], cfg["V"], scfg["rank"], len(scfg["methods"])
+    diag = json.loads((art / "diagnostics.json").read_text())
+    kinds = len(scfg.get("task_agnostic") or [])
+    epochs, bs = scfg["epochs"], scfg["batch_size"]
+    if what == "train shared heads":
+        steps = meth * epochs * math.ceil(diag["n_train_tokens"] / bs)
+        return {"kind": "shared", "tokens": 0, "matmuls": 0, "passes": 0, "factored": 0, "steps": steps,
+                "head_flops": steps * bs * 6 * 2 * d * r}
+    if what == "diagnose task-agnostic rows":
+        any_kind = next(iter(diag.values()))
+        n = any_kind["n_val_tokens"] + any_kind["n_reference_tokens"]
+        return {"kind": "agnostic", "tokens": n, "matmuls": 2 * n, "passes": (1 + kinds * meth) * n,
+                "factored": kinds * meth * n, "steps": 0, "head_flops": 0}
+    n = diag["n_val_tokens"] + diag["n_reference_tokens"]
+    if name.endswith("[rank=matched]"):
+        rank = param_matched_rank(d, r, scfg["max_len"], scfg.get("overflow", "clamp"))
+        steps = epochs * math.ceil(diag["n_train_tokens"] / bs)
+        return {"kind": "matched", "tokens": n, "matmuls": 2 * n, "passes": 2 * n, "factored": 0, "steps": steps,
+                "head_flops": steps * bs * 6 * 2 * d * rank}
+    steps = meth * epochs * math.ceil(diag["n_train_tokens"] / bs)
+    return {"kind": "methods", "tokens": n, "matmuls": 3 * n, "passes": (3 + meth) * n, "factored": meth * n,
+            "steps": steps, "head_flops": steps * bs * 6 * 2 * d * r}
+
+
+def fit(lines: list[dict], d: int, V: int, r: int, train_rate: float, vocab: float | None = None) -> dict:
+    """Least-squares ``vocab`` (FLOP/s), ``vocab_pass`` (elements/s) and ``head_step_s`` over ``lines``;
+    with ``vocab`` given (e.g. a measured matmul rate: the matmul and pass counts of the train stage's
+    lines are nearly proportional, so the two rates are poorly separated by the lines alone) only the
+    other two are fitted."""
+    import numpy as np
+
+    mm = np.array([(x["matmuls"] * 2 * d + x["factored"] * 2 * r) * V for x in lines], dtype=np.float64)
+    fixed = np.array([x["head_flops"] / train_rate for x in lines]) + (mm / vocab if vocab else 0.0)
+    X = np.array([[x["passes"] * V, x["steps"]] for x in lines], dtype=np.float64)
+    if not vocab:
+        X = np.column_stack([mm, X])
+    y = np.array([x["seconds"] for x in lines]) - fixed
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    pred = X @ coef + fixed
+    if vocab:
+        coef = np.concatenate([[1 / vocab], coef])
+    for x, p in zip(lines, pred):
+        x["fitted"] = float(p)
+    return {"vocab": 1 / coef[0], "vocab_pass": 1 / coef[1], "head_step_s": float(coef[2]),
+            "total_measured": float(sum(x["seconds"] for x in lines)), "total_fitted": float(pred.sum())}
+
+
+def fit_log(log: Path, conf, vocab: float | None = None) -> tuple[list[dict], dict]:
+    """``(lines, rates)`` of a run log (:func:`line_inputs` per train-stage line, then :func:`fit`);
+    ``conf``: the run's :class:`~darts_bench.config.Config`.
+
+    Raises:
+        ValueError: no train-stage ``built in`` line in ``log``.
+        FileNotFoundError: an artifact's ``diagnostics.json`` is missing.
+    """
+    from darts_bench.plan import make_plan
+    from darts_bench.plan.resources import THROUGHPUT
+
+    found = [m for m in map(LINE.search, log.read_text().splitlines()) if m]
+    if not found:
+        raise ValueError(f"{log}: no train-stage 'built in' lines")
+    arch = make_plan(conf)["model"]["architecture"]
+    sc = conf.surgery
+    cfg = {"d": arch["hidden_size"], "V": arch["vocab_size"],
+           "surgery": {"rank": sc.rank, "methods": list(sc.methods), "epochs": sc.epochs, "batch_size": sc.batch_size,
+                       "overflow": sc.overflow, "task_agnostic": list(sc.task_agnostic), "max_len": sc.max_len}}
+    lines = []
+    for m in found:
+        art = Path(m["dir"])
+        if cfg["surgery"]["max_len"] is None and m["what"] == "train heads":  # the resolved table length
+            cfg["surgery"]["max_len"] = next(json.loads(p.read_text())["max_len"] for p in art.glob("*/head_config.json"))
+        lines.append({**line_inputs(m["what"], m["name"], art, cfg), "what": m["what"], "name": m["name"],
+                      "seconds": float(m["s"])})
+    return lines, fit(lines, cfg["d"], cfg["V"], sc.rank, THROUGHPUT["cpu"]["train"], vocab)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("log", type=Path)
+    ap.add_argument("--config", default="smollm2-135m")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--vocab", type=float, default=None, help="fix the matmul rate (FLOP/s), fit the other two")
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args(argv)
+    from darts_bench.config import load_config
+
+    try:
+        lines, res = fit_log(args.log, load_config(args.config, args.set), args.vocab)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"{args.log}: cannot fit: {e}", file=sys.stderr)
+        return 2
+    print(f"vocab {res['vocab'] / 1e9:.1f} GFLOP/s, vocab_pass {res['vocab_pass'] / 1e6:.0f} M elements/s, "
+          f"head_step_s {res['head_step_s'] * 1e3:.2f} ms over {len(lines)} lines; measured "
+          f"{res['total_measured']:.1f} s, fitted {res['total_fitted']:.1f} s")
+    if args.markdown:
+        print("\n| line | kind | tokens | matmuls | passes | steps | measured (s) | fitted (s) |\n|---|---|---|---|---|---|---|---|")
+        for x in lines:
+            print(f"| {x['what']} {x['name']} | {x['kind']} | {x['tokens']} | {x['matmuls']} | {x['passes']} | "
+                  f"{x['steps']} | {x['seconds']:.1f} | {x['fitted']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

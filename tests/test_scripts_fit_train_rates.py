@@ -1,0 +1,83 @@
+"""scripts/fit_train_rates.py: the planner's train-stage rates fitted to a run log's per-artifact lines."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("fit_train_rates", REPO / "scripts" / "fit_train_rates.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fit_recovers_the_rates_a_log_was_made_with(tmp_path, capsys):
+    """A log whose line times are made from known rates (vocab 70 GFLOP/s, vocab_pass 300 M elements/s,
+    head_step_s 2.5 ms) over artifacts of every kind (methods' heads, matched control, shared heads,
+    task-agnostic rows) with varied token counts: the fit gives those rates back (1e-5 relative; with the
+    matmul rate fixed, the other two within 1e-6) and the markdown table one row per line."""
+    from darts_bench.config import load_config
+    from darts_bench.controls import param_matched_rank
+    from darts_bench.plan.resources import THROUGHPUT
+
+    fit = _script()
+    cfg = load_config("smollm2-135m")
+    d, V, r, sc = 576, 49152, cfg.surgery.rank, cfg.surgery
+    meth, kinds, max_len = len(sc.methods), len(sc.task_agnostic), 1184
+    rates = {"vocab": 70e9, "vocab_pass": 3e8, "head_step_s": 2.5e-3}
+    train = THROUGHPUT["cpu"]["train"]
+
+    def seconds(matmuls, passes, factored, steps, head_flops):
+        return ((matmuls * 2 * d + factored * 2 * r) * V / rates["vocab"] + passes * V / rates["vocab_pass"]
+                + steps * rates["head_step_s"] + head_flops / train)
+
+    log = []
+    for i, (n_val, n_ref, n_train) in enumerate([(2100, 900, 4000), (3300, 1500, 6100), (1800, 2600, 3500)]):
+        n = n_val + n_ref
+        name = f"m/t{i}/transductive"
+        for what, sub, diag, t in (
+                ("train heads", "", {"n_val_tokens": n_val, "n_reference_tokens": n_ref, "n_train_tokens": n_train},
+                 seconds(3 * n, (3 + meth) * n, meth * n, meth * sc.epochs * math.ceil(n_train / sc.batch_size),
+                         meth * sc.epochs * math.ceil(n_train / sc.batch_size) * sc.batch_size * 12 * d * r)),
+                ("train heads", "[rank=matched]", {"n_val_tokens": n_val, "n_reference_tokens": n_ref,
+                                                   "n_train_tokens": n_train},
+                 seconds(2 * n, 2 * n, 0, sc.epochs * math.ceil(n_train / sc.batch_size),
+                         sc.epochs * math.ceil(n_train / sc.batch_size) * sc.batch_size * 12 * d
+                         * param_matched_rank(d, r, max_len, sc.overflow))),
+                ("diagnose task-agnostic rows", "", {"routed": {"n_val_tokens": n_val, "n_reference_tokens": n_ref}},
+                 seconds(2 * n, (1 + kinds * meth) * n, kinds * meth * n, 0, 0)),
+                ("train shared heads", "", {"n_train_tokens": 3 * n_train},
+                 seconds(0, 0, 0, meth * sc.epochs * math.ceil(3 * n_train / sc.batch_size),
+                         meth * sc.epochs * math.ceil(3 * n_train / sc.batch_size) * sc.batch_size * 12 * d * r))):
+            art = tmp_path / f"{i}-{what.replace(' ', '_')}{sub}"
+            art.mkdir()
+            (art / "diagnostics.json").write_text(json.dumps(diag))
+            if what == "train heads" and not sub:
+                (art / "darts").mkdir()
+                (art / "darts" / "head_config.json").write_text(json.dumps({"max_len": max_len}))
+            shown = "m/transductive" if what == "train shared heads" else name + sub
+            log.append(f"12:00:00 INFO {what} {shown}: built in {t:.6f} s ({art})")
+    (tmp_path / "run.log").write_text("\n".join(["12:00:00 INFO stage train: start", *log]) + "\n")
+    lines, res = fit.fit_log(tmp_path / "run.log", cfg)
+    assert len(lines) == 12 and res["total_fitted"] == pytest.approx(res["total_measured"], rel=1e-6)
+    for k, v in rates.items():
+        assert res[k] == pytest.approx(v, rel=1e-5), k
+    # the matmul rate fixed (at the true one): the other two come back the same
+    _, fixed = fit.fit_log(tmp_path / "run.log", cfg, vocab=70e9)
+    assert fixed["vocab"] == 70e9 and fixed["vocab_pass"] == pytest.approx(3e8, rel=1e-6)
+    assert fixed["head_step_s"] == pytest.approx(2.5e-3, rel=1e-6)
+    assert fit.main([str(tmp_path / "run.log"), "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("vocab 70.0 GFLOP/s, vocab_pass 300 M elements/s, head_step_s 2.50 ms over 12 lines")
+    assert out.count("| train heads m/t") == 6 and out.count("| train shared heads") == 3
+    (tmp_path / "empty.log").write_text("12:00:00 INFO stage train: start\n")
+    assert fit.main([str(tmp_path / "empty.log")]) == 2
+    assert "no train-stage 'built in' lines" in capsys.readouterr().err
