@@ -37,32 +37,37 @@ LINE = re.compile(r"INFO (?P<what>train heads|train shared heads|diagnose task-a
 
 
 def line_inputs(what: str, name: str, art: Path, cfg) -> dict:
-    """The counted work of one train-stage artifact (see the module docstring)."""
-    from darts_bench.controls import param_matched_rank
+    """The counted work of one train-stage artifact (see the module docstring; the per-token counts of
+    each diagnostics call are the planner's, :func:`darts_bench.plan.stages.diagnostics_call`)."""
+    from darts_bench.controls import factored_logits_pay, param_matched_rank
+    from darts_bench.plan.stages import diagnostics_call
 
     scfg = cfg["surgery"]
-    d, V, r, meth = cfg["d"], cfg["V"], scfg["rank"], len(scfg["methods"])
+    d, r, meth = cfg["d"], scfg["rank"], len(scfg["methods"])
     diag = json.loads((art / "diagnostics.json").read_text())
     kinds = len(scfg.get("task_agnostic") or [])
     epochs, bs = scfg["epochs"], scfg["batch_size"]
+    fac = factored_logits_pay(r, d)
+
+    def steps_of(n_heads: int) -> int:
+        return n_heads * epochs * math.ceil(diag["n_train_tokens"] / bs)
+
+    def line(kind: str, n: int, call: tuple[int, int, int], steps: int, rank: int) -> dict:
+        mm, ps, fh = call
+        return {"kind": kind, "tokens": n, "matmuls": mm * n, "passes": ps * n, "factored": fh * n, "steps": steps,
+                "head_flops": steps * bs * 6 * 2 * d * rank}
+
     if what == "train shared heads":
-        steps = meth * epochs * math.ceil(diag["n_train_tokens"] / bs)
-        return {"kind": "shared", "tokens": 0, "matmuls": 0, "passes": 0, "factored": 0, "steps": steps,
-                "head_flops": steps * bs * 6 * 2 * d * r}
+        return line("shared", 0, (0, 0, 0), steps_of(meth), r)
     if what == "diagnose task-agnostic rows":
         any_kind = next(iter(diag.values()))
         n = any_kind["n_val_tokens"] + any_kind["n_reference_tokens"]
-        return {"kind": "agnostic", "tokens": n, "matmuls": 2 * n, "passes": (1 + kinds * meth) * n,
-                "factored": kinds * meth * n, "steps": 0, "head_flops": 0}
+        return line("agnostic", n, diagnostics_call(kinds * meth, fac, False), 0, r)
     n = diag["n_val_tokens"] + diag["n_reference_tokens"]
     if name.endswith("[rank=matched]"):
         rank = param_matched_rank(d, r, scfg["max_len"], scfg.get("overflow", "clamp"))
-        steps = epochs * math.ceil(diag["n_train_tokens"] / bs)
-        return {"kind": "matched", "tokens": n, "matmuls": 2 * n, "passes": 2 * n, "factored": 0, "steps": steps,
-                "head_flops": steps * bs * 6 * 2 * d * rank}
-    steps = meth * epochs * math.ceil(diag["n_train_tokens"] / bs)
-    return {"kind": "methods", "tokens": n, "matmuls": 3 * n, "passes": (3 + meth) * n, "factored": meth * n,
-            "steps": steps, "head_flops": steps * bs * 6 * 2 * d * r}
+        return line("matched", n, diagnostics_call(1, False, False), steps_of(1), rank)
+    return line("methods", n, diagnostics_call(meth, fac, True), steps_of(meth), r)
 
 
 def fit(lines: list[dict], d: int, V: int, r: int, train_rate: float, vocab: float | None = None) -> dict:

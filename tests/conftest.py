@@ -56,6 +56,16 @@ VLLM_MICRO_TINY = {**MICRO["pool"]["tiny"], "hidden_size": 64, "intermediate_siz
 QWEN2_MICRO_TINY = {**VLLM_MICRO_TINY, "architecture": "qwen2"}
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as a module (the scripts are not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def micro_config_file(tmp: Path, **overrides) -> Path:
     cfg = yaml.safe_load(yaml.safe_dump(MICRO))
     cfg["work_dir"] = str(tmp / "work")

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
+from conftest import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("fit_train_rates", REPO / "scripts" / "fit_train_rates.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("fit_train_rates")
 
 
 def test_fit_recovers_the_rates_a_log_was_made_with(tmp_path, capsys):

@@ -4,21 +4,15 @@ per-sequence evidence, with known differences."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-from pathlib import Path
 
 import pandas as pd
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
+from conftest import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("wmax_check", REPO / "scripts" / "wmax_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("wmax_check")
 
 
 def _line(merge, task, seed, seq, variant, n, kl_none, kl_head, agree, set_name="gen"):

@@ -494,6 +494,17 @@ def collect(x: PlanInputs) -> dict[str, Any]:
     return _finish(s, kind, x.workers)
 
 
+def diagnostics_call(heads: int, factored: bool, first: bool) -> tuple[int, int, int]:
+    """``(matmuls, passes, factored heads)`` per token of one :meth:`~darts_bench.surgery.diagnostics.Diagnostics.many`
+    call scoring ``heads`` heads (besides the plain row): the expert's logits (one matmul, one pass); on the
+    ``first`` call over a token stream the plain merge's row and the KL floor (two matmuls, two passes; the
+    plain logits are the factored heads' base too), on a later one the plain logits only when ``factored``
+    heads need them; each head one pass, and one matmul unless ``factored``. Used by :func:`diagnostics_work`
+    and ``scripts/fit_train_rates.py``."""
+    mm = 1 + (2 if first else int(factored)) + (0 if factored else heads)
+    return mm, 1 + (2 if first else 0) + heads, heads if factored else 0
+
+
 def diagnostics_work(x: PlanInputs) -> dict[str, Any]:
     """The train stage's diagnostics: lm_head matmuls (``[d] x [d, V]`` per token, 2 d V FLOPs, at
     ``THROUGHPUT[kind]["vocab"]``) and passes over the vocabulary (the expert's log-softmax, each scored
@@ -530,14 +541,8 @@ def diagnostics_work(x: PlanInputs) -> dict[str, Any]:
     n_streams = M * seeds * sum(1 for k in x.splits if not k.endswith("/reference"))
     reuse = n_streams <= KNOWN_STREAMS_MAX
 
-    def call(heads: int, factored: bool, first: bool) -> tuple[int, int, int]:
-        """(matmuls, passes, factored heads) per token of one call scoring ``heads`` heads: the expert's
-        logits; on a first call the plain merge's and the floor's (the plain logits are the factored heads'
-        base too), else the plain logits only when factored heads need them; each unfactored head's."""
-        mm = 1 + (2 if first else int(factored)) + (0 if factored else heads)
-        return mm, 1 + (2 if first else 0) + heads, heads if factored else 0
-
     # per stream: the first variant's methods call computes the plain row and floor; the rest reuse them
+    call = diagnostics_call
     calls = [call(n_meth, fac, True)] + [call(n_meth, fac, not reuse)] * (n_var - 1)
     calls += [call(1, False, not reuse)] * (n_var * len(scfg.controls))
     if kinds:
