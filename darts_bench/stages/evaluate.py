@@ -15,6 +15,7 @@ batched ``generate`` and one transformer forward serve every row of the merge.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import threading
@@ -24,9 +25,12 @@ from typing import Sequence
 from darts_bench.api import EvalContext, Example, ScoreContinuation, Task, TaskResult
 from darts_bench.artifacts import cached, stable_hash
 from darts_bench.evaluate.engines import backend_key, open_models
+from darts_bench.evaluate.memo import CallMemo, MemoModel
 from darts_bench.progress import overall_bar
 from darts_bench.rows import Row
 from darts_bench.stages import derive_seed
+
+log = logging.getLogger("darts_bench")
 
 
 def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str = "",
@@ -60,9 +64,25 @@ def evaluate(cfg, rows: list[Row], all_rows: list[Row], tasks: dict, executor, w
     ``evaluate.one_pass`` (default): rows that share a model dir (a merge and its corrected rows)
     form a group, taken in the order of their first row; for each task the group's rows run
     together (:func:`evaluate_group`), every generate / score call of theirs served by one
-    multi-head model. False: row by row, each row on each task in turn."""
+    multi-head model. False: row by row, each row on each task in turn.
+
+    The other models a task asks for (a judge: ``ctx.get_model``) answer through a
+    :class:`~darts_bench.evaluate.memo.MemoModel` over one :class:`~darts_bench.evaluate.memo.CallMemo`
+    per (task, model, head) for the whole stage: a request an earlier row made (the judge prompt of an
+    output two rows share) is answered from it; the counts are logged at the end of the stage."""
     results: dict[str, dict[str, TaskResult]] = {r.model: {} for r in rows}
     by_name = {r.model: r for r in all_rows}
+    memos: dict[tuple[str, str, str, str], CallMemo] = {}
+    try:
+        _evaluate_rows(cfg, rows, tasks, executor, work_dir, results, by_name, memos)
+    finally:
+        for (task_name, name, _, _), m in memos.items():
+            log.info("%s's calls to %s (remembered across rows): %s", task_name, name, m.summary())
+    return results
+
+
+def _evaluate_rows(cfg, rows, tasks, executor, work_dir, results, by_name, memos) -> None:
+    """The body of :func:`evaluate`: fills ``results``."""
     # each checkpoint loaded once (rows of one model dir share it; the judge stays loaded)
     with open_models(cfg, executor) as models, \
             overall_bar(len(rows) * len(tasks), "evaluate", unit="row x task") as bar:
@@ -71,15 +91,14 @@ def evaluate(cfg, rows: list[Row], all_rows: list[Row], tasks: dict, executor, w
                 for name, (task, examples) in tasks.items():
                     bar.set_postfix_str(f"{row.model} / {name}")
                     results[row.model][name] = evaluate_one(cfg, row, task, examples, by_name, results, models,
-                                                            work_dir)
+                                                            work_dir, memos=memos)
                     bar.update(1)
-            return results
+            return
         for group in model_groups(rows):
             for name, (task, examples) in tasks.items():
                 for row, res in zip(group, evaluate_group(cfg, group, task, examples, by_name, results, models,
-                                                          work_dir, bar)):
+                                                          work_dir, bar, memos=memos)):
                     results[row.model][name] = res
-    return results
 
 
 def model_groups(rows: list[Row]) -> list[list[Row]]:
@@ -106,12 +125,16 @@ def _target(cfg, row: Row, task: Task, examples: list[Example], by_name: dict[st
 
 
 def evaluate_one(cfg, row: Row, task: Task, examples: list[Example], by_name: dict[str, Row], results: dict,
-                 models, work_dir: Path, text_model=None) -> TaskResult:
+                 models, work_dir: Path, text_model=None,
+                 memos: dict[tuple[str, str, str, str], CallMemo] | None = None) -> TaskResult:
     """One (row, task) evaluation, cached under ``eval/<row>-<task>-<key>/result.json``.
 
     Args:
         text_model: the row's model as the task sees it (None: ``models.get`` of the row, closed
             afterwards; the one-pass path passes its per-row view).
+        memos: the stage's :class:`~darts_bench.evaluate.memo.CallMemo` per (task, model name,
+            model dir, head dir), filled as rows go: the models ``ctx.get_model`` gives the task
+            answer through them (None: not remembered).
     Raises:
         KeyError: the task asks for a model that is no row and no checkpoint dir, or for the outputs of
             a row not evaluated before this one.
@@ -125,13 +148,19 @@ def evaluate_one(cfg, row: Row, task: Task, examples: list[Example], by_name: di
         def get_model(name: str):
             if name in by_name:
                 r = by_name[name]
-                tm = models.get(r.model, r.model_dir, r.heads.get(task.name), pin=True)
+                where = (r.model_dir, r.heads.get(task.name))
             elif Path(name).is_dir():
-                tm = models.get(name, name, None, pin=True)
+                where = (name, None)
             else:
                 raise KeyError(f"no model row {name!r} (rows: {sorted(by_name)})")
+            tm = models.get(name, where[0], where[1], pin=True)
             opened.append(tm)
-            return tm
+            if memos is None:
+                return tm
+            key = (task.name, name, str(where[0]), str(where[1]))
+            if key not in memos:
+                memos[key] = CallMemo()
+            return MemoModel(tm, memos[key])
 
         def get_outputs(name: str) -> list[str]:
             if name not in results or task.name not in results[name]:
@@ -185,7 +214,8 @@ def row_model(row: Row, task: str, models, cfg):
 
 # --------------------------------------------------------------------------- one pass
 def evaluate_group(cfg, group: list[Row], task: Task, examples: list[Example], by_name: dict[str, Row],
-                   results: dict, models, work_dir: Path, bar=None) -> list[TaskResult]:
+                   results: dict, models, work_dir: Path, bar=None,
+                   memos: dict[tuple[str, str, str, str], CallMemo] | None = None) -> list[TaskResult]:
     """``task`` on every row of ``group`` (rows of one model dir) at once, results in row order.
 
     Each row's :func:`evaluate_one` (cache check, ``task.evaluate``, ``result.json``) runs in its
@@ -234,7 +264,8 @@ def evaluate_group(cfg, group: list[Row], task: Task, examples: list[Example], b
                                      route_slots[i], cfg, group[i].model_dir)
             else:
                 view = RowView(group[i].model, i, gather)
-            out[i] = evaluate_one(cfg, group[i], task, examples, by_name, results, models, work_dir, text_model=view)
+            out[i] = evaluate_one(cfg, group[i], task, examples, by_name, results, models, work_dir, text_model=view,
+                                  memos=memos)
         except BaseException as e:  # noqa: BLE001 - re-raised in the calling thread below
             errors[i] = e
         finally:
