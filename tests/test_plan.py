@@ -197,7 +197,7 @@ def test_vllm_engine_memory_on_cpu_is_weights_kv_and_overhead():
 
 def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
     """One engine per model dir in row order, the AlpacaEval judge's (expert:instruction) kept
-    alive beside it; the start-up (25-120 s on CPU) is in the time."""
+    alive beside it; the start-up (38-63 s measured on 2 idle CPU cores) is in the time."""
     from darts_bench.plan.resources import VLLM_START_S
 
     cfg = load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32", "surgery.task_agnostic=[]", "evaluate.rows=null"])
@@ -215,12 +215,12 @@ def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
     dirs = [s.merge or s.model for s in row_specs(cfg)]
     assert engine_starts(dirs, list(plan["tasks"]), {"alpacaeval": "expert:instruction"}, held=False) == 34
     assert e["load_seconds"] == 6 * (VLLM_START_S["cpu"]["eager"] + 538_060_032 / 1e9)
-    # one engine in the driver: the starts add to the wall time; generation at 1/3 of HF's CPU time
+    # one engine in the driver: the starts add to the wall time; decoding at 1/3 of HF's CPU time
     assert e["wall_seconds"] == pytest.approx(e["seconds"]) and e["wall_seconds"] > e["load_seconds"]
     hf = make_plan(load_config("smollm2-135m", ["surgery.task_agnostic=[]", "evaluate.rows=null"]))["stages"]["evaluate"]
     assert e["seconds"] - e["load_seconds"] < hf["seconds"] - hf["load_seconds"]
     assert "vLLM engine (float32): weights 538.1 MB + KV cache 2 GiB" in out
-    assert "6 engine starts in evaluate, 25-120 s per engine measured on CPU" in out
+    assert "6 engine starts in evaluate, 38-63 s per engine measured on 2 idle CPU cores" in out
     # without the judge task: one start per model dir, in row order (base, 3 experts, 2 merges)
     gsm = make_plan(cfg, "gsm8k")["stages"]["evaluate"]
     assert gsm["engine_starts"] == 6
@@ -292,24 +292,39 @@ def test_vllm_engines_in_ray_actors_are_planned_per_actor():
 
 
 # ------------------------------------------------------------------------------ Task.plan() contributions
-def test_alpacaeval_plan_declares_its_local_judge_and_its_tokens():
-    """AlpacaEval's ``plan()``: one judge call per example and order; a call reads the template (200),
-    the instruction (50), the model's output (max_new_tokens) and the reference (350) tokens and
-    writes judge.max_new_tokens (8); the judge is the local expert:instruction."""
+def test_alpacaeval_plan_declares_its_local_judge_and_its_tokens(monkeypatch, tmp_path):
+    """AlpacaEval's ``plan()``: one judge call per example and order; a call reads the template (300),
+    the instruction (50), the model's output (max_new_tokens) and the reference (350) tokens. In the
+    local judge's default ``score`` mode it scores both verdicts (4 tokens each) after the whole prompt:
+    two teacher-forced sequences per call, nothing generated; in ``generate`` mode it writes
+    judge.max_new_tokens (8). The judge is the local expert:instruction."""
+    import shutil
+
     from darts_bench.api import get_task
 
     task, cfg = get_task("alpacaeval"), load_config("llama2-7b")
     got = task.plan(cfg.tasks.alpacaeval, 805)
     assert got == {"judge": {"label": "local judge expert:instruction", "model": "expert:instruction",
-                             "prompt_tokens_per_row": 4_263_280, "new_tokens_per_row": 12_880},
+                             "prompt_tokens_per_row": 0, "new_tokens_per_row": 0,
+                             "scored_tokens_per_row": 8_861_440},
                    "what": "AlpacaEval judge expert:instruction"}
-    assert 805 * 2 * (200 + 50 + 2048 + 350) == 4_263_280 and 805 * 2 * 8 == 12_880  # 2048: MergeLM's cap
+    assert 805 * 2 * 2 * (300 + 50 + 2048 + 350 + 4) == 8_861_440  # 2048: MergeLM's cap
     plan = make_plan(cfg)
-    assert plan["totals"]["judge_tokens"] == 31 * (4_263_280 + 12_880) == 132_560_960
+    assert plan["totals"]["judge_tokens"] == 31 * 8_861_440
     assert plan["tasks"]["alpacaeval"]["annotator"] == "local judge expert:instruction"
     # one order: half the calls
     one = task.plan(load_config("llama2-7b", ["tasks.alpacaeval.judge.both_orders=false"]).tasks.alpacaeval, 805)
-    assert one["judge"]["prompt_tokens_per_row"] == 2_131_640 and one["judge"]["new_tokens_per_row"] == 6440
+    assert one["judge"]["scored_tokens_per_row"] == 8_861_440 // 2
+    # generate mode (an annotator config of its own): reads the prompt once per call, writes the verdict
+    ann = tmp_path / "ann" / "local_judge"
+    shutil.copytree(task.annotators_config, ann)
+    conf = ann / "configs.yaml"
+    assert 'mode: "score"' in conf.read_text()
+    conf.write_text(conf.read_text().replace('mode: "score"', 'mode: "generate"'))
+    monkeypatch.setattr(type(task), "annotators_config", ann)
+    gen = task.plan(cfg.tasks.alpacaeval, 805)["judge"]
+    assert gen["prompt_tokens_per_row"] == 805 * 2 * (300 + 50 + 2048 + 350) == 4_424_280
+    assert gen["new_tokens_per_row"] == 805 * 2 * 8 and "scored_tokens_per_row" not in gen
 
 
 def test_named_annotator_judges_outside_the_process():
@@ -322,9 +337,11 @@ def test_named_annotator_judges_outside_the_process():
     got = get_task("alpacaeval").plan(cfg.tasks.alpacaeval, 4)
     # micro: alpacaeval max_new_tokens 12
     assert got["judge"] == {"label": "alpaca_eval_gpt4", "model": None,
-                            "prompt_tokens_per_row": 4 * (200 + 50 + 12 + 350), "new_tokens_per_row": 4 * 8}
+                            "prompt_tokens_per_row": 4 * (300 + 50 + 12 + 350), "new_tokens_per_row": 4 * 8}
     named, local = make_plan(cfg)["stages"]["evaluate"], make_plan(load_config("micro"))["stages"]["evaluate"]
-    assert named["judge_tokens"] == 14 * 4 * (612 + 8) == 34_720 and local["judge_tokens"] == 2 * 34_720
+    # named: one order, read once, 8 tokens written; local (score mode): two orders x two scored verdicts
+    assert named["judge_tokens"] == 14 * 4 * (712 + 8) == 40_320
+    assert local["judge_tokens"] == 14 * 4 * 2 * 2 * (712 + 4) == 160_384
     assert "weights x 1 +" in named["memory_note"] and "weights x 2 (model + judge)" in local["memory_note"]
     weights = make_plan(cfg)["model"]["weights_bytes"]
     assert local["memory_bytes"] - named["memory_bytes"] == weights
@@ -362,7 +379,9 @@ def test_any_task_can_declare_a_judge(monkeypatch):
 
 @pytest.mark.parametrize("bad, match", [
     ({"judge_tokens_per_row": 5}, r"task gsm8k: Task\.plan\(\): unknown key\(s\) \['judge_tokens_per_row'\]"),
-    ({"judge": {"label": "j", "model": "base", "prompt_tokens_per_row": 1}}, r"task gsm8k: .*exactly the keys"),
+    ({"judge": {"label": "j", "model": "base", "prompt_tokens_per_row": 1}}, r"task gsm8k: .*must be a dict with the keys"),
+    ({"judge": {"label": "j", "model": "base", "prompt_tokens_per_row": 1, "new_tokens_per_row": 0,
+                "scored_tokens_per_row": 2.5}}, r"task gsm8k: .*'scored_tokens_per_row' must be an int >= 0"),
     ({"judge": {"label": "j", "model": "base", "prompt_tokens_per_row": -1, "new_tokens_per_row": 0}},
      r"task gsm8k: .*'prompt_tokens_per_row' must be an int >= 0"),
     (["where"], r"task gsm8k: Task\.plan\(\) returned list"),

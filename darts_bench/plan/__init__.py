@@ -103,7 +103,7 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
         totals["wall_seconds"] = sum(s.get("wall_seconds", 0) for s in st.values())
         plan["throughput"] = THROUGHPUT[x.kind]["source"]
         if x.engine is not None:
-            plan["throughput"] += ("; vLLM generation at 1/%g of the HF CPU time (measured vLLM/HF tokens/s)"
+            plan["throughput"] += ("; vLLM decoding at 1/%g of the HF CPU time (measured vLLM/HF tokens/s)"
                                    % VLLM_CPU_SPEEDUP if x.kind == "cpu" else "; vLLM decoding steps of max_num_seqs "
                                    "requests, each reading the weights once (no HF per-step overhead)")
     return plan

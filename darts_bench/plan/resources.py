@@ -64,7 +64,13 @@ PROCESS_BASELINE = {"pool": 0.455e9, "merge": 0.445e9, "collect": 0.41e9, "train
 # recombine: task-vector elements per second through AdaMerging's theta_base + sum_k lambda_k tau_k (one
 #   recombination touches K x params elements; darts_bench.merge.adamerging.LayerWiseMerge.params).
 # head_step_s: seconds per head optimiser step beyond its FLOPs (batch gather, Python, Adam over the head).
+# logits: FLOP/s (2 x params per token) of a forward that also takes the full-vocabulary logits at every position
+#   with their log-softmax or entropy: collection's feature forwards (darts_bench.collect: hidden states and
+#   next-token entropies) and vLLM's teacher-forced scoring (prompt_logprobs: the reference NLL and a forced-choice
+#   judge), where forward is generation's prefill (logits at the last position only) and the HF scoring path
+#   (lm_head at the continuation positions only).
 _SMOL = 134_515_008
+LOGITS_TOK_S = 405  # SmolLM2-135M tokens/s of a full-logits forward on the 2 cores (see "logits" below)
 THROUGHPUT = {
     "cpu": {"forward": 600 * 2 * _SMOL, "decode": 68 * 2 * _SMOL, "train": 180 * 6 * _SMOL,
             # vocab: the fp32 matmul rate of these cores (~95 GFLOP/s, benchmarks/bench_collect.py); vocab_pass,
@@ -73,6 +79,9 @@ THROUGHPUT = {
             # the per-line table there): 250 M elements/s and 2.16 ms per step, 596 s fitted for 592 s measured.
             # (The reference run's older code, one matmul per row, was fitted at 60 GFLOP/s of matmuls alone.)
             "vocab": 95e9, "vocab_pass": 2.5e8, "head_step_s": 2.16e-3,
+            # logits: run 4's 18 merged feature sets, 125,570 tokens in 310.4 s (405 tok/s, with the stores), and the
+            # AlpacaEval judge's prompt_logprobs scoring in runs 5-6 (TIMINGS.md); LOGITS_TOK_S tokens/s
+            "logits": LOGITS_TOK_S * 2 * _SMOL,
             # fp64: RegMean 138.8 s (TIMINGS.md; 19,379 prompt tokens) less its forwards at the forward rate and
             # its loads = 103.8 s for 5.85 TFLOP of fp64 work: 56 GFLOP/s (the 2026-12-02 rerun, 26,906
             # tokens, 201.5 s: 51 GFLOP/s)
@@ -87,7 +96,7 @@ THROUGHPUT = {
                       "training 180 tok/s; taken as FLOP/s; diagnostics 95 GFLOP/s of lm_head matmuls and 250 M "
                       "elements/s of passes over the vocabulary, RegMean fp64 55 GFLOP/s, AdaMerging recombination "
                       "4e8 elements/s, 2.16 ms per head step (fitted to results/smollm2-135m/TIMINGS.md)"},
-    "cuda": {"forward": 0.4 * 312e12, "decode_bw": 1.5e12, "step_s_per_layer": 0.025 / 32, "train": 0.4 * 312e12,
+    "cuda": {"forward": 0.4 * 312e12, "logits": 0.4 * 312e12, "decode_bw": 1.5e12, "step_s_per_layer": 0.025 / 32, "train": 0.4 * 312e12,
              # assumed: the passes over V are small beside the d x V matmul at 7B widths; fp64 Grams as fp32
              # diagnostics (A100 fp64 tensor cores: 19.5 TFLOP/s peak); recombination bound by reading and writing
              # ~20 B per task-vector element at 1.5 TB/s; 1 ms per eager Adam step of a small head
@@ -114,14 +123,17 @@ VLLM_ENGINE_OVERHEAD = 3.4e9 - 134_515_008 * 4 - 2 * 2**30
 # GPU: what vLLM's gpu_memory_utilization budget holds besides weights and KV cache (activations
 # of the profiling run, CUDA graphs, the sampler), per GPU; assumed.
 VLLM_GPU_RESERVE = 2e9
-# Start-up of one engine (seconds, besides reading the weights at LOAD_BYTES_PER_S): CPU measured
-# 25-120 s with enforce_eager (LAB-NOTES, README "vLLM backend": 63 s tiny Llama, 104 s SmolLM2-135M
-# on a loaded 2-core box), 327 s the first time with compilation; GPU assumed.
-VLLM_START_S = {"cpu": {"eager": 120.0, "compiled": 330.0}, "cuda": {"eager": 60.0, "compiled": 180.0}}
-VLLM_START_RANGE = {"cpu": "25-120 s per engine measured on CPU with enforce_eager (327 s compiled)",
+# Start-up of one engine (seconds, besides reading the weights at LOAD_BYTES_PER_S): on the CPU with
+# enforce_eager, SmolLM2-135M alone on 2 cores, from the request to the engine's first call (the previous engine's
+# shutdown and vLLM's own "up in" time): 63, 38, 39 s for the calibration engines of run 4 and 39, 43, 47 s
+# in run 5's evaluation (results/smollm2-135m/TIMINGS.md); 104 s was seen on a loaded box (README "vLLM backend"),
+# 327 s the first time with compilation; GPU assumed.
+VLLM_START_S = {"cpu": {"eager": 45.0, "compiled": 330.0}, "cuda": {"eager": 60.0, "compiled": 180.0}}
+VLLM_START_RANGE = {"cpu": "38-63 s per engine measured on 2 idle CPU cores with enforce_eager (104 s on a loaded "
+                           "box, 327 s compiled)",
                     "cuda": "60 s per engine assumed on GPU with enforce_eager (180 s with CUDA graphs)"}
 # vLLM / HF generation tokens/s on CPU, measured (README "vLLM backend": SmolLM2-135M, batch 8,
-# fp32, 3.04x; LAB-NOTES 4.9x on an idler box): the CPU generation time is divided by it.
+# fp32, 3.04x; LAB-NOTES 4.9x on an idler box): the CPU decoding time is divided by it (prefill at the forward rate).
 VLLM_CPU_SPEEDUP = 3.0
 # With ``executor: ray`` each Ray actor holds one vLLM engine, ``ray.num_actors`` of them per model dir,
 # data-parallel over prompts (``RayExecutor.vllm_text_model``; the vLLM backend holds one group per
@@ -137,9 +149,11 @@ def device_kind(device: str) -> str:
     return "cuda" if str(device).startswith("cuda") else "cpu"
 
 
-def forward_seconds(tokens: float, params: int, kind: str) -> float:
-    """Seconds to forward ``tokens`` through a ``params``-parameter model (2 FLOPs per parameter)."""
-    return tokens * 2 * params / THROUGHPUT[kind]["forward"]
+def forward_seconds(tokens: float, params: int, kind: str, rate: str = "forward") -> float:
+    """Seconds to forward ``tokens`` through a ``params``-parameter model (2 FLOPs per parameter) at
+    ``THROUGHPUT[kind][rate]``: ``"forward"`` (prefill, HF scoring) or ``"logits"`` (full-vocabulary
+    logits at every position: collection's features, vLLM's ``prompt_logprobs``)."""
+    return tokens * 2 * params / THROUGHPUT[kind][rate]
 
 
 def decode_seconds(tokens: float, params: int, kind: str, batch: int, weights: float, layers: int) -> float:
@@ -156,14 +170,14 @@ def decode_seconds(tokens: float, params: int, kind: str, batch: int, weights: f
 
 def vllm_generation_seconds(prompt_tokens: float, new_tokens: float, params: int, kind: str, cfg,
                             engine: dict[str, Any], requests: float | None = None) -> float:
-    """Generation time on a vLLM engine (seconds): on the CPU the HF estimate over the measured
-    :data:`VLLM_CPU_SPEEDUP`; on the GPU prefill at the forward rate and decoding steps of
+    """Generation time on a vLLM engine (seconds): on the CPU prefill at the forward rate and the HF
+    decoding estimate over the measured :data:`VLLM_CPU_SPEEDUP`; on the GPU prefill at the forward rate and decoding steps of
     ``min(max_num_seqs, requests)`` requests (``requests``: those one ``generate`` call holds;
     None: enough to fill ``max_num_seqs``), each bound by reading the weights once (no HF
     per-step overhead)."""
     if kind == "cpu":
         return (forward_seconds(prompt_tokens, params, kind)
-                + decode_seconds(new_tokens, params, kind, 1, 0, 0)) / VLLM_CPU_SPEEDUP
+                + decode_seconds(new_tokens, params, kind, 1, 0, 0) / VLLM_CPU_SPEEDUP)
     t = THROUGHPUT[kind]
     seqs = cfg.evaluate.vllm.max_num_seqs
     steps = new_tokens / (seqs if requests is None else max(1.0, min(seqs, requests)))

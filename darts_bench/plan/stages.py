@@ -46,6 +46,7 @@ TYPICAL_TOKENS = {
 POSITION_BIAS = {"surgery": False, "darts": True, "darts_ew_only": False, "darts_pos_only": True}
 _PLAN_KEYS = {"judge", "what", "where"}
 _JUDGE_KEYS = {"label", "model", "prompt_tokens_per_row", "new_tokens_per_row"}
+_JUDGE_OPTIONAL = {"scored_tokens_per_row"}
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,8 @@ def _checked_plan(name: str, got: Any) -> dict[str, Any]:
 
     Raises:
         ValueError: not a dict, an unknown key, ``what`` / ``where`` not a str, or a ``judge`` that is
-            not a dict of exactly its four keys with the types the contract gives.
+            not a dict of its four keys (and the optional ``scored_tokens_per_row``) with the types the
+            contract gives.
     """
     where = f"task {name}: Task.plan()"
     if not isinstance(got, dict):
@@ -124,11 +126,12 @@ def _checked_plan(name: str, got: Any) -> dict[str, Any]:
             raise ValueError(f"{where}: {k!r} must be a str, got {got[k]!r}")
     if "judge" in got:
         j = got["judge"]
-        if not isinstance(j, dict) or set(j) != _JUDGE_KEYS:
-            raise ValueError(f"{where}: 'judge' must be a dict with exactly the keys {sorted(_JUDGE_KEYS)}, got {j!r}")
+        if not isinstance(j, dict) or not _JUDGE_KEYS <= set(j) <= _JUDGE_KEYS | _JUDGE_OPTIONAL:
+            raise ValueError(f"{where}: 'judge' must be a dict with the keys {sorted(_JUDGE_KEYS)} (optional: "
+                             f"{sorted(_JUDGE_OPTIONAL)}), got {j!r}")
         if not isinstance(j["label"], str) or not (j["model"] is None or isinstance(j["model"], str)):
             raise ValueError(f"{where}: judge 'label' must be a str and 'model' a str or None, got {j!r}")
-        for k in ("prompt_tokens_per_row", "new_tokens_per_row"):
+        for k in ("prompt_tokens_per_row", "new_tokens_per_row", *(_JUDGE_OPTIONAL & set(j))):
             if not isinstance(j[k], int) or j[k] < 0:
                 raise ValueError(f"{where}: judge {k!r} must be an int >= 0, got {j[k]!r}")
     return got
@@ -490,7 +493,8 @@ def collect(x: PlanInputs) -> dict[str, Any]:
         s["load_seconds"] += T * e["start_s"]
     else:
         gen_s = forward_seconds(gen - new, P, kind) + decode_seconds(new, P, kind, cal.batch_size, W, L)
-    s["seconds"] = gen_s + forward_seconds(feature_forward_tokens, P, kind)
+    # the features: hidden states and the full-vocabulary entropy at every position
+    s["seconds"] = gen_s + forward_seconds(feature_forward_tokens, P, kind, rate="logits")
     return _finish(s, kind, x.workers)
 
 
@@ -714,8 +718,11 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     costing only its ``lm_head``; sampled generation still runs per row. vLLM one pass: one
     ``generate`` call per (model dir, task) whose requests name their heads, so decoding fills
     ``max_num_seqs`` from all rows' requests; the reference NLL still runs the transformer per row
-    (``prompt_logprobs`` requests recompute their prompts) and prefills are counted per row (prefix
-    caching may share them: not counted)."""
+    (``prompt_logprobs`` requests recompute their prompts, with the full-vocabulary logits at every
+    position: the ``logits`` rate) and prefills are counted per row (prefix caching may share them: not
+    counted). A judge's ``scored_tokens_per_row`` (forced-choice verdicts) are teacher-forced like the
+    reference NLL; every judge request is counted, although the stage answers a request an earlier row
+    made from its memo (:mod:`darts_bench.evaluate.memo`; how many repeat depends on the outputs)."""
     cfg, W, P, kind = x.cfg, x.weights, x.params, x.kind
     rows, E, M = len(x.evaluated), len(cfg.pool.expert_names), len(cfg.merges)
     ray = cfg.executor == "ray"
@@ -744,7 +751,8 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         eval_nll += n_routed * ti["n_examples"] * ti["prompt_tokens_est"]  # a routed row's prompt states
         j = x.needs[t].get("judge")
         if j:
-            judge_tokens += rows * (j["prompt_tokens_per_row"] + j["new_tokens_per_row"])
+            judge_tokens += rows * (j["prompt_tokens_per_row"] + j["new_tokens_per_row"]
+                                    + j.get("scored_tokens_per_row", 0))
     what = ((f"{rows} rows (base, {E} experts, {M} merges, {sum(s.correction != 'none' for s in x.specs)} corrected) x "
              if cfg.evaluate.rows is None else f"{rows} rows ({', '.join(cfg.evaluate.rows)}) x ")
             + ", ".join(f"{t} ({ti['n_examples']}/{ti['of'] or '?'}, {ti['max_new_tokens']} new tokens)"
@@ -818,13 +826,14 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         def gen(prompt_tokens: float, new_tokens: float, batch: int = bs) -> float:
             return forward_seconds(prompt_tokens, P, kind) + decode_seconds(new_tokens, P, kind, batch, W, L)
     secs = 0.0
+    score_rate = "logits" if vllm else "forward"  # vLLM's prompt_logprobs vs HF's continuation-only lm_head
     lm_head = x.arch["hidden_size"] * x.arch["vocab_size"]  # a further head's cost on cached hidden states
     for t, ti in x.tasks.items():
         n = ti["n_examples"] * ti["n_samples"]
         nll_tokens = ti["n_examples"] * (ti["prompt_tokens_est"] + ti["reference_tokens_est"])
         if layout == "vllm":  # one generate call per model dir: decoding steps hold every row's requests
             secs += sum(gen(g * n * ti["prompt_tokens_est"], g * n * ti["max_new_tokens"], requests=g * n)
-                        for g in group_sizes) + rows * forward_seconds(nll_tokens, P, kind)
+                        for g in group_sizes) + rows * forward_seconds(nll_tokens, P, kind, rate=score_rate)
         elif native:
             if ti["n_samples"] == 1:  # greedy: a model dir's rows in one generate, batch x its rows a step
                 secs += sum(gen(g * n * ti["prompt_tokens_est"], g * n * ti["max_new_tokens"],
@@ -836,10 +845,11 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         else:  # row by row; vLLM in-process: a call holds one row's requests (Ray: shards, as before)
             kw = {"requests": n} if vllm and not ray else {}
             secs += rows * (gen(n * ti["prompt_tokens_est"], n * ti["max_new_tokens"], **kw)
-                            + forward_seconds(nll_tokens, P, kind))
+                            + forward_seconds(nll_tokens, P, kind, rate=score_rate))
         if t in judges:  # a judge outside the process (an API annotator) costs no local time
             j = x.needs[t]["judge"]
-            secs += gen(rows * j["prompt_tokens_per_row"], rows * j["new_tokens_per_row"])
+            secs += (gen(rows * j["prompt_tokens_per_row"], rows * j["new_tokens_per_row"])
+                     + forward_seconds(rows * j.get("scored_tokens_per_row", 0), P, kind, rate=score_rate))
     s["seconds"] = secs
     return _finish(s, kind, workers)
 

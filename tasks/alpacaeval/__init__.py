@@ -137,7 +137,10 @@ class AlpacaEvalTask(Task):
     data_folders = ("alpaca_eval",)
     official_size = OFFICIAL_SIZE
     typical_tokens = {"prompt": 50, "reference": 350}
-    judge_template_tokens = 200  # judge instructions around the two outputs (dry-run estimate)
+    # judge instructions around the two outputs: local_judge/basic_prompt.txt is 272 SmolLM2 tokens, the chat
+    # template around it ~30
+    judge_template_tokens = 300
+    verdict_tokens = 4  # "Output (a)" (SmolLM2: Output / ( / a / ))
     order = 3
     annotators_config: Path = ANNOTATOR_DIR  # the alpaca_eval annotator config folder of the local judge
 
@@ -161,14 +164,23 @@ class AlpacaEvalTask(Task):
         """One judge call per example and order (both orders with ``judge.both_orders``; a named
         ``judge.annotator`` judges in alpaca_eval's single pass, outside this process). A call
         reads the judge template (:attr:`judge_template_tokens`), the instruction, the model's
-        output (``max_new_tokens``) and the reference output, and writes ``judge.max_new_tokens``."""
+        output (``max_new_tokens``) and the reference output. The local judge in ``score`` mode (the
+        annotator config's default) scores both verdicts (:attr:`verdict_tokens` each) after the whole
+        prompt, two teacher-forced sequences per call (``scored_tokens_per_row``); in ``generate`` mode,
+        and a named annotator, it reads the prompt and writes ``judge.max_new_tokens``."""
         j = config.judge
         named = j.annotator
         calls = n_examples * (2 if j.both_orders and named is None else 1)
         reads = (self.judge_template_tokens + self.typical_tokens["prompt"] + config.max_new_tokens
                  + self.typical_tokens["reference"])
+        mode = (load_annotator_config(self.annotators_config)[2].get("completions_kwargs") or {}).get("mode", "score")
+        if named is None and mode == "score":
+            tokens = {"prompt_tokens_per_row": 0, "new_tokens_per_row": 0,
+                      "scored_tokens_per_row": calls * 2 * (reads + self.verdict_tokens)}
+        else:
+            tokens = {"prompt_tokens_per_row": calls * reads, "new_tokens_per_row": calls * j.max_new_tokens}
         return {"judge": {"label": named or f"local judge {j.model}", "model": None if named else j.model,
-                          "prompt_tokens_per_row": calls * reads, "new_tokens_per_row": calls * j.max_new_tokens},
+                          **tokens},
                 "what": f"AlpacaEval judge {j.model}" if named is None else
                         f"AlpacaEval annotator {named} (alpaca_eval, outside this process)"}
 
