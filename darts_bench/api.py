@@ -372,7 +372,9 @@ class Task(ABC):
           load and forward time; None: it runs outside the process, e.g. an API annotator, and
           costs no local memory or time), ``prompt_tokens_per_row`` and ``new_tokens_per_row``
           (int >= 0: tokens the judge reads and generates for one row's ``n_examples``; counted
-          as judge tokens either way).
+          as judge tokens either way), and optionally ``scored_tokens_per_row`` (int >= 0: tokens
+          the judge scores teacher-forced, e.g. a forced choice between verdicts: a forward with
+          the full-vocabulary logits on vLLM, a plain forward on HF).
         * ``what`` / ``where`` (str): text appended to the evaluate stage's description / placement.
 
         Returns ``{}`` (the default) when the protocol costs nothing more."""

@@ -46,12 +46,13 @@ def test_plan_check_cached_stages_and_missing_files(tmp_path, capsys):
     assert "cannot check the plan" in capsys.readouterr().err
 
 
-def test_plan_holds_the_smollm2_reference_merge_and_run_4_train_stages():
+def test_plan_holds_the_smollm2_reference_merge_and_run_4_collect_and_train_stages():
     """The planner's data-merge constants are fitted to the committed smollm2-135m reference run
     (results/smollm2-135m/results.json: its merge stage, AdaMerging + RegMean, 444.6 s, within 25%); the
     train-stage constants to run 4 (results/smollm2-135m/TIMINGS.md, 2026-12-03: the current train code on the
-    reference's preset with calibration.backend=vllm, 593.1 s; `scripts/fit_train_rates.py`): the plan of that
-    configuration is within 25% of it."""
+    reference's preset with calibration.backend=vllm, 593.1 s; `scripts/fit_train_rates.py`), and the collect
+    stage's engine start and full-logits forward rate to run 4's collection (704.1 s): the plan of that
+    configuration is within 25% of both."""
     from darts_bench.config import load_config
     from darts_bench.plan import make_plan
 
@@ -61,3 +62,18 @@ def test_plan_holds_the_smollm2_reference_merge_and_run_4_train_stages():
     assert "| train | 1,436.5 s | 927.8 s | 626.3 s | 593.1 s |" in (REPO / "results" / "smollm2-135m" / "TIMINGS.md").read_text()
     plan = make_plan(load_config("smollm2-135m", ["evaluate.backend=vllm", "calibration.backend=vllm"]))
     assert plan["stages"]["train"]["wall_seconds"] == pytest.approx(run4_train, rel=0.25)
+    # collect: run 4's 704.1 s (3 vLLM engine starts at 45 s, the features at the full-logits rate)
+    timings = (REPO / "results" / "smollm2-135m" / "TIMINGS.md").read_text()
+    assert "| collect | 1,018.4 s | 725.8 s | 655.0 s | 704.1 s |" in timings
+    c = plan["stages"]["collect"]
+    assert c["engine_starts"] == 3 and c["wall_seconds"] == pytest.approx(704.1, rel=0.25)
+
+
+def test_plan_holds_the_smollm2_run_6_evaluate_stage():
+    """The evaluate stage of run 6 (results/smollm2-135m-2026-12-03: vLLM, one pass per model dir, the judge's
+    memo; 3,090.9 s measured) is within 25% of its plan (engine starts at 45 s, vLLM's scoring at the
+    full-logits rate, the AlpacaEval judge's two scored sequences per call, one prefill per prompt and dir)."""
+    recs = {r["stage"]: r for r in _script().plan_check(REPO / "results" / "smollm2-135m-2026-12-03")}
+    assert recs["evaluate"]["measured_s"] == pytest.approx(3090.9, abs=0.1)
+    assert recs["evaluate"]["verdict"] == "within", recs["evaluate"]
+    assert {recs[s]["verdict"] for s in ("merge", "collect", "train")} == {"cached"}

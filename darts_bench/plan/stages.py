@@ -719,10 +719,12 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     ``generate`` call per (model dir, task) whose requests name their heads, so decoding fills
     ``max_num_seqs`` from all rows' requests; the reference NLL still runs the transformer per row
     (``prompt_logprobs`` requests recompute their prompts, with the full-vocabulary logits at every
-    position: the ``logits`` rate) and prefills are counted per row (prefix caching may share them: not
-    counted). A judge's ``scored_tokens_per_row`` (forced-choice verdicts) are teacher-forced like the
-    reference NLL; every judge request is counted, although the stage answers a request an earlier row
-    made from its memo (:mod:`darts_bench.evaluate.memo`; how many repeat depends on the outputs)."""
+    position: the ``logits`` rate); with ``evaluate.vllm.enable_prefix_caching`` (the default) a prompt's
+    prefill is counted once per model dir, shared by its rows' requests (the KV cache does not depend on
+    the head), else once per row. A judge's ``scored_tokens_per_row`` (forced-choice verdicts) are
+    teacher-forced like the reference NLL; every judge request is counted, although the stage answers a
+    request an earlier row made from its memo (:mod:`darts_bench.evaluate.memo`; how many repeat depends
+    on the outputs)."""
     cfg, W, P, kind = x.cfg, x.weights, x.params, x.kind
     rows, E, M = len(x.evaluated), len(cfg.pool.expert_names), len(cfg.merges)
     ray = cfg.executor == "ray"
@@ -832,8 +834,10 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         n = ti["n_examples"] * ti["n_samples"]
         nll_tokens = ti["n_examples"] * (ti["prompt_tokens_est"] + ti["reference_tokens_est"])
         if layout == "vllm":  # one generate call per model dir: decoding steps hold every row's requests
-            secs += sum(gen(g * n * ti["prompt_tokens_est"], g * n * ti["max_new_tokens"], requests=g * n)
-                        for g in group_sizes) + rows * forward_seconds(nll_tokens, P, kind, rate=score_rate)
+            shared = cfg.evaluate.vllm.enable_prefix_caching  # one prefill per prompt for every row of the dir
+            secs += sum(gen((1 if shared else g) * n * ti["prompt_tokens_est"], g * n * ti["max_new_tokens"],
+                            requests=g * n) for g in group_sizes)
+            secs += rows * forward_seconds(nll_tokens, P, kind, rate=score_rate)
         elif native:
             if ti["n_samples"] == 1:  # greedy: a model dir's rows in one generate, batch x its rows a step
                 secs += sum(gen(g * n * ti["prompt_tokens_est"], g * n * ti["max_new_tokens"],
