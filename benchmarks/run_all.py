@@ -33,6 +33,7 @@ BENCHES = {
     "train": "bench_train.py",
     "generate": "bench_generate.py",
     "eval_heads": "bench_eval_heads.py",
+    "judge_memo": "bench_judge_memo.py",
     "diagnostics": "bench_diagnostics.py",
     "merge_memory": "bench_merge_memory.py",
     "generate_vllm": "bench_generate_vllm.py",  # SKIPPED without vllm (run it from .venv-vllm)

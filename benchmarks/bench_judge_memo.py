@@ -1,0 +1,108 @@
+"""The AlpacaEval judge over one merge's rows: each row's judge calls on their own (the plain path) vs
+through the evaluate stage's memo (``darts_bench.evaluate.memo``: a request an earlier row made is answered
+from the memo).
+
+Workload: the real outputs of one merge's rows on AlpacaEval, read from a committed results dir
+(``--results``, default ``results/smollm2-135m``: ``samples/<merge>*/alpacaeval.jsonl.gz``, 10 rows x 10
+instructions; rows that give the same output give the judge identical prompts). The judge is the
+bench model (the random tiny Llama, or ``--model-dir``), in the local judge's ``score`` mode through
+``tasks/alpacaeval/judge.py::judge_pairs``, both orders, as the task calls it. One timed unit is all rows
+of the merge, in row order:
+
+  plain  ``judge_pairs(judge, pairs of row k)`` for each row (what the stage did before the memo)
+  memo   the same calls on ``MemoModel(judge, memo)``, one fresh ``CallMemo`` per unit
+
+Figures: ``judge_memo`` = {ratio: plain / memo (median per-unit wall), identical: rows whose verdicts and
+judge completions equal the plain path's, n: rows, scored: judge sequences scored with the memo / without}.
+
+    .venv/bin/python benchmarks/bench_judge_memo.py [--merge regmean] [--results results/smollm2-135m]
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import common  # noqa: F401  (sets sys.path and env first)
+
+from darts_bench.evaluate.hf_model import HFTextModel
+from darts_bench.evaluate.memo import CallMemo, MemoModel
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def merge_rows(results: Path, merge: str) -> dict[str, list[tuple[str, str, str]]]:
+    """``{row: [(instruction, reference output, output), ...]}`` of the merge's rows, in the results'
+    row order (the merge first); raises FileNotFoundError when the results hold no such samples."""
+    rows = {}
+    for d in sorted(results.glob(f"samples/{merge}*"), key=lambda p: (p.name != merge, p.name)):
+        f = d / "alpacaeval.jsonl.gz"
+        if f.is_file():
+            with gzip.open(f, "rt", encoding="utf-8") as fh:
+                recs = [json.loads(line) for line in fh]
+            rows[d.name] = [(r["sample"]["instruction"], r["sample"]["reference_output"], r["sample"]["output"])
+                            for r in recs]
+    if not rows:
+        raise FileNotFoundError(f"no AlpacaEval samples of merge {merge!r} under {results}/samples")
+    return rows
+
+
+def main() -> None:
+    from tasks.alpacaeval.judge import judge_pairs
+
+    ap = common.parser(__doc__)
+    ap.add_argument("--merge", default="regmean")
+    ap.add_argument("--results", default=str(REPO / "results" / "smollm2-135m"))
+    args = ap.parse_args()
+    t = common.tier(args)
+    repeats = args.repeats or min(t["gen_repeats"], 3)
+    threads = common.set_threads(args.threads)
+    model, tok = common.load(common.model_dir(args))
+    model.requires_grad_(False)
+    judge = HFTextModel("judge", model, tok, batch_size=8)
+    rows = merge_rows(Path(args.results), args.merge)
+    pairs = {r: [(i, ref, o) for i, ref, o in v] + [(i, o, ref) for i, ref, o in v] for r, v in rows.items()}
+    out: dict[str, dict] = {"plain": {}, "memo": {}}
+    counted = {"plain": 0, "memo": 0}
+
+    class Counting:
+        def __init__(self, m, key):
+            self.m, self.key = m, key
+
+        def __getattr__(self, name):
+            return getattr(self.m, name)
+
+        def score(self, contexts, continuations):
+            counted[self.key] += len(contexts)
+            return self.m.score(contexts, continuations)
+
+    def plain(_u):
+        counted["plain"] = 0
+        out["plain"] = {r: judge_pairs(Counting(judge, "plain"), p) for r, p in pairs.items()}
+
+    def memo(_u):
+        counted["memo"] = 0
+        m = CallMemo()
+        out["memo"] = {r: judge_pairs(MemoModel(Counting(judge, "memo"), m), p) for r, p in pairs.items()}
+
+    tm = common.interleave({"plain": plain, "memo": memo}, repeats=repeats, warmup=1, units=1)
+    identical = sum(out["plain"][r] == out["memo"][r] for r in pairs)
+    n_out = sum(len(v) for v in rows.values())
+    distinct = len({x for v in rows.values() for x in v})
+    ratio, cpu = tm.ratio("plain", "memo"), tm.ratio("plain", "memo", "cpu")
+    print(f"model {common.model_dir(args)}; judge in score mode, both orders; merge {args.merge}: {len(rows)} rows x "
+          f"{n_out // len(rows)} instructions from {args.results} ({distinct} distinct (instruction, output) of "
+          f"{n_out}); {threads} thread(s); {repeats} rounds, rotating order")
+    print(common.table(["path", "wall s per round", "cpu s per round"],
+                       [[p, common.spread(tm.per_round(p)), common.spread(tm.per_round(p, "cpu"))] for p in tm.wall]))
+    print(f"judge: plain / memo {ratio:.2f}x wall ({cpu:.2f}x cpu); sequences scored {counted['memo']} of "
+          f"{counted['plain']}; rows with identical verdicts {identical}/{len(rows)}")
+    common.summary("judge_memo", f"AlpacaEval judge over {len(rows)} rows of {args.merge}: plain/memo {ratio:.2f}x, "
+                   f"{counted['memo']}/{counted['plain']} sequences scored, {identical}/{len(rows)} rows identical",
+                   judge_memo={"ratio": round(ratio, 3), "cpu_ratio": round(cpu, 3), "identical": identical,
+                               "n": len(rows), "scored": [counted["memo"], counted["plain"]]})
+
+
+if __name__ == "__main__":
+    main()
