@@ -91,7 +91,7 @@ def main() -> None:
           f"Surgery r16, DARTS r16{', Surgery r' + str(d + 32) if args.matched else ''}; {threads} thread(s); "
           f"{repeats} rounds")
     print(common.table(["path", "wall s per call", "cpu s per call"],
-                       [[p, common.spread(tm.per_round(p)), common.spread(tm.per_round(p, "cpu"))] for p in tm.wall]))
+                       tm.round_rows()))
     print(f"lm_head per head / factored: {ratio:.2f}x wall ({cpu_ratio:.2f}x cpu); per-token KL max relative "
           f"difference {kl_rel:.2e}; top-1 agreement identical {agree_same}/{total}")
     text = (f"{len(heads)} rows' held-out diagnostics ({args.tier} shapes, {n} tokens): lm_head per head / "
@@ -144,7 +144,7 @@ def stage_calls(data, pair, W_e, W_m, d: int, g: torch.Generator, repeats: int) 
     print(f"\nthe train stage's three calls (methods {len(calls[0])} rows, matched control 2, task-agnostic "
           f"{len(calls[2])}), {len(data)} tokens:")
     print(common.table(["path", "wall s per unit", "cpu s per unit"],
-                       [[p, common.spread(tm.per_round(p)), common.spread(tm.per_round(p, "cpu"))] for p in tm.wall]))
+                       tm.round_rows()))
     print(f"every call on its own / known streams: {ratio:.2f}x wall; rows identical {same}/{len(res[True])}")
     return {"ratio": round(ratio, 3), "identical": same, "n": len(res[True])}
 

@@ -119,11 +119,8 @@ def main() -> None:
     print(f"model {common.model_dir(args)}; {K} rows (plain + 3 Surgery + 3 DARTS random heads); {n_prompts} GSM8K "
           f"prompts in chunks of {bs}; greedy, {max_new} new tokens; {threads} thread(s); {repeats} rounds x "
           f"{len(units)} chunks, rotating order")
-    rows_t = []
-    for name, tm in (("generate", tg), ("score", ts)):
-        for p in tm.wall:
-            rows_t.append([f"{name}: {p}", common.spread(tm.per_round(p)), common.spread(tm.per_round(p, "cpu"))])
-    print(common.table(["path", "wall s per round", "cpu s per round"], rows_t))
+    print(common.table(["path", "wall s per round", "cpu s per round"],
+                       tg.round_rows("generate: ") + ts.round_rows("score: ")))
     gen_ratio, gen_cpu = tg.ratio("row-by-row", "one-pass"), tg.ratio("row-by-row", "one-pass", "cpu")
     sc_ratio, sc_cpu = ts.ratio("one-pass", "1 row"), ts.ratio("one-pass", "1 row", "cpu")
     sc_rbr_ratio = ts.ratio("7 rows", "one-pass")

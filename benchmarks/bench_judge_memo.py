@@ -66,25 +66,22 @@ def main() -> None:
     out: dict[str, dict] = {"plain": {}, "memo": {}}
     counted = {"plain": 0, "memo": 0}
 
-    class Counting:
-        def __init__(self, m, key):
-            self.m, self.key = m, key
-
+    class Counting:  # the plain path's scored sequences (the memo path's: its CallMemo's computed count)
         def __getattr__(self, name):
-            return getattr(self.m, name)
+            return getattr(judge, name)
 
         def score(self, contexts, continuations):
-            counted[self.key] += len(contexts)
-            return self.m.score(contexts, continuations)
+            counted["plain"] += len(contexts)
+            return judge.score(contexts, continuations)
 
     def plain(_u):
         counted["plain"] = 0
-        out["plain"] = {r: judge_pairs(Counting(judge, "plain"), p) for r, p in pairs.items()}
+        out["plain"] = {r: judge_pairs(Counting(), p) for r, p in pairs.items()}
 
     def memo(_u):
-        counted["memo"] = 0
         m = CallMemo()
-        out["memo"] = {r: judge_pairs(MemoModel(Counting(judge, "memo"), m), p) for r, p in pairs.items()}
+        out["memo"] = {r: judge_pairs(MemoModel(judge, m), p) for r, p in pairs.items()}
+        counted["memo"] = m.computed["score"]
 
     tm = common.interleave({"plain": plain, "memo": memo}, repeats=repeats, warmup=1, units=1)
     identical = sum(out["plain"][r] == out["memo"][r] for r in pairs)
@@ -95,7 +92,7 @@ def main() -> None:
           f"{n_out // len(rows)} instructions from {args.results} ({distinct} distinct (instruction, output) of "
           f"{n_out}); {threads} thread(s); {repeats} rounds, rotating order")
     print(common.table(["path", "wall s per round", "cpu s per round"],
-                       [[p, common.spread(tm.per_round(p)), common.spread(tm.per_round(p, "cpu"))] for p in tm.wall]))
+                       tm.round_rows()))
     print(f"judge: plain / memo {ratio:.2f}x wall ({cpu:.2f}x cpu); sequences scored {counted['memo']} of "
           f"{counted['plain']}; rows with identical verdicts {identical}/{len(rows)}")
     common.summary("judge_memo", f"AlpacaEval judge over {len(rows)} rows of {args.merge}: plain/memo {ratio:.2f}x, "

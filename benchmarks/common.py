@@ -119,6 +119,10 @@ class Timings:
     def per_round(self, name: str, kind: str = "wall") -> list[float]:
         return [sum(r) for r in getattr(self, kind)[name]]
 
+    def round_rows(self, prefix: str = "") -> list[list[str]]:
+        """One :func:`table` row per path: ``[prefix + path, wall spread per round, cpu spread per round]``."""
+        return [[prefix + p, spread(self.per_round(p)), spread(self.per_round(p, "cpu"))] for p in self.wall]
+
     def per_unit(self, name: str, kind: str = "wall") -> list[float]:
         return [x for r in getattr(self, kind)[name] for x in r]
 

@@ -147,17 +147,16 @@ def evaluate_one(cfg, row: Row, task: Task, examples: list[Example], by_name: di
 
         def get_model(name: str):
             if name in by_name:
-                r = by_name[name]
-                where = (r.model_dir, r.heads.get(task.name))
+                model_dir, head_dir = by_name[name].model_dir, by_name[name].heads.get(task.name)
             elif Path(name).is_dir():
-                where = (name, None)
+                model_dir, head_dir = name, None
             else:
                 raise KeyError(f"no model row {name!r} (rows: {sorted(by_name)})")
-            tm = models.get(name, where[0], where[1], pin=True)
+            tm = models.get(name, model_dir, head_dir, pin=True)
             opened.append(tm)
             if memos is None:
                 return tm
-            key = (task.name, name, str(where[0]), str(where[1]))
+            key = (task.name, name, str(model_dir), str(head_dir))
             if key not in memos:
                 memos[key] = CallMemo()
             return MemoModel(tm, memos[key])
