@@ -1,0 +1,78 @@
+"""Where an evaluate stage's time went, from stack samples of the driver process.
+
+    python scripts/stack_phases.py results/smollm2-135m-2026-12-03/driver_stacks.txt.gz [--since HH:MM:SS --until HH:MM:SS]
+
+The input is what a loop of ``py-spy dump --pid <driver>`` every few seconds writes, each dump preceded by a line
+``@@ <unix time>`` (results/smollm2-135m-2026-12-03/TIMINGS.md). A sample is charged, for the seconds since the
+previous one (at most 10), to the call the working row thread is in: the thread inside ``LLM.generate``, a gathered
+call (``_Gather._flush``), an engine start, or else any thread py-spy marks active; samples with none are
+``between calls``. Phases: the AlpacaEval judge, engine starts, reference NLL, routed rows' prompt states,
+generation, code execution, and ``other`` (named by the frame).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import re
+from pathlib import Path
+
+PHASES = (("judge_completions", "judge"), ("VLLMEngine.__init__", "engine start"), ("engine_for", "engine start"),
+          ("reference_nll", "reference NLL"), ("states", "routed prompt states"), ("generate", "generation"),
+          ("execut", "code execution"), ("sandbox", "code execution"), ("subprocess", "code execution"))
+
+
+def phases(text: str, since: int = 0, until: int = 1 << 40) -> collections.Counter:
+    """Seconds per phase over the samples taken in ``[since, until)`` (unix seconds)."""
+    out: collections.Counter = collections.Counter()
+    prev = None
+    for blk in text.split("@@ ")[1:]:
+        head, _, body = blk.partition("\n")
+        ts = int(head)
+        dt, prev = (0 if prev is None else min(ts - prev, 10)), ts
+        if not since <= ts < until:
+            continue
+        threads = re.split(r"(?m)^Thread ", body)[1:]
+        busy = [t for t in threads if "LLM.generate" in t or "_flush" in t or "VLLMEngine.__init__" in t
+                or "active" in t.split("\n")[0]]
+        if not busy:
+            out["between calls"] += dt
+            continue
+        stack = busy[0]
+        name = next((p for key, p in PHASES if key in stack), None)
+        out[name or "other: " + stack.strip().split("\n")[1].strip()[:60]] += dt
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import datetime as dt
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("samples", type=Path)
+    ap.add_argument("--since", default=None, help="HH:MM:SS (UTC, the samples' day)")
+    ap.add_argument("--until", default=None)
+    args = ap.parse_args(argv)
+    opener = gzip.open if args.samples.suffix == ".gz" else open
+    with opener(args.samples, "rt", encoding="utf-8") as fh:
+        text = fh.read()
+    first = int(text.split("@@ ", 2)[1].partition("\n")[0])
+    day = dt.datetime.fromtimestamp(first, dt.timezone.utc).date()
+
+    def at(hms: str | None, default: int) -> int:
+        if hms is None:
+            return default
+        t = dt.datetime.strptime(hms, "%H:%M:%S").time()
+        return int(dt.datetime.combine(day, t, dt.timezone.utc).timestamp())
+
+    got = phases(text, at(args.since, 0), at(args.until, 1 << 40))
+    total = sum(got.values())
+    print("| phase | seconds | share |\n|---|---|---|")
+    for k, v in got.most_common():
+        print(f"| {k} | {v:,} | {v / total:.0%} |")
+    print(f"| all | {total:,} | |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

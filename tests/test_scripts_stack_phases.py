@@ -1,0 +1,33 @@
+"""scripts/stack_phases.py recomputes the evaluate stage's phase table of results/smollm2-135m-2026-12-03/TIMINGS.md
+from the committed driver stack samples, and the judge memo's counts are in the committed run log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import load_script
+
+RUN = Path(__file__).resolve().parent.parent / "results" / "smollm2-135m-2026-12-03"
+
+
+def test_committed_samples_give_the_timings_phase_table(capsys):
+    sp = load_script("stack_phases")
+    assert sp.main([str(RUN / "driver_stacks.txt.gz")]) == 0
+    out = capsys.readouterr().out
+    for line in ("| judge | 1,156 | 37% |", "| reference NLL | 853 | 28% |", "| generation | 663 | 21% |",
+                 "| engine start | 226 | 7% |", "| routed prompt states | 59 | 2% |", "| all | 3,086 | |"):
+        assert line in out
+    # one window: the AdaMerging AlpacaEval pass, mostly the judge
+    sp.main([str(RUN / "driver_stacks.txt.gz"), "--since", "09:10:26", "--until", "09:21:15"])
+    assert "| judge | 488 |" in capsys.readouterr().out
+    timings, log = (RUN / "TIMINGS.md").read_text(), (RUN / "run.log").read_text()
+    assert "| AlpacaEval judge (forced-choice scoring on the judge's vLLM engine, `prompt_logprobs`) | 1,156 | 37% |" in timings
+    assert "score 620 computed, 340 reused" in log and "stage evaluate: done in 3090.9 s" in log
+
+
+def test_a_sample_without_a_working_thread_is_between_calls():
+    sp = load_script("stack_phases")
+    text = ("@@ 100\nThread 1 (idle): \"eval-x-gsm8k\"\n    Condition.wait (threading.py:327)\n"
+            "@@ 103\nThread 1 (idle): \"eval-x-gsm8k\"\n    LLM.generate (vllm/llm.py:1)\n    RowView.generate (e.py:1)\n"
+            "@@ 130\nThread 1 (active): \"eval-x-gsm8k\"\n    judge_completions (judge.py:1)\n")
+    assert sp.phases(text) == {"between calls": 0, "generation": 3, "judge": 10}
