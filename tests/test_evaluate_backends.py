@@ -110,7 +110,18 @@ def test_backends_chosen_by_name_from_the_config():
     cfg = load_config("tiny", ["calibration.backend=vllm"])
     assert backend_class(cfg, "evaluate") is HFBackend and backend_class(cfg, "calibration") is VLLMBackend
     assert backend_key(cfg, "evaluate") == {}
-    assert backend_key(cfg, "calibration") == {"backend": "vllm", "vllm": cfg.evaluate.vllm.model_dump(mode="json"),
-                                               "dtype": cfg.pool.dtype}
+    settings = cfg.evaluate.vllm.model_dump(mode="json")
+    del settings["scoring"]  # collect's continuations never score
+    assert backend_key(cfg, "calibration") == {"backend": "vllm", "vllm": settings, "dtype": cfg.pool.dtype}
+    # evaluate.vllm.scoring is in the evaluate key only when it is hf: the default keeps the keys that
+    # vLLM runs had before the setting existed (these fields), and calibration's key never has it
+    on = ["evaluate.backend=vllm", "calibration.backend=vllm"]
+    engine, hf = load_config("tiny", on), load_config("tiny", [*on, "evaluate.vllm.scoring=hf"])
+    assert sorted(backend_key(engine, "evaluate")["vllm"]) == [
+        "cpu_threads_bind", "dtype", "enable_chunked_prefill", "enable_prefix_caching", "enforce_eager",
+        "gpu_memory_utilization", "kv_cache_gb", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+        "tensor_parallel_size"]
+    assert backend_key(hf, "evaluate")["vllm"] == {**backend_key(engine, "evaluate")["vllm"], "scoring": "hf"}
+    assert backend_key(hf, "calibration") == backend_key(engine, "calibration")
     with pytest.raises(ValueError, match="unknown backend role 'train'"):
         backend_class(cfg, "train")

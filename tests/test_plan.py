@@ -510,6 +510,26 @@ def test_vllm_one_pass_fills_decoding_steps_from_every_row():
     assert one["seconds"] < rbr["seconds"]
 
 
+def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
+    """``evaluate.vllm.scoring: hf``: the reference NLL counted as the HF one pass counts it (one
+    transformer forward per model dir, a further head its ``lm_head``: the hf backend's token count)
+    instead of a ``prompt_logprobs`` forward per row; the HF copy's weights beside each engine (two
+    on CPU: the judge's) and one checkpoint load per engine start (the hf backend's load time);
+    the stage cheaper; ``engine``, the default, plans exactly what it planned before."""
+    sets = ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32"]
+    plan_e = make_plan(load_config("smollm2-135m", sets))
+    e = plan_e["stages"]["evaluate"]
+    h = make_plan(load_config("smollm2-135m", [*sets, "evaluate.vllm.scoring=hf"]))["stages"]["evaluate"]
+    hf = make_plan(load_config("smollm2-135m"))["stages"]["evaluate"]
+    W = plan_e["model"]["weights_bytes"]
+    assert h["memory_bytes"] == e["memory_bytes"] + 2 * W and "HF scorer's weights" in h["memory_note"]
+    assert h["nll_tokens"] == hf["nll_tokens"] == 86_400 and e["nll_tokens"] == 291_600
+    assert h["judge_tokens"] == e["judge_tokens"] and h["engine_starts"] == e["engine_starts"] == 6
+    assert h["load_seconds"] == pytest.approx(e["load_seconds"] + 6 * hf["load_seconds"] / hf["model_loads"])
+    assert h["seconds"] < 0.75 * e["seconds"]
+    assert make_plan(load_config("smollm2-135m", [*sets, "evaluate.vllm.scoring=engine"]))["stages"]["evaluate"] == e
+
+
 def test_merge_memory_counts_mergekit_output_shard():
     """The merge stage holds one output shard (mergekit's default ``out_shard_size``) beside the
     tensors in flight: a 7B bf16 merge (13.5 GB) a 5 GB shard, a small model all of itself."""

@@ -202,7 +202,7 @@ def hf_engine_cls():
             self.worker.set_head(head_dir)
             return self.worker.text_model
 
-        def multi_head_model(self, name, head_dirs):
+        def multi_head_model(self, name, head_dirs, batch_size=8):
             self.worker.set_head(None)
             return self.worker.multi_head_model(head_dirs)
 

@@ -50,7 +50,8 @@ class VLLMWorker:
         if op == "ping":
             return "ok"
         if op in MULTI_OPS:
-            mh = self.engine.multi_head_model(payload.get("name", "model"), payload["head_dirs"])
+            mh = self.engine.multi_head_model(payload.get("name", "model"), payload["head_dirs"],
+                                              batch_size=self.batch_size)
             return run_multi_op(mh, op, payload)
         if op not in TEXT_OPS:
             raise ValueError(f"unknown vLLM worker op {op!r}")

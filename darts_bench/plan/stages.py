@@ -719,7 +719,9 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     ``generate`` call per (model dir, task) whose requests name their heads, so decoding fills
     ``max_num_seqs`` from all rows' requests; the reference NLL still runs the transformer per row
     (``prompt_logprobs`` requests recompute their prompts, with the full-vocabulary logits at every
-    position: the ``logits`` rate); with ``evaluate.vllm.enable_prefix_caching`` (the default) a prompt's
+    position: the ``logits`` rate), unless ``evaluate.vllm.scoring: hf`` scores with an HF copy beside
+    each engine (the HF one pass's scores: one forward per model dir, a further head its ``lm_head``, the
+    ``forward`` rate; the copy's weights and load counted per engine); with ``evaluate.vllm.enable_prefix_caching`` (the default) a prompt's
     prefill is counted once per model dir, shared by its rows' requests (the KV cache does not depend on
     the head), else once per row. A judge's ``scored_tokens_per_row`` (forced-choice verdicts) are
     teacher-forced like the reference NLL; every judge request is counted, although the stage answers a
@@ -729,6 +731,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     rows, E, M = len(x.evaluated), len(cfg.pool.expert_names), len(cfg.merges)
     ray = cfg.executor == "ray"
     vllm = cfg.evaluate.backend == "vllm"
+    hf_scores = vllm and cfg.evaluate.vllm.scoring == "hf"  # scores from an HF copy beside each engine
     judges = x.local_judges
     layout = one_pass_layout(cfg)
     native = layout is not None
@@ -741,7 +744,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     merge_rows = max((groups[m.name] for m in cfg.merges if m.name in groups), default=0)  # rows of one merge
     T = len(x.tasks)
     passes, per_merge = (n_groups * T, T if merge_rows else 0) if native else (rows * T, merge_rows * T)
-    nll_once = layout == "hf"  # one transformer forward per model dir for every head's scores
+    nll_once = layout == "hf" or (layout == "vllm" and hf_scores)  # one forward per model dir for every head
     eval_gen = eval_nll = judge_tokens = 0
     for t, ti in x.tasks.items():
         per_row_gen = ti["n_examples"] * ti["n_samples"] * (ti["prompt_tokens_est"] + ti["max_new_tokens"])
@@ -803,6 +806,12 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
                             + f" + process {gb(PROCESS_BASELINE['evaluate'])}")
         s["vllm_engine"] = e
         s["load_seconds"] = s["model_loads"] * e["start_s"]
+        if hf_scores:  # the HF scorer: a copy of the weights beside each engine, loaded once per engine
+            s["memory_bytes"] += W * (1 + beside)
+            if e["gpu"] is not None:
+                s["gpu_bytes"] = e["gpu"] + W
+            s["memory_note"] += f" + the HF scorer's weights {gb(W)} per engine (evaluate.vllm.scoring: hf)"
+            s["load_seconds"] += s["model_loads"] * x.checkpoint_load_seconds
 
         def gen(prompt_tokens: float, new_tokens: float, requests: float | None = None) -> float:
             return vllm_generation_seconds(prompt_tokens, new_tokens, P, kind, cfg, e, requests=requests)
@@ -828,7 +837,8 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         def gen(prompt_tokens: float, new_tokens: float, batch: int = bs) -> float:
             return forward_seconds(prompt_tokens, P, kind) + decode_seconds(new_tokens, P, kind, batch, W, L)
     secs = 0.0
-    score_rate = "logits" if vllm else "forward"  # vLLM's prompt_logprobs vs HF's continuation-only lm_head
+    # vLLM's prompt_logprobs vs HF's continuation-only lm_head (the HF backend, or vLLM's HF scorer)
+    score_rate = "logits" if vllm and not hf_scores else "forward"
     lm_head = x.arch["hidden_size"] * x.arch["vocab_size"]  # a further head's cost on cached hidden states
     for t, ti in x.tasks.items():
         n = ti["n_examples"] * ti["n_samples"]
@@ -837,7 +847,11 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
             shared = cfg.evaluate.vllm.enable_prefix_caching  # one prefill per prompt for every row of the dir
             secs += sum(gen((1 if shared else g) * n * ti["prompt_tokens_est"], g * n * ti["max_new_tokens"],
                             requests=g * n) for g in group_sizes)
-            secs += rows * forward_seconds(nll_tokens, P, kind, rate=score_rate)
+            if hf_scores:  # the HF one pass's scores (below)
+                secs += n_groups * forward_seconds(nll_tokens, P, kind) + (rows - n_groups) * forward_seconds(
+                    ti["n_examples"] * ti["reference_tokens_est"], lm_head, kind)
+            else:
+                secs += rows * forward_seconds(nll_tokens, P, kind, rate=score_rate)
         elif native:
             if ti["n_samples"] == 1:  # greedy: a model dir's rows in one generate, batch x its rows a step
                 secs += sum(gen(g * n * ti["prompt_tokens_est"], g * n * ti["max_new_tokens"],

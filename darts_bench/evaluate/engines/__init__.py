@@ -80,7 +80,7 @@ def check_backends(cfg) -> None:
 def backend_key(cfg, role: str = "evaluate") -> dict[str, Any]:
     """The part of an artifact's cache key that names ``role``'s engine: empty for ``hf`` (keys
     unchanged), the engine settings and dtype for ``vllm`` (``Backend.cache_key``)."""
-    return backend_class(cfg, role).cache_key(cfg)
+    return backend_class(cfg, role).cache_key(cfg, role)
 
 
 def open_models(cfg, executor, role: str = "evaluate", **options) -> Backend:

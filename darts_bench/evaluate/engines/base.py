@@ -59,8 +59,9 @@ class Backend(ABC):
 
     @classmethod
     @abstractmethod
-    def cache_key(cls, cfg) -> dict[str, Any]:
-        """The part of an artifact's cache key that names this engine (``{}``: keys unchanged)."""
+    def cache_key(cls, cfg, role: str = "evaluate") -> dict[str, Any]:
+        """The part of an artifact's cache key that names this engine for ``role`` (``evaluate`` |
+        ``calibration``; ``{}``: keys unchanged)."""
 
     @property
     def key(self) -> dict[str, Any]:

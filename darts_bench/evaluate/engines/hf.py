@@ -77,7 +77,7 @@ class HFBackend(Backend):
         self._open: dict[str, list[_Shared]] = {}
 
     @classmethod
-    def cache_key(cls, cfg) -> dict[str, Any]:
+    def cache_key(cls, cfg, role: str = "evaluate") -> dict[str, Any]:
         """Empty: HF artifact keys carry no backend part (they predate the backends)."""
         return {}
 

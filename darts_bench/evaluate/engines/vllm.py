@@ -59,6 +59,7 @@ from typing import Any, Sequence
 
 from darts_bench.api import Completion, ScoreContinuation
 from darts_bench.evaluate.engines.base import Backend
+from darts_bench.evaluate.engines.hf_scorer import HFScorer
 from darts_bench.evaluate.engines.vllm_plugin import darts_arch
 from darts_bench.evaluate.hf_model import check_checkpoint, cut_at_stop, format_chat
 
@@ -212,6 +213,9 @@ class VLLMEngine:
         self.step_tokens = sched.max_num_batched_tokens
         self.chunked_prefill = bool(sched.enable_chunked_prefill)
         self.on_cpu = _on_cpu()
+        # evaluate.vllm.scoring=hf: teacher-forced scores from a transformers copy beside the engine
+        self.scorer = HFScorer(self.model_dir, self.dtype, "cpu" if self.on_cpu else "cuda") \
+            if getattr(vcfg, "scoring", "engine") == "hf" else None
         log.info("vLLM engine for %s up in %.1f s (dtype %s, processes %s)", self.model_dir, self.startup_s,
                  self.dtype, sorted(self._pids))
         atexit.register(self.shutdown)
@@ -233,8 +237,8 @@ class VLLMEngine:
             self.head_dirs = want
 
     def multi_head_model(self, name: str, head_dirs: Sequence[str | Path | None],
-                         max_length: int | None = None) -> "VLLMMultiHeadModel":
-        return VLLMMultiHeadModel(name, self, head_dirs, max_length=max_length)
+                         max_length: int | None = None, batch_size: int = 8) -> "VLLMMultiHeadModel":
+        return VLLMMultiHeadModel(name, self, head_dirs, max_length=max_length, batch_size=batch_size)
 
     def text_model(self, name: str, head_dir: str | Path | None = None, batch_size: int = 8,
                    max_length: int | None = None) -> "VLLMTextModel":
@@ -247,6 +251,8 @@ class VLLMEngine:
         if llm is None:
             return
         self.llm = None
+        if getattr(self, "scorer", None) is not None:
+            self.scorer.close()
         try:
             llm.llm_engine.engine_core.shutdown()
         except Exception as e:  # noqa: BLE001 - the processes are reaped below either way
@@ -276,8 +282,8 @@ class VLLMTextModel:
         name: row name.
         engine: the engine of the row's model dir.
         head_dir: the row's head dir (None: plain model); set on the engine before each call.
-        batch_size: kept for the TextModel API; vLLM schedules requests itself
-            (``evaluate.vllm.max_num_seqs``).
+        batch_size: vLLM schedules requests itself (``evaluate.vllm.max_num_seqs``); with
+            ``evaluate.vllm.scoring: hf`` the HF scorer's pairs per forward.
         max_length: prompt (and scored context + continuation) limit, tokens, truncated from the
             left; default ``min(1024, max_position_embeddings)`` as on the HF path.
     """
@@ -434,15 +440,30 @@ class VLLMTextModel:
               heads: Sequence[int] | None = None) -> list[ScoreContinuation]:
         """Per-pair NLL (nats) of the continuation tokens given the context, from vLLM's
         ``prompt_logprobs`` (same tokenization and truncation as ``HFTextModel.score``); ``heads``
-        as in :meth:`generate_ids`."""
-        from vllm import SamplingParams, TokensPrompt
+        as in :meth:`generate_ids`. With ``evaluate.vllm.scoring: hf`` the engine's
+        :class:`~darts_bench.evaluate.engines.hf_scorer.HFScorer` scores instead (``HFTextModel.score``
+        with this row's head: the ``hf`` backend's values bitwise).
 
+        Raises:
+            ValueError: different numbers of contexts and continuations, an empty continuation.
+        """
         from darts_bench.evaluate.hf_model import score_pairs
+
+        eng = self.engine
+        if getattr(eng, "scorer", None) is not None:
+            if heads is not None:
+                dirs = eng.head_dirs or []
+                return eng.scorer.score_requests([(h if h >= 0 else None, c, x) for h, c, x in
+                                                  zip(heads, contexts, continuations)], dirs,
+                                                 batch_size=self.batch_size, max_length=self.max_length,
+                                                 name=self.name) if contexts else []
+            return eng.scorer.score(contexts, continuations, self.head_dir, batch_size=self.batch_size,
+                                    max_length=self.max_length, name=self.name)
+        from vllm import SamplingParams, TokensPrompt
 
         pairs = score_pairs(self.tokenizer, contexts, continuations, self.max_length)
         if not pairs:
             return []
-        eng = self.engine
         if heads is None:
             eng.set_head(self.head_dir)
         params = [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False,
@@ -470,14 +491,14 @@ class VLLMMultiHeadModel:
         name: label for logs.
         engine: the engine of the merge's model dir.
         head_dirs: the heads, by index (None: no head).
-        max_length: as :class:`VLLMTextModel`.
+        max_length, batch_size: as :class:`VLLMTextModel`.
     """
 
     def __init__(self, name: str, engine: VLLMEngine, head_dirs: Sequence[str | Path | None],
-                 max_length: int | None = None):
+                 max_length: int | None = None, batch_size: int = 8):
         self.name, self.engine = name, engine
         self.head_dirs = [str(h) if h else None for h in head_dirs]
-        self._tm = VLLMTextModel(name, engine, None, max_length=max_length)
+        self._tm = VLLMTextModel(name, engine, None, batch_size=batch_size, max_length=max_length)
         self.tokenizer = engine.tokenizer
 
     def _heads(self, idx: Sequence[int]) -> list[int]:
@@ -530,9 +551,19 @@ class VLLMMultiHeadModel:
 
     def score(self, requests: Sequence[tuple[int, str, str]]) -> list[ScoreContinuation]:
         """``requests``: ``(head index, context, continuation)``; NLL per request as
-        :meth:`VLLMTextModel.score`."""
+        :meth:`VLLMTextModel.score`. With ``evaluate.vllm.scoring: hf``: the engine's
+        :class:`~darts_bench.evaluate.engines.hf_scorer.HFScorer`, one transformer forward per
+        distinct pair for every head (``HFMultiHeadModel.score``), equal bitwise to the row-by-row
+        scores.
+
+        Raises:
+            ValueError: a head index outside ``head_dirs``; an empty continuation.
+        """
         if not requests:
             return []
+        if getattr(self.engine, "scorer", None) is not None:
+            return self.engine.scorer.score_requests(requests, self.head_dirs, batch_size=self._tm.batch_size,
+                                                     max_length=self._tm.max_length, name=self.name)
         heads = self._heads([h for h, _, _ in requests])
         return self._tm.score([c for _, c, _ in requests], [x for _, _, x in requests], heads=heads)
 
@@ -573,9 +604,15 @@ class VLLMBackend(Backend):
         check_ray_vllm(cfg)
 
     @classmethod
-    def cache_key(cls, cfg) -> dict[str, Any]:
-        """The engine settings (``evaluate.vllm``) and dtype: bf16 outputs differ between engines."""
-        return {"backend": cls.name, "vllm": cfg.evaluate.vllm.model_dump(mode="json"), "dtype": cfg.pool.dtype}
+    def cache_key(cls, cfg, role: str = "evaluate") -> dict[str, Any]:
+        """The engine settings (``evaluate.vllm``) and dtype: bf16 outputs differ between engines.
+        ``evaluate.vllm.scoring`` is in the key only where it changes numbers: the ``evaluate``
+        role with ``hf`` scoring (``engine``, the default, keeps the keys it had before the setting
+        existed; collect's continuations never score)."""
+        vllm = cfg.evaluate.vllm.model_dump(mode="json")
+        if role != "evaluate" or vllm["scoring"] == "engine":
+            del vllm["scoring"]
+        return {"backend": cls.name, "vllm": vllm, "dtype": cfg.pool.dtype}
 
     # ------------------------------------------------------------------ in-process engines
     def _serves(self, eng: "VLLMEngine | None", model_dir: str) -> bool:
@@ -644,7 +681,7 @@ class VLLMBackend(Backend):
         self._check_open()
         if not self.executor.in_process:
             return super().multi_head_model(name, model_dir, head_dirs)
-        return self.engine_for(str(model_dir)).multi_head_model(name, head_dirs)
+        return self.engine_for(str(model_dir)).multi_head_model(name, head_dirs, batch_size=self.batch_size)
 
     def continuations(self, name: str, model_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
                       desc: str = "") -> list[list[int]]:

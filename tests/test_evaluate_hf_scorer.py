@@ -1,0 +1,111 @@
+"""``evaluate.vllm.scoring: hf``: the vLLM backend's teacher-forced scores from an HF copy of the
+engine's checkpoint (:class:`~darts_bench.evaluate.engines.hf_scorer.HFScorer`), equal bitwise to the
+``hf`` backend's, with every head of a merge from one forward; and the vLLM text and multi-head
+models routing their ``score`` to it (a stand-in engine: no vllm needed). The real engine with the
+scorer is in ``tests/test_evaluate_vllm_parity.py`` (vLLM venv)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_llama_and_tokenizer
+
+from darts_bench.evaluate.engines.hf_scorer import HFScorer
+from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm
+from darts_bench.surgery.heads import build_head, load_head, save_head
+
+PROMPTS = ["def add(a, b):", "Question: what is 2 + 3?\nAnswer:", "hi", "Write a long story about a dog",
+           "the quick brown fox"]
+CONTS = [" return a + b", " 5", " there", " The dog ran.", " jumps over the lazy dog"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny random Llama saved as a checkpoint dir, and two non-trivial heads saved beside it."""
+    tmp = tmp_path_factory.mktemp("scorer")
+    model, tok = tiny_llama_and_tokenizer(PROMPTS + CONTS)
+    model.save_pretrained(tmp / "model")
+    tok.save_pretrained(tmp / "model")
+    heads = []
+    for i, method in enumerate(("surgery", "darts")):
+        head = build_head(method, 32, rank=4, max_len=8, overflow="clamp", seed=i)
+        g = torch.Generator().manual_seed(10 + i)
+        with torch.no_grad():
+            head.up.weight.copy_(torch.randn(head.up.weight.shape, generator=g))
+            if head.pos_bias is not None:
+                head.pos_bias.copy_(torch.randn(head.pos_bias.shape, generator=g))
+        save_head(head, tmp / f"head{i}")
+        heads.append(str(tmp / f"head{i}"))
+    return tmp / "model", heads
+
+
+def _reference(model_dir, head_dir, batch_size=2):
+    """The hf backend's score: an HFTextModel over its own load of the checkpoint, head attached."""
+    model, tok = load_causal_lm(model_dir)
+    tm = HFTextModel("ref", model, tok, head=load_head(head_dir) if head_dir else None, batch_size=batch_size)
+    try:
+        return tm.score(PROMPTS, CONTS)
+    finally:
+        tm.close()
+
+
+def test_scores_equal_the_hf_backend_bitwise_one_forward_for_every_head(ckpt):
+    """Row by row and every head at once give the hf backend's NLLs bit for bit; the heads really
+    change the scores; the head is detached after each call; the checkpoint is loaded once."""
+    model_dir, heads = ckpt
+    dirs = [None, *heads]
+    want = {d: _reference(model_dir, d) for d in dirs}
+    assert len({tuple(s.nll for s in v) for v in want.values()}) == 3  # the heads differ
+    sc = HFScorer(model_dir)
+    for d in dirs:
+        got = sc.score(PROMPTS, CONTS, d, batch_size=2)
+        assert [(g.nll, g.token_nll, g.greedy, g.n_tokens) for g in got] == \
+            [(w.nll, w.token_nll, w.greedy, w.n_tokens) for w in want[d]], d
+    # the plain model after a head: no hook left behind
+    assert [g.nll for g in sc.score(PROMPTS, CONTS, None, batch_size=2)] == [w.nll for w in want[None]]
+    reqs = [(k, c, x) for c, x in zip(PROMPTS, CONTS) for k in (2, 0, 1)]  # heads interleaved
+    got = sc.score_requests(reqs, dirs, batch_size=2)
+    for (k, c, _), g in zip(reqs, got):
+        w = want[dirs[k]][PROMPTS.index(c)]
+        assert (g.nll, g.token_nll, g.greedy) == (w.nll, w.token_nll, w.greedy), (k, c)
+    assert sc.score_requests([], dirs) == []
+    assert sc.loads == 1
+    with pytest.raises(ValueError, match="head index 3 out of range"):
+        sc.score_requests([(3, "hi", " there")], dirs)
+    sc.close()
+    assert sc.score(PROMPTS[:1], CONTS[:1])[0].nll == want[None][0].nll and sc.loads == 2
+
+
+def test_vllm_models_route_score_to_the_scorer(ckpt):
+    """``VLLMTextModel.score`` (its own head, or per-request heads) and ``VLLMMultiHeadModel.score``
+    go to the engine's scorer with the row's batch size and length limit, never to the engine
+    (a stand-in engine without ``llm``: a call to vLLM would fail)."""
+    from darts_bench.evaluate.engines.vllm import VLLMMultiHeadModel, VLLMTextModel
+
+    model_dir, heads = ckpt
+    _, tok = load_causal_lm(model_dir)
+
+    class Engine:
+        tokenizer, max_position, llm = tok, 64, None
+        scorer = HFScorer(model_dir)
+        head_dirs = ["", heads[0], heads[1]]  # as VLLMEngine.set_heads stores them ("" = plain)
+
+        def set_head(self, _):
+            raise AssertionError("no head swap in the engine for HF scoring")
+
+    eng = Engine()
+    want = {d: _reference(model_dir, d, batch_size=3) for d in (None, *heads)}
+    got = VLLMTextModel("row", eng, heads[1], batch_size=3).score(PROMPTS, CONTS)
+    assert [g.token_nll for g in got] == [w.token_nll for w in want[heads[1]]]
+    per = VLLMTextModel("row", eng, None, batch_size=3).score(PROMPTS, CONTS, heads=[-1, 0, 1, 2, 1])
+    assert [g.nll for g in per] == [want[None][0].nll, want[None][1].nll, want[heads[0]][2].nll,
+                                    want[heads[1]][3].nll, want[heads[0]][4].nll]
+    mh = VLLMMultiHeadModel("ties", eng, [None, *heads], batch_size=3)
+    reqs = [(k, c, x) for c, x in zip(PROMPTS, CONTS) for k in range(3)]
+    for (k, c, _), g in zip(reqs, mh.score(reqs)):
+        assert g.token_nll == want[[None, *heads][k]][PROMPTS.index(c)].token_nll
+    # the length limit travels: a 4-token window scores at most 3 continuation tokens
+    short = VLLMTextModel("row", eng, None, batch_size=3, max_length=4).score(PROMPTS[-1:], CONTS[-1:])
+    assert short[0].n_tokens == 3
+    assert Engine.scorer.loads == 1
