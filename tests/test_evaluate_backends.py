@@ -123,5 +123,16 @@ def test_backends_chosen_by_name_from_the_config():
         "tensor_parallel_size"]
     assert backend_key(hf, "evaluate")["vllm"] == {**backend_key(engine, "evaluate")["vllm"], "scoring": "hf"}
     assert backend_key(hf, "calibration") == backend_key(engine, "calibration")
+    # the sessions the stages open carry their role: collect keys its calibration sets with its
+    # backend's .key (collect/features.py), which must not change with the evaluate-only setting
+    from darts_bench.executors.local import LocalExecutor
+
+    for c in (engine, hf):
+        for role in ("evaluate", "calibration"):
+            with open_models(c, LocalExecutor(), role=role) as be:
+                assert be.role == role and be.key == backend_key(c, role)
+    with open_models(hf, LocalExecutor(), role="calibration") as a, \
+            open_models(engine, LocalExecutor(), role="calibration") as b:
+        assert a.key == b.key
     with pytest.raises(ValueError, match="unknown backend role 'train'"):
         backend_class(cfg, "train")

@@ -94,7 +94,7 @@ def open_models(cfg, executor, role: str = "evaluate", **options) -> Backend:
             (``.continuations`` makes the experts' continuations).
         **options: backend options (``batch_size``; ``engine_cls`` for ``vllm``).
     """
-    return backend_class(cfg, role)(cfg, executor, **options)
+    return backend_class(cfg, role)(cfg, executor, role=role, **options)
 
 
 __all__ = ["BACKENDS", "ROLES", "Backend", "HeldProxies", "backend_class", "backend_key", "backend_name",

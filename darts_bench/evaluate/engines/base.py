@@ -31,6 +31,8 @@ class Backend(ABC):
         executor: the run's executor (``in_process`` says which layout the backend uses).
         batch_size: prompts per forward / ``generate`` call of the text models it hands out
             (default ``cfg.tasks.batch_size``).
+        role: what the session serves, ``evaluate`` | ``calibration`` (:meth:`key` is this role's
+            :meth:`cache_key`).
 
     Attributes:
         name: the registry name (``hf`` | ``vllm``).
@@ -44,8 +46,8 @@ class Backend(ABC):
     name: ClassVar[str] = ""
     hold_groups: ClassVar[bool] = True
 
-    def __init__(self, cfg, executor, batch_size: int | None = None):
-        self.cfg, self.executor = cfg, executor
+    def __init__(self, cfg, executor, batch_size: int | None = None, role: str = "evaluate"):
+        self.cfg, self.executor, self.role = cfg, executor, role
         self.batch_size = batch_size or cfg.tasks.batch_size
         self._loads = 0
         self._held = HeldProxies(self._open_proxy)
@@ -65,8 +67,8 @@ class Backend(ABC):
 
     @property
     def key(self) -> dict[str, Any]:
-        """:meth:`cache_key` of this session's config."""
-        return self.cache_key(self.cfg)
+        """:meth:`cache_key` of this session's config and role."""
+        return self.cache_key(self.cfg, self.role)
 
     @property
     def loads(self) -> int:

@@ -59,7 +59,7 @@ class HFBackend(Backend):
     """The ``hf`` backend for one run (see the module docstring for its layouts).
 
     Args:
-        cfg, executor, batch_size: as :class:`~darts_bench.evaluate.engines.base.Backend`; models
+        cfg, executor, batch_size, role: as :class:`~darts_bench.evaluate.engines.base.Backend`; models
             are loaded on ``cfg.device`` in ``cfg.pool.dtype`` with ``cfg.torch_threads``.
 
     Attributes:
@@ -70,8 +70,8 @@ class HFBackend(Backend):
     name = "hf"
     share_weights: ClassVar[bool] = True
 
-    def __init__(self, cfg, executor, batch_size: int | None = None):
-        super().__init__(cfg, executor, batch_size)
+    def __init__(self, cfg, executor, batch_size: int | None = None, role: str = "evaluate"):
+        super().__init__(cfg, executor, batch_size, role)
         self._base: dict[str, HFTextModel] = {}
         self._pinned: set[str] = set()
         self._open: dict[str, list[_Shared]] = {}

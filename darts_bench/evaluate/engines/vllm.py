@@ -575,8 +575,8 @@ class VLLMBackend(Backend):
     ``evaluate.vllm.dtype`` is set) and ``cfg.seed``.
 
     Args:
-        cfg, executor, batch_size: as :class:`~darts_bench.evaluate.engines.base.Backend`
-            (``batch_size`` is kept for the TextModel API; vLLM schedules requests itself).
+        cfg, executor, batch_size, role: as :class:`~darts_bench.evaluate.engines.base.Backend`
+            (vLLM schedules requests itself; ``batch_size`` is the HF scorer's pairs per forward).
         engine_cls: the engine class (default :class:`VLLMEngine`; tests pass a stand-in with its
             constructor ``(model_dir, vcfg, dtype, seed=...)``, ``text_model(name, head_dir,
             batch_size=...)`` and ``shutdown()``).
@@ -588,8 +588,9 @@ class VLLMBackend(Backend):
 
     name = "vllm"
 
-    def __init__(self, cfg, executor, batch_size: int | None = None, engine_cls: type | None = None):
-        super().__init__(cfg, executor, batch_size)
+    def __init__(self, cfg, executor, batch_size: int | None = None, engine_cls: type | None = None,
+                 role: str = "evaluate"):
+        super().__init__(cfg, executor, batch_size, role)
         self.engine_cls = engine_cls or VLLMEngine
         self.vcfg, self.dtype, self.seed = cfg.evaluate.vllm, cfg.pool.dtype, cfg.seed
         self._engine: VLLMEngine | None = None
