@@ -529,14 +529,17 @@ class VLLMConfig(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU: share of memory for weights + KV")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model over (with "
                                       "executor ray: of the actor's ray.num_gpus_per_actor)")
-    scoring: Literal["engine", "hf"] = Field(
+    scoring: Literal["engine", "hf", "heads"] = Field(
         "engine", description="where the evaluate stage's teacher-forced scores are computed (reference NLL, "
-        "the AlpacaEval judge's verdicts, lm-eval loglikelihoods): 'engine': vLLM's prompt_logprobs (the "
-        "transformer runs once per head and sequence: such requests skip the prefix cache); 'hf': a "
-        "transformers copy of the engine's checkpoint beside it (every head of a merge from one forward, "
-        "lm_head at the continuation positions only; values equal the hf backend's bitwise). 'hf' holds a "
-        "second copy of the weights: on a GPU leave room for it below gpu_memory_utilization. Generation "
-        "stays on the engine; collect's continuations do not depend on it")
+        "the AlpacaEval judge's verdicts, lm-eval loglikelihoods). 'engine': vLLM's prompt_logprobs (the "
+        "transformer runs once per head and sequence: such requests skip the prefix cache). 'hf': every score "
+        "from a transformers copy of the engine's checkpoint beside it (every head of a merge from one forward, "
+        "lm_head at the continuation positions only, pairs chunked longest first; values equal the hf "
+        "backend's at rounding level). 'heads': only the scores under a correction head from the copy, the "
+        "rest (base, experts, plain merges, the judge) on the engine: on CPU the copy is slower than the "
+        "engine for one model and pays off where one forward serves a merge's heads. One pass and row by row "
+        "agree in every mode. The copy is a second set of weights: on a GPU leave room for it below "
+        "gpu_memory_utilization. Generation stays on the engine; collect never scores")
 
     @field_validator("cpu_threads_bind", mode="before")
     @classmethod

@@ -1,6 +1,7 @@
 """``evaluate.vllm.scoring: hf``: the vLLM backend's teacher-forced scores from an HF copy of the
-engine's checkpoint (:class:`~darts_bench.evaluate.engines.hf_scorer.HFScorer`), equal bitwise to the
-``hf`` backend's, with every head of a merge from one forward; and the vLLM text and multi-head
+engine's checkpoint (:class:`~darts_bench.evaluate.engines.hf_scorer.HFScorer`): ``HFTextModel.score``
+with its pairs chunked longest first, bitwise (within 1e-6 relative of the hf backend's given-order
+chunks), with every head of a merge from one forward equal to row by row bitwise; and the vLLM text and multi-head
 models routing their ``score`` to it (a stand-in engine: no vllm needed). The real engine with the
 scorer is in ``tests/test_evaluate_vllm_parity.py`` (vLLM venv)."""
 
@@ -40,10 +41,12 @@ def ckpt(tmp_path_factory):
     return tmp / "model", heads
 
 
-def _reference(model_dir, head_dir, batch_size=2):
-    """The hf backend's score: an HFTextModel over its own load of the checkpoint, head attached."""
+def _reference(model_dir, head_dir, batch_size=2, by_length=True):
+    """An HFTextModel over its own load of the checkpoint, head attached, pairs chunked longest first
+    (``by_length=False``: in the given order, the hf backend's)."""
     model, tok = load_causal_lm(model_dir)
-    tm = HFTextModel("ref", model, tok, head=load_head(head_dir) if head_dir else None, batch_size=batch_size)
+    tm = HFTextModel("ref", model, tok, head=load_head(head_dir) if head_dir else None, batch_size=batch_size,
+                     score_by_length=by_length)
     try:
         return tm.score(PROMPTS, CONTS)
     finally:
@@ -51,12 +54,17 @@ def _reference(model_dir, head_dir, batch_size=2):
 
 
 def test_scores_equal_the_hf_backend_bitwise_one_forward_for_every_head(ckpt):
-    """Row by row and every head at once give the hf backend's NLLs bit for bit; the heads really
-    change the scores; the head is detached after each call; the checkpoint is loaded once."""
+    """Row by row and every head at once give HFTextModel's NLLs (longest-first chunks) bit for bit,
+    and the hf backend's given-order chunks within 1e-6 relative per token; the heads really change
+    the scores; the head is detached after each call; the checkpoint is loaded once."""
     model_dir, heads = ckpt
     dirs = [None, *heads]
     want = {d: _reference(model_dir, d) for d in dirs}
     assert len({tuple(s.nll for s in v) for v in want.values()}) == 3  # the heads differ
+    for d in dirs:
+        for a, b in zip(want[d], _reference(model_dir, d, by_length=False)):
+            assert (a.greedy, a.n_tokens) == (b.greedy, b.n_tokens)
+            assert a.token_nll == pytest.approx(b.token_nll, rel=1e-6, abs=0)
     sc = HFScorer(model_dir)
     for d in dirs:
         got = sc.score(PROMPTS, CONTS, d, batch_size=2)
@@ -94,6 +102,9 @@ def test_vllm_models_route_score_to_the_scorer(ckpt):
         def set_head(self, _):
             raise AssertionError("no head swap in the engine for HF scoring")
 
+        def set_heads(self, dirs):  # the one pass loads its heads (for generation) as VLLMEngine.set_heads
+            self.head_dirs = [str(d) if d else "" for d in dirs]
+
     eng = Engine()
     want = {d: _reference(model_dir, d, batch_size=3) for d in (None, *heads)}
     got = VLLMTextModel("row", eng, heads[1], batch_size=3).score(PROMPTS, CONTS)
@@ -109,3 +120,59 @@ def test_vllm_models_route_score_to_the_scorer(ckpt):
     short = VLLMTextModel("row", eng, None, batch_size=3, max_length=4).score(PROMPTS[-1:], CONTS[-1:])
     assert short[0].n_tokens == 3
     assert Engine.scorer.loads == 1
+
+
+def test_score_order_is_longest_first_and_stable():
+    """``score_order``: the given order, or longest first with ties in the given order (so a row's
+    pairs and a one pass's distinct pairs, first requested in the same order, get the same chunks)."""
+    from darts_bench.evaluate.hf_model import score_order
+
+    pairs = [([1] * 3, 1), ([1] * 5, 1), ([1] * 3, 2), ([1] * 7, 2), ([1] * 5, 3)]
+    assert score_order(pairs, False) == [0, 1, 2, 3, 4]
+    assert score_order(pairs, True) == [3, 1, 4, 0, 2]
+
+
+def test_heads_mode_scores_headed_requests_on_the_copy_and_the_rest_on_the_engine(ckpt, monkeypatch):
+    """``evaluate.vllm.scoring: heads``: a row with a head and the head slots of a one pass go to the
+    HF scorer; the plain row and the plain slot go to the engine (``_engine_score``, here a stand-in
+    that records its calls and answers with the plain model's HF scores); results keep the request
+    order, and the one pass equals row by row."""
+    from darts_bench.evaluate.engines.vllm import VLLMMultiHeadModel, VLLMTextModel
+
+    model_dir, heads = ckpt
+    _, tok = load_causal_lm(model_dir)
+    plain = {(c, x): s for c, x, s in zip(PROMPTS, CONTS, _reference(model_dir, None, batch_size=3))}
+    calls = []
+
+    def engine_score(self, contexts, continuations, hs):
+        calls.append((self.head_dir, None if hs is None else list(hs), len(contexts)))
+        assert hs is None or all(h == -1 for h in hs)  # only plain requests reach the engine
+        return [plain[(c, x)] for c, x in zip(contexts, continuations)]
+
+    monkeypatch.setattr(VLLMTextModel, "_engine_score", engine_score)
+
+    class Engine:
+        tokenizer, max_position, llm, scoring = tok, 64, None, "heads"
+        scorer = HFScorer(model_dir)
+        head_dirs: list = []
+
+        def set_head(self, _):
+            raise AssertionError("no head swap")
+
+        def set_heads(self, dirs):
+            self.head_dirs = [str(d) if d else "" for d in dirs]
+
+    eng = Engine()
+    want = {d: _reference(model_dir, d, batch_size=3) for d in heads}
+    assert [g.nll for g in VLLMTextModel("plain", eng, None, batch_size=3).score(PROMPTS, CONTS)] == \
+        [plain[p].nll for p in zip(PROMPTS, CONTS)]
+    assert calls == [(None, None, 5)]
+    got = VLLMTextModel("row", eng, heads[0], batch_size=3).score(PROMPTS, CONTS)
+    assert [g.token_nll for g in got] == [w.token_nll for w in want[heads[0]]] and len(calls) == 1
+    mh = VLLMMultiHeadModel("ties", eng, [heads[1], None, heads[0]], batch_size=3)
+    reqs = [(k, c, x) for c, x in zip(PROMPTS, CONTS) for k in (1, 0, 2)]
+    res = mh.score(reqs)
+    assert calls[1:] == [(None, [-1] * 5, 5)]  # the plain slot's five requests, once, on the engine
+    for (k, c, x), g in zip(reqs, res):
+        w = plain[(c, x)] if k == 1 else want[heads[1] if k == 0 else heads[0]][PROMPTS.index(c)]
+        assert g.token_nll == w.token_nll, (k, c)

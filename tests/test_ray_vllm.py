@@ -70,7 +70,8 @@ def test_engine_on_a_ray_actor_swaps_heads_and_matches_hf(pool, ray_instance):
     try:
         for head in (None, "darts", "surgery", None):  # rows of one merge: plain, corrected, plain again
             hd = pool["heads"][head] if head else None
-            ref = HFTextModel("ref", hf, tok, head=load_head(hd) if hd else None, batch_size=4)
+            ref = HFTextModel("ref", hf, tok, head=load_head(hd) if hd else None, batch_size=4,
+                              score_by_length=True)  # as the HF scorer chunks
             tm = cache.get(f"row-{head}", pool["base"], hd)
             try:
                 assert isinstance(tm, RayVLLMTextModel)

@@ -181,10 +181,13 @@ class HFTextModel:
         max_length: prompts (and scored context + continuation) longer than this many tokens are
             truncated from the left; default ``min(1024, config.max_position_embeddings)``, so a
             model never sees positions it was not trained on.
+        score_by_length: :meth:`score` chunks its pairs longest first (:func:`score_order`), so a
+            chunk pads little, instead of in the given order (the hf backend's default: its values
+            are the reference). Values then differ from the given order's at rounding level.
     """
 
     def __init__(self, name: str, model: PreTrainedModel, tokenizer, head: CorrectionHead | None = None,
-                 batch_size: int = 8, max_length: int | None = None):
+                 batch_size: int = 8, max_length: int | None = None, score_by_length: bool = False):
         self.name, self.model, self.tokenizer = name, model, tokenizer
         self.tokenizer.padding_side = "left"
         self.tokenizer.truncation_side = "left"  # keep the end of an over-long prompt
@@ -194,7 +197,7 @@ class HFTextModel:
         self._attachment = attach_head(model, head) if head is not None else None
         if max_length is None:
             max_length = min(1024, getattr(model.config, "max_position_embeddings", None) or 1024)
-        self.batch_size, self.max_length = batch_size, max_length
+        self.batch_size, self.max_length, self.score_by_length = batch_size, max_length, score_by_length
         self.device = next(model.parameters()).device
 
     def close(self) -> None:
@@ -343,9 +346,11 @@ class HFTextModel:
         from the attention mask, so a pair's NLL does not depend on the pairs batched with it.
         The final hidden states are read at the final norm (after the head's hook, if any);
         ``lm_head`` runs only at the positions that predict continuation tokens
-        (:func:`continuation_scores`, shared with the one-pass ``HFMultiHeadModel.score``)."""
+        (:func:`continuation_scores`, shared with the one-pass ``HFMultiHeadModel.score``). Chunks
+        take the pairs in :func:`score_order` (``score_by_length``); results are in the given order."""
         pairs = score_pairs(self.tokenizer, contexts, continuations, self.max_length)
-        results: list[ScoreContinuation] = []
+        results: list[ScoreContinuation | None] = [None] * len(pairs)
+        order = score_order(pairs, self.score_by_length)
         pad = self.tokenizer.pad_token_id
         lm_head = self.model.get_output_embeddings()
         try:
@@ -353,7 +358,8 @@ class HFTextModel:
         except ValueError:
             norm = None  # not Llama-style: the full forward's logits
         for start in range(0, len(pairs), self.batch_size):
-            chunk = pairs[start:start + self.batch_size]
+            idx = order[start:start + self.batch_size]
+            chunk = [pairs[i] for i in idx]
             input_ids, mask = left_pad([ids for ids, _ in chunk], pad)  # left padding, like generation
             kw = {"input_ids": input_ids.to(self.device), "attention_mask": mask.to(self.device),
                   "position_ids": positions_from_mask(mask).to(self.device)}
@@ -368,12 +374,23 @@ class HFTextModel:
                     self.model(**kw, logits_to_keep=1)  # the head's hooks see this forward's mask
                 finally:
                     hd.remove()
-                results += continuation_scores(grab["h"], kw["input_ids"], [n for _, n in chunk], lm_head,
-                                               getattr(self.model.config, "final_logit_softcapping", None))
+                got = continuation_scores(grab["h"], kw["input_ids"], [n for _, n in chunk], lm_head,
+                                          getattr(self.model.config, "final_logit_softcapping", None))
             else:
                 logits = self.model(**kw).logits
-                results += _scores_from_logits(logits, kw["input_ids"], [n for _, n in chunk])
-        return results
+                got = _scores_from_logits(logits, kw["input_ids"], [n for _, n in chunk])
+            for i, sc in zip(idx, got):
+                results[i] = sc
+        return results  # type: ignore[return-value]
+
+
+def score_order(pairs: Sequence[tuple[Sequence[int], int]], by_length: bool) -> list[int]:
+    """The order in which ``score`` chunks ``pairs`` (``(token ids, n)`` of :func:`score_pairs`):
+    as given, or ``by_length``: longest first, ties in the given order (stable), so a chunk's
+    sequences have similar lengths and left padding wastes little compute. A row's pairs and a one
+    pass's distinct pairs (the same pairs, first requested in the same order) get the same chunks."""
+    idx = list(range(len(pairs)))
+    return sorted(idx, key=lambda i: -len(pairs[i][0])) if by_length else idx
 
 
 def continuation_scores(h: torch.Tensor, input_ids: torch.Tensor, n_cont: Sequence[int], lm_head,

@@ -31,7 +31,7 @@ from torch import nn
 
 from darts_bench.api import Completion, ScoreContinuation
 from darts_bench.evaluate.hf_model import (HFTextModel, completion_of, continuation_scores, finish_generated, left_pad,
-                                           score_pairs)
+                                           score_order, score_pairs)
 from darts_bench.surgery.corrected import MultiHeadAttachment, final_norm
 from darts_bench.surgery.heads import CorrectionHead, positions_from_mask
 
@@ -216,8 +216,9 @@ class HFMultiHeadModel:
         """Teacher-forced NLL (nats) of each request's continuation given its context under its
         head, lm-eval's tokenization (:func:`~darts_bench.evaluate.hf_model.score_pairs`).
 
-        The distinct (context, continuation) pairs, in first-request order, run through the
-        transformer (``model.model``: embeddings, layers, final norm) once per chunk of
+        The distinct (context, continuation) pairs, in first-request order (longest first when the
+        base model's ``score_by_length`` is set: :func:`~darts_bench.evaluate.hf_model.score_order`),
+        run through the transformer (``model.model``: embeddings, layers, final norm) once per chunk of
         ``batch_size`` pairs, left-padded with ``position_ids`` from the mask as
         ``HFTextModel.score``; each head requested for a pair of the chunk is then applied to the
         cached final hidden states ``[batch, seq, d_model]`` of the whole chunk (as its hook does
@@ -242,19 +243,21 @@ class HFMultiHeadModel:
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         per: dict[tuple[int, int | None], ScoreContinuation] = {}
         pad = self.tokenizer.pad_token_id
+        order = score_order(pairs, self.base.score_by_length)  # as the row-by-row HFTextModel.score chunks
         for start in range(0, len(pairs), self.batch_size):
-            chunk = pairs[start:start + self.batch_size]
+            idx = order[start:start + self.batch_size]
+            chunk = [pairs[i] for i in idx]
             input_ids, mask = left_pad([ids for ids, _ in chunk], pad)
             input_ids = input_ids.to(self.device)
             pos = positions_from_mask(mask).to(self.device)
             h = body(input_ids=input_ids, attention_mask=mask.to(self.device),
                      position_ids=pos).last_hidden_state  # [batch, seq, d_model], after the final norm: once
-            asked = {k for i in range(len(chunk)) for k in wanted[start + i]}
+            asked = {k for i in idx for k in wanted[i]}
             for hd in sorted(asked, key=lambda k: -1 if k is None else k):  # plain first, then head order
                 # the head on the whole chunk, as its hook does in the row-by-row forward
                 h2 = h if hd is None else self._heads[hd](h, pos)
-                for i, sc in enumerate(continuation_scores(h2, input_ids, [n for _, n in chunk], lm_head, cap)):
-                    per[(start + i, hd)] = sc
+                for i, sc in zip(idx, continuation_scores(h2, input_ids, [n for _, n in chunk], lm_head, cap)):
+                    per[(i, hd)] = sc
         return [per[(distinct[(c, x)], self._head_of(idx))] for idx, c, x in requests]
 
     # ------------------------------------------------------------------ hooks

@@ -719,9 +719,11 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     ``generate`` call per (model dir, task) whose requests name their heads, so decoding fills
     ``max_num_seqs`` from all rows' requests; the reference NLL still runs the transformer per row
     (``prompt_logprobs`` requests recompute their prompts, with the full-vocabulary logits at every
-    position: the ``logits`` rate), unless ``evaluate.vllm.scoring: hf`` scores with an HF copy beside
-    each engine (the HF one pass's scores: one forward per model dir, a further head its ``lm_head``, the
-    ``forward`` rate; the copy's weights and load counted per engine); with ``evaluate.vllm.enable_prefix_caching`` (the default) a prompt's
+    position: the ``logits`` rate), unless ``evaluate.vllm.scoring`` is ``hf`` (every score from an HF copy
+    beside each engine: the HF one pass's scores, one forward per model dir, a further head its
+    ``lm_head``, the ``forward`` rate; the copy's weights and load counted per engine) or ``heads`` (the
+    corrected rows' scores from the copy: one forward per model dir with heads; the plain rows and the judge
+    on the engine; the copy counted once, beside the rows' engine); with ``evaluate.vllm.enable_prefix_caching`` (the default) a prompt's
     prefill is counted once per model dir, shared by its rows' requests (the KV cache does not depend on
     the head), else once per row. A judge's ``scored_tokens_per_row`` (forced-choice verdicts) are
     teacher-forced like the reference NLL; every judge request is counted, although the stage answers a
@@ -731,7 +733,9 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     rows, E, M = len(x.evaluated), len(cfg.pool.expert_names), len(cfg.merges)
     ray = cfg.executor == "ray"
     vllm = cfg.evaluate.backend == "vllm"
-    hf_scores = vllm and cfg.evaluate.vllm.scoring == "hf"  # scores from an HF copy beside each engine
+    scoring = cfg.evaluate.vllm.scoring if vllm else "engine"
+    hf_scores = scoring == "hf"  # every score from an HF copy beside each engine
+    head_scores = scoring in ("hf", "heads")  # the corrected rows' scores from the copy
     judges = x.local_judges
     layout = one_pass_layout(cfg)
     native = layout is not None
@@ -745,6 +749,9 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     T = len(x.tasks)
     passes, per_merge = (n_groups * T, T if merge_rows else 0) if native else (rows * T, merge_rows * T)
     nll_once = layout == "hf" or (layout == "vllm" and hf_scores)  # one forward per model dir for every head
+    # scoring heads: the corrected rows' model dirs run the copy once; the plain rows run the engine, one each
+    headed_dirs = len({s.merge or s.model for s in x.evaluated if s.correction != "none"})
+    plain_rows = sum(s.correction == "none" for s in x.evaluated)
     eval_gen = eval_nll = judge_tokens = 0
     for t, ti in x.tasks.items():
         per_row_gen = ti["n_examples"] * ti["n_samples"] * (ti["prompt_tokens_est"] + ti["max_new_tokens"])
@@ -752,7 +759,8 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         # one pass on in-process HF: a routed row's chunks are its oracle rows' chunks (generated once) while its
         # prompts route to their own task's head; counted as free (misrouted chunks cost one row's share each)
         eval_gen += (rows - (n_routed if layout == "hf" else 0)) * per_row_gen
-        eval_nll += (n_groups if nll_once else rows) * per_row_nll  # transformer tokens
+        eval_nll += ((n_groups if nll_once else (plain_rows + headed_dirs) if head_scores and layout == "vllm"
+                      else rows) * per_row_nll)  # transformer tokens
         eval_nll += n_routed * ti["n_examples"] * ti["prompt_tokens_est"]  # a routed row's prompt states
         j = x.needs[t].get("judge")
         if j:
@@ -806,12 +814,14 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
                             + f" + process {gb(PROCESS_BASELINE['evaluate'])}")
         s["vllm_engine"] = e
         s["load_seconds"] = s["model_loads"] * e["start_s"]
-        if hf_scores:  # the HF scorer: a copy of the weights beside each engine, loaded once per engine
-            s["memory_bytes"] += W * (1 + beside)
+        if head_scores:  # the HF scorer: a copy of the weights beside each engine that scores with it
+            copies = 1 + beside if hf_scores else 1  # heads: never the judge's
+            s["memory_bytes"] += W * copies
             if e["gpu"] is not None:
                 s["gpu_bytes"] = e["gpu"] + W
-            s["memory_note"] += f" + the HF scorer's weights {gb(W)} per engine (evaluate.vllm.scoring: hf)"
-            s["load_seconds"] += s["model_loads"] * x.checkpoint_load_seconds
+            s["memory_note"] += (f" + the HF scorer's weights {gb(W)} x {copies} "
+                                 f"(evaluate.vllm.scoring: {scoring})")
+            s["load_seconds"] += (s["model_loads"] if hf_scores else headed_dirs) * x.checkpoint_load_seconds
 
         def gen(prompt_tokens: float, new_tokens: float, requests: float | None = None) -> float:
             return vllm_generation_seconds(prompt_tokens, new_tokens, P, kind, cfg, e, requests=requests)
@@ -849,6 +859,11 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
                             requests=g * n) for g in group_sizes)
             if hf_scores:  # the HF one pass's scores (below)
                 secs += n_groups * forward_seconds(nll_tokens, P, kind) + (rows - n_groups) * forward_seconds(
+                    ti["n_examples"] * ti["reference_tokens_est"], lm_head, kind)
+            elif head_scores:  # the plain rows on the engine; a model dir's heads from one HF forward
+                secs += plain_rows * forward_seconds(nll_tokens, P, kind, rate="logits")
+                secs += headed_dirs * forward_seconds(nll_tokens, P, kind) + (
+                    rows - plain_rows - headed_dirs) * forward_seconds(
                     ti["n_examples"] * ti["reference_tokens_est"], lm_head, kind)
             else:
                 secs += rows * forward_seconds(nll_tokens, P, kind, rate=score_rate)

@@ -14,9 +14,11 @@ An :class:`HFScorer` beside the engine scores instead with the HF backend's own 
   transformer forward per distinct (context, continuation) pair and each requested head applied to
   the cached final hidden states.
 
-Both compute ``lm_head`` only at the positions that predict continuation tokens, and their values
-equal the ``hf`` backend's bitwise (the same functions on the same weights, dtype and chunks), so
-the one-pass and row-by-row paths agree exactly on the ``vllm`` backend too.
+Both compute ``lm_head`` only at the positions that predict continuation tokens and chunk the pairs
+longest first (``HFTextModel(score_by_length=True)``, :func:`~darts_bench.evaluate.hf_model.score_order`:
+a chunk of similar lengths pads little; the hf backend keeps the given order, so values differ from
+its at rounding level), and the one-pass and row-by-row paths agree bitwise on the ``vllm`` backend
+(the same functions on the same weights, dtype and chunks).
 
 This module imports no vllm: it is tested in the project venv.
 """
@@ -60,13 +62,13 @@ class HFScorer:
     def _plain(self, name: str, head_dir: str | Path | None, batch_size: int, max_length: int | None) -> HFTextModel:
         model, tok = self._loaded()
         return HFTextModel(name, model, tok, head=load_head(head_dir) if head_dir else None, batch_size=batch_size,
-                           max_length=max_length)
+                           max_length=max_length, score_by_length=True)
 
     def score(self, contexts: Sequence[str], continuations: Sequence[str], head_dir: str | Path | None = None,
               batch_size: int = 8, max_length: int | None = None, name: str = "scorer") -> list[ScoreContinuation]:
         """Per-pair NLL (nats) of each continuation given its context under ``head_dir``'s head (None:
         the plain model): :meth:`HFTextModel.score <darts_bench.evaluate.hf_model.HFTextModel.score>`
-        in chunks of ``batch_size`` pairs, the head attached for this call only; context +
+        in chunks of ``batch_size`` pairs taken longest first, the head attached for this call only; context +
         continuation cut from the left to ``max_length`` tokens (the engine model's; None:
         ``min(1024, max_position_embeddings)`` as on the HF path).
 

@@ -213,9 +213,10 @@ class VLLMEngine:
         self.step_tokens = sched.max_num_batched_tokens
         self.chunked_prefill = bool(sched.enable_chunked_prefill)
         self.on_cpu = _on_cpu()
-        # evaluate.vllm.scoring=hf: teacher-forced scores from a transformers copy beside the engine
+        # evaluate.vllm.scoring hf | heads: teacher-forced scores (all, or a head's) from a transformers copy
+        self.scoring = getattr(vcfg, "scoring", "engine")
         self.scorer = HFScorer(self.model_dir, self.dtype, "cpu" if self.on_cpu else "cuda") \
-            if getattr(vcfg, "scoring", "engine") == "hf" else None
+            if self.scoring != "engine" else None
         log.info("vLLM engine for %s up in %.1f s (dtype %s, processes %s)", self.model_dir, self.startup_s,
                  self.dtype, sorted(self._pids))
         atexit.register(self.shutdown)
@@ -440,27 +441,53 @@ class VLLMTextModel:
               heads: Sequence[int] | None = None) -> list[ScoreContinuation]:
         """Per-pair NLL (nats) of the continuation tokens given the context, from vLLM's
         ``prompt_logprobs`` (same tokenization and truncation as ``HFTextModel.score``); ``heads``
-        as in :meth:`generate_ids`. With ``evaluate.vllm.scoring: hf`` the engine's
-        :class:`~darts_bench.evaluate.engines.hf_scorer.HFScorer` scores instead (``HFTextModel.score``
-        with this row's head: the ``hf`` backend's values bitwise).
+        as in :meth:`generate_ids`. The engine's
+        :class:`~darts_bench.evaluate.engines.hf_scorer.HFScorer` scores instead, with
+        ``evaluate.vllm.scoring: hf`` every request and with ``heads`` the requests under a
+        correction head (``HFTextModel.score`` with the head, or ``HFMultiHeadModel.score`` for
+        per-request heads: one forward for all of them; pairs chunked longest first).
 
         Raises:
             ValueError: different numbers of contexts and continuations, an empty continuation.
         """
+        eng = self.engine
+        scorer = getattr(eng, "scorer", None)
+        if scorer is None:
+            return self._engine_score(contexts, continuations, heads)
+        everything = getattr(eng, "scoring", "hf") == "hf"
+        if heads is None:
+            if everything or self.head_dir:
+                return scorer.score(contexts, continuations, self.head_dir, batch_size=self.batch_size,
+                                    max_length=self.max_length, name=self.name)
+            return self._engine_score(contexts, continuations, None)
+        if len(heads) != len(contexts) or len(contexts) != len(continuations):
+            raise ValueError(f"{len(heads)} heads for {len(contexts)} contexts and {len(continuations)} continuations")
+        dirs = eng.head_dirs or []
+        on_hf = [everything or (h >= 0 and bool(dirs[h])) for h in heads]
+        out: list[ScoreContinuation | None] = [None] * len(heads)
+        for flag in (True, False):
+            idx = [i for i, f in enumerate(on_hf) if f is flag]
+            if not idx:
+                continue
+            if flag:
+                got = scorer.score_requests([(heads[i] if heads[i] >= 0 else None, contexts[i], continuations[i])
+                                             for i in idx], dirs, batch_size=self.batch_size,
+                                            max_length=self.max_length, name=self.name)
+            else:
+                got = self._engine_score([contexts[i] for i in idx], [continuations[i] for i in idx],
+                                         [heads[i] for i in idx])
+            for i, g in zip(idx, got):
+                out[i] = g
+        return out  # type: ignore[return-value]
+
+    def _engine_score(self, contexts: Sequence[str], continuations: Sequence[str],
+                      heads: Sequence[int] | None) -> list[ScoreContinuation]:
+        """Scores from the engine's ``prompt_logprobs`` (see :meth:`score`)."""
+        from vllm import SamplingParams, TokensPrompt
+
         from darts_bench.evaluate.hf_model import score_pairs
 
         eng = self.engine
-        if getattr(eng, "scorer", None) is not None:
-            if heads is not None:
-                dirs = eng.head_dirs or []
-                return eng.scorer.score_requests([(h if h >= 0 else None, c, x) for h, c, x in
-                                                  zip(heads, contexts, continuations)], dirs,
-                                                 batch_size=self.batch_size, max_length=self.max_length,
-                                                 name=self.name) if contexts else []
-            return eng.scorer.score(contexts, continuations, self.head_dir, batch_size=self.batch_size,
-                                    max_length=self.max_length, name=self.name)
-        from vllm import SamplingParams, TokensPrompt
-
         pairs = score_pairs(self.tokenizer, contexts, continuations, self.max_length)
         if not pairs:
             return []
@@ -551,19 +578,17 @@ class VLLMMultiHeadModel:
 
     def score(self, requests: Sequence[tuple[int, str, str]]) -> list[ScoreContinuation]:
         """``requests``: ``(head index, context, continuation)``; NLL per request as
-        :meth:`VLLMTextModel.score`. With ``evaluate.vllm.scoring: hf``: the engine's
+        :meth:`VLLMTextModel.score`. With ``evaluate.vllm.scoring: hf`` (every request) or
+        ``heads`` (the requests under a head): the engine's
         :class:`~darts_bench.evaluate.engines.hf_scorer.HFScorer`, one transformer forward per
         distinct pair for every head (``HFMultiHeadModel.score``), equal bitwise to the row-by-row
-        scores.
+        scores (the plain slot's on the engine under ``heads``, as the plain row's).
 
         Raises:
             ValueError: a head index outside ``head_dirs``; an empty continuation.
         """
         if not requests:
             return []
-        if getattr(self.engine, "scorer", None) is not None:
-            return self.engine.scorer.score_requests(requests, self.head_dirs, batch_size=self._tm.batch_size,
-                                                     max_length=self._tm.max_length, name=self.name)
         heads = self._heads([h for h, _, _ in requests])
         return self._tm.score([c for _, c, _ in requests], [x for _, _, x in requests], heads=heads)
 
