@@ -343,7 +343,7 @@ class HFTextModel:
         """Per-pair NLL of the continuation tokens given the context (lm-eval's convention:
         context and continuation are tokenized separately and concatenated; the context is
         truncated from the left to fit ``max_length``). Batches are left-padded with ``position_ids``
-        from the attention mask, so a pair's NLL does not depend on the pairs batched with it.
+        from the attention mask, so a pair's NLL depends on the pairs batched with it only at rounding level.
         The final hidden states are read at the final norm (after the head's hook, if any);
         ``lm_head`` runs only at the positions that predict continuation tokens
         (:func:`continuation_scores`, shared with the one-pass ``HFMultiHeadModel.score``). Chunks
