@@ -45,3 +45,19 @@ def test_run7_windows_give_the_timings_comparison(capsys):
         out = capsys.readouterr().out
         assert f"| judge | {judge} |" in out and f"| reference NLL | {nll} |" in out, (samples, since)
     assert "adamerging on alpacaeval: built in 898.8 s" in (RUN / "run7.log").read_text()
+
+
+def test_run8_samples_give_the_timings_table(capsys):
+    """Run 8 (scoring: heads): the phase table and the merges' reference-NLL windows of TIMINGS.md."""
+    sp = load_script("stack_phases")
+    sp.main([str(RUN / "run8_driver_stacks.txt.gz")])
+    out = capsys.readouterr().out
+    for line in ("| judge | 1,108 |", "| reference NLL | 408 |", "| generation | 583 |", "| engine start | 181 |",
+                 "| all | 2,431 |"):
+        assert line in out
+    for since, until, nll in (("13:07:31", "13:23:08", "126"), ("13:23:08", "13:35:50", "132")):
+        sp.main([str(RUN / "run8_driver_stacks.txt.gz"), "--since", since, "--until", until])
+        assert f"| reference NLL | {nll} |" in capsys.readouterr().out
+    log = (RUN / "run8.log").read_text()
+    assert "stage evaluate: done in 2436.1 s" in log and "score 620 computed, 340 reused" in log
+    assert "**no regression** (111 cells changed within tolerance, 5703 identical)" in (RUN / "compare_run8.md").read_text()
