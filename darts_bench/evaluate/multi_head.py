@@ -86,6 +86,21 @@ class HFMultiHeadModel:
                 raise ValueError(f"{name}: head {i} d_model {hd.cfg.d_model} != model hidden_size {d}")
             hd.to(self.device).eval()
 
+    @classmethod
+    def from_head_dirs(cls, base: HFTextModel, head_dirs: Sequence[str | None], name: str = "merge",
+                       max_batch: int | None = None) -> "HFMultiHeadModel":
+        """Slots from saved heads: each distinct dir loaded once (``load_head``), a None entry the
+        plain merge, the dirs as the slots' keys (so equal dirs share one head).
+
+        Raises:
+            FileNotFoundError / ValueError: a missing or corrupt head; see the constructor.
+        """
+        from darts_bench.surgery.heads import load_head
+
+        dirs = [str(h) if h else None for h in head_dirs]
+        loaded = {d: load_head(d) for d in dict.fromkeys(d for d in dirs if d)}
+        return cls(base, [loaded[d] if d else None for d in dirs], name=name, keys=dirs, max_batch=max_batch)
+
     @property
     def n_heads(self) -> int:
         return len(self.slots)

@@ -140,10 +140,8 @@ class HFBackend(Backend):
                     del self._base[k]
                 self._base[key] = self._load(name, key, None)
             base = self._base[key]
-        dirs = [str(h) if h else None for h in head_dirs]
-        loaded = {d: load_head(d) for d in dict.fromkeys(d for d in dirs if d)}
-        return HFMultiHeadModel(base, [loaded[d] if d else None for d in dirs], name=name, keys=dirs,
-                                max_batch=self.cfg.evaluate.one_pass_max_batch)
+        return HFMultiHeadModel.from_head_dirs(base, head_dirs, name=name,
+                                               max_batch=self.cfg.evaluate.one_pass_max_batch)
 
     def continuations(self, name: str, model_dir: str | Path, prompt_ids: list[list[int]], max_new_tokens: int,
                       desc: str = "") -> list[list[int]]:

@@ -1,5 +1,5 @@
 """Teacher-forced scores for the vLLM backend from a transformers copy of the engine's checkpoint
-(``evaluate.vllm.scoring: hf``).
+(``evaluate.vllm.scoring: hf`` every score, ``heads`` the scores under a correction head).
 
 vLLM scores a sequence through ``prompt_logprobs``: such requests skip the prefix cache (vLLM 0.32
 sets ``skip_reading_prefix_cache`` for them), the head is applied to each token's hidden state
@@ -101,11 +101,8 @@ class HFScorer:
 
         if not requests:
             return []
-        dirs = [str(h) if h else None for h in head_dirs]
-        loaded = {d: load_head(d) for d in dict.fromkeys(d for d in dirs if d)}
-        mh = HFMultiHeadModel(self._plain(name, None, batch_size, max_length), [loaded[d] if d else None for d in dirs],
-                              name=name, keys=dirs)
-        return mh.score(requests)
+        return HFMultiHeadModel.from_head_dirs(self._plain(name, None, batch_size, max_length), head_dirs,
+                                               name=name).score(requests)
 
     def close(self) -> None:
         """Drop the copy (the next score loads it again)."""

@@ -633,7 +633,7 @@ class VLLMBackend(Backend):
     def cache_key(cls, cfg, role: str = "evaluate") -> dict[str, Any]:
         """The engine settings (``evaluate.vllm``) and dtype: bf16 outputs differ between engines.
         ``evaluate.vllm.scoring`` is in the key only where it changes numbers: the ``evaluate``
-        role with ``hf`` scoring (``engine``, the default, keeps the keys it had before the setting
+        role with ``hf`` or ``heads`` scoring (``engine``, the default, keeps the keys it had before the setting
         existed; collect's continuations never score)."""
         vllm = cfg.evaluate.vllm.model_dump(mode="json")
         if role != "evaluate" or vllm["scoring"] == "engine":
