@@ -374,7 +374,9 @@ class Task(ABC):
           (int >= 0: tokens the judge reads and generates for one row's ``n_examples``; counted
           as judge tokens either way), and optionally ``scored_tokens_per_row`` (int >= 0: tokens
           the judge scores teacher-forced, e.g. a forced choice between verdicts: a forward with
-          the full-vocabulary logits on vLLM, a plain forward on HF).
+          the full-vocabulary logits on vLLM, a plain forward on HF) and ``scored_per_prompt``
+          (int >= 1, default 1: how many of those scored sequences share one prompt, e.g. 2
+          verdicts; ``evaluate.vllm.scoring: shared`` forwards such a prompt once).
         * ``what`` / ``where`` (str): text appended to the evaluate stage's description / placement.
 
         Returns ``{}`` (the default) when the protocol costs nothing more."""

@@ -529,7 +529,7 @@ class VLLMConfig(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="GPU: share of memory for weights + KV")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one engine shards the model over (with "
                                       "executor ray: of the actor's ray.num_gpus_per_actor)")
-    scoring: Literal["engine", "hf", "heads"] = Field(
+    scoring: Literal["engine", "hf", "heads", "shared"] = Field(
         "engine", description="where the evaluate stage's teacher-forced scores are computed (reference NLL, "
         "the AlpacaEval judge's verdicts, lm-eval loglikelihoods). 'engine': vLLM's prompt_logprobs (the "
         "transformer runs once per head and sequence: such requests skip the prefix cache). 'hf': every score "
@@ -537,9 +537,13 @@ class VLLMConfig(_Strict):
         "lm_head at the continuation positions only, pairs chunked longest first; values equal the hf "
         "backend's at rounding level). 'heads': only the scores under a correction head from the copy, the "
         "rest (base, experts, plain merges, the judge) on the engine: on CPU the copy is slower than the "
-        "engine for one model and pays off where one forward serves a merge's heads. One pass and row by row "
-        "agree in every mode. The copy is a second set of weights: on a GPU leave room for it below "
-        "gpu_memory_utilization. Generation stays on the engine; collect never scores")
+        "engine for one model and pays off where one forward serves a merge's heads. 'shared': as 'heads', "
+        "and the copy also scores the pairs whose context another distinct pair of the same call shares (the "
+        "AlpacaEval judge's two verdicts, a multiple-choice question's options), forwarding the shared prefix "
+        "once with its KV cache and then each pair's remaining tokens (HFTextModel share_prefix); values equal "
+        "the full forward's at rounding level. One pass and row by row agree in every mode. The copy is a "
+        "second set of weights: on a GPU leave room for it below gpu_memory_utilization. Generation stays on "
+        "the engine; collect never scores")
 
     @field_validator("cpu_threads_bind", mode="before")
     @classmethod

@@ -306,7 +306,7 @@ def test_alpacaeval_plan_declares_its_local_judge_and_its_tokens(monkeypatch, tm
     got = task.plan(cfg.tasks.alpacaeval, 805)
     assert got == {"judge": {"label": "local judge expert:instruction", "model": "expert:instruction",
                              "prompt_tokens_per_row": 0, "new_tokens_per_row": 0,
-                             "scored_tokens_per_row": 8_861_440},
+                             "scored_tokens_per_row": 8_861_440, "scored_per_prompt": 2},
                    "what": "AlpacaEval judge expert:instruction"}
     assert 805 * 2 * 2 * (300 + 50 + 2048 + 350 + 4) == 8_861_440  # 2048: MergeLM's cap
     plan = make_plan(cfg)
@@ -538,6 +538,20 @@ def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
     assert k["memory_bytes"] == e["memory_bytes"] + W
     assert k["load_seconds"] == pytest.approx(e["load_seconds"] + 2 * hf["load_seconds"] / hf["model_loads"])
     assert h["seconds"] < k["seconds"] < e["seconds"]
+    # shared: as heads, and the judge's two verdicts per prompt from a copy beside the judge's engine, each prompt
+    # forwarded once at the forward rate (the judge's scored tokens / 2); a second copy, loaded once
+    from darts_bench.plan.resources import forward_seconds
+
+    sh = make_plan(load_config("smollm2-135m", [*sets, "evaluate.vllm.scoring=shared"]))
+    r = sh["stages"]["evaluate"]
+    assert (r["nll_tokens"], r["judge_tokens"]) == (k["nll_tokens"], k["judge_tokens"])
+    assert r["memory_bytes"] == e["memory_bytes"] + 2 * W
+    assert r["load_seconds"] == pytest.approx(e["load_seconds"] + 3 * hf["load_seconds"] / hf["model_loads"])
+    P, kind = sh["model"]["params"], "cpu"
+    judged = e["judge_tokens"]  # all scored: the judge's default score mode generates nothing
+    assert (r["seconds"] - r["load_seconds"]) - (k["seconds"] - k["load_seconds"]) == pytest.approx(
+        forward_seconds(judged / 2, P, kind) - forward_seconds(judged, P, kind, rate="logits"))
+    assert r["seconds"] < k["seconds"]
 
 
 def test_merge_memory_counts_mergekit_output_shard():

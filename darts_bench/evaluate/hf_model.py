@@ -184,10 +184,15 @@ class HFTextModel:
         score_by_length: :meth:`score` chunks its pairs longest first (:func:`score_order`), so a
             chunk pads little, instead of in the given order (the hf backend's default: its values
             are the reference). Values then differ from the given order's at rounding level.
+        share_prefix: :meth:`score` forwards a context that two or more distinct pairs of the call
+            share (the AlpacaEval judge's two verdicts, a multiple-choice question's options) once,
+            with its KV cache, and then only each pair's remaining tokens (:func:`score_plan`).
+            Values differ from the full forward's at rounding level (tested within 1e-6 relative).
     """
 
     def __init__(self, name: str, model: PreTrainedModel, tokenizer, head: CorrectionHead | None = None,
-                 batch_size: int = 8, max_length: int | None = None, score_by_length: bool = False):
+                 batch_size: int = 8, max_length: int | None = None, score_by_length: bool = False,
+                 share_prefix: bool = False):
         self.name, self.model, self.tokenizer = name, model, tokenizer
         self.tokenizer.padding_side = "left"
         self.tokenizer.truncation_side = "left"  # keep the end of an over-long prompt
@@ -198,6 +203,7 @@ class HFTextModel:
         if max_length is None:
             max_length = min(1024, getattr(model.config, "max_position_embeddings", None) or 1024)
         self.batch_size, self.max_length, self.score_by_length = batch_size, max_length, score_by_length
+        self.share_prefix = share_prefix
         self.device = next(model.parameters()).device
 
     def close(self) -> None:
@@ -347,41 +353,174 @@ class HFTextModel:
         The final hidden states are read at the final norm (after the head's hook, if any);
         ``lm_head`` runs only at the positions that predict continuation tokens
         (:func:`continuation_scores`, shared with the one-pass ``HFMultiHeadModel.score``). Chunks
-        take the pairs in :func:`score_order` (``score_by_length``); results are in the given order."""
+        take the pairs in :func:`score_order` (``score_by_length``); with ``share_prefix`` the pairs
+        that share a context run as :func:`score_plan`'s prefix chunks (:func:`prefix_chunk`: the
+        shared prefix once, with its KV cache, then each pair's remaining tokens). Results are in the
+        given order."""
         pairs = score_pairs(self.tokenizer, contexts, continuations, self.max_length)
         results: list[ScoreContinuation | None] = [None] * len(pairs)
-        order = score_order(pairs, self.score_by_length)
         pad = self.tokenizer.pad_token_id
         lm_head = self.model.get_output_embeddings()
+        cap = getattr(self.model.config, "final_logit_softcapping", None)
         try:
             norm = final_norm(self.model)
         except ValueError:
             norm = None  # not Llama-style: the full forward's logits
-        for start in range(0, len(pairs), self.batch_size):
-            idx = order[start:start + self.batch_size]
+        hidden = norm is not None and lm_head is not None
+        grab: dict[str, torch.Tensor] = {}
+
+        def keep(module, args, output):  # after any head hook: the corrected final hidden state
+            grab["h"] = output[0] if isinstance(output, tuple) else output
+
+        def final_states(**kw):  # [batch, seq, d_model] and the forward's KV cache (with use_cache)
+            hd = norm.register_forward_hook(keep)
+            try:
+                out = self.model(**kw, logits_to_keep=1)  # the head's hooks see this forward's mask
+            finally:
+                hd.remove()
+            return grab.pop("h"), kv_cache_of(out)
+
+        for kind, part in score_plan(pairs, self.batch_size, self.score_by_length, self.share_prefix and hidden):
+            if kind == "prefix":
+                x = prefix_chunk(pairs, part, pad, self.device)
+                h_p, cache = final_states(input_ids=x.prefix_ids, attention_mask=x.prefix_mask,
+                                          position_ids=x.prefix_pos, use_cache=True)
+                cache.reorder_cache(x.group_of)  # one copy of its group's prefix cache per pair
+                h_s, _ = final_states(input_ids=x.suffix_ids, attention_mask=x.mask, position_ids=x.suffix_pos,
+                                      use_cache=True, **with_kv_cache(self.model, cache))
+                got = continuation_scores(torch.cat([h_p[x.group_of], h_s], 1), x.input_ids, x.n_cont, lm_head,
+                                          cap, ends=x.ends)
+                idx = [i for g in part for i in g[1]]
+                for i, sc in zip(idx, got):
+                    for j in x.same[i]:
+                        results[j] = sc
+                continue
+            idx = part
             chunk = [pairs[i] for i in idx]
             input_ids, mask = left_pad([ids for ids, _ in chunk], pad)  # left padding, like generation
             kw = {"input_ids": input_ids.to(self.device), "attention_mask": mask.to(self.device),
                   "position_ids": positions_from_mask(mask).to(self.device)}
-            if norm is not None and lm_head is not None:
-                grab: dict[str, torch.Tensor] = {}
-
-                def keep(module, args, output):  # after any head hook: the corrected final hidden state
-                    grab["h"] = output[0] if isinstance(output, tuple) else output
-
-                hd = norm.register_forward_hook(keep)
-                try:
-                    self.model(**kw, logits_to_keep=1)  # the head's hooks see this forward's mask
-                finally:
-                    hd.remove()
-                got = continuation_scores(grab["h"], kw["input_ids"], [n for _, n in chunk], lm_head,
-                                          getattr(self.model.config, "final_logit_softcapping", None))
+            if hidden:
+                got = continuation_scores(final_states(**kw)[0], kw["input_ids"],
+                                          [n for _, n in chunk], lm_head, cap)
             else:
                 logits = self.model(**kw).logits
                 got = _scores_from_logits(logits, kw["input_ids"], [n for _, n in chunk])
             for i, sc in zip(idx, got):
                 results[i] = sc
         return results  # type: ignore[return-value]
+
+
+def score_plan(pairs: Sequence[tuple[Sequence[int], int]], batch_size: int, by_length: bool,
+               share_prefix: bool) -> list[tuple[str, list]]:
+    """The chunks in which ``score`` runs ``pairs`` (``(token ids, n)`` of :func:`score_pairs`),
+    shared by ``HFTextModel.score`` and the one-pass ``HFMultiHeadModel.score`` so that both batch
+    a pair with the same others.
+
+    Without ``share_prefix``: ``("full", [pair index, ...])`` chunks of ``batch_size`` pairs in
+    :func:`score_order`. With it, the pairs whose context tokens (``ids[:-n]``) are equal and that
+    hold at least two distinct token sequences form a group; a group's prefix is the longest token
+    prefix its distinct sequences share (at most the shortest one's length - 1, so each keeps a token
+    to forward). Groups, longest prefix first when ``by_length`` (else in first-pair order), are
+    packed into ``("prefix", [(prefix length, [pair index of each distinct sequence, ...]), ...])``
+    chunks of at most ``batch_size`` sequences (at least one group); the other pairs form "full"
+    chunks as above, after the prefix chunks. A repeated pair is listed once (the first).
+    """
+    if not share_prefix:
+        order = score_order(pairs, by_length)
+        return [("full", order[s:s + batch_size]) for s in range(0, len(order), batch_size)]
+    by_ctx: dict[tuple[int, ...], dict[tuple[int, ...], int]] = {}
+    for i, (ids, n) in enumerate(pairs):
+        by_ctx.setdefault(tuple(ids[:len(ids) - n]), {}).setdefault(tuple(ids), i)
+    groups: list[tuple[int, list[int]]] = []
+    grouped: set[int] = set()
+    for seqs in by_ctx.values():
+        if len(seqs) < 2:
+            continue
+        members = list(seqs.values())
+        ids = [pairs[i][0] for i in members]
+        limit = min(len(x) for x in ids) - 1
+        P = 0
+        while P < limit and all(x[P] == ids[0][P] for x in ids):
+            P += 1
+        groups.append((P, members))
+        grouped.update(members)
+    if by_length:
+        groups.sort(key=lambda g: -g[0])
+    plan: list[tuple[str, list]] = []
+    cur: list[tuple[int, list[int]]] = []
+    for g in groups:
+        if cur and sum(len(m) for _, m in cur) + len(g[1]) > batch_size:
+            plan.append(("prefix", cur))
+            cur = []
+        cur.append(g)
+    if cur:
+        plan.append(("prefix", cur))
+    key = {ids: i for ctx in by_ctx.values() for ids, i in ctx.items()}
+    # a repeat of a full-chunk pair is scored again in its own place (as without share_prefix)
+    rest = [i for i in score_order(pairs, by_length) if i not in grouped
+            and key[tuple(pairs[i][0])] not in grouped]
+    return plan + [("full", rest[s:s + batch_size]) for s in range(0, len(rest), batch_size)]
+
+
+def with_kv_cache(model, cache) -> dict:
+    """The forward keyword that passes a KV cache to ``model``: ``cache`` (transformers >= 5.20) or
+    ``past_key_values`` (earlier 5.x, e.g. the vLLM venv's), whichever its ``forward`` takes."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def kv_cache_of(out):
+    """The KV cache a forward returned (``cache`` or, before transformers 5.20, ``past_key_values``)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+class PrefixChunk:
+    """The tensors of one ``("prefix", groups)`` chunk of :func:`score_plan` (``G`` groups, ``M``
+    sequences; built by :func:`prefix_chunk`), all int64 on the model's device:
+
+    * ``prefix_ids`` / ``prefix_mask`` / ``prefix_pos`` ``[G, P]``: each group's shared prefix, left-padded
+      to the longest (``P``), ``position_ids`` from the mask;
+    * ``group_of`` ``[M]``: the group of each sequence (index into the prefixes), for the KV cache;
+    * ``suffix_ids`` ``[M, S]``: each sequence's tokens after its prefix, right-padded; ``mask``
+      ``[M, P + S]``: its prefix's mask then its own; ``suffix_pos`` ``[M, S]``: the suffix's
+      absolute positions (from ``mask``);
+    * ``input_ids`` ``[M, P + S]``: prefix and suffix, the layout of ``cat([h_prefix[group_of], h_suffix], 1)``;
+      ``ends``: index after each sequence's last token in that layout; ``n_cont``: its continuation tokens;
+    * ``same``: pair index -> the pair indices (itself and its repeats) its score answers.
+    """
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def prefix_chunk(pairs: Sequence[tuple[Sequence[int], int]], groups: Sequence[tuple[int, Sequence[int]]],
+                 pad_id: int, device) -> PrefixChunk:
+    """:class:`PrefixChunk` of ``groups`` (one ``("prefix", groups)`` entry of :func:`score_plan`)."""
+    prefixes = [pairs[m[0]][0][:P] for P, m in groups]
+    p_ids, p_mask = left_pad(prefixes, pad_id)
+    group_of = [g for g, (_, m) in enumerate(groups) for _ in m]
+    suffixes = [list(pairs[i][0][P:]) for P, m in groups for i in m]
+    S = max(len(x) for x in suffixes)
+    s_ids = torch.tensor([x + [pad_id] * (S - len(x)) for x in suffixes], dtype=torch.long)
+    s_mask = torch.tensor([[1] * len(x) + [0] * (S - len(x)) for x in suffixes], dtype=torch.long)
+    gi = torch.tensor(group_of, dtype=torch.long)
+    mask = torch.cat([p_mask[gi], s_mask], 1)
+    Pm = p_ids.shape[1]
+    same: dict[int, list[int]] = {}
+    first = {tuple(pairs[i][0]): i for _, m in groups for i in m}
+    for j, (ids, _) in enumerate(pairs):
+        if tuple(ids) in first:
+            same.setdefault(first[tuple(ids)], []).append(j)
+    dev = lambda t: t.to(device)  # noqa: E731
+    return PrefixChunk(prefix_ids=dev(p_ids), prefix_mask=dev(p_mask), prefix_pos=dev(positions_from_mask(p_mask)),
+                       group_of=dev(gi), suffix_ids=dev(s_ids), mask=dev(mask),
+                       suffix_pos=dev(positions_from_mask(mask)[:, Pm:]),
+                       input_ids=dev(torch.cat([p_ids[gi], s_ids], 1)), ends=[Pm + len(x) for x in suffixes],
+                       n_cont=[pairs[i][1] for _, m in groups for i in m], same=same)
 
 
 def score_order(pairs: Sequence[tuple[Sequence[int], int]], by_length: bool) -> list[int]:
@@ -394,24 +533,25 @@ def score_order(pairs: Sequence[tuple[Sequence[int], int]], by_length: bool) -> 
 
 
 def continuation_scores(h: torch.Tensor, input_ids: torch.Tensor, n_cont: Sequence[int], lm_head,
-                        softcap: float | None = None) -> list[ScoreContinuation]:
-    """Scores of one left-padded chunk from its final hidden states.
+                        softcap: float | None = None, ends: Sequence[int] | None = None) -> list[ScoreContinuation]:
+    """Scores of one chunk from its final hidden states.
 
     Args:
         h: ``[batch, seq, d_model]`` final hidden states (after the final norm and any head).
-        input_ids: ``[batch, seq]`` int64, left-padded; row ``i`` ends with its ``n_cont[i]``
-            continuation tokens.
+        input_ids: ``[batch, seq]`` int64; row ``i``'s tokens end at ``ends[i]`` (default ``seq``:
+            left-padded) with its ``n_cont[i]`` continuation tokens.
         n_cont: continuation tokens per row.
         lm_head: the output projection (``d_model -> vocab``), applied only at the positions
-            ``seq - n - 1 .. seq - 2`` of each row (those that predict its continuation).
+            ``end - n - 1 .. end - 2`` of each row (those that predict its continuation).
         softcap: Gemma-2-style ``final_logit_softcapping`` (None: none), as the model's forward.
+        ends: per row, the index after its last token (right-padded rows, :func:`prefix_chunk`).
     Returns:
         One :class:`ScoreContinuation` per row: NLL in nats (float32 log-softmax), ``greedy`` when
         every continuation token is the argmax.
     """
-    L = input_ids.shape[1]
+    ends = [input_ids.shape[1]] * len(n_cont) if ends is None else ends
     bi = torch.tensor([i for i, n in enumerate(n_cont) for _ in range(n)], device=h.device)
-    ti = torch.tensor([t for n in n_cont for t in range(L - n - 1, L - 1)], device=h.device)
+    ti = torch.tensor([t for n, e in zip(n_cont, ends) for t in range(e - n - 1, e - 1)], device=h.device)
     logits = lm_head(h[bi, ti])  # [n_sel, vocab]
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap

@@ -31,7 +31,7 @@ from torch import nn
 
 from darts_bench.api import Completion, ScoreContinuation
 from darts_bench.evaluate.hf_model import (HFTextModel, completion_of, continuation_scores, finish_generated, left_pad,
-                                           score_order, score_pairs)
+                                           kv_cache_of, prefix_chunk, score_pairs, score_plan, with_kv_cache)
 from darts_bench.surgery.corrected import MultiHeadAttachment, final_norm
 from darts_bench.surgery.heads import CorrectionHead, positions_from_mask
 
@@ -235,7 +235,9 @@ class HFMultiHeadModel:
         base model's ``score_by_length`` is set: :func:`~darts_bench.evaluate.hf_model.score_order`),
         run through the transformer (``model.model``: embeddings, layers, final norm) once per chunk of
         ``batch_size`` pairs, left-padded with ``position_ids`` from the mask as
-        ``HFTextModel.score``; each head requested for a pair of the chunk is then applied to the
+        ``HFTextModel.score`` (the same :func:`~darts_bench.evaluate.hf_model.score_plan`; with the base
+        model's ``share_prefix``, pairs sharing a context as its prefix chunks: the prefix once with its
+        KV cache, then each pair's remaining tokens, a head applied to both forwards' outputs); each head requested for a pair of the chunk is then applied to the
         cached final hidden states ``[batch, seq, d_model]`` of the whole chunk (as its hook does
         in the row-by-row forward), and ``lm_head`` with a float32 log-softmax runs at the positions
         that predict continuation tokens (:func:`~darts_bench.evaluate.hf_model.continuation_scores`,
@@ -258,9 +260,28 @@ class HFMultiHeadModel:
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         per: dict[tuple[int, int | None], ScoreContinuation] = {}
         pad = self.tokenizer.pad_token_id
-        order = score_order(pairs, self.base.score_by_length)  # as the row-by-row HFTextModel.score chunks
-        for start in range(0, len(pairs), self.batch_size):
-            idx = order[start:start + self.batch_size]
+        # the row-by-row HFTextModel.score's chunks (score_by_length, share_prefix)
+        for kind, part in score_plan(pairs, self.batch_size, self.base.score_by_length, self.base.share_prefix):
+            if kind == "prefix":  # a shared prefix once with its KV cache, then each pair's remaining tokens
+                x = prefix_chunk(pairs, part, pad, self.device)
+                out = body(input_ids=x.prefix_ids, attention_mask=x.prefix_mask, position_ids=x.prefix_pos,
+                           use_cache=True)
+                h_p, cache = out.last_hidden_state, kv_cache_of(out)  # [groups, prefix, d_model]
+                cache.reorder_cache(x.group_of)
+                h_s = body(input_ids=x.suffix_ids, attention_mask=x.mask, position_ids=x.suffix_pos, use_cache=True,
+                           **with_kv_cache(body, cache)).last_hidden_state  # [pairs, suffix, d_model]
+                idx = [i for g in part for i in g[1]]
+                asked = {k for i in idx for k in wanted[i]}
+                for hd in sorted(asked, key=lambda k: -1 if k is None else k):
+                    # the head on each forward's whole output, as its hook does in the row-by-row forwards
+                    hp = h_p if hd is None else self._heads[hd](h_p, x.prefix_pos)
+                    hs = h_s if hd is None else self._heads[hd](h_s, x.suffix_pos)
+                    got = continuation_scores(torch.cat([hp[x.group_of], hs], 1), x.input_ids, x.n_cont, lm_head,
+                                              cap, ends=x.ends)
+                    for i, sc in zip(idx, got):
+                        per[(i, hd)] = sc
+                continue
+            idx = part
             chunk = [pairs[i] for i in idx]
             input_ids, mask = left_pad([ids for ids, _ in chunk], pad)
             input_ids = input_ids.to(self.device)

@@ -46,7 +46,7 @@ TYPICAL_TOKENS = {
 POSITION_BIAS = {"surgery": False, "darts": True, "darts_ew_only": False, "darts_pos_only": True}
 _PLAN_KEYS = {"judge", "what", "where"}
 _JUDGE_KEYS = {"label", "model", "prompt_tokens_per_row", "new_tokens_per_row"}
-_JUDGE_OPTIONAL = {"scored_tokens_per_row"}
+_JUDGE_OPTIONAL = {"scored_tokens_per_row", "scored_per_prompt"}
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,8 @@ def _checked_plan(name: str, got: Any) -> dict[str, Any]:
 
     Raises:
         ValueError: not a dict, an unknown key, ``what`` / ``where`` not a str, or a ``judge`` that is
-            not a dict of its four keys (and the optional ``scored_tokens_per_row``) with the types the
-            contract gives.
+            not a dict of its four keys (and the optional ``scored_tokens_per_row``,
+            ``scored_per_prompt``) with the types the contract gives.
     """
     where = f"task {name}: Task.plan()"
     if not isinstance(got, dict):
@@ -132,8 +132,9 @@ def _checked_plan(name: str, got: Any) -> dict[str, Any]:
         if not isinstance(j["label"], str) or not (j["model"] is None or isinstance(j["model"], str)):
             raise ValueError(f"{where}: judge 'label' must be a str and 'model' a str or None, got {j!r}")
         for k in ("prompt_tokens_per_row", "new_tokens_per_row", *(_JUDGE_OPTIONAL & set(j))):
-            if not isinstance(j[k], int) or j[k] < 0:
-                raise ValueError(f"{where}: judge {k!r} must be an int >= 0, got {j[k]!r}")
+            if not isinstance(j[k], int) or j[k] < (1 if k == "scored_per_prompt" else 0):
+                raise ValueError(f"{where}: judge {k!r} must be an int >= {1 if k == 'scored_per_prompt' else 0}, "
+                                 f"got {j[k]!r}")
     return got
 
 
@@ -723,7 +724,9 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     beside each engine: the HF one pass's scores, one forward per model dir, a further head its
     ``lm_head``, the ``forward`` rate; the copy's weights and load counted per engine) or ``heads`` (the
     corrected rows' scores from the copy: one forward per model dir with heads; the plain rows and the judge
-    on the engine; the copy counted once, beside the rows' engine); with ``evaluate.vllm.enable_prefix_caching`` (the default) a prompt's
+    on the engine; the copy counted once, beside the rows' engine) or ``shared`` (as ``heads``, and a judge's
+    scored sequences on a copy beside its engine, the ``forward`` rate, each prompt forwarded once for its
+    ``scored_per_prompt`` verdicts); with ``evaluate.vllm.enable_prefix_caching`` (the default) a prompt's
     prefill is counted once per model dir, shared by its rows' requests (the KV cache does not depend on
     the head), else once per row. A judge's ``scored_tokens_per_row`` (forced-choice verdicts) are
     teacher-forced like the reference NLL; every judge request is counted, although the stage answers a
@@ -735,7 +738,10 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     vllm = cfg.evaluate.backend == "vllm"
     scoring = cfg.evaluate.vllm.scoring if vllm else "engine"
     hf_scores = scoring == "hf"  # every score from an HF copy beside each engine
-    head_scores = scoring in ("hf", "heads")  # the corrected rows' scores from the copy
+    head_scores = scoring in ("hf", "heads", "shared")  # the corrected rows' scores from the copy
+    # the judges that score teacher-forced sequences on a copy beside their engine (shared: the prompt once)
+    copy_judges = ({t for t in x.local_judges if x.needs[t]["judge"].get("scored_tokens_per_row")}
+                   if scoring == "shared" else set())
     judges = x.local_judges
     layout = one_pass_layout(cfg)
     native = layout is not None
@@ -815,13 +821,16 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         s["vllm_engine"] = e
         s["load_seconds"] = s["model_loads"] * e["start_s"]
         if head_scores:  # the HF scorer: a copy of the weights beside each engine that scores with it
-            copies = 1 + beside if hf_scores else 1  # heads: never the judge's
+            judge_copies = len({judges[t] for t in copy_judges})
+            # heads: never the judge's; shared: the judges' that score
+            copies = 1 + beside if hf_scores else 1 + min(beside, judge_copies)
             s["memory_bytes"] += W * copies
             if e["gpu"] is not None:
                 s["gpu_bytes"] = e["gpu"] + W
             s["memory_note"] += (f" + the HF scorer's weights {gb(W)} x {copies} "
                                  f"(evaluate.vllm.scoring: {scoring})")
-            s["load_seconds"] += (s["model_loads"] if hf_scores else headed_dirs) * x.checkpoint_load_seconds
+            s["load_seconds"] += ((s["model_loads"] if hf_scores else headed_dirs + judge_copies)
+                                  * x.checkpoint_load_seconds)
 
         def gen(prompt_tokens: float, new_tokens: float, requests: float | None = None) -> float:
             return vllm_generation_seconds(prompt_tokens, new_tokens, P, kind, cfg, e, requests=requests)
@@ -881,8 +890,11 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
                             + forward_seconds(nll_tokens, P, kind, rate=score_rate))
         if t in judges:  # a judge outside the process (an API annotator) costs no local time
             j = x.needs[t]["judge"]
-            secs += (gen(rows * j["prompt_tokens_per_row"], rows * j["new_tokens_per_row"])
-                     + forward_seconds(rows * j.get("scored_tokens_per_row", 0), P, kind, rate=score_rate))
+            secs += gen(rows * j["prompt_tokens_per_row"], rows * j["new_tokens_per_row"])
+            if t in copy_judges:  # the copy forwards each prompt once for its scored_per_prompt verdicts
+                secs += forward_seconds(rows * j["scored_tokens_per_row"] / j.get("scored_per_prompt", 1), P, kind)
+            else:
+                secs += forward_seconds(rows * j.get("scored_tokens_per_row", 0), P, kind, rate=score_rate)
     s["seconds"] = secs
     return _finish(s, kind, workers)
 

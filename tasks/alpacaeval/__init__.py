@@ -166,7 +166,8 @@ class AlpacaEvalTask(Task):
         reads the judge template (:attr:`judge_template_tokens`), the instruction, the model's
         output (``max_new_tokens``) and the reference output. The local judge in ``score`` mode (the
         annotator config's default) scores both verdicts (:attr:`verdict_tokens` each) after the whole
-        prompt, two teacher-forced sequences per call (``scored_tokens_per_row``); in ``generate`` mode,
+        prompt, two teacher-forced sequences per call (``scored_tokens_per_row``) that share the prompt
+        (``scored_per_prompt``: 2); in ``generate`` mode,
         and a named annotator, it reads the prompt and writes ``judge.max_new_tokens``."""
         j = config.judge
         named = j.annotator
@@ -176,7 +177,7 @@ class AlpacaEvalTask(Task):
         mode = (load_annotator_config(self.annotators_config)[2].get("completions_kwargs") or {}).get("mode", "score")
         if named is None and mode == "score":
             tokens = {"prompt_tokens_per_row": 0, "new_tokens_per_row": 0,
-                      "scored_tokens_per_row": calls * 2 * (reads + self.verdict_tokens)}
+                      "scored_tokens_per_row": calls * 2 * (reads + self.verdict_tokens), "scored_per_prompt": 2}
         else:
             tokens = {"prompt_tokens_per_row": calls * reads, "new_tokens_per_row": calls * j.max_new_tokens}
         return {"judge": {"label": named or f"local judge {j.model}", "model": None if named else j.model,

@@ -1,5 +1,6 @@
 """Teacher-forced scores for the vLLM backend from a transformers copy of the engine's checkpoint
-(``evaluate.vllm.scoring: hf`` every score, ``heads`` the scores under a correction head).
+(``evaluate.vllm.scoring: hf`` every score, ``heads`` the scores under a correction head, ``shared``
+those and the pairs that share a context with another pair of the call).
 
 vLLM scores a sequence through ``prompt_logprobs``: such requests skip the prefix cache (vLLM 0.32
 sets ``skip_reading_prefix_cache`` for them), the head is applied to each token's hidden state
@@ -12,7 +13,11 @@ An :class:`HFScorer` beside the engine scores instead with the HF backend's own 
 * every head of a merge (:meth:`HFScorer.score_requests`):
   :meth:`HFMultiHeadModel.score <darts_bench.evaluate.multi_head.HFMultiHeadModel.score>`, one
   transformer forward per distinct (context, continuation) pair and each requested head applied to
-  the cached final hidden states.
+  the cached final hidden states;
+* with ``share_prefix`` (``scoring: shared``), pairs whose context another distinct pair of the call
+  shares (the AlpacaEval judge's two verdicts) forward that prefix once with its KV cache and then
+  each pair's remaining tokens (``HFTextModel(share_prefix=True)``,
+  :func:`~darts_bench.evaluate.hf_model.score_plan`), in both paths.
 
 Both compute ``lm_head`` only at the positions that predict continuation tokens and chunk the pairs
 longest first (``HFTextModel(score_by_length=True)``, :func:`~darts_bench.evaluate.hf_model.score_order`:
@@ -42,13 +47,15 @@ class HFScorer:
         model_dir: the engine's checkpoint dir (HF layout).
         dtype: ``float32`` | ``bfloat16`` | ``float16`` (the engine's dtype).
         device: torch device of the copy (``cpu``; ``cuda`` beside a GPU engine).
+        share_prefix: forward a context shared by several pairs of a call once (``HFTextModel``'s
+            ``share_prefix``; ``evaluate.vllm.scoring: shared``).
 
     Attributes:
         loads: checkpoint loads so far (0 until the first score; then 1).
     """
 
-    def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu"):
-        self.model_dir, self.dtype, self.device = str(model_dir), dtype, device
+    def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu", share_prefix: bool = False):
+        self.model_dir, self.dtype, self.device, self.share_prefix = str(model_dir), dtype, device, share_prefix
         self._model = self._tok = None
         self.loads = 0
 
@@ -62,7 +69,7 @@ class HFScorer:
     def _plain(self, name: str, head_dir: str | Path | None, batch_size: int, max_length: int | None) -> HFTextModel:
         model, tok = self._loaded()
         return HFTextModel(name, model, tok, head=load_head(head_dir) if head_dir else None, batch_size=batch_size,
-                           max_length=max_length, score_by_length=True)
+                           max_length=max_length, score_by_length=True, share_prefix=self.share_prefix)
 
     def score(self, contexts: Sequence[str], continuations: Sequence[str], head_dir: str | Path | None = None,
               batch_size: int = 8, max_length: int | None = None, name: str = "scorer") -> list[ScoreContinuation]:

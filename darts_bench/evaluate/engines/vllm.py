@@ -213,10 +213,11 @@ class VLLMEngine:
         self.step_tokens = sched.max_num_batched_tokens
         self.chunked_prefill = bool(sched.enable_chunked_prefill)
         self.on_cpu = _on_cpu()
-        # evaluate.vllm.scoring hf | heads: teacher-forced scores (all, or a head's) from a transformers copy
+        # evaluate.vllm.scoring hf | heads | shared: teacher-forced scores (all, a head's, a head's and those
+        # sharing a context) from a transformers copy
         self.scoring = getattr(vcfg, "scoring", "engine")
-        self.scorer = HFScorer(self.model_dir, self.dtype, "cpu" if self.on_cpu else "cuda") \
-            if self.scoring != "engine" else None
+        self.scorer = HFScorer(self.model_dir, self.dtype, "cpu" if self.on_cpu else "cuda",
+                               share_prefix=self.scoring == "shared") if self.scoring != "engine" else None
         log.info("vLLM engine for %s up in %.1f s (dtype %s, processes %s)", self.model_dir, self.startup_s,
                  self.dtype, sorted(self._pids))
         atexit.register(self.shutdown)
@@ -443,39 +444,47 @@ class VLLMTextModel:
         ``prompt_logprobs`` (same tokenization and truncation as ``HFTextModel.score``); ``heads``
         as in :meth:`generate_ids`. The engine's
         :class:`~darts_bench.evaluate.engines.hf_scorer.HFScorer` scores instead, with
-        ``evaluate.vllm.scoring: hf`` every request and with ``heads`` the requests under a
+        ``evaluate.vllm.scoring: hf`` every request, with ``heads`` the requests under a
         correction head (``HFTextModel.score`` with the head, or ``HFMultiHeadModel.score`` for
-        per-request heads: one forward for all of them; pairs chunked longest first).
+        per-request heads: one forward for all of them; pairs chunked longest first), and with
+        ``shared`` those and the requests whose context another distinct pair of the call shares
+        (:func:`shared_contexts`; the copy forwards the shared prefix once).
 
         Raises:
-            ValueError: different numbers of contexts and continuations, an empty continuation.
+            ValueError: different numbers of contexts and continuations (or heads), an empty continuation.
         """
         eng = self.engine
         scorer = getattr(eng, "scorer", None)
         if scorer is None:
             return self._engine_score(contexts, continuations, heads)
-        everything = getattr(eng, "scoring", "hf") == "hf"
+        if len(contexts) != len(continuations) or (heads is not None and len(heads) != len(contexts)):
+            raise ValueError(f"{len(heads) if heads is not None else 'no'} heads for {len(contexts)} contexts and "
+                             f"{len(continuations)} continuations")
+        mode = getattr(eng, "scoring", "hf")
+        shared = shared_contexts(contexts, continuations) if mode == "shared" else set()
         if heads is None:
-            if everything or self.head_dir:
+            if mode == "hf" or self.head_dir:
                 return scorer.score(contexts, continuations, self.head_dir, batch_size=self.batch_size,
                                     max_length=self.max_length, name=self.name)
-            return self._engine_score(contexts, continuations, None)
-        if len(heads) != len(contexts) or len(contexts) != len(continuations):
-            raise ValueError(f"{len(heads)} heads for {len(contexts)} contexts and {len(continuations)} continuations")
-        dirs = eng.head_dirs or []
-        on_hf = [everything or (h >= 0 and bool(dirs[h])) for h in heads]
-        out: list[ScoreContinuation | None] = [None] * len(heads)
+            on_hf = [c in shared for c in contexts]
+        else:
+            dirs = eng.head_dirs or []
+            on_hf = [mode == "hf" or (h >= 0 and bool(dirs[h])) or c in shared for h, c in zip(heads, contexts)]
+        out: list[ScoreContinuation | None] = [None] * len(contexts)
         for flag in (True, False):
             idx = [i for i, f in enumerate(on_hf) if f is flag]
             if not idx:
                 continue
-            if flag:
+            if flag and heads is None:
+                got = scorer.score([contexts[i] for i in idx], [continuations[i] for i in idx], None,
+                                   batch_size=self.batch_size, max_length=self.max_length, name=self.name)
+            elif flag:
                 got = scorer.score_requests([(heads[i] if heads[i] >= 0 else None, contexts[i], continuations[i])
-                                             for i in idx], dirs, batch_size=self.batch_size,
+                                             for i in idx], eng.head_dirs or [], batch_size=self.batch_size,
                                             max_length=self.max_length, name=self.name)
             else:
                 got = self._engine_score([contexts[i] for i in idx], [continuations[i] for i in idx],
-                                         [heads[i] for i in idx])
+                                         None if heads is None else [heads[i] for i in idx])
             for i, g in zip(idx, got):
                 out[i] = g
         return out  # type: ignore[return-value]
@@ -505,6 +514,17 @@ class VLLMTextModel:
             results.append(ScoreContinuation(nll=float(sum(tok_nll)), n_tokens=n,
                                              greedy=all(lp.rank == 1 for lp in lps), token_nll=tok_nll))
         return results
+
+
+def shared_contexts(contexts: Sequence[str], continuations: Sequence[str]) -> set[str]:
+    """The contexts that come with two or more distinct continuations in one score call (the
+    AlpacaEval judge's prompt with its two verdicts): ``evaluate.vllm.scoring: shared`` sends their
+    pairs to the HF copy, which forwards the context once. A context repeated with one continuation
+    (every head of a merge asking for the same reference answer) is not shared."""
+    seen: dict[str, set[str]] = {}
+    for c, x in zip(contexts, continuations):
+        seen.setdefault(c, set()).add(x)
+    return {c for c, xs in seen.items() if len(xs) > 1}
 
 
 class VLLMMultiHeadModel:
@@ -578,11 +598,11 @@ class VLLMMultiHeadModel:
 
     def score(self, requests: Sequence[tuple[int, str, str]]) -> list[ScoreContinuation]:
         """``requests``: ``(head index, context, continuation)``; NLL per request as
-        :meth:`VLLMTextModel.score`. With ``evaluate.vllm.scoring: hf`` (every request) or
-        ``heads`` (the requests under a head): the engine's
+        :meth:`VLLMTextModel.score`. With ``evaluate.vllm.scoring: hf`` (every request), ``heads``
+        (the requests under a head) or ``shared`` (those and the pairs sharing a context): the engine's
         :class:`~darts_bench.evaluate.engines.hf_scorer.HFScorer`, one transformer forward per
         distinct pair for every head (``HFMultiHeadModel.score``), equal bitwise to the row-by-row
-        scores (the plain slot's on the engine under ``heads``, as the plain row's).
+        scores (the plain slot's other requests on the engine, as the plain row's).
 
         Raises:
             ValueError: a head index outside ``head_dirs``; an empty continuation.
