@@ -113,7 +113,7 @@ def test_backends_chosen_by_name_from_the_config():
     settings = cfg.evaluate.vllm.model_dump(mode="json")
     del settings["scoring"]  # collect's continuations never score
     assert backend_key(cfg, "calibration") == {"backend": "vllm", "vllm": settings, "dtype": cfg.pool.dtype}
-    # evaluate.vllm.scoring is in the evaluate key only when it is hf: the default keeps the keys that
+    # evaluate.vllm.scoring is in the evaluate key only when it is not engine: the default keeps the keys that
     # vLLM runs had before the setting existed (these fields), and calibration's key never has it
     on = ["evaluate.backend=vllm", "calibration.backend=vllm"]
     engine, hf = load_config("tiny", on), load_config("tiny", [*on, "evaluate.vllm.scoring=hf"])
@@ -123,6 +123,9 @@ def test_backends_chosen_by_name_from_the_config():
         "tensor_parallel_size"]
     assert backend_key(hf, "evaluate")["vllm"] == {**backend_key(engine, "evaluate")["vllm"], "scoring": "hf"}
     assert backend_key(hf, "calibration") == backend_key(engine, "calibration")
+    keys = {m: backend_key(load_config("tiny", [*on, f"evaluate.vllm.scoring={m}"]), "evaluate")
+            for m in ("engine", "hf", "heads", "shared")}
+    assert len({str(k) for k in keys.values()}) == 4  # each non-default mode gives its own evaluate key
     # the sessions the stages open carry their role: collect keys its calibration sets with its
     # backend's .key (collect/features.py), which must not change with the evaluate-only setting
     from darts_bench.executors.local import LocalExecutor
