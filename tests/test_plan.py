@@ -174,7 +174,9 @@ def test_vllm_engine_memory_on_cpu_is_weights_kv_and_overhead():
 
     # the overhead is the LAB-NOTES measurement (3.4 GB, SmolLM2-135M fp32, kv_cache_gb 2) less weights and KV
     assert VLLM_ENGINE_OVERHEAD == 3.4e9 - 538_060_032 - 2_147_483_648 == 714_456_320
-    cfg = load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32"])
+    # the engine's own scoring (the preset scores on an HF copy beside it: +weights, below)
+    cfg = load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32",
+                                       "evaluate.vllm.scoring=engine"])
     e = make_plan(cfg)["stages"]["evaluate"]
     eng = e["vllm_engine"]
     assert eng["weights"] == SMOL_PARAMS * 4 == 538_060_032 and eng["kv"] == 2 * GIB
@@ -188,7 +190,8 @@ def test_vllm_engine_memory_on_cpu_is_weights_kv_and_overhead():
     assert "gpu_bytes" not in e
     # bf16 engine, 4 GiB of KV cache: 0.55 + 0.269 + 4.295 + 0.714 GB
     bf = make_plan(load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=bfloat16",
-                                                "evaluate.vllm.kv_cache_gb=4"]))["stages"]["evaluate"]
+                                                "evaluate.vllm.kv_cache_gb=4", "evaluate.vllm.scoring=engine"])
+                   )["stages"]["evaluate"]
     assert bf["memory_bytes"] == 550_000_000 + 2 * (269_030_016 + 4 * GIB + 714_456_320) == 11_106_907_264
     # the HF backend plans the HF model instead (weights x 2 with the judge + KV + prefill)
     hf = make_plan(load_config("smollm2-135m"))["stages"]["evaluate"]
@@ -200,7 +203,8 @@ def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
     alive beside it; the start-up (38-63 s measured on 2 idle CPU cores) is in the time."""
     from darts_bench.plan.resources import VLLM_START_S
 
-    cfg = load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32", "surgery.task_agnostic=[]", "evaluate.rows=null"])
+    cfg = load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32", "surgery.task_agnostic=[]",
+                                       "evaluate.rows=null", "evaluate.vllm.scoring=engine"])
     plan = print_plan(cfg)
     out = capsys.readouterr().out
     e = plan["stages"]["evaluate"]
@@ -515,9 +519,10 @@ def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
     transformer forward per model dir, a further head its ``lm_head``: the hf backend's token count)
     instead of a ``prompt_logprobs`` forward per row; the HF copy's weights beside each engine (two
     on CPU: the judge's) and one checkpoint load per engine start (the hf backend's load time);
-    the stage cheaper; ``engine``, the default, plans exactly what it planned before."""
+    the stage cheaper; ``engine``, the default (not the smollm2 preset's: ``shared``), plans exactly what it
+    planned before."""
     sets = ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32"]
-    plan_e = make_plan(load_config("smollm2-135m", sets))
+    plan_e = make_plan(load_config("smollm2-135m", [*sets, "evaluate.vllm.scoring=engine"]))
     e = plan_e["stages"]["evaluate"]
     h = make_plan(load_config("smollm2-135m", [*sets, "evaluate.vllm.scoring=hf"]))["stages"]["evaluate"]
     hf = make_plan(load_config("smollm2-135m"))["stages"]["evaluate"]
@@ -527,7 +532,8 @@ def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
     assert h["judge_tokens"] == e["judge_tokens"] and h["engine_starts"] == e["engine_starts"] == 6
     assert h["load_seconds"] == pytest.approx(e["load_seconds"] + 6 * hf["load_seconds"] / hf["model_loads"])
     assert h["seconds"] < 0.75 * e["seconds"]
-    assert make_plan(load_config("smollm2-135m", [*sets, "evaluate.vllm.scoring=engine"]))["stages"]["evaluate"] == e
+    assert make_plan(load_config("tiny", sets))["stages"]["evaluate"] == \
+        make_plan(load_config("tiny", [*sets, "evaluate.vllm.scoring=engine"]))["stages"]["evaluate"]
     # heads: the 6 plain rows (base, 3 experts, 2 merges) on the engine, the 2 merges' heads from one HF forward
     # each (8 model dirs' worth of reference tokens), one copy beside the rows' engine (never the judge's),
     # loaded once per merge; the judge on the engine
@@ -544,6 +550,7 @@ def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
 
     sh = make_plan(load_config("smollm2-135m", [*sets, "evaluate.vllm.scoring=shared"]))
     r = sh["stages"]["evaluate"]
+    assert make_plan(load_config("smollm2-135m", sets))["stages"]["evaluate"] == r  # the preset's setting
     assert (r["nll_tokens"], r["judge_tokens"]) == (k["nll_tokens"], k["judge_tokens"])
     assert r["memory_bytes"] == e["memory_bytes"] + 2 * W
     assert r["load_seconds"] == pytest.approx(e["load_seconds"] + 3 * hf["load_seconds"] / hf["model_loads"])

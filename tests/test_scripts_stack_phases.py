@@ -61,3 +61,26 @@ def test_run8_samples_give_the_timings_table(capsys):
     log = (RUN / "run8.log").read_text()
     assert "stage evaluate: done in 2436.1 s" in log and "score 620 computed, 340 reused" in log
     assert "**no regression** (111 cells changed within tolerance, 5703 identical)" in (RUN / "compare_run8.md").read_text()
+
+
+def test_run9_samples_give_the_timings_table(capsys):
+    """Run 9 (scoring: shared): the phase table, the judge per window against run 8's, the stage time, the memo
+    and the comparison line of TIMINGS.md."""
+    sp = load_script("stack_phases")
+    sp.main([str(RUN / "run9_driver_stacks.txt.gz")])
+    out = capsys.readouterr().out
+    for line in ("| judge | 600 |", "| reference NLL | 464 |", "| generation | 685 |", "| engine start | 238 |",
+                 "| all | 2,303 |"):
+        assert line in out
+    for samples, since, until, judge in (
+            ("run8_driver_stacks.txt.gz", "12:55:14", "13:07:31", "307"),
+            ("run9_driver_stacks.txt.gz", "15:29:57", "15:41:53", "176"),
+            ("run8_driver_stacks.txt.gz", "13:07:31", "13:23:08", "493"),
+            ("run9_driver_stacks.txt.gz", "15:41:53", "15:56:08", "254"),
+            ("run8_driver_stacks.txt.gz", "13:23:08", "13:35:50", "308"),
+            ("run9_driver_stacks.txt.gz", "15:56:08", "16:07:50", "170")):
+        sp.main([str(RUN / samples), "--since", since, "--until", until])
+        assert f"| judge | {judge} |" in capsys.readouterr().out, (samples, since)
+    log = (RUN / "run9.log").read_text()
+    assert "stage evaluate: done in 2294.9 s" in log and "score 620 computed, 340 reused" in log
+    assert "**no regression** (111 cells changed within tolerance, 5703 identical)" in (RUN / "compare_run9.md").read_text()
