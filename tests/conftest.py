@@ -97,6 +97,30 @@ def tiny_llama_and_tokenizer(prompts: list[str]):
     return model, tok
 
 
+def tiny_checkpoint_with_heads(tmp: Path, texts: list[str], seed: int) -> tuple[Path, list[str]]:
+    """``tiny_llama_and_tokenizer(texts)`` saved to ``tmp/model``, and a Surgery and a DARTS head (rank 4, 8 bias
+    positions, clamped beyond) with random ``up`` weights and position bias (torch seeds ``seed``, ``seed + 1``; an
+    untrained head's ``up`` is zero) saved to ``tmp/head0``, ``tmp/head1``: the model dir and the head dirs."""
+    import torch
+
+    from darts_bench.surgery.heads import build_head, save_head
+
+    model, tok = tiny_llama_and_tokenizer(texts)
+    model.save_pretrained(tmp / "model")
+    tok.save_pretrained(tmp / "model")
+    dirs = []
+    for i, method in enumerate(("surgery", "darts")):
+        head = build_head(method, 32, rank=4, max_len=8, overflow="clamp", seed=i)
+        g = torch.Generator().manual_seed(seed + i)
+        with torch.no_grad():
+            head.up.weight.copy_(torch.randn(head.up.weight.shape, generator=g))
+            if head.pos_bias is not None:
+                head.pos_bias.copy_(torch.randn(head.pos_bias.shape, generator=g))
+        save_head(head, tmp / f"head{i}")
+        dirs.append(str(tmp / f"head{i}"))
+    return tmp / "model", dirs
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     if not (DATA_DIR / "gsm8k" / "test.jsonl").is_file():

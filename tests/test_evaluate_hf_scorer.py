@@ -8,13 +8,12 @@ scorer is in ``tests/test_evaluate_vllm_parity.py`` (vLLM venv)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from conftest import tiny_llama_and_tokenizer
+from conftest import tiny_checkpoint_with_heads
 
 from darts_bench.evaluate.engines.hf_scorer import HFScorer
 from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm
-from darts_bench.surgery.heads import build_head, load_head, save_head
+from darts_bench.surgery.heads import load_head
 
 PROMPTS = ["def add(a, b):", "Question: what is 2 + 3?\nAnswer:", "hi", "Write a long story about a dog",
            "the quick brown fox"]
@@ -24,21 +23,7 @@ CONTS = [" return a + b", " 5", " there", " The dog ran.", " jumps over the lazy
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A tiny random Llama saved as a checkpoint dir, and two non-trivial heads saved beside it."""
-    tmp = tmp_path_factory.mktemp("scorer")
-    model, tok = tiny_llama_and_tokenizer(PROMPTS + CONTS)
-    model.save_pretrained(tmp / "model")
-    tok.save_pretrained(tmp / "model")
-    heads = []
-    for i, method in enumerate(("surgery", "darts")):
-        head = build_head(method, 32, rank=4, max_len=8, overflow="clamp", seed=i)
-        g = torch.Generator().manual_seed(10 + i)
-        with torch.no_grad():
-            head.up.weight.copy_(torch.randn(head.up.weight.shape, generator=g))
-            if head.pos_bias is not None:
-                head.pos_bias.copy_(torch.randn(head.pos_bias.shape, generator=g))
-        save_head(head, tmp / f"head{i}")
-        heads.append(str(tmp / f"head{i}"))
-    return tmp / "model", heads
+    return tiny_checkpoint_with_heads(tmp_path_factory.mktemp("scorer"), PROMPTS + CONTS, seed=10)
 
 
 def _reference(model_dir, head_dir, batch_size=2, by_length=True):

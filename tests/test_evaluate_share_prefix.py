@@ -8,14 +8,13 @@ the HF copy (a stand-in engine: no vllm needed)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from conftest import tiny_llama_and_tokenizer
+from conftest import tiny_checkpoint_with_heads
 
 from darts_bench.evaluate.engines.hf_scorer import HFScorer
 from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm, score_pairs, score_plan
 from darts_bench.evaluate.multi_head import HFMultiHeadModel
-from darts_bench.surgery.heads import build_head, load_head, save_head
+from darts_bench.surgery.heads import load_head
 
 JUDGE = ["Which output is better for the instruction 'name a pet'? (a) a dog (b) a stone. Answer:",
          "Which output is better for 'add 2 and 3'? (a) 5 (b) 6. Answer:"]
@@ -29,21 +28,7 @@ CONT = [" Output (a)", " Output (b)", " return a + b", " Output (a)", " Output (
 def ckpt(tmp_path_factory):
     """A tiny random Llama checkpoint and two non-trivial heads (Surgery; DARTS with a position bias
     of 8 positions, so the prompts' later positions clamp)."""
-    tmp = tmp_path_factory.mktemp("share-prefix")
-    model, tok = tiny_llama_and_tokenizer(CTX + CONT)
-    model.save_pretrained(tmp / "model")
-    tok.save_pretrained(tmp / "model")
-    dirs = []
-    for i, method in enumerate(("surgery", "darts")):
-        head = build_head(method, 32, rank=4, max_len=8, overflow="clamp", seed=i)
-        g = torch.Generator().manual_seed(20 + i)
-        with torch.no_grad():
-            head.up.weight.copy_(torch.randn(head.up.weight.shape, generator=g))
-            if head.pos_bias is not None:
-                head.pos_bias.copy_(torch.randn(head.pos_bias.shape, generator=g))
-        save_head(head, tmp / f"head{i}")
-        dirs.append(str(tmp / f"head{i}"))
-    return tmp / "model", dirs
+    return tiny_checkpoint_with_heads(tmp_path_factory.mktemp("share-prefix"), CTX + CONT, seed=20)
 
 
 def _scores(model_dir, head_dir, share, ctx=CTX, cont=CONT, batch_size=4):

@@ -10,6 +10,15 @@ from conftest import load_script
 RUN = Path(__file__).resolve().parent.parent / "results" / "smollm2-135m-2026-12-03"
 
 
+def assert_phase_lines(capsys, samples: str, lines, *window: str) -> None:
+    """``stack_phases.py`` over ``RUN / samples`` (``window``: ``--since HH:MM:SS --until HH:MM:SS``) prints every line."""
+    sp = load_script("stack_phases")
+    sp.main([str(RUN / samples), *window])
+    out = capsys.readouterr().out
+    for line in lines:
+        assert line in out, (samples, window, line)
+
+
 def test_committed_samples_give_the_timings_phase_table(capsys):
     sp = load_script("stack_phases")
     assert sp.main([str(RUN / "driver_stacks.txt.gz")]) == 0
@@ -35,29 +44,23 @@ def test_a_sample_without_a_working_thread_is_between_calls():
 
 def test_run7_windows_give_the_timings_comparison(capsys):
     """Run 7 (every score from the HF copy): TIMINGS.md's windows against run 6 recomputed from the samples."""
-    sp = load_script("stack_phases")
     for samples, since, until, judge, nll in (
             ("driver_stacks.txt.gz", "09:01:29", "09:21:15", "488", "338"),
             ("run7_driver_stacks.txt.gz", "12:26:23", "12:48:41", "648", "112"),
             ("driver_stacks.txt.gz", "08:48:23", "09:01:29", "297", "157"),
             ("run7_driver_stacks.txt.gz", "12:08:16", "12:26:23", "394", "257")):
-        sp.main([str(RUN / samples), "--since", since, "--until", until])
-        out = capsys.readouterr().out
-        assert f"| judge | {judge} |" in out and f"| reference NLL | {nll} |" in out, (samples, since)
+        assert_phase_lines(capsys, samples, (f"| judge | {judge} |", f"| reference NLL | {nll} |"),
+                           "--since", since, "--until", until)
     assert "adamerging on alpacaeval: built in 898.8 s" in (RUN / "run7.log").read_text()
 
 
 def test_run8_samples_give_the_timings_table(capsys):
     """Run 8 (scoring: heads): the phase table and the merges' reference-NLL windows of TIMINGS.md."""
-    sp = load_script("stack_phases")
-    sp.main([str(RUN / "run8_driver_stacks.txt.gz")])
-    out = capsys.readouterr().out
-    for line in ("| judge | 1,108 |", "| reference NLL | 408 |", "| generation | 583 |", "| engine start | 181 |",
-                 "| all | 2,431 |"):
-        assert line in out
+    assert_phase_lines(capsys, "run8_driver_stacks.txt.gz", ("| judge | 1,108 |", "| reference NLL | 408 |",
+                       "| generation | 583 |", "| engine start | 181 |", "| all | 2,431 |"))
     for since, until, nll in (("13:07:31", "13:23:08", "126"), ("13:23:08", "13:35:50", "132")):
-        sp.main([str(RUN / "run8_driver_stacks.txt.gz"), "--since", since, "--until", until])
-        assert f"| reference NLL | {nll} |" in capsys.readouterr().out
+        assert_phase_lines(capsys, "run8_driver_stacks.txt.gz", (f"| reference NLL | {nll} |",),
+                           "--since", since, "--until", until)
     log = (RUN / "run8.log").read_text()
     assert "stage evaluate: done in 2436.1 s" in log and "score 620 computed, 340 reused" in log
     assert "**no regression** (111 cells changed within tolerance, 5703 identical)" in (RUN / "compare_run8.md").read_text()
@@ -66,12 +69,8 @@ def test_run8_samples_give_the_timings_table(capsys):
 def test_run9_samples_give_the_timings_table(capsys):
     """Run 9 (scoring: shared): the phase table, the judge per window against run 8's, the stage time, the memo
     and the comparison line of TIMINGS.md."""
-    sp = load_script("stack_phases")
-    sp.main([str(RUN / "run9_driver_stacks.txt.gz")])
-    out = capsys.readouterr().out
-    for line in ("| judge | 600 |", "| reference NLL | 464 |", "| generation | 685 |", "| engine start | 238 |",
-                 "| all | 2,303 |"):
-        assert line in out
+    assert_phase_lines(capsys, "run9_driver_stacks.txt.gz", ("| judge | 600 |", "| reference NLL | 464 |",
+                       "| generation | 685 |", "| engine start | 238 |", "| all | 2,303 |"))
     for samples, since, until, judge in (
             ("run8_driver_stacks.txt.gz", "12:55:14", "13:07:31", "307"),
             ("run9_driver_stacks.txt.gz", "15:29:57", "15:41:53", "176"),
@@ -79,8 +78,7 @@ def test_run9_samples_give_the_timings_table(capsys):
             ("run9_driver_stacks.txt.gz", "15:41:53", "15:56:08", "254"),
             ("run8_driver_stacks.txt.gz", "13:23:08", "13:35:50", "308"),
             ("run9_driver_stacks.txt.gz", "15:56:08", "16:07:50", "170")):
-        sp.main([str(RUN / samples), "--since", since, "--until", until])
-        assert f"| judge | {judge} |" in capsys.readouterr().out, (samples, since)
+        assert_phase_lines(capsys, samples, (f"| judge | {judge} |",), "--since", since, "--until", until)
     log = (RUN / "run9.log").read_text()
     assert "stage evaluate: done in 2294.9 s" in log and "score 620 computed, 340 reused" in log
     assert "**no regression** (111 cells changed within tolerance, 5703 identical)" in (RUN / "compare_run9.md").read_text()
