@@ -121,6 +121,24 @@ def tiny_checkpoint_with_heads(tmp: Path, texts: list[str], seed: int) -> tuple[
     return tmp / "model", dirs
 
 
+class StandInEngine:
+    """What ``VLLMTextModel`` / ``VLLMMultiHeadModel`` read of a ``VLLMEngine``, without vllm: the tokenizer, the
+    HF copy (``scorer``) and ``scoring`` mode; a head swap fails the test, ``set_heads`` records the slots' dirs.
+    The routing tests patch ``VLLMTextModel._engine_score`` for what would reach the engine."""
+
+    max_position, llm = 64, None
+
+    def __init__(self, tokenizer, scorer, scoring: str):
+        self.tokenizer, self.scorer, self.scoring = tokenizer, scorer, scoring
+        self.head_dirs: list[str] = []
+
+    def set_head(self, _):
+        raise AssertionError("no head swap")
+
+    def set_heads(self, dirs):
+        self.head_dirs = [str(d) if d else "" for d in dirs]
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     if not (DATA_DIR / "gsm8k" / "test.jsonl").is_file():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import tiny_checkpoint_with_heads
+from conftest import StandInEngine, tiny_checkpoint_with_heads
 
 from darts_bench.evaluate.engines.hf_scorer import HFScorer
 from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm
@@ -79,18 +79,8 @@ def test_vllm_models_route_score_to_the_scorer(ckpt):
     model_dir, heads = ckpt
     _, tok = load_causal_lm(model_dir)
 
-    class Engine:
-        tokenizer, max_position, llm = tok, 64, None
-        scorer = HFScorer(model_dir)
-        head_dirs = ["", heads[0], heads[1]]  # as VLLMEngine.set_heads stores them ("" = plain)
-
-        def set_head(self, _):
-            raise AssertionError("no head swap in the engine for HF scoring")
-
-        def set_heads(self, dirs):  # the one pass loads its heads (for generation) as VLLMEngine.set_heads
-            self.head_dirs = [str(d) if d else "" for d in dirs]
-
-    eng = Engine()
+    eng = StandInEngine(tok, HFScorer(model_dir), "hf")
+    eng.head_dirs = ["", heads[0], heads[1]]  # as VLLMEngine.set_heads stores them ("" = plain)
     want = {d: _reference(model_dir, d, batch_size=3) for d in (None, *heads)}
     got = VLLMTextModel("row", eng, heads[1], batch_size=3).score(PROMPTS, CONTS)
     assert [g.token_nll for g in got] == [w.token_nll for w in want[heads[1]]]
@@ -104,7 +94,7 @@ def test_vllm_models_route_score_to_the_scorer(ckpt):
     # the length limit travels: a 4-token window scores at most 3 continuation tokens
     short = VLLMTextModel("row", eng, None, batch_size=3, max_length=4).score(PROMPTS[-1:], CONTS[-1:])
     assert short[0].n_tokens == 3
-    assert Engine.scorer.loads == 1
+    assert eng.scorer.loads == 1
 
 
 def test_score_order_is_longest_first_and_stable():
@@ -136,18 +126,7 @@ def test_heads_mode_scores_headed_requests_on_the_copy_and_the_rest_on_the_engin
 
     monkeypatch.setattr(VLLMTextModel, "_engine_score", engine_score)
 
-    class Engine:
-        tokenizer, max_position, llm, scoring = tok, 64, None, "heads"
-        scorer = HFScorer(model_dir)
-        head_dirs: list = []
-
-        def set_head(self, _):
-            raise AssertionError("no head swap")
-
-        def set_heads(self, dirs):
-            self.head_dirs = [str(d) if d else "" for d in dirs]
-
-    eng = Engine()
+    eng = StandInEngine(tok, HFScorer(model_dir), "heads")
     want = {d: _reference(model_dir, d, batch_size=3) for d in heads}
     assert [g.nll for g in VLLMTextModel("plain", eng, None, batch_size=3).score(PROMPTS, CONTS)] == \
         [plain[p].nll for p in zip(PROMPTS, CONTS)]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import tiny_checkpoint_with_heads
+from conftest import StandInEngine, tiny_checkpoint_with_heads
 
 from darts_bench.evaluate.engines.hf_scorer import HFScorer
 from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm, score_pairs, score_plan
@@ -143,18 +143,7 @@ def test_shared_mode_sends_shared_contexts_to_the_copy(ckpt, monkeypatch):
 
     monkeypatch.setattr(VLLMTextModel, "_engine_score", engine_score)
 
-    class Engine:
-        tokenizer, max_position, llm, scoring = tok, 64, None, "shared"
-        scorer = HFScorer(model_dir, share_prefix=True)
-        head_dirs: list = []
-
-        def set_head(self, _):
-            raise AssertionError("no head swap")
-
-        def set_heads(self, dirs):
-            self.head_dirs = [str(d) if d else "" for d in dirs]
-
-    eng = Engine()
+    eng = StandInEngine(tok, HFScorer(model_dir, share_prefix=True), "shared")
     on_copy = [i for i, c in enumerate(CTX) if c != "def add(a, b):"]
     copy = _scores(model_dir, None, True, [CTX[i] for i in on_copy], [CONT[i] for i in on_copy], batch_size=4)
     row = VLLMTextModel("plain", eng, None, batch_size=4).score(CTX, CONT)
