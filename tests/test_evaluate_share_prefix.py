@@ -94,7 +94,10 @@ def test_shared_prefix_scores_equal_the_full_forward_and_forward_fewer_tokens(ck
 def test_judge_verdicts_unchanged_with_a_shared_prefix(ckpt):
     """The AlpacaEval local judge (alpaca_eval's template, forced choice by likelihood) gives the same
     completions with ``share_prefix`` as with full forwards."""
-    from tasks.alpacaeval.judge import judge_completions
+    from darts_bench.api import get_task
+
+    get_task("alpacaeval")  # the task folder, imported as the registry imports it (darts_bench_tasks.alpacaeval)
+    from darts_bench_tasks.alpacaeval.judge import judge_completions
 
     model_dir, _ = ckpt
     model, tok = load_causal_lm(model_dir)
