@@ -9,11 +9,15 @@ bench model (the random tiny Llama, or ``--model-dir``), in the local judge's ``
 ``tasks/alpacaeval/judge.py::judge_pairs``, both orders, as the task calls it. One timed unit is all rows
 of the merge, in row order:
 
-  plain  ``judge_pairs(judge, pairs of row k)`` for each row (what the stage did before the memo)
-  memo   the same calls on ``MemoModel(judge, memo)``, one fresh ``CallMemo`` per unit
+  plain   ``judge_pairs(judge, pairs of row k)`` for each row (what the stage did before the memo)
+  memo    the same calls on ``MemoModel(judge, memo)``, one fresh ``CallMemo`` per unit
+  shared  as memo, the judge an ``HFTextModel(share_prefix=True)`` over the same weights (the hf backend with
+          ``evaluate.share_prefix``: each prompt forwarded once for its two verdicts)
 
 Figures: ``judge_memo`` = {ratio: plain / memo (median per-unit wall), identical: rows whose verdicts and
-judge completions equal the plain path's, n: rows, scored: judge sequences scored with the memo / without}.
+judge completions equal the plain path's, n: rows, scored: judge sequences scored with the memo / without};
+``judge_share_prefix`` = {ratio: memo / shared, identical: rows whose verdicts equal the memo path's, n: rows,
+max_rel_nll: the largest relative difference of a scored sequence's NLL between the two}.
 
     .venv/bin/python benchmarks/bench_judge_memo.py [--merge regmean] [--results results/smollm2-135m]
 """
@@ -61,9 +65,23 @@ def main() -> None:
     model, tok = common.load(common.model_dir(args))
     model.requires_grad_(False)
     judge = HFTextModel("judge", model, tok, batch_size=8)
+    judge_sp = HFTextModel("judge", model, tok, batch_size=8, share_prefix=True)
     rows = merge_rows(Path(args.results), args.merge)
     pairs = {r: [(i, ref, o) for i, ref, o in v] + [(i, o, ref) for i, ref, o in v] for r, v in rows.items()}
-    out: dict[str, dict] = {"plain": {}, "memo": {}}
+    out: dict[str, dict] = {"plain": {}, "memo": {}, "shared": {}}
+    nlls: dict[str, list[float]] = {"memo": [], "shared": []}  # every scored sequence's NLL, in call order
+
+    class Recording:  # a judge whose scores are kept for the NLL comparison
+        def __init__(self, model, key):
+            self.model, self.key = model, key
+
+        def __getattr__(self, name):
+            return getattr(self.model, name)
+
+        def score(self, contexts, continuations):
+            got = self.model.score(contexts, continuations)
+            nlls[self.key] += [g.nll for g in got]
+            return got
     counted = {"plain": 0, "memo": 0}
 
     class Counting:  # the plain path's scored sequences (the memo path's: its CallMemo's computed count)
@@ -80,14 +98,24 @@ def main() -> None:
 
     def memo(_u):
         m = CallMemo()
-        out["memo"] = {r: judge_pairs(MemoModel(judge, m), p) for r, p in pairs.items()}
+        nlls["memo"] = []
+        out["memo"] = {r: judge_pairs(MemoModel(Recording(judge, "memo"), m), p) for r, p in pairs.items()}
         counted["memo"] = m.computed["score"]
 
-    tm = common.interleave({"plain": plain, "memo": memo}, repeats=repeats, warmup=1, units=1)
+    def shared(_u):
+        nlls["shared"] = []
+        m = CallMemo()
+        out["shared"] = {r: judge_pairs(MemoModel(Recording(judge_sp, "shared"), m), p) for r, p in pairs.items()}
+
+    tm = common.interleave({"plain": plain, "memo": memo, "shared": shared}, repeats=repeats, warmup=1, units=1)
     identical = sum(out["plain"][r] == out["memo"][r] for r in pairs)
     n_out = sum(len(v) for v in rows.values())
     distinct = len({x for v in rows.values() for x in v})
     ratio, cpu = tm.ratio("plain", "memo"), tm.ratio("plain", "memo", "cpu")
+    sp_ratio, sp_cpu = tm.ratio("memo", "shared"), tm.ratio("memo", "shared", "cpu")
+    sp_identical = sum(out["memo"][r] == out["shared"][r] for r in pairs)
+    assert len(nlls["memo"]) == len(nlls["shared"]) > 0
+    max_rel = max(abs(a - b) / max(abs(a), 1e-30) for a, b in zip(nlls["memo"], nlls["shared"]))
     print(f"model {common.model_dir(args)}; judge in score mode, both orders; merge {args.merge}: {len(rows)} rows x "
           f"{n_out // len(rows)} instructions from {args.results} ({distinct} distinct (instruction, output) of "
           f"{n_out}); {threads} thread(s); {repeats} rounds, rotating order")
@@ -95,10 +123,16 @@ def main() -> None:
                        tm.round_rows()))
     print(f"judge: plain / memo {ratio:.2f}x wall ({cpu:.2f}x cpu); sequences scored {counted['memo']} of "
           f"{counted['plain']}; rows with identical verdicts {identical}/{len(rows)}")
+    print(f"judge: memo / memo with a shared prefix {sp_ratio:.2f}x wall ({sp_cpu:.2f}x cpu); rows with identical "
+          f"verdicts {sp_identical}/{len(rows)}; NLL max relative difference {max_rel:.2e}")
     common.summary("judge_memo", f"AlpacaEval judge over {len(rows)} rows of {args.merge}: plain/memo {ratio:.2f}x, "
-                   f"{counted['memo']}/{counted['plain']} sequences scored, {identical}/{len(rows)} rows identical",
+                   f"{counted['memo']}/{counted['plain']} sequences scored, {identical}/{len(rows)} rows identical; "
+                   f"memo/shared prefix {sp_ratio:.2f}x, {sp_identical}/{len(rows)} rows identical, NLL within "
+                   f"{max_rel:.1e} relative",
                    judge_memo={"ratio": round(ratio, 3), "cpu_ratio": round(cpu, 3), "identical": identical,
-                               "n": len(rows), "scored": [counted["memo"], counted["plain"]]})
+                               "n": len(rows), "scored": [counted["memo"], counted["plain"]]},
+                   judge_share_prefix={"ratio": round(sp_ratio, 3), "cpu_ratio": round(sp_cpu, 3),
+                                       "identical": sp_identical, "n": len(rows), "max_rel_nll": float(f"{max_rel:.3g}")})
 
 
 if __name__ == "__main__":

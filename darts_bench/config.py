@@ -578,6 +578,13 @@ class EvaluateConfig(_Strict):
         "cache grows with it: at 7B and thousands of new tokens a merge's 9 rows x 32 prompts need ~330 GB, so "
         "a GPU preset caps it (llama2-7b: 32). None: every chunk of one padded length in one call. vLLM "
         "schedules its own batches (evaluate.vllm.max_num_seqs). Outputs do not depend on it (no cache key)")
+    share_prefix: bool = Field(
+        False, description="hf backend: a score call's pairs whose context another distinct pair of the call "
+        "shares (the AlpacaEval judge's two verdicts, a multiple-choice question's options) forward that "
+        "context once with its KV cache, then each pair's remaining tokens (HFTextModel share_prefix), in "
+        "process and on Ray actors alike; values equal the full forward's at rounding level (within 1e-6 "
+        "relative), so it is in the hf backend's cache key when set. The vLLM backend's counterpart is "
+        "evaluate.vllm.scoring: shared")
     rows: list[str] | None = Field(
         None, description="evaluate only the rows whose names match one of these fnmatch patterns (e.g. "
         "['base', 'expert:*'] for base and experts only: no merge, collection or head training then); "

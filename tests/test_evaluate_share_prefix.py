@@ -31,10 +31,10 @@ def ckpt(tmp_path_factory):
     return tiny_checkpoint_with_heads(tmp_path_factory.mktemp("share-prefix"), CTX + CONT, seed=20)
 
 
-def _scores(model_dir, head_dir, share, ctx=CTX, cont=CONT, batch_size=4):
+def _scores(model_dir, head_dir, share, ctx=CTX, cont=CONT, batch_size=4, by_length=True):
     model, tok = load_causal_lm(model_dir)
     tm = HFTextModel("m", model, tok, head=load_head(head_dir) if head_dir else None, batch_size=batch_size,
-                     score_by_length=True, share_prefix=share)
+                     score_by_length=by_length, share_prefix=share)
     try:
         return tm.score(ctx, cont)
     finally:
@@ -163,3 +163,41 @@ def test_shared_mode_sends_shared_contexts_to_the_copy(ckpt, monkeypatch):
     for n, ((k, _, _), g) in enumerate(zip(reqs, res)):
         w = (row if k == 0 else headed)[n // 2]
         assert g.token_nll == w.token_nll, (k, n)
+
+
+def test_hf_backend_share_prefix_in_process_and_in_its_workers(ckpt, monkeypatch):
+    """``evaluate.share_prefix`` on the hf backend: the evaluate role's cache key says so (the default's and the
+    calibration role's stay empty); the backend's wrappers (plain, with a head), its one pass and the executor's
+    workers (in process here; the Ray actors get the same ``ModelWorker`` kwargs) score exactly as
+    ``HFTextModel(share_prefix=True)`` in the given order, through the plan's prefix chunks."""
+    import darts_bench.evaluate.hf_model as hf_model
+    import darts_bench.evaluate.multi_head as multi_head
+    from darts_bench.config import Config
+    from darts_bench.evaluate.engines import backend_key, open_models
+    from darts_bench.executors.local import make_executor
+
+    model_dir, heads = ckpt
+    on = Config(evaluate={"share_prefix": True})
+    assert backend_key(Config()) == {} and backend_key(on, "calibration") == {}
+    assert backend_key(on) == {"share_prefix": True}
+    want = {d: [s.token_nll for s in _scores(model_dir, d, True, by_length=False)] for d in (None, *heads)}
+    kinds: list[str] = []
+    plan = hf_model.score_plan
+    for module in (hf_model, multi_head):  # the single-head and the one-pass score
+        monkeypatch.setattr(module, "score_plan", lambda *a: [kinds.append(k) or (k, c) for k, c in plan(*a)])
+    ex = make_executor(on)
+    with open_models(on, ex, batch_size=4) as backend:
+        for d in (None, heads[1]):
+            m = backend.get("m", model_dir, d)
+            assert [s.token_nll for s in m.score(CTX, CONT)] == want[d], d
+            m.close()
+        dirs = [None, *heads]
+        mh = backend.multi_head_model("m", model_dir, dirs)
+        reqs = [(k, c, x) for c, x in zip(CTX, CONT) for k in (1, 2, 0)]
+        assert [g.token_nll for g in mh.score(reqs)] == [want[dirs[k]][n // 3] for n, (k, _, _) in enumerate(reqs)]
+    assert ex.share_prefix and kinds.count("prefix") >= 3 * 2, kinds  # each of the 3 calls: its groups' chunks
+    worker = ex.worker(str(model_dir))
+    got = worker.run("score", {"contexts": CTX, "continuations": CONT, "head_dir": heads[0]})
+    assert [s.token_nll for s in got] == [s.token_nll for s in _scores(model_dir, heads[0], True,
+                                                                    batch_size=ex.batch_size, by_length=False)]
+    ex.close()

@@ -221,7 +221,9 @@ def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
     assert e["load_seconds"] == 6 * (VLLM_START_S["cpu"]["eager"] + 538_060_032 / 1e9)
     # one engine in the driver: the starts add to the wall time; decoding at 1/3 of HF's CPU time
     assert e["wall_seconds"] == pytest.approx(e["seconds"]) and e["wall_seconds"] > e["load_seconds"]
-    hf = make_plan(load_config("smollm2-135m", ["surgery.task_agnostic=[]", "evaluate.rows=null"]))["stages"]["evaluate"]
+    # like for like: the hf backend's judge also forwards each verdict's whole prompt (not the preset's share_prefix)
+    hf = make_plan(load_config("smollm2-135m", ["surgery.task_agnostic=[]", "evaluate.rows=null",
+                                                "evaluate.share_prefix=false"]))["stages"]["evaluate"]
     assert e["seconds"] - e["load_seconds"] < hf["seconds"] - hf["load_seconds"]
     assert "vLLM engine (float32): weights 538.1 MB + KV cache 2 GiB" in out
     assert "6 engine starts in evaluate, 38-63 s per engine measured on 2 idle CPU cores" in out
@@ -560,6 +562,24 @@ def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
         forward_seconds(judged / 2, P, kind) - forward_seconds(judged, P, kind, rate="logits"))
     assert r["seconds"] < k["seconds"]
 
+
+def test_hf_share_prefix_counts_each_judge_prompt_once():
+    """``evaluate.share_prefix`` on the hf backend: the AlpacaEval judge's scored sequences forwarded once per
+    prompt for its two verdicts (``scored_per_prompt``), nothing else of the stage changes; the vLLM backend
+    ignores it (its counterpart is ``evaluate.vllm.scoring: shared``)."""
+    from darts_bench.plan.resources import forward_seconds
+
+    off = make_plan(load_config("smollm2-135m", ["evaluate.share_prefix=false"]))
+    b = make_plan(load_config("smollm2-135m"))["stages"]["evaluate"]  # the preset's setting
+    a = off["stages"]["evaluate"]
+    judged = a["judge_tokens"]  # all scored: the judge's default score mode generates nothing
+    timed = ("seconds", "wall_seconds", "device_hours")
+    assert judged > 0 and {k: v for k, v in a.items() if k not in timed} == {k: v for k, v in b.items() if k not in timed}
+    assert b["seconds"] - a["seconds"] == pytest.approx(
+        forward_seconds(judged / 2, off["model"]["params"], "cpu") - forward_seconds(judged, off["model"]["params"], "cpu"))
+    sets = ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32"]
+    assert make_plan(load_config("smollm2-135m", [*sets, "evaluate.share_prefix=false"]))["stages"]["evaluate"] == \
+        make_plan(load_config("smollm2-135m", sets))["stages"]["evaluate"]
 
 def test_merge_memory_counts_mergekit_output_shard():
     """The merge stage holds one output shard (mergekit's default ``out_shard_size``) beside the

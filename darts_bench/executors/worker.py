@@ -107,7 +107,9 @@ class ModelWorker:
     serves a merge and all its corrected rows, and a call's result depends only on its payload.
 
     Used in-process by the local executor and as the body of a Ray actor. The checkpoint is loaded
-    by :func:`~darts_bench.evaluate.engines.hf.load_text_model` (the HF backend's loader).
+    by :func:`~darts_bench.evaluate.engines.hf.load_text_model` (the HF backend's loader); ``share_prefix``
+    is its text models' (``evaluate.share_prefix``: a context shared by several pairs of a score call is
+    forwarded once).
 
     Attributes:
         checkpoint_loads: checkpoints this worker loaded (1).
@@ -116,9 +118,9 @@ class ModelWorker:
 
     def __init__(self, model_dir: str, head_dir: str | None = None, name: str = "model",
                  device: str = "cpu", batch_size: int = 8, torch_threads: int | None = None,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", share_prefix: bool = False):
         self._plain = load_text_model(model_dir, name, None, device=device, dtype=dtype, batch_size=batch_size,
-                                      torch_threads=torch_threads)
+                                      torch_threads=torch_threads, share_prefix=share_prefix)
         self.checkpoint_loads, self.head_loads = 1, 0
         self.text_model, self.head_dir = self._plain, None
         self._multi: tuple[tuple, Any] | None = None  # (head dirs, HFMultiHeadModel) of the last multi-head op
@@ -165,7 +167,8 @@ class ModelWorker:
         if want is not None:
             p = self._plain
             self.text_model = HFTextModel(p.name, p.model, p.tokenizer, head=load_head(want),
-                                          batch_size=p.batch_size, max_length=p.max_length)
+                                          batch_size=p.batch_size, max_length=p.max_length,
+                                          share_prefix=p.share_prefix)
             self.head_dir = want
             self.head_loads += 1
 

@@ -726,7 +726,8 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     corrected rows' scores from the copy: one forward per model dir with heads; the plain rows and the judge
     on the engine; the copy counted once, beside the rows' engine) or ``shared`` (as ``heads``, and a judge's
     scored sequences on a copy beside its engine, the ``forward`` rate, each prompt forwarded once for its
-    ``scored_per_prompt`` verdicts); with ``evaluate.vllm.enable_prefix_caching`` (the default) a prompt's
+    ``scored_per_prompt`` verdicts; the hf backend's judges likewise with ``evaluate.share_prefix``); with
+    ``evaluate.vllm.enable_prefix_caching`` (the default) a prompt's
     prefill is counted once per model dir, shared by its rows' requests (the KV cache does not depend on
     the head), else once per row. A judge's ``scored_tokens_per_row`` (forced-choice verdicts) are
     teacher-forced like the reference NLL; every judge request is counted, although the stage answers a
@@ -742,6 +743,9 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     # the judges that score teacher-forced sequences on a copy beside their engine (shared: the prompt once)
     copy_judges = ({t for t in x.local_judges if x.needs[t]["judge"].get("scored_tokens_per_row")}
                    if scoring == "shared" else set())
+    # the hf backend's judges with evaluate.share_prefix: each prompt forwarded once for its verdicts
+    once_judges = copy_judges | ({t for t in x.local_judges if x.needs[t]["judge"].get("scored_tokens_per_row")}
+                                 if not vllm and cfg.evaluate.share_prefix else set())
     judges = x.local_judges
     layout = one_pass_layout(cfg)
     native = layout is not None
@@ -891,7 +895,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         if t in judges:  # a judge outside the process (an API annotator) costs no local time
             j = x.needs[t]["judge"]
             secs += gen(rows * j["prompt_tokens_per_row"], rows * j["new_tokens_per_row"])
-            if t in copy_judges:  # the copy forwards each prompt once for its scored_per_prompt verdicts
+            if t in once_judges:  # each prompt forwarded once for its scored_per_prompt verdicts
                 secs += forward_seconds(rows * j["scored_tokens_per_row"] / j.get("scored_per_prompt", 1), P, kind)
             else:
                 secs += forward_seconds(rows * j.get("scored_tokens_per_row", 0), P, kind, rate=score_rate)

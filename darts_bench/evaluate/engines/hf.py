@@ -35,7 +35,7 @@ from darts_bench.surgery.heads import load_head
 
 def load_text_model(model_dir: str | Path, name: str = "model", head_dir: str | Path | None = None, *,
                     device: str = "cpu", dtype: str = "float32", batch_size: int = 8,
-                    torch_threads: int | None = None) -> HFTextModel:
+                    torch_threads: int | None = None, share_prefix: bool = False) -> HFTextModel:
     """Load ``model_dir`` (HF checkpoint dir) as an :class:`HFTextModel` named ``name``, with the head
     saved in ``head_dir`` attached (None: the plain model).
 
@@ -44,6 +44,8 @@ def load_text_model(model_dir: str | Path, name: str = "model", head_dir: str | 
         dtype: ``float32`` | ``bfloat16`` | ``float16`` (the weights' and hidden states' dtype).
         batch_size: prompts per forward / ``generate`` call.
         torch_threads: ``torch.set_num_threads`` first (None: unchanged).
+        share_prefix: ``HFTextModel``'s ``share_prefix`` (``evaluate.share_prefix``): a context shared by
+            several distinct pairs of a score call is forwarded once.
     Raises:
         FileNotFoundError / ValueError: the checkpoint dir is missing, incomplete or corrupt
             (:func:`~darts_bench.evaluate.hf_model.check_checkpoint`), or the head's files are
@@ -52,7 +54,8 @@ def load_text_model(model_dir: str | Path, name: str = "model", head_dir: str | 
     if torch_threads:
         torch.set_num_threads(torch_threads)
     model, tok = load_causal_lm(model_dir, dtype=getattr(torch, dtype), device=device)
-    return HFTextModel(name, model, tok, head=load_head(head_dir) if head_dir else None, batch_size=batch_size)
+    return HFTextModel(name, model, tok, head=load_head(head_dir) if head_dir else None, batch_size=batch_size,
+                       share_prefix=share_prefix)
 
 
 class HFBackend(Backend):
@@ -60,7 +63,8 @@ class HFBackend(Backend):
 
     Args:
         cfg, executor, batch_size, role: as :class:`~darts_bench.evaluate.engines.base.Backend`; models
-            are loaded on ``cfg.device`` in ``cfg.pool.dtype`` with ``cfg.torch_threads``.
+            are loaded on ``cfg.device`` in ``cfg.pool.dtype`` with ``cfg.torch_threads``, scoring with
+            ``cfg.evaluate.share_prefix`` (in process; the executor's workers read it from the config too).
 
     Attributes:
         share_weights: in-process: wrappers of one model dir share its loaded weights (False: every
@@ -78,14 +82,16 @@ class HFBackend(Backend):
 
     @classmethod
     def cache_key(cls, cfg, role: str = "evaluate") -> dict[str, Any]:
-        """Empty: HF artifact keys carry no backend part (they predate the backends)."""
-        return {}
+        """Empty by default: HF artifact keys carry no backend part (they predate the backends). With
+        ``evaluate.share_prefix`` the evaluate role's key says so (its scores differ at rounding level)."""
+        return {"share_prefix": True} if role == "evaluate" and cfg.evaluate.share_prefix else {}
 
     def _load(self, name: str, model_dir: str, head_dir: str | None) -> HFTextModel:
         self._loads += 1
         c = self.cfg
         return load_text_model(model_dir, name, head_dir, device=c.device, dtype=c.pool.dtype,
-                               batch_size=self.batch_size, torch_threads=c.torch_threads)
+                               batch_size=self.batch_size, torch_threads=c.torch_threads,
+                               share_prefix=c.evaluate.share_prefix)
 
     def _open_proxy(self, name: str, model_dir: str, head_dir: str | None):
         return self.executor.text_model(name, model_dir, head_dir, batch_size=self.batch_size)
@@ -111,7 +117,7 @@ class HFBackend(Backend):
         if live and (head or any(w.head is not None for w in live)):
             return self._load(name, key, head)  # a head would act on the other wrapper's forwards: a private copy
         w = _Shared(name, base.model, base.tokenizer, head=load_head(head) if head else None,
-                    batch_size=self.batch_size, max_length=base.max_length)
+                    batch_size=self.batch_size, max_length=base.max_length, share_prefix=base.share_prefix)
         live.append(w)
         return w
 
