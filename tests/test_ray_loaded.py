@@ -144,6 +144,32 @@ def test_multi_head_on_the_actors_equals_each_heads_outputs_in_one_op_per_chunk(
         ex.close()
 
 
+def test_share_prefix_reaches_the_actors(models, ray_instance):
+    """``evaluate.share_prefix`` on Ray: the HF actors' workers are built with it, and a proxy's scores of pairs
+    that share their context (two continuations per prompt, with a head) equal, bit for bit, an in-process
+    ``HFTextModel(share_prefix=True)``'s scores of the same shards (3 prompts rounded up to the batch of 2: 4
+    pairs, each prompt's two in one shard)."""
+    a, h1 = models["a"], models["h1"]
+    cfg = make_cfg(num_actors=1, num_cpus_per_actor=0.5)
+    cfg = cfg.model_copy(update={"evaluate": EvaluateConfig(share_prefix=True)})
+    ctx = [p for p in PROMPTS for _ in range(2)]
+    conts = [c for _ in PROMPTS for c in (" the answer is 42", " the answer is 7")]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the actors
+    model, tok = load_causal_lm(a)
+    ref = HFTextModel("ref", model, tok, head=load_head(h1), batch_size=BATCH, share_prefix=True)
+    want = [s for i in range(0, len(ctx), 4) for s in ref.score(ctx[i:i + 4], conts[i:i + 4])]
+    ex = RayExecutor(cfg)
+    try:
+        assert ex._hf_spec(ex._key(str(a), BATCH), "a")["kwargs"]["share_prefix"] is True
+        tm = ex.text_model("a", str(a), str(h1), batch_size=BATCH)
+        got = tm.score(ctx, conts)
+        assert [(s.token_nll, s.n_tokens, s.greedy) for s in got] == [(w.token_nll, w.n_tokens, w.greedy) for w in want]
+        tm.close()
+    finally:
+        torch.set_num_threads(threads)
+        ex.close()
+
 # -------------------------------------------------------------- the evaluate stage on Ray
 @pytest.mark.micro
 @pytest.mark.slow
