@@ -19,7 +19,7 @@ judge completions equal the plain path's, n: rows, scored: judge sequences score
 ``judge_share_prefix`` = {ratio: memo / shared, identical: rows whose verdicts equal the memo path's, n: rows,
 max_rel_nll: the largest relative difference of a scored sequence's NLL between the two}.
 
-    .venv/bin/python benchmarks/bench_judge_memo.py [--merge regmean] [--results results/smollm2-135m]
+    .venv/bin/python benchmarks/bench_judge_memo.py [--merge regmean] [--results results/smollm2-135m] [--rows N]
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def main() -> None:
     ap = common.parser(__doc__)
     ap.add_argument("--merge", default="regmean")
     ap.add_argument("--results", default=str(REPO / "results" / "smollm2-135m"))
+    ap.add_argument("--rows", type=int, default=None, help="the merge's first N rows only (a shorter run at scale)")
     args = ap.parse_args()
     t = common.tier(args)
     repeats = args.repeats or min(t["gen_repeats"], 3)
@@ -67,6 +68,7 @@ def main() -> None:
     judge = HFTextModel("judge", model, tok, batch_size=8)
     judge_sp = HFTextModel("judge", model, tok, batch_size=8, share_prefix=True)
     rows = merge_rows(Path(args.results), args.merge)
+    rows = dict(list(rows.items())[:args.rows]) if args.rows else rows
     pairs = {r: [(i, ref, o) for i, ref, o in v] + [(i, o, ref) for i, ref, o in v] for r, v in rows.items()}
     out: dict[str, dict] = {"plain": {}, "memo": {}, "shared": {}}
     nlls: dict[str, list[float]] = {"memo": [], "shared": []}  # every scored sequence's NLL, in call order
