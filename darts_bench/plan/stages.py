@@ -740,12 +740,12 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     scoring = cfg.evaluate.vllm.scoring if vllm else "engine"
     hf_scores = scoring == "hf"  # every score from an HF copy beside each engine
     head_scores = scoring in ("hf", "heads", "shared")  # the corrected rows' scores from the copy
-    # the judges that score teacher-forced sequences on a copy beside their engine (shared: the prompt once)
-    copy_judges = ({t for t in x.local_judges if x.needs[t]["judge"].get("scored_tokens_per_row")}
-                   if scoring == "shared" else set())
-    # the hf backend's judges with evaluate.share_prefix: each prompt forwarded once for its verdicts
-    once_judges = copy_judges | ({t for t in x.local_judges if x.needs[t]["judge"].get("scored_tokens_per_row")}
-                                 if not vllm and cfg.evaluate.share_prefix else set())
+    # the local judges that score teacher-forced sequences (forced-choice verdicts)
+    scoring_judges = {t for t in x.local_judges if x.needs[t]["judge"].get("scored_tokens_per_row")}
+    # shared: they score on a copy beside their engine, the prompt once
+    copy_judges = scoring_judges if scoring == "shared" else set()
+    # ... and the hf backend's with evaluate.share_prefix: each prompt forwarded once for its verdicts
+    once_judges = scoring_judges if copy_judges or (not vllm and cfg.evaluate.share_prefix) else set()
     judges = x.local_judges
     layout = one_pass_layout(cfg)
     native = layout is not None
