@@ -71,9 +71,10 @@ def main() -> None:
     rows = dict(list(rows.items())[:args.rows]) if args.rows else rows
     pairs = {r: [(i, ref, o) for i, ref, o in v] + [(i, o, ref) for i, ref, o in v] for r, v in rows.items()}
     out: dict[str, dict] = {"plain": {}, "memo": {}, "shared": {}}
-    nlls: dict[str, list[float]] = {"memo": [], "shared": []}  # every scored sequence's NLL, in call order
+    nlls: dict[str, list[float]] = {k: [] for k in out}  # per path, every sequence the judge scored, in call order
+    counted: dict[str, int] = {}
 
-    class Recording:  # a judge whose scores are kept for the NLL comparison
+    class Recording:  # the judge, keeping each scored sequence's NLL (the plain path's count, the NLL comparison)
         def __init__(self, model, key):
             self.model, self.key = model, key
 
@@ -84,32 +85,18 @@ def main() -> None:
             got = self.model.score(contexts, continuations)
             nlls[self.key] += [g.nll for g in got]
             return got
-    counted = {"plain": 0, "memo": 0}
 
-    class Counting:  # the plain path's scored sequences (the memo path's: its CallMemo's computed count)
-        def __getattr__(self, name):
-            return getattr(judge, name)
+    def path(key: str, model, memoised: bool):
+        """One timed unit: every row's judge calls, on ``model`` directly or through a fresh memo."""
+        def unit(_u):
+            nlls[key], m = [], CallMemo()
+            judged = Recording(model, key)
+            out[key] = {r: judge_pairs(MemoModel(judged, m) if memoised else judged, p) for r, p in pairs.items()}
+            counted[key] = m.computed["score"] if memoised else len(nlls[key])
+        return unit
 
-        def score(self, contexts, continuations):
-            counted["plain"] += len(contexts)
-            return judge.score(contexts, continuations)
-
-    def plain(_u):
-        counted["plain"] = 0
-        out["plain"] = {r: judge_pairs(Counting(), p) for r, p in pairs.items()}
-
-    def memo(_u):
-        m = CallMemo()
-        nlls["memo"] = []
-        out["memo"] = {r: judge_pairs(MemoModel(Recording(judge, "memo"), m), p) for r, p in pairs.items()}
-        counted["memo"] = m.computed["score"]
-
-    def shared(_u):
-        nlls["shared"] = []
-        m = CallMemo()
-        out["shared"] = {r: judge_pairs(MemoModel(Recording(judge_sp, "shared"), m), p) for r, p in pairs.items()}
-
-    tm = common.interleave({"plain": plain, "memo": memo, "shared": shared}, repeats=repeats, warmup=1, units=1)
+    tm = common.interleave({"plain": path("plain", judge, False), "memo": path("memo", judge, True),
+                            "shared": path("shared", judge_sp, True)}, repeats=repeats, warmup=1, units=1)
     identical = sum(out["plain"][r] == out["memo"][r] for r in pairs)
     n_out = sum(len(v) for v in rows.values())
     distinct = len({x for v in rows.values() for x in v})
