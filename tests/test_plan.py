@@ -581,6 +581,7 @@ def test_hf_share_prefix_counts_each_judge_prompt_once():
     assert make_plan(load_config("smollm2-135m", [*sets, "evaluate.share_prefix=false"]))["stages"]["evaluate"] == \
         make_plan(load_config("smollm2-135m", sets))["stages"]["evaluate"]
 
+
 def test_merge_memory_counts_mergekit_output_shard():
     """The merge stage holds one output shard (mergekit's default ``out_shard_size``) beside the
     tensors in flight: a 7B bf16 merge (13.5 GB) a 5 GB shard, a small model all of itself."""

@@ -170,6 +170,7 @@ def test_share_prefix_reaches_the_actors(models, ray_instance):
         torch.set_num_threads(threads)
         ex.close()
 
+
 # -------------------------------------------------------------- the evaluate stage on Ray
 @pytest.mark.micro
 @pytest.mark.slow
