@@ -24,25 +24,37 @@ PHASES = (("judge_completions", "judge"), ("VLLMEngine.__init__", "engine start"
           ("execut", "code execution"), ("sandbox", "code execution"), ("subprocess", "code execution"))
 
 
+def classify(body: str) -> str:
+    """The phase of one dump (the text after its ``@@ <time>`` line): the call the working row thread is in, or
+    ``between calls`` when no thread is working."""
+    threads = re.split(r"(?m)^Thread ", body)[1:]
+    busy = [t for t in threads if "LLM.generate" in t or "_flush" in t or "VLLMEngine.__init__" in t
+            or "active" in t.split("\n")[0]]
+    if not busy:
+        return "between calls"
+    stack = busy[0]
+    name = next((p for key, p in PHASES if key in stack), None)
+    return name or "other: " + stack.strip().split("\n")[1].strip()[:60]
+
+
+def samples(text: str) -> list[tuple[int, str]]:
+    """``(unix time, dump)`` of every sample in ``text`` (the ``@@ <time>`` blocks), in file order."""
+    out = []
+    for blk in text.split("@@ ")[1:]:
+        head, _, body = blk.partition("\n")
+        out.append((int(head), body))
+    return out
+
+
 def phases(text: str, since: int = 0, until: int = 1 << 40) -> collections.Counter:
     """Seconds per phase over the samples taken in ``[since, until)`` (unix seconds)."""
     out: collections.Counter = collections.Counter()
     prev = None
-    for blk in text.split("@@ ")[1:]:
-        head, _, body = blk.partition("\n")
-        ts = int(head)
+    for ts, body in samples(text):
         dt, prev = (0 if prev is None else min(ts - prev, 10)), ts
         if not since <= ts < until:
             continue
-        threads = re.split(r"(?m)^Thread ", body)[1:]
-        busy = [t for t in threads if "LLM.generate" in t or "_flush" in t or "VLLMEngine.__init__" in t
-                or "active" in t.split("\n")[0]]
-        if not busy:
-            out["between calls"] += dt
-            continue
-        stack = busy[0]
-        name = next((p for key, p in PHASES if key in stack), None)
-        out[name or "other: " + stack.strip().split("\n")[1].strip()[:60]] += dt
+        out[classify(body)] += dt
     return out
 
 
