@@ -2,7 +2,8 @@
 # Samples a running `darts-bench run` every ~3 s until it ends (or OUT/stop exists), for the TIMINGS.md tables:
 #   OUT/rss.txt             one line per process of the run and sample: unix time, pid, ppid, RSS (KiB), command
 #                           (the driver and its descendants: the vLLM engine core and workers, a local Ray
-#                           instance's processes, DeepSpeed ranks)
+#                           instance's processes, DeepSpeed ranks); scripts/rss_peaks.py says which peaked, when,
+#                           and what the driver was doing then
 #   OUT/driver_stacks.txt   `py-spy dump` of the driver, each dump after a line `@@ <unix time>`: the input of
 #                           scripts/stack_phases.py (gzip it to commit it)
 # Usage: bash scripts/sample_run.sh OUT_DIR [DRIVER_PATTERN]   (start it beside the run; py-spy from PATH or
