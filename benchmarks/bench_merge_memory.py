@@ -11,7 +11,10 @@ it start any) and wall time:
   baseline   imports (torch, safetensors, transformers, mergekit, darts_bench.merge) and nothing else
   mergekit   ``darts_bench.merge.mergekit_merge.run_one_merge`` with ``merge_config_dict`` for
              TIES (density 0.2, weight 1.0, normalize), the pipeline's own merge path (inputs
-             streamed: each tensor from its own short-lived mapping)
+             streamed: each tensor from its own short-lived mapping; output shards of an eighth of
+             the merge, at least 64 MiB: ``out_shard_bytes``)
+  one_shard  the same with mergekit's default output shard (5e9 bytes: a merge below 5 GB is held
+             whole until it is written; the pipeline's path before ``out_shard_bytes``); same tensors
   mapped     the same with ``stream=False``: mergekit's own loaders, which keep every input file
              mapped until the process ends (the pipeline's path before streaming); same bytes out
   naive      all 4 checkpoints read into process memory at once (``safetensors.torch.load`` of
@@ -87,14 +90,25 @@ def naive_ties(work: Path, out: Path) -> None:
     save_file(merged, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-def mergekit_ties(work: Path, out: Path, stream: bool = True) -> None:
+def mergekit_ties(work: Path, out: Path, stream: bool = True, out_shard_size: int | None = None) -> None:
     from darts_bench.config import MergeSpec
     from darts_bench.merge.mergekit_merge import merge_config_dict, run_one_merge
     from darts_bench.pool.build import Pool
 
     pool = Pool(base=work / "base", experts={e: work / e for e in EXPERTS}, key="bench")
     spec = MergeSpec(name="ties", method="ties", weight=WEIGHT, density=DENSITY, normalize=True)
-    run_one_merge(merge_config_dict(spec, pool), out, seed=0, base_dir=work / "base", stream=stream)
+    run_one_merge(merge_config_dict(spec, pool), out, seed=0, base_dir=work / "base", stream=stream,
+                  out_shard_size=out_shard_size)
+
+
+def state_dict(d: Path) -> dict:
+    """Every tensor of the safetensors checkpoint in ``d`` (one file or shards)."""
+    from safetensors.torch import load_file
+
+    sd = {}
+    for f in sorted(d.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    return sd
 
 
 class RssSampler:
@@ -146,6 +160,10 @@ def child(mode: str, work: Path, threads: int) -> None:
     t1 = time.perf_counter()
     if mode == "mergekit":
         mergekit_ties(work, work / "out-mergekit")
+    elif mode == "one_shard":
+        from darts_bench.merge.mergekit_merge import MERGEKIT_OUT_SHARD_BYTES
+
+        mergekit_ties(work, work / "out-one_shard", out_shard_size=MERGEKIT_OUT_SHARD_BYTES)
     elif mode == "mapped":
         mergekit_ties(work, work / "out-mapped", stream=False)
     elif mode == "naive":
@@ -190,7 +208,7 @@ def main() -> None:
     repeats = args.repeats or common.tier(args)["merge_repeats"]
     threads = common.set_threads(args.threads)
 
-    import torch  # noqa: F401
+    import torch
     from safetensors.torch import load_file
 
     work = common.scratch_dir("bench-merge-")
@@ -211,7 +229,7 @@ def main() -> None:
     print(f"checkpoints: base + {len(EXPERTS)} experts, {n_params / 1e6:.1f}M params each, "
           f"{model_bytes / 2**20:.0f} MiB safetensors each (built in {time.perf_counter() - t0:.0f} s)")
 
-    res: dict[str, list[dict]] = {"baseline": [], "mergekit": [], "mapped": [], "naive": []}
+    res: dict[str, list[dict]] = {"baseline": [], "mergekit": [], "one_shard": [], "mapped": [], "naive": []}
     for r in range(repeats):
         for mode in (list(res) if r % 2 == 0 else list(res)[::-1]):
             res[mode].append(run_child(mode, work, threads))
@@ -236,7 +254,11 @@ def main() -> None:
     streamed_same = all((work / "out-mapped" / f.name).read_bytes() == f.read_bytes()
                         for f in (work / "out-mergekit").glob("*.safetensors"))
     print(f"streamed vs mapped mergekit output: {'byte-identical' if streamed_same else 'DIFFERENT'} safetensors")
-    a = load_file(str(next((work / "out-mergekit").glob("*.safetensors"))))
+    a, one = state_dict(work / "out-mergekit"), state_dict(work / "out-one_shard")
+    n_shards = len(list((work / "out-mergekit").glob("*.safetensors")))
+    sharded_same = a.keys() == one.keys() and all(torch.equal(a[k], one[k]) for k in a)
+    print(f"the pipeline's {n_shards} output shards vs one shard: {'bitwise-equal' if sharded_same else 'DIFFERENT'} "
+          "tensors")
     b = load_file(str(work / "out-naive" / "model.safetensors"))
     common_keys = [k for k in a if k in b]
     diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in common_keys)
@@ -252,23 +274,29 @@ def main() -> None:
     mka, nva = (pk("mergekit", "peak_anon_b") - base_anon) / M, (pk("naive", "peak_anon_b") - base_anon) / M
     mk, nv = (pk("mergekit", "peak_sum_b") - base_b) / M, (pk("naive", "peak_sum_b") - base_b) / M
     mpa, mp = (pk("mapped", "peak_anon_b") - base_anon) / M, (pk("mapped", "peak_sum_b") - base_b) / M
+    osa, os_ = (pk("one_shard", "peak_anon_b") - base_anon) / M, (pk("one_shard", "peak_sum_b") - base_b) / M
     t_ratio = common.med([x["work_s"] for x in res["mergekit"]]) / common.med([x["work_s"] for x in res["naive"]])
     t_stream = common.med([x["work_s"] for x in res["mergekit"]]) / common.med([x["work_s"] for x in res["mapped"]])
+    t_shards = common.med([x["work_s"] for x in res["mergekit"]]) / common.med([x["work_s"] for x in res["one_shard"]])
     print(f"streamed vs mapped mergekit: {mp / mk:.1f}x less total memory ({mp:.2f}x -> {mk:.2f}x a model), "
           f"time ratio streamed/mapped {t_stream:.2f}")
+    print(f"{n_shards} output shards vs one: {os_ / mk:.2f}x less total memory ({os_:.2f}x -> {mk:.2f}x a model; "
+          f"anonymous {osa:.2f}x -> {mka:.2f}x), time ratio {t_shards:.2f}")
     print(f"import baseline: {base_b / 2**20:,.0f} MiB RSS after the imports ({base_anon / 2**20:,.0f} MiB anonymous), "
           f"{pk('baseline', 'peak_b') / 2**20:,.0f} MiB ru_maxrss (a transient during the imports)")
     print(f"mergekit vs naive: {nv / mk:.1f}x less total and {nva / mka:.1f}x less anonymous memory with mergekit "
           f"(mergekit reads inputs through mmap: its file-backed pages are reclaimable)")
     common.summary(
         "merge_memory",
-        f"peak RSS above the import baseline, in model sizes: mergekit {mk:.2f}x (mapped inputs {mp:.2f}x) vs naive "
+        f"peak RSS above the import baseline, in model sizes: mergekit {mk:.2f}x ({n_shards} output shards; one shard "
+        f"{os_:.2f}x; mapped inputs {mp:.2f}x) vs naive "
         f"all-4-in-torch {nv:.2f}x "
         f"(anonymous only: {mka:.2f}x vs {nva:.2f}x); baseline {base_b / 2**20:,.0f} MiB, model {M / 2**20:,.0f} MiB; "
         f"mergekit/naive time {t_ratio:.2f}; outputs max |diff| {diff:.1e}",
         mergekit_over_model=mk, naive_over_model=nv, mergekit_anon_over_model=mka, naive_anon_over_model=nva,
         mapped_over_model=mp, mapped_anon_over_model=mpa, time_ratio_streamed_mapped=t_stream,
-        streamed_identical=streamed_same,
+        streamed_identical=streamed_same, one_shard_over_model=os_, one_shard_anon_over_model=osa,
+        out_shards=n_shards, sharded_identical=sharded_same, time_ratio_shards_one=t_shards,
         baseline_mib=base_b / 2**20, model_mib=M / 2**20, time_ratio_mergekit_naive=t_ratio, max_abs_diff=diff)
 
 

@@ -139,6 +139,54 @@ def test_merged_checkpoint_reloads_generates_and_keeps_eos(toy):
     assert len(outs) == 2 and all(isinstance(o[0], str) for o in outs)
 
 
+def test_merge_written_in_shards_equals_the_one_file_merge(toy):
+    """``out_shard_size`` bounds the output shard mergekit holds: a TIES merge written in 4 KB shards is
+    Hugging Face's sharded layout (``model-0000k-of-0000n.safetensors`` + an index naming every tensor)
+    with every tensor bitwise equal to the one-file merge's, and it loads, generates greedily and gives
+    its output matrix exactly as the one-file merge does."""
+    import json
+
+    from darts_bench.pool.checkpoint import INDEX_NAME, lm_head_weight
+
+    pool, *_ = toy
+    spec = MergeSpec(name="shards", method="ties", weight=1.0, density=0.5, normalize=True)
+    root = toy[3]
+    run_one_merge(merge_config_dict(spec, pool), root / "one", 0, pool.base)
+    run_one_merge(merge_config_dict(spec, pool), root / "sharded", 0, pool.base, out_shard_size=4096)
+    assert [p.name for p in (root / "one").glob("*.safetensors")] == ["model.safetensors"]
+    shards = sorted(p.name for p in (root / "sharded").glob("*.safetensors"))
+    one = load_file(str(root / "one" / "model.safetensors"))
+    # a tensor above the bound gets a shard of its own: lm_head and embed_tokens (270 x 8 fp32, 8,640 bytes each)
+    assert len(shards) >= 3 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    weight_map = json.loads((root / "sharded" / INDEX_NAME).read_text())["weight_map"]
+    assert sorted(weight_map) == sorted(one) and sorted(set(weight_map.values())) == shards
+    for name in shards:
+        part = load_file(str(root / "sharded" / name))
+        assert sum(v.numel() * v.element_size() for v in part.values()) <= 4096 or len(part) == 1
+        for k, v in part.items():
+            assert weight_map[k] == name and torch.equal(v, one[k]), k
+    assert torch.equal(lm_head_weight(root / "sharded"), lm_head_weight(root / "one"))
+    outs = []
+    for d in ("one", "sharded"):
+        model, tok = load_causal_lm(root / d)
+        outs.append(HFTextModel(d, model, tok).generate(["hello", "def f"], max_new_tokens=6))
+    assert outs[0] == outs[1]
+
+
+def test_out_shard_bytes_is_an_eighth_of_the_merge_within_bounds(toy):
+    """The default output shard (:func:`out_shard_bytes`): 64 MiB for a small merge (one file), an eighth of a
+    SmolLM2-135M fp32 merge (538,060,032 bytes), mergekit's 5e9 cap for a 70B bf16 one; ``merge_bytes`` counts
+    the base's elements from the headers in the merge's dtype."""
+    from darts_bench.merge.mergekit_merge import MERGEKIT_OUT_SHARD_BYTES, merge_bytes, out_shard_bytes
+
+    assert out_shard_bytes(10**6) == 64 * 2**20
+    assert out_shard_bytes(538_060_032) == 67_257_504
+    assert out_shard_bytes(140 * 10**9) == MERGEKIT_OUT_SHARD_BYTES == 5 * 10**9
+    pool, base, *_ = toy
+    n = sum(v.numel() for v in base.values())
+    assert merge_bytes(pool.base, "float32") == 4 * n and merge_bytes(pool.base, "bfloat16") == 2 * n
+
+
 @pytest.fixture(scope="module")
 def padded_toy(toy, tmp_path_factory):
     """The toy pool with one expert that appends a [PAD] token (vocab + 1), as WizardMath does."""

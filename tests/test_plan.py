@@ -583,19 +583,25 @@ def test_hf_share_prefix_counts_each_judge_prompt_once():
 
 
 def test_merge_memory_counts_mergekit_output_shard():
-    """The merge stage holds one output shard (mergekit's default ``out_shard_size``) beside the
-    tensors in flight: a 7B bf16 merge (13.5 GB) a 5 GB shard, a small model all of itself."""
+    """The merge stage holds one output shard (``out_shard_bytes``, what ``run_one_merge`` gives mergekit)
+    beside the tensors in flight: an eighth of a 7B bf16 merge, 64 MiB of a SmolLM2-135M fp32 one (an eighth of it
+    is 64.1 MiB), all of a merge below 64 MiB. The cap is mergekit's own default."""
     from mergekit.options import MergeOptions
 
-    from darts_bench.plan.stages import MERGEKIT_OUT_SHARD_BYTES
+    from darts_bench.plan.architecture import MERGEKIT_OUT_SHARD_BYTES, out_shard_bytes
 
     assert MergeOptions().out_shard_size == MERGEKIT_OUT_SHARD_BYTES
-    big = make_plan(load_config("llama2-7b"))["stages"]["merge"]
-    assert "one output shard 5.0 GB" in big["memory_note"]
+    big = make_plan(load_config("llama2-7b"))
+    w = big["model"]["weights_bytes"]
+    assert f"one output shard {gb(-(-w // 8))}" in big["stages"]["merge"]["memory_note"]
     # the smollm2-135m tier with one mergekit merge (its preset has the data merges only, which write no mergekit shard)
     small = make_plan(load_config("smollm2-135m", ["merges=[{name: task_arithmetic, method: task_arithmetic, weight: 0.3}]"]))
-    m = small["stages"]["merge"]
-    assert f"one output shard {gb(small['model']['weights_bytes'])}" in m["memory_note"]
+    w = small["model"]["weights_bytes"]
+    assert f"one output shard {gb(out_shard_bytes(w))}" in small["stages"]["merge"]["memory_note"]
+    assert out_shard_bytes(w) == -(-w // 8)
+    micro = make_plan(load_config("micro", ["merges=[{name: ties, method: ties, weight: 1.0, density: 0.5}]"]))
+    w = micro["model"]["weights_bytes"]
+    assert w < 64 * 2**20 and f"one output shard {gb(w)}" in micro["stages"]["merge"]["memory_note"]
 
 
 def test_plan_counts_task_agnostic_rows_shared_heads_and_routing_forwards():

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from darts_bench.config import MergeSpec
 from darts_bench.merge.data import copy_base_files
+from darts_bench.plan.architecture import MERGEKIT_OUT_SHARD_BYTES, out_shard_bytes  # noqa: F401 (re-exported)
 from darts_bench.pool.build import Pool
 
 log = logging.getLogger("darts_bench")
@@ -49,6 +50,29 @@ def merge_config_dict(spec: MergeSpec, pool: Pool, vocab_alignment: str = "error
     if glob:
         cfg["parameters"] = glob
     return cfg
+
+
+def merge_bytes(base_dir: Path, dtype: str) -> int:
+    """Bytes of a merge written in ``dtype`` (``float32`` / ``bfloat16`` / ``float16``) over the base in
+    ``base_dir``: the base's element count (safetensors headers only, one file or shards) times the
+    dtype's size.
+
+    Raises:
+        FileNotFoundError: ``base_dir`` has no ``*.safetensors`` file.
+    """
+    import math
+
+    import torch
+    from safetensors import safe_open
+
+    files = sorted(Path(base_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{base_dir}: no *.safetensors weights")
+    n = 0
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            n += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
+    return n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def _malloc_trim():
@@ -96,14 +120,18 @@ def _streaming_loader_class():
     return StreamingTensorLoader
 
 
-def run_one_merge(cfg_dict: dict, out: Path, seed: int, base_dir: Path, stream: bool = True) -> None:
+def run_one_merge(cfg_dict: dict, out: Path, seed: int, base_dir: Path, stream: bool = True,
+                  out_shard_size: int | None = None) -> None:
     """Run mergekit into ``out`` and carry over the base's generation config (eos/pad ids).
 
     ``stream=True`` (default) reads each input tensor through its own short-lived file mapping
     (:func:`_streaming_loader_class`, put into mergekit's ``LoaderCache`` for this merge's models and
-    removed afterwards), so the merge peaks near one output shard (mergekit's ``out_shard_size``,
-    default 5e9 bytes) plus the tensors in flight instead of all inputs plus the output; the written
-    files are byte-identical to ``stream=False`` (mergekit's own loaders), hence not in the cache key.
+    removed afterwards), so the merge peaks near one output shard plus the tensors in flight instead of
+    all inputs plus the output; the written files are byte-identical to ``stream=False`` (mergekit's own
+    loaders), hence not in the cache key. ``out_shard_size`` (bytes, mergekit's ``MergeOptions`` option)
+    bounds the output shard mergekit holds; ``None`` (default): :func:`out_shard_bytes` of the merge's size
+    (the base's tensors in the merge's ``dtype``), so a merge above 64 MiB is written in about 8 shards.
+    The shard layout is not in the cache key either: the tensors are the same whatever the shards.
     Either way the merge's loaders leave ``LoaderCache`` afterwards (mergekit would keep every input
     mapped for the rest of the process); entries another caller had put there are restored.
     Models with a LoRA (``model+lora``, never written by :func:`merge_config_dict`) keep mergekit's
@@ -119,6 +147,8 @@ def run_one_merge(cfg_dict: dict, out: Path, seed: int, base_dir: Path, stream: 
     from mergekit.options import MergeOptions
 
     conf = MergeConfiguration.model_validate(cfg_dict)
+    if out_shard_size is None:
+        out_shard_size = out_shard_bytes(merge_bytes(base_dir, cfg_dict.get("dtype") or "float32"))
     cache = LoaderCache()
     refs = list(conf.referenced_models())
     saved = {r: cache.loaders.pop(r) for r in refs if r in cache.loaders}
@@ -129,7 +159,8 @@ def run_one_merge(cfg_dict: dict, out: Path, seed: int, base_dir: Path, stream: 
                 cache.loaders[r] = streaming(ShardedTensorIndex.from_disk(r.local_path()), lazy_unpickle=False)
     try:
         run_merge(conf, str(out), options=MergeOptions(random_seed=seed, copy_tokenizer=True, lazy_unpickle=False,
-                                                       write_model_card=False, quiet=True, safe_serialization=True))
+                                                       write_model_card=False, quiet=True, safe_serialization=True,
+                                                       out_shard_size=out_shard_size))
     finally:
         for r in refs:  # close every mapping this merge opened (mergekit keeps them for the process's life)
             loader = cache.loaders.pop(r, None)

@@ -26,7 +26,8 @@ from typing import Any
 
 from darts_bench.api import get_task, resolve_suite
 from darts_bench.config import Config
-from darts_bench.plan.architecture import DTYPE_BYTES, activations, architecture, kv_cache, kv_dim, param_count
+from darts_bench.plan.architecture import (DTYPE_BYTES, activations, architecture, kv_cache, kv_dim, out_shard_bytes,
+                                          param_count)
 from darts_bench.plan.resources import (ACTOR_START_S, DIAG_BATCH, DIAG_TEMPS, FEATURE_COLUMNS_BYTES,
                                         LOAD_BYTES_PER_S, PROCESS_BASELINE, RECOMBINE_BACKWARD, THROUGHPUT,
                                         decode_seconds, device_kind, engine_starts, forward_seconds, vllm_engine,
@@ -320,9 +321,6 @@ def pool(x: PlanInputs) -> dict[str, Any]:
     return _finish(s, x.kind)
 
 
-#: mergekit's ``MergeOptions.out_shard_size`` default ("5B", bytes): its writer holds one output shard
-MERGEKIT_OUT_SHARD_BYTES = 5 * 10**9
-
 
 def _data_merge_prompt_tokens(x: PlanInputs, split: str) -> dict[str, int]:
     """Per task with an expert: the prompt tokens of its ``split`` calibration prompts (no continuation)."""
@@ -402,7 +400,7 @@ def _data_merge(x: PlanInputs, m) -> dict[str, Any]:
 
 def merge(x: PlanInputs) -> dict[str, Any]:
     """The mergekit merges, tensor by tensor (inputs streamed: ``run_one_merge``): peak memory is
-    the output shard mergekit's writer holds (the merged model up to :data:`MERGEKIT_OUT_SHARD_BYTES`)
+    the output shard mergekit's writer holds (``out_shard_bytes`` of the merge: an eighth of it, 64 MiB to 5e9 bytes)
     plus base + experts + output of the largest tensor in fp32 (+ its copy in the pool dtype); disk
     one checkpoint per merge in its dtype. The data merges (AdaMerging, RegMean) add their peak (all
     experts' task vectors and the graph for AdaMerging; the fp64 Gram sums for RegMean) and their time:
@@ -413,7 +411,7 @@ def merge(x: PlanInputs) -> dict[str, Any]:
     cfg, lt = x.cfg, x.largest_tensor
     mk = [m for m in cfg.merges if not m.uses_data]
     data = [_data_merge(x, m) for m in cfg.merges if m.uses_data]
-    shard = max((min(x.params * DTYPE_BYTES[m.dtype], MERGEKIT_OUT_SHARD_BYTES) for m in mk),
+    shard = max((min(x.params * DTYPE_BYTES[m.dtype], out_shard_bytes(x.params * DTYPE_BYTES[m.dtype])) for m in mk),
                 default=0) if x.params else 0
     peak = ((len(cfg.pool.expert_names) + 2) * lt * 4 + x.pool_bytes * lt + shard) if lt else None
     what = [f"{len(mk)} mergekit merges: " + ", ".join(f"{m.name} ({m.method}, {m.dtype})" for m in mk)] if mk else []
