@@ -14,6 +14,10 @@ Paths (all under ``torch.inference_mode``, the same padded batches):
                      (computes everything ours computes). The overhead target is against this one.
   plain hidden-only  ``output_hidden_states=True, logits_to_keep=1``: the hidden states alone (lower
                      bound; lm_head on the last position only).
+  ours bf16          ``hidden_state_features`` on a bfloat16 copy of the model (``pool.dtype: bfloat16``:
+                     features computed and stored in bf16), same batches; compared with ``ours`` by time
+                     and by how far its features and entropies are from the fp32 ones (relative to the
+                     fp32 hidden states' largest magnitude; entropies in nats)
   ours by length     ``hidden_state_features`` on the same sequences grouped by length
                      (``darts_bench.collect.features.length_order``, as the collect stage batches
                      them): less padding. Its batches are other batches, so it is compared by the
@@ -30,6 +34,7 @@ in the same rounds at the same thread count.
 
 from __future__ import annotations
 
+import copy
 
 import common  # noqa: F401  (sets sys.path and env first)
 import torch
@@ -74,13 +79,17 @@ def main() -> None:
     # matmul parameters: everything but the input embedding (a lookup), plus lm_head even when it is tied to it
     P = P_all - emb.numel() + (head_w.numel() if head_w is emb else 0)
     # the hidden-only path runs lm_head on the last position only: its FLOPs leave lm_head out
-    P_path = {"ours": P, "plain": P, "plain+entropy": P, "plain hidden-only": P - head_w.numel()}
+    P_path = {"ours": P, "ours bf16": P, "plain": P, "plain+entropy": P, "plain hidden-only": P - head_w.numel()}
 
-    sink: dict[str, dict] = {"ours": {}, "plain+entropy": {}}
+    sink: dict[str, dict] = {"ours": {}, "plain+entropy": {}, "ours bf16": {}}
     bs = args.batch_size
+    model_bf16 = copy.deepcopy(model).to(torch.bfloat16)
 
     def ours(u: int):
         sink["ours"][u] = hidden_state_features(model, seqs[u * bs:(u + 1) * bs], pad, bs)
+
+    def ours_bf16(u: int):
+        sink["ours bf16"][u] = hidden_state_features(model_bf16, seqs[u * bs:(u + 1) * bs], pad, bs)
 
     by_length = [seqs[i] for i in length_order(seqs)]
     n_padded_sorted = sum(ids.numel() for ids, _, _ in padded_batches(by_length, pad, bs))
@@ -102,7 +111,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     A, B = torch.randn(1024, 1024, generator=g), torch.randn(1024, 1024, generator=g)
 
-    paths = {"ours": ours, "ours by length": ours_by_length, "plain": lambda u: plain(u), "plain+entropy": plain_ent,
+    paths = {"ours": ours, "ours bf16": ours_bf16, "ours by length": ours_by_length, "plain": lambda u: plain(u), "plain+entropy": plain_ent,
              "plain hidden-only": lambda u: plain(u, hidden_only=True), "matmul 1024^3": lambda u: torch.matmul(A, B)}
     with torch.inference_mode():
         tm = common.interleave(paths, repeats=repeats, warmup=1, units=len(batches))
@@ -117,6 +126,15 @@ def main() -> None:
         dh = max(dh, float((f["h"] - ref_h).abs().max()))
         de = max(de, float((f["entropy"] - ref_e).abs().max()))
 
+    # bf16 against fp32: how far the bf16 model's features are (relative to the largest fp32 |h|) and its entropies
+    h32 = torch.cat([sink["ours"][u]["h"].float() for u in range(len(batches))])
+    h16 = torch.cat([sink["ours bf16"][u]["h"].float() for u in range(len(batches))])
+    e32 = torch.cat([sink["ours"][u]["entropy"].float() for u in range(len(batches))])
+    e16 = torch.cat([sink["ours bf16"][u]["entropy"].float() for u in range(len(batches))])
+    bf_dh = float((h16 - h32).abs().max()) / float(h32.abs().max())
+    bf_dh_med = float(((h16 - h32).norm(dim=-1) / h32.norm(dim=-1)).median())
+    bf_de, bf_de_mean = float((e16 - e32).abs().max()), float((e16 - e32).abs().mean())
+
     gf = {k: n_mm / common.med(tm.per_unit("matmul 1024^3", k)) / 1e9 for k in ("wall", "cpu")}
     print(f"\nworkload: {n} sequences, {n_tok} real tokens ({n_padded} with padding), {len(batches)} batches of {bs}; "
           f"model {P_all / 1e6:.2f}M params ({P / 1e6:.2f}M in matmuls: all but the input embedding, lm_head counted), vocab {model.config.vocab_size}; "
@@ -126,7 +144,7 @@ def main() -> None:
           "(P without lm_head for hidden-only; attention-score FLOPs not counted)")
     rows = []
     base = "plain+entropy"
-    for name in ("ours", "plain", "plain+entropy", "plain hidden-only"):
+    for name in ("ours", "ours bf16", "plain", "plain+entropy", "plain hidden-only"):
         row = [name]
         for k in ("wall", "cpu"):
             tr = tm.per_round(name, k)
@@ -142,6 +160,11 @@ def main() -> None:
     print(f"ours by length / ours (stored order), total time of a pass: {r_len['cpu']:.3f} cpu, {r_len['wall']:.3f} wall "
           f"({n_padded_sorted} padded positions instead of {n_padded})")
 
+    r_bf = {k: tm.ratio("ours", "ours bf16", k) for k in ("wall", "cpu")}
+    print(f"ours fp32 / ours bf16: {r_bf['cpu']:.3f} cpu, {r_bf['wall']:.3f} wall; bf16 features: max |dh| "
+          f"{bf_dh:.2e} of the largest fp32 |h|, median per-token |dh|/|h| {bf_dh_med:.2e}; entropies max |d| "
+          f"{bf_de:.2e} nats, mean {bf_de_mean:.2e} nats")
+
     r = {k: tm.ratio("ours", base, k) for k in ("wall", "cpu")}
     r_tot = tm.total_ratio("ours", base, "cpu")
     r_plain = tm.ratio("ours", "plain", "cpu")
@@ -153,11 +176,13 @@ def main() -> None:
         f"ours/(plain forward + lm_head entropy) {r['cpu']:.3f} cpu, {r['wall']:.3f} wall (target <=1.10: {ok}); "
         f"ours/plain hidden_states[-1] {r_plain:.3f}; ours/plain hidden-only {r_hidden:.3f}; "
         f"MFU {100 * mfu:.1f}% of {gf['cpu']:.0f} GFLOP/s matmul; grouped by length / stored order "
-        f"{r_len['cpu']:.3f} cpu",
+        f"{r_len['cpu']:.3f} cpu; fp32/bf16 {r_bf['cpu']:.3f} cpu (bf16 |dh| median {bf_dh_med:.1e} relative)",
         ratio_vs_plain_entropy_cpu=r["cpu"], ratio_vs_plain_entropy_wall=r["wall"], ratio_total_cpu=r_tot,
         ratio_vs_plain_cpu=r_plain, ratio_vs_hidden_only_cpu=r_hidden, mfu_cpu=mfu, matmul_gflops_cpu=gf["cpu"],
         max_abs_dh=dh, max_abs_dent=de, target_met=r["cpu"] <= 1.10, by_length_over_stored_cpu=r_len["cpu"],
-        padded_positions={"stored": n_padded, "by_length": n_padded_sorted})
+        padded_positions={"stored": n_padded, "by_length": n_padded_sorted},
+        fp32_over_bf16_cpu=r_bf["cpu"], fp32_over_bf16_wall=r_bf["wall"], bf16_max_rel_dh=bf_dh,
+        bf16_median_token_rel_dh=bf_dh_med, bf16_max_abs_dent=bf_de, bf16_mean_abs_dent=bf_de_mean)
 
 
 if __name__ == "__main__":
