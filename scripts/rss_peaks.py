@@ -8,8 +8,9 @@ the run and sample (``<unix time> <pid> <ppid> <RSS KiB> <command...>``), and ``
 
 - per process (the driver: the sampled process whose parent is not sampled; every other process by its command
   and pid): its peak RSS (GiB, 2^30 bytes), when (UTC), and the
-  driver's phase at the stack sample nearest before that time (``scripts/stack_phases.py``'s ``classify``), with the
-  innermost ``darts_bench`` frame of that sample;
+  driver's phase at the stack sample nearest before that time (``scripts/stack_phases.py``'s ``classify``, whose
+  names are the evaluate stage's: in the earlier stages read the next column), with the innermost ``darts_bench``
+  frame of that sample;
 - the ``--top`` samples with the largest sum of RSS over the run's processes, with each process's share. The sum
   counts a page shared by two processes (a forked worker's copy-on-write pages, a mapped file) once per process,
   so it bounds the run's footprint from above; ``/usr/bin/time -v``'s "Maximum resident set size" is the largest
