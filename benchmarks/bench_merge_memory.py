@@ -264,9 +264,7 @@ def main() -> None:
     diff = max(float((a[k].float() - b[k].float()).abs().max()) for k in common_keys)
     n_diff = sum(int(((a[k].float() - b[k].float()).abs() > 1e-6).sum()) for k in common_keys)
     n_all = sum(a[k].numel() for k in common_keys)
-    base_sd = {}
-    for f in (work / "base").glob("*.safetensors"):
-        base_sd.update(load_file(str(f)))
+    base_sd = state_dict(work / "base")
     moved = max(float((b[k].float() - base_sd[k].float()).abs().max()) for k in common_keys)
     print(f"mergekit vs naive TIES output: {len(common_keys)} common tensors, max |diff| {diff:.2e} "
           f"(merge moves weights by up to {moved:.2e}); {n_diff} of {n_all} elements differ by > 1e-6")

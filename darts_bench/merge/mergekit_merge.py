@@ -21,7 +21,7 @@ from pathlib import Path
 
 from darts_bench.config import MergeSpec
 from darts_bench.merge.data import copy_base_files
-from darts_bench.plan.architecture import MERGEKIT_OUT_SHARD_BYTES, out_shard_bytes  # noqa: F401 (re-exported)
+from darts_bench.plan.architecture import DTYPE_BYTES, MERGEKIT_OUT_SHARD_BYTES, out_shard_bytes  # noqa: F401 (re-exported)
 from darts_bench.pool.build import Pool
 
 log = logging.getLogger("darts_bench")
@@ -62,7 +62,6 @@ def merge_bytes(base_dir: Path, dtype: str) -> int:
     """
     import math
 
-    import torch
     from safetensors import safe_open
 
     files = sorted(Path(base_dir).glob("*.safetensors"))
@@ -72,7 +71,7 @@ def merge_bytes(base_dir: Path, dtype: str) -> int:
     for f in files:
         with safe_open(str(f), "pt") as st:
             n += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())
-    return n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return n * DTYPE_BYTES[dtype]
 
 
 def _malloc_trim():

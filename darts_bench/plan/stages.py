@@ -411,8 +411,8 @@ def merge(x: PlanInputs) -> dict[str, Any]:
     cfg, lt = x.cfg, x.largest_tensor
     mk = [m for m in cfg.merges if not m.uses_data]
     data = [_data_merge(x, m) for m in cfg.merges if m.uses_data]
-    shard = max((min(x.params * DTYPE_BYTES[m.dtype], out_shard_bytes(x.params * DTYPE_BYTES[m.dtype])) for m in mk),
-                default=0) if x.params else 0
+    merged = [x.params * DTYPE_BYTES[m.dtype] for m in mk] if x.params else []
+    shard = max((min(b, out_shard_bytes(b)) for b in merged), default=0)
     peak = ((len(cfg.pool.expert_names) + 2) * lt * 4 + x.pool_bytes * lt + shard) if lt else None
     what = [f"{len(mk)} mergekit merges: " + ", ".join(f"{m.name} ({m.method}, {m.dtype})" for m in mk)] if mk else []
     s = {"what": "; ".join(what + [d["what"] for d in data]),
