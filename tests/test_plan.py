@@ -588,7 +588,7 @@ def test_merge_memory_counts_mergekit_output_shard():
     is 64.1 MiB), all of a merge below 64 MiB. The cap is mergekit's own default."""
     from mergekit.options import MergeOptions
 
-    from darts_bench.plan.architecture import MERGEKIT_OUT_SHARD_BYTES, out_shard_bytes
+    from darts_bench.config import MERGEKIT_OUT_SHARD_BYTES, out_shard_bytes
 
     assert MergeOptions().out_shard_size == MERGEKIT_OUT_SHARD_BYTES
     big = make_plan(load_config("llama2-7b"))

@@ -19,9 +19,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from darts_bench.config import MergeSpec
+from darts_bench.config import DTYPE_BYTES, MERGEKIT_OUT_SHARD_BYTES, MergeSpec, out_shard_bytes  # noqa: F401 (re-exported)
 from darts_bench.merge.data import copy_base_files
-from darts_bench.plan.architecture import DTYPE_BYTES, MERGEKIT_OUT_SHARD_BYTES, out_shard_bytes  # noqa: F401 (re-exported)
 from darts_bench.pool.build import Pool
 
 log = logging.getLogger("darts_bench")

@@ -18,33 +18,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from darts_bench.config import KNOWN_ARCHITECTURES, Config
+from darts_bench.config import (DTYPE_BYTES, KNOWN_ARCHITECTURES, MERGEKIT_OUT_SHARD_BYTES, MIN_OUT_SHARD_BYTES,  # noqa: F401
+                                 OUT_SHARDS, Config, out_shard_bytes)
 
-#: bytes per element of the dtypes a config may name (``pool.dtype``, ``merges[].dtype``, vLLM's)
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-#: mergekit's ``MergeOptions.out_shard_size`` default (5e9 bytes; its help text says parameters, its
-#: ``TensorWriter`` compares bytes): the writer holds the shard it fills in memory until it is full
-MERGEKIT_OUT_SHARD_BYTES = 5 * 10**9
-#: :func:`out_shard_bytes`: a merge is written in about this many shards ...
-OUT_SHARDS = 8
-#: ... of at least this many bytes (a merge smaller than this stays one ``model.safetensors``)
-MIN_OUT_SHARD_BYTES = 64 * 2**20
 _ARCH_KEYS = ("hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size", "num_attention_heads",
               "num_key_value_heads", "tie_word_embeddings")
-
-
-def out_shard_bytes(merged_bytes: int) -> int:
-    """The output shard size (bytes) that :func:`darts_bench.merge.mergekit_merge.run_one_merge` gives
-    mergekit for a merge of ``merged_bytes`` bytes of weights: an eighth of the merge (:data:`OUT_SHARDS`),
-    at least :data:`MIN_OUT_SHARD_BYTES`, at most mergekit's default :data:`MERGEKIT_OUT_SHARD_BYTES`.
-
-    Why: mergekit's writer keeps the shard it is filling in memory; with its 5e9-byte default a merge
-    below 5 GB (a 135M model, a 1B model in bf16) is held whole until the end: most of the peak of an
-    untied model, whose ``lm_head`` is merged last (``bench_merge_memory.py``: 1.37x -> 1.23x a model; a
-    tied model's peak is its embedding's TIES, merged first, and stays). Shards are Hugging Face's sharded layout
-    (``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json``); every tensor's bytes are
-    those of a one-file merge."""
-    return min(MERGEKIT_OUT_SHARD_BYTES, max(MIN_OUT_SHARD_BYTES, -(-int(merged_bytes) // OUT_SHARDS)))
 
 
 def _known(name: str | None) -> str | None:

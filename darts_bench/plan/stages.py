@@ -400,7 +400,7 @@ def _data_merge(x: PlanInputs, m) -> dict[str, Any]:
 
 def merge(x: PlanInputs) -> dict[str, Any]:
     """The mergekit merges, tensor by tensor (inputs streamed: ``run_one_merge``): peak memory is
-    the output shard mergekit's writer holds (``out_shard_bytes`` of the merge: an eighth of it, 64 MiB to 5e9 bytes)
+    the output shard mergekit's writer holds (``darts_bench.config.out_shard_bytes`` of the merge: an eighth of it, 64 MiB to 5e9 bytes)
     plus base + experts + output of the largest tensor in fp32 (+ its copy in the pool dtype); disk
     one checkpoint per merge in its dtype. The data merges (AdaMerging, RegMean) add their peak (all
     experts' task vectors and the graph for AdaMerging; the fp64 Gram sums for RegMean) and their time:
