@@ -532,8 +532,33 @@ def score_order(pairs: Sequence[tuple[Sequence[int], int]], by_length: bool) -> 
     return sorted(idx, key=lambda i: -len(pairs[i][0])) if by_length else idx
 
 
+SCORE_BLOCK_POSITIONS = 1024
+"""Most positions whose logits :func:`continuation_scores` holds at once: ``lm_head`` and the fp32
+log-softmax materialise ``[positions, vocab]`` (SmolLM2: 1,024 x 49,152 x 4 bytes = 192 MiB a tensor)."""
+
+
+def position_blocks(n: int, block: int | None = None) -> list[tuple[int, int]]:
+    """``(start, end)`` of ``ceil(n / block)`` nearly equal blocks covering ``range(n)``; one block
+    when ``n <= block`` (default :data:`SCORE_BLOCK_POSITIONS`, read at call time), so every block
+    holds at least ``block // 2`` positions once ``n`` is split.
+    (CPU BLAS picks another kernel for a matmul of very few rows, whose sums round differently; blocks
+    this large give each row the bits of the one-matmul result, which
+    ``tests/test_evaluate_score_blocks.py`` checks.)
+
+    Raises:
+        ValueError: ``block < 1``.
+    """
+    block = SCORE_BLOCK_POSITIONS if block is None else block
+    if block < 1:
+        raise ValueError(f"block must be >= 1 position, got {block}")
+    k = max(1, -(-n // block))
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(k) if bounds[i + 1] > bounds[i]]
+
+
 def continuation_scores(h: torch.Tensor, input_ids: torch.Tensor, n_cont: Sequence[int], lm_head,
-                        softcap: float | None = None, ends: Sequence[int] | None = None) -> list[ScoreContinuation]:
+                        softcap: float | None = None, ends: Sequence[int] | None = None,
+                        block: int | None = None) -> list[ScoreContinuation]:
     """Scores of one chunk from its final hidden states.
 
     Args:
@@ -545,20 +570,31 @@ def continuation_scores(h: torch.Tensor, input_ids: torch.Tensor, n_cont: Sequen
             ``end - n - 1 .. end - 2`` of each row (those that predict its continuation).
         softcap: Gemma-2-style ``final_logit_softcapping`` (None: none), as the model's forward.
         ends: per row, the index after its last token (right-padded rows, :func:`prefix_chunk`).
+        block: most positions scored at once (:func:`position_blocks`; None: :data:`SCORE_BLOCK_POSITIONS`):
+            memory for logits and
+            log-probabilities is ``[block, vocab]`` float32, not ``[sum(n_cont), vocab]``.
     Returns:
         One :class:`ScoreContinuation` per row: NLL in nats (float32 log-softmax), ``greedy`` when
         every continuation token is the argmax.
     """
     ends = [input_ids.shape[1]] * len(n_cont) if ends is None else ends
-    bi = torch.tensor([i for i, n in enumerate(n_cont) for _ in range(n)], device=h.device)
-    ti = torch.tensor([t for n, e in zip(n_cont, ends) for t in range(e - n - 1, e - 1)], device=h.device)
-    logits = lm_head(h[bi, ti])  # [n_sel, vocab]
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    bi = torch.tensor([i for i, n in enumerate(n_cont) for _ in range(n)], device=h.device, dtype=torch.long)
+    ti = torch.tensor([t for n, e in zip(n_cont, ends) for t in range(e - n - 1, e - 1)], device=h.device,
+                      dtype=torch.long)
+    sel = h[bi, ti]  # [n_sel, d_model]
     tgt = input_ids[bi, ti + 1]  # [n_sel]
-    tok_nll = -logp.gather(-1, tgt[:, None])[:, 0]
-    hit = logp.argmax(-1) == tgt
+    nll_parts, hit_parts = [], []
+    for s, e in position_blocks(len(tgt), block):
+        logits = lm_head(sel[s:e])  # [e - s, vocab]
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        del logits
+        nll_parts.append(-logp.gather(-1, tgt[s:e, None])[:, 0])
+        hit_parts.append(logp.argmax(-1) == tgt[s:e])
+        del logp
+    tok_nll = torch.cat(nll_parts) if nll_parts else torch.zeros(0, device=h.device)
+    hit = torch.cat(hit_parts) if hit_parts else torch.zeros(0, dtype=torch.bool, device=h.device)
     out, o = [], 0
     for n in n_cont:
         out.append(ScoreContinuation(nll=float(tok_nll[o:o + n].sum()), n_tokens=n, greedy=bool(hit[o:o + n].all()),
