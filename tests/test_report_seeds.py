@@ -179,13 +179,15 @@ def test_plan_counts_seed_and_sweep_heads_and_rows():
 @pytest.mark.micro
 def test_default_head_key_is_the_plain_dict_and_variants_resolve_max_len(micro_cfg_path, micro_pipeline):
     """Without sweep or seeds the head key is the pre-sweep key (the same dict hashed, plus the
-    diagnostics version: the heads artifact holds diagnostics.json); each sweep variant gets max_len resolved like Pipeline.surgery_config (a swept
+    diagnostics version: the heads artifact holds diagnostics.json, and the position-bias gradient's
+    version: micro trains DARTS); each sweep variant gets max_len resolved like Pipeline.surgery_config (a swept
     max_len is kept), and the variant at the default settings with seed = cfg.seed has the default key."""
     from darts_bench.artifacts import stable_hash
     from darts_bench.pipeline import Pipeline
-    from darts_bench.stages.train import DIAGNOSTICS_VERSION
+    from darts_bench.stages.train import DIAGNOSTICS_VERSION, POSITION_BIAS_GRAD_VERSION
 
     pipe, cfg = micro_pipeline, micro_pipeline.cfg
+    assert "darts" in cfg.surgery.methods
     assert not cfg.deepspeed.enabled
     # the surgery section as dumped before surgery.controls and surgery.task_agnostic / routing existed (they add
     # rows, not head settings: not in the key)
@@ -193,7 +195,7 @@ def test_default_head_key_is_the_plain_dict_and_variants_resolve_max_len(micro_c
             if k not in ("controls", "task_agnostic", "routing")}
     before = stable_hash({"features": "f", "reference": "r", "surgery": dump,
                           "held_out": cfg.calibration.held_out_fraction, "seed": cfg.seed,
-                          "diagnostics": DIAGNOSTICS_VERSION})
+                          "diagnostics": DIAGNOSTICS_VERSION, "position_bias_grad": POSITION_BIAS_GRAD_VERSION})
     assert pipe.head_key("f", "r") == before
     [(tag, scfg)] = pipe.surgery_variants()
     assert tag == "" and scfg == pipe.surgery_config() and scfg.max_len is not None

@@ -110,6 +110,59 @@ def test_training_lowers_loss_and_is_seeded():
         assert torch.equal(a, b), k
 
 
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("overflow", ["clamp", "zero", "bucket"])
+def test_position_bias_gradient_is_the_token_order_sum_with_two_threads(two_threads, overflow):
+    """A batch of 4,096 tokens over 100 positions (d 256: 1M gradient elements, past the 32,768 at
+    which indexing's backward went to parallel atomic adds): the bias table's gradient is the
+    per-row sum in token order, bitwise, every time."""
+    g = torch.Generator().manual_seed(3)
+    n, d, L = 4096, 256, 64
+    head = build_head("darts", d, rank=4, max_len=L, overflow=overflow, seed=0)
+    pos = torch.randint(0, 100, (n,), generator=g)
+    grad_out = torch.randn(n, d, generator=g)
+    idx, keep = head.bias_index(pos)
+    want = torch.zeros_like(head.pos_bias)
+    for i in range(n):  # the sum in token order, one token at a time
+        want[idx[i]] += grad_out[i] * keep[i]
+    for _ in range(3):
+        head.zero_grad(set_to_none=True)
+        head(torch.zeros(n, d), pos).backward(grad_out)
+        assert torch.equal(head.pos_bias.grad, want)
+
+
+def test_darts_head_trained_with_one_or_two_threads_is_bitwise_the_same():
+    """``train_head`` at torch 1 and 2 threads: the same DARTS head bit for bit (batches of 256
+    tokens x d 256, repeated positions; before the fix the bias table differed at 2 threads)."""
+    from darts_bench.config import SurgeryConfig
+
+    g = torch.Generator().manual_seed(5)
+    n, d = 2048, 256
+    hm = torch.randn(n, d, generator=g)
+    data = TokenData(hm, hm + 0.1 * torch.randn(n, d, generator=g), torch.arange(n) % 128, torch.arange(n) // 128,
+                     torch.rand(n, generator=g) * 3)
+    tr, va = data.select(torch.arange(0, 1536)), data.select(torch.arange(1536, n))
+    cfg = SurgeryConfig(epochs=3, batch_size=256, rank=8, max_len=128)
+    before = torch.get_num_threads()
+    heads = []
+    try:
+        for t in (1, 2, 2):
+            torch.set_num_threads(t)
+            heads.append(train_head("darts", tr, va, cfg, seed=0).head.state_dict())
+    finally:
+        torch.set_num_threads(before)
+    for other in heads[1:]:
+        for k in heads[0]:
+            assert torch.equal(heads[0][k], other[k]), k
+
+
 @pytest.mark.parametrize("method", ["surgery", "darts", "darts_ew_only", "darts_pos_only"])
 @pytest.mark.parametrize("overflow", ["clamp", "zero", "bucket"])
 def test_head_param_count_equals_built_heads(method, overflow):

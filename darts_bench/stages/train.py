@@ -33,7 +33,7 @@ from darts_bench.pool.checkpoint import lm_head_weight
 from darts_bench.rows import seed_tag, surgery_variants
 from darts_bench.stages import KNOWN_STREAMS_MAX, derive_seed
 from darts_bench.surgery.diagnostics import entropy_contrast, gap_closed, position_slope
-from darts_bench.surgery.heads import save_head
+from darts_bench.surgery.heads import METHODS, save_head
 from darts_bench.surgery.train import split_by_sequence, train_head
 
 log = logging.getLogger("darts_bench")
@@ -60,6 +60,11 @@ def resolve_surgery(cfg, surgery, base_dir: Path):
 #: 2: ``gen`` / ``prompt`` position sets, shared-template exclusion, ``per_sequence`` evidence,
 #: ``kl_by_position``.
 DIAGNOSTICS_VERSION = 2
+#: how a position-bias head's gradient is summed, in the key of heads whose methods have a bias table:
+#: 2: in token order (``nn.functional.embedding``'s backward, :class:`darts_bench.surgery.heads.CorrectionHead`),
+#: the same bits at any thread count; before, a thread race at ``torch_threads`` > 1 (the 1-thread
+#: heads of ``micro`` and ``tiny`` are bitwise the same either way).
+POSITION_BIAS_GRAD_VERSION = 2
 #: resamples of every diagnostics interval (recorded in ``diagnostics.json`` under ``bootstrap``)
 N_BOOT = RUN_N_BOOT
 
@@ -94,7 +99,8 @@ NOT_IN_HEAD_KEY = ("controls", "task_agnostic", "routing")
 
 def head_key(cfg, features_key: str, reference_key: str, scfg, seed: int | None = None) -> str:
     """Cache key of one (merge, task, split)'s heads: features, resolved surgery config ``scfg``,
-    held-out fraction, head seed (``seed``, default ``cfg.seed``), :data:`DIAGNOSTICS_VERSION` and,
+    held-out fraction, head seed (``seed``, default ``cfg.seed``), :data:`DIAGNOSTICS_VERSION`,
+    :data:`POSITION_BIAS_GRAD_VERSION` when a method has a position bias and,
     when DeepSpeed trains them, the
     DeepSpeed settings and accelerator (DeepSpeed heads differ from in-process ones by float summation
     order; see README)."""
@@ -104,6 +110,8 @@ def head_key(cfg, features_key: str, reference_key: str, scfg, seed: int | None 
              "surgery": {k: v for k, v in scfg.model_dump(mode="json").items() if k not in NOT_IN_HEAD_KEY},
              "held_out": cfg.calibration.held_out_fraction,
              "seed": cfg.seed if seed is None else seed, "diagnostics": DIAGNOSTICS_VERSION}
+    if any(METHODS[m][0] for m in scfg.methods):
+        parts["position_bias_grad"] = POSITION_BIAS_GRAD_VERSION
     if cfg.deepspeed.enabled:
         from darts_bench.surgery.train_deepspeed import deepspeed_key
 

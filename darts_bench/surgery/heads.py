@@ -116,7 +116,12 @@ class CorrectionHead(nn.Module):
             if positions is None:
                 raise ValueError("a DARTS head with a position bias needs positions")
             idx, keep = self.bias_index(positions)
-            bias = self.pos_bias[idx]
+            # F.embedding, not self.pos_bias[idx]: the same rows forward, but the backward of indexing
+            # (index_put_ with accumulate) adds a batch's repeated positions with parallel atomic float
+            # adds once the batch has >= 32,768 elements and torch has > 1 thread, so the gradient's
+            # rounding depended on a thread race (DARTS heads of one config differed run to run at
+            # torch_threads 2). embedding's backward adds in token order: bitwise the 1-thread result.
+            bias = nn.functional.embedding(idx, self.pos_bias)
             if self.cfg.overflow == "zero":
                 bias = bias * keep.unsqueeze(-1).to(bias.dtype)
             out = out + bias
