@@ -11,6 +11,7 @@ pipeline owns the executor's lifecycle and the stage timings, and hands the repo
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,9 @@ class Pipeline:
         check_data_merges(cfg, self.task_names)  # regmean: every expert's task selected
         self._cache: dict[str, Any] = {}
         self._stage_stack: list[float] = []
+        self._peak_stack: list[int] = []
         self.timings: dict[str, float] = {}
+        self.peak_rss: dict[str, int] = {}
         self._executor = None
         check_backends(cfg)  # evaluate/calibration backend vllm without vllm: fail before any stage
         if cfg.torch_threads:
@@ -79,21 +82,38 @@ class Pipeline:
 
     def _stage(self, name: str, fn):
         """Run a stage once (cached in memory). ``timings[name]``: its exclusive wall time (s): the
-        time of stages it triggers lazily (``evaluate`` -> ``train`` -> ...) is subtracted."""
+        time of stages it triggers lazily (``evaluate`` -> ``train`` -> ...) is subtracted.
+        ``peak_rss[name]``: the driver's peak resident set (bytes) while the stage ran, the stages it
+        triggered included (Linux: :func:`_reset_peak_rss` at the start, ``VmHWM`` at the end; absent
+        where ``/proc/self`` has neither)."""
         if name in self._cache:
             return self._cache[name]
         t0 = time.perf_counter()
         log.info("stage %s: start", name)
+        if self._peak_stack:  # the enclosing stage's peak so far, before this stage resets the mark
+            self._peak_stack[-1] = max(self._peak_stack[-1], _peak_rss() or 0)
+        measured = _reset_peak_rss()
         self._stage_stack.append(0.0)  # seconds spent in nested stages
+        self._peak_stack.append(0)  # the peak of nested stages (bytes)
         try:
             res = fn()
         finally:
             nested = self._stage_stack.pop()
+            peak = max(self._peak_stack.pop(), _peak_rss() or 0)
             total = time.perf_counter() - t0
             if self._stage_stack:
                 self._stage_stack[-1] += total
+                self._peak_stack[-1] = max(self._peak_stack[-1], peak)
         self.timings[name] = total - nested
-        log.info("stage %s: done in %.1f s (%.1f s in earlier stages it triggered)", name, self.timings[name], nested)
+        mem = ""
+        if measured:
+            self.peak_rss[name] = peak
+            mem = f"; driver peak RSS {peak / 2**30:.2f} GiB"
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
+        if kids:
+            mem += f", largest ended child process so far {kids / 2**30:.2f} GiB"
+        log.info("stage %s: done in %.1f s (%.1f s in earlier stages it triggered)%s", name, self.timings[name],
+                 nested, mem)
         self._cache[name] = res
         return res
 
@@ -233,7 +253,8 @@ class Pipeline:
         results = self.evaluate()
         return RunRecord(cfg=self.cfg, suite=self.suite, out_dir=self.out_dir, task_names=self.task_names,
                          tasks=self.tasks(), pool=self.pool(), merges=self.merge(), train=self.train(),
-                         rows=self.rows(), results=results, timings=self.timings)
+                         rows=self.rows(), results=results, timings=self.timings,
+                         peak_rss=self.peak_rss)
 
     def report(self):
         """Write ``results.json`` and the tables (:func:`darts_bench.report.tables.write_report`)."""
@@ -247,3 +268,24 @@ class Pipeline:
         if stage not in STAGES:
             raise ValueError(f"unknown stage {stage!r}; stages: {STAGES}")
         return getattr(self, stage)()
+
+
+def _peak_rss() -> int | None:
+    """This process's peak resident set (bytes): ``VmHWM`` of ``/proc/self/status``; None without it."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _reset_peak_rss() -> bool:
+    """Set this process's peak-RSS mark (``VmHWM``) to its current RSS (``/proc/self/clear_refs``, value 5:
+    Linux >= 4.0, proc(5)). False where that is not possible (no ``/proc``, another OS): then no stage
+    peak is reported."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return _peak_rss() is not None

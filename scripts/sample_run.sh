@@ -11,12 +11,22 @@
 set -u
 OUT=${1:?usage: sample_run.sh OUT_DIR [DRIVER_PATTERN]}
 PATTERN=${2:-bin/darts-bench run}
-PYSPY=${PYSPY:-$(command -v py-spy || true)}
+PYSPY=${PYSPY-$(command -v py-spy || true)}  # PYSPY= (set, empty): rss.txt only
 mkdir -p "$OUT"
+# The driver: the outermost process whose command line holds PATTERN, leaving out this sampler (its own command
+# line holds PATTERN when PATTERN is given as an argument, and so does every subshell it forks) and wrappers
+# (`/usr/bin/time -v`, `timeout`, `nice`, a shell). Outermost, so a forked child of the driver (same command
+# line) is never taken for it. The pattern reaches awk through its environment, never its command line.
+find_driver() {
+  ps -eo pid=,ppid=,comm=,args= | PAT="$PATTERN" awk '
+    index($0, ENVIRON["PAT"]) && $0 !~ /sample_run\.sh/ && $3 !~ /^(bash|sh|dash|zsh|time|timeout|nice|env|sudo)$/ {
+      par[$1] = $2 }
+    END { for (p in par) if (!(par[p] in par)) { print p; exit } }'
+}
 seen=0
 while [ ! -f "$OUT/stop" ]; do
   t=$(date +%s)
-  drv=$(pgrep -f "$PATTERN" | head -1)
+  drv=$(find_driver)
   if [ -z "$drv" ]; then
     [ "$seen" = 1 ] && break  # the run ended
     sleep 3; continue

@@ -2,6 +2,7 @@
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -63,6 +64,11 @@ def test_end_to_end_micro_run(micro_dir, micro_pipeline, capsys):
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert res["schema_version"] == 1
+    # every stage's time and, on Linux, the driver's peak RSS while it ran (a cache-hit stage still holds the process)
+    assert set(res["manifest"]["stage_seconds"]) == {"pool", "merge", "collect", "train", "evaluate"}
+    if sys.platform == "linux":
+        peaks = res["manifest"]["stage_peak_rss_gib"]
+        assert set(peaks) == set(res["manifest"]["stage_seconds"]) and all(0.01 < v < 64 for v in peaks.values())
     df = pd.read_csv(out / "table.csv")
     cols = contract_columns(["humaneval", "gsm8k", "alpacaeval"])
     assert list(df.columns) == cols

@@ -360,6 +360,39 @@ def test_stage_seconds_are_exclusive(micro_cfg_path, monkeypatch):
     assert pipe.timings == {"collect": 5.0, "train": 3.0, "evaluate": 2.0}
 
 
+def test_stage_peak_rss_is_each_stages_own_and_nested_stages_keep_the_outer_peak(micro_cfg_path):
+    """``Pipeline.peak_rss``: the driver's peak RSS while each stage ran. A stage that triggers another
+    lazily keeps the peak it reached before (the nested stage resets the kernel's mark), and a stage
+    does not inherit an earlier stage's peak. Buffers of 256 / 64 MiB, filled so their pages are resident."""
+    import darts_bench.pipeline as pipeline
+    from darts_bench.config import load_config
+
+    if not pipeline._reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs (not Linux)")
+    MIB = 2**20
+    pipe = pipeline.Pipeline(load_config(str(micro_cfg_path)))
+
+    def hold(n_mib):
+        buf = b"\x01" * (n_mib * MIB)  # resident: every page written
+        assert buf[-1] == 1
+        del buf  # an mmap'd block: RSS drops back once freed
+
+    def evaluate():
+        hold(256)
+        pipe._stage("train", lambda: hold(64))
+
+    base = pipeline._peak_rss()
+    pipe._stage("evaluate", evaluate)
+    pipe._stage("report", lambda: None)
+    peaks = pipe.peak_rss
+    assert set(peaks) == {"evaluate", "train", "report"}
+    assert peaks["evaluate"] >= 256 * MIB + (peaks["report"] - 16 * MIB)  # the 256 MiB before train, kept
+    assert peaks["train"] >= 64 * MIB + (peaks["report"] - 16 * MIB)
+    assert peaks["train"] < peaks["evaluate"] - 128 * MIB  # train did not inherit evaluate's peak
+    assert peaks["report"] < peaks["evaluate"] - 128 * MIB
+    assert base is not None and base > 0
+
+
 @pytest.mark.slow
 def test_plan_memory_within_25_percent_of_measured_peaks(micro_pipeline, micro_cfg_path, tmp_path, request,
                                                          monkeypatch):

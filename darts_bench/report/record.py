@@ -26,6 +26,8 @@ class RunRecord:
         rows: the evaluated rows, in table order.
         results: row name -> task -> :class:`~darts_bench.api.TaskResult`.
         timings: stage name -> exclusive wall time (s).
+        peak_rss: stage name -> the driver's peak resident set while it ran (bytes; stages it triggered
+            included), for the stages it was measured for (Linux).
     """
 
     cfg: Any
@@ -39,3 +41,4 @@ class RunRecord:
     rows: list[Row]
     results: dict[str, dict[str, TaskResult]]
     timings: dict[str, float] = field(default_factory=dict)
+    peak_rss: dict[str, int] = field(default_factory=dict)

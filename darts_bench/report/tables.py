@@ -451,6 +451,8 @@ def write_report(record: RunRecord) -> pd.DataFrame:
                                         if "template" in d else {})}
                     for (m, t, s), d in diags.items()},
         "stage_seconds": record.timings,
+        # the driver's peak RSS per stage (GiB, 2^30 bytes; Linux), stages it triggered included
+        "stage_peak_rss_gib": {k: round(v / 2**30, 3) for k, v in record.peak_rss.items()},
         "primary_metrics": primary,
         "head_seeds": head_seeds(record.cfg),
         "sweep_variants": [tag for tag, _ in surgery_variants(record.cfg)],
