@@ -36,10 +36,14 @@ def test_the_sampler_finds_the_driver_given_the_pattern_as_an_argument(tmp_path)
     out = tmp_path / "sample"
     env = {**os.environ, "PYSPY": ""}  # rss.txt only (a py-spy dump per sample would slow the test)
     sampler = subprocess.Popen(["bash", str(ROOT / "scripts" / "sample_run.sh"), str(out), PATTERN], env=env)
-    time.sleep(1)  # the sampler is up before the driver: it must wait for it, not sample itself
-    run = subprocess.Popen(["timeout", "60", sys.executable, "-c", DRIVER, *PATTERN.split()])
-    assert run.wait(timeout=60) == 0
-    assert sampler.wait(timeout=30) == 0  # it stops by itself once the driver is gone
+    try:
+        time.sleep(1)  # the sampler is up before the driver: it must wait for it, not sample itself
+        run = subprocess.Popen(["timeout", "60", sys.executable, "-c", DRIVER, *PATTERN.split()])
+        assert run.wait(timeout=60) == 0
+        assert sampler.wait(timeout=30) == 0  # it stops by itself once the driver is gone
+    finally:
+        if sampler.poll() is None:  # a sampler that found itself never ends: do not leave it behind
+            sampler.kill()
     rows = [line.split() for line in (out / "rss.txt").read_text().splitlines()]
     assert rows, "no sample"
     pids = {int(r[1]) for r in rows}
