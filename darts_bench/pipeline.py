@@ -134,7 +134,7 @@ class Pipeline:
 
         check_loggers(self.cfg.loggers)  # trackers the report logs to (darts_bench/loggers.py)
         check_data_dir(self.cfg.resolved_data_dir(), self.task_names)
-        check_output_dir(self.out_dir, "output dir")
+        check_output_dir(self.out_dir, "output dir", create=False)  # made by the report: `pool` alone makes none
         check_output_dir(self.work_dir, "work dir")
         check_not_baseline(self.out_dir)  # a committed baseline is refreshed on purpose only
         n = clean_stale_temps(self.work_dir)

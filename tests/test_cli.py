@@ -205,3 +205,18 @@ def test_validate_names_a_task_mapped_to_an_expert_the_pool_lacks(tmp_path, monk
                  "--set", f"work_dir={tmp_path / 'w'}"]) == 2
     err = capsys.readouterr().err
     assert "error: tasks: ValueError: task lsbadexpert maps to expert 'law', which the pool does not have" in err
+
+
+def test_a_stage_alone_makes_no_output_dir_and_an_unusable_one_fails_first(micro_pipeline, micro_cfg_path, tmp_path,
+                                                                           capsys):
+    """`darts-bench pool` writes nothing to the output dir, so it does not create it (run 12 left an empty
+    results/smollm2-135m beside its work dir); a run whose output dir cannot be made fails before any stage."""
+    out = tmp_path / "out"
+    assert main(["pool", "--config", str(micro_cfg_path), "--out", str(out)]) == 0
+    assert not out.exists()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    rc = main(["run", "--config", str(micro_cfg_path), "--out", str(blocker / "out")])
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert f"output dir {blocker / 'out'} cannot be created: {blocker} is a file" in err
