@@ -34,7 +34,10 @@ def classify(body: str) -> str:
         return "between calls"
     stack = busy[0]
     name = next((p for key, p in PHASES if key in stack), None)
-    return name or "other: " + stack.strip().split("\n")[1].strip()[:60]
+    if name:
+        return name
+    lines = stack.strip().split("\n")  # a thread caught with no frame (starting, ending) has its header only
+    return "other: " + (lines[1].strip()[:60] if len(lines) > 1 else "(no frame)")
 
 
 def samples(text: str) -> list[tuple[int, str]]:

@@ -82,3 +82,9 @@ def test_run9_samples_give_the_timings_table(capsys):
     log = (RUN / "run9.log").read_text()
     assert "stage evaluate: done in 2294.9 s" in log and "score 620 computed, 340 reused" in log
     assert "**no regression** (111 cells changed within tolerance, 5703 identical)" in (RUN / "compare_run9.md").read_text()
+
+
+def test_a_busy_thread_caught_without_a_frame_is_named_not_a_crash():
+    """run 13's dumps held an active thread with its header line only (py-spy caught it starting)."""
+    sp = load_script("stack_phases")
+    assert sp.classify('Thread 7 (active): "eval-m-gsm8k"\n') == "other: (no frame)"
