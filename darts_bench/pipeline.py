@@ -34,7 +34,7 @@ from darts_bench.stages.tasks import load_tasks
 
 log = logging.getLogger("darts_bench")
 STAGES = ("pool", "merge", "collect", "train", "evaluate", "report")
-__all__ = ["Pipeline", "Row", "STAGES", "derive_seed"]
+__all__ = ["Pipeline", "Row", "STAGES", "derive_seed", "process_peak_rss", "reset_process_peak_rss"]
 
 
 class Pipeline:
@@ -84,22 +84,22 @@ class Pipeline:
         """Run a stage once (cached in memory). ``timings[name]``: its exclusive wall time (s): the
         time of stages it triggers lazily (``evaluate`` -> ``train`` -> ...) is subtracted.
         ``peak_rss[name]``: the driver's peak resident set (bytes) while the stage ran, the stages it
-        triggered included (Linux: :func:`_reset_peak_rss` at the start, ``VmHWM`` at the end; absent
+        triggered included (Linux: :func:`reset_process_peak_rss` at the start, ``VmHWM`` at the end; absent
         where ``/proc/self`` has neither)."""
         if name in self._cache:
             return self._cache[name]
         t0 = time.perf_counter()
         log.info("stage %s: start", name)
         if self._peak_stack:  # the enclosing stage's peak so far, before this stage resets the mark
-            self._peak_stack[-1] = max(self._peak_stack[-1], _peak_rss() or 0)
-        measured = _reset_peak_rss()
+            self._peak_stack[-1] = max(self._peak_stack[-1], process_peak_rss() or 0)
+        measured = reset_process_peak_rss()
         self._stage_stack.append(0.0)  # seconds spent in nested stages
         self._peak_stack.append(0)  # the peak of nested stages (bytes)
         try:
             res = fn()
         finally:
             nested = self._stage_stack.pop()
-            peak = max(self._peak_stack.pop(), _peak_rss() or 0)
+            peak = max(self._peak_stack.pop(), process_peak_rss() or 0)
             total = time.perf_counter() - t0
             if self._stage_stack:
                 self._stage_stack[-1] += total
@@ -270,7 +270,7 @@ class Pipeline:
         return getattr(self, stage)()
 
 
-def _peak_rss() -> int | None:
+def process_peak_rss() -> int | None:
     """This process's peak resident set (bytes): ``VmHWM`` of ``/proc/self/status``; None without it."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
@@ -279,7 +279,7 @@ def _peak_rss() -> int | None:
         return None
 
 
-def _reset_peak_rss() -> bool:
+def reset_process_peak_rss() -> bool:
     """Set this process's peak-RSS mark (``VmHWM``) to its current RSS (``/proc/self/clear_refs``, value 5:
     Linux >= 4.0, proc(5)). False where that is not possible (no ``/proc``, another OS): then no stage
     peak is reported."""
@@ -288,4 +288,4 @@ def _reset_peak_rss() -> bool:
             f.write("5")
     except OSError:
         return False
-    return _peak_rss() is not None
+    return process_peak_rss() is not None

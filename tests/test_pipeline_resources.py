@@ -367,7 +367,7 @@ def test_stage_peak_rss_is_each_stages_own_and_nested_stages_keep_the_outer_peak
     import darts_bench.pipeline as pipeline
     from darts_bench.config import load_config
 
-    if not pipeline._reset_peak_rss():
+    if not pipeline.reset_process_peak_rss():
         pytest.skip("no /proc/self/clear_refs (not Linux)")
     MIB = 2**20
     pipe = pipeline.Pipeline(load_config(str(micro_cfg_path)))
@@ -381,7 +381,7 @@ def test_stage_peak_rss_is_each_stages_own_and_nested_stages_keep_the_outer_peak
         hold(256)
         pipe._stage("train", lambda: hold(64))
 
-    base = pipeline._peak_rss()
+    base = pipeline.process_peak_rss()
     pipe._stage("evaluate", evaluate)
     pipe._stage("report", lambda: None)
     peaks = pipe.peak_rss

@@ -21,19 +21,19 @@ import sys
 _CHILD = r"""
 import json, resource, sys
 from darts_bench.config import load_config
-from darts_bench.pipeline import Pipeline
+from darts_bench.pipeline import Pipeline, process_peak_rss
 config, overrides, suite, limit, stage = json.loads(sys.argv[1])
 pipe = Pipeline(load_config(config, overrides), suite=suite, limit=limit)
 try:
     pipe.run_until(stage)
 finally:
     pipe.close()
-try:  # VmHWM: this process image's own peak (ru_maxrss keeps the forking parent's peak across exec)
-    self_kb = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-except (OSError, StopIteration):
-    self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+# VmHWM: this process image's own peak (ru_maxrss keeps the forking parent's peak across exec)
+self_b = process_peak_rss()
+if self_b is None:
+    self_b = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 kids_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-print("PEAK " + json.dumps({"self": self_kb * 1024, "children": kids_kb * 1024}))
+print("PEAK " + json.dumps({"self": self_b, "children": kids_kb * 1024}))
 """
 
 
