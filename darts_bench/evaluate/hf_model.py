@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel
 
 from darts_bench.api import Completion, ScoreContinuation
+from darts_bench.evaluate.memory import heap_trimmed
 from darts_bench.evaluate.sampling import SeededSampler, sample_seed
 from darts_bench.surgery.corrected import attach_head, final_norm
 from darts_bench.surgery.heads import CorrectionHead, positions_from_mask
@@ -265,6 +266,7 @@ class HFTextModel:
         return set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
 
     # --------------------------------------------------------------- generation
+    @heap_trimmed
     @torch.inference_mode()
     def generate_finished(self, prompts: Sequence[str] | Sequence[Sequence[int]], *, max_new_tokens: int,
                           stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
@@ -344,6 +346,7 @@ class HFTextModel:
         return torch.cat(out) if out else torch.zeros(0, self.model.config.hidden_size)
 
     # ------------------------------------------------------------------ scoring
+    @heap_trimmed
     @torch.inference_mode()
     def score(self, contexts: Sequence[str], continuations: Sequence[str]) -> list[ScoreContinuation]:
         """Per-pair NLL of the continuation tokens given the context (lm-eval's convention:

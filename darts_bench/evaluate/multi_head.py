@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from darts_bench.api import Completion, ScoreContinuation
+from darts_bench.evaluate.memory import heap_trimmed
 from darts_bench.evaluate.hf_model import (HFTextModel, completion_of, continuation_scores, finish_generated, left_pad,
                                            kv_cache_of, prefix_chunk, score_pairs, score_plan, with_kv_cache)
 from darts_bench.surgery.corrected import MultiHeadAttachment, final_norm
@@ -120,6 +121,7 @@ class HFMultiHeadModel:
         return None if idx is None else self._slot_head[idx]
 
     # --------------------------------------------------------------- generation
+    @heap_trimmed
     @torch.inference_mode()
     def generate_finished(self, requests: Sequence[tuple[int | None, Prompt]], *, max_new_tokens: int,
                           stop: Sequence[str] = (), num_samples: int = 1, temperature: float = 0.0,
@@ -226,6 +228,7 @@ class HFMultiHeadModel:
         return self.base.prompt_states(prompts)
 
     # ------------------------------------------------------------------ scoring
+    @heap_trimmed
     @torch.inference_mode()
     def score(self, requests: Sequence[tuple[int | None, str, str]]) -> list[ScoreContinuation]:
         """Teacher-forced NLL (nats) of each request's continuation given its context under its
