@@ -37,6 +37,7 @@ BENCHES = {
     "diagnostics": "bench_diagnostics.py",
     "merge_memory": "bench_merge_memory.py",
     "score_memory": "bench_score_memory.py",
+    "row_thread_memory": "bench_row_thread_memory.py",
     "generate_vllm": "bench_generate_vllm.py",  # SKIPPED without vllm (run it from .venv-vllm)
     "vllm_scoring": "bench_vllm_scoring.py",  # SKIPPED without vllm (run it from .venv-vllm)
 }

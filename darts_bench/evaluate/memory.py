@@ -4,11 +4,12 @@ Evaluation runs each row of a merge in its own thread (``darts_bench/stages/eval
 every thread that allocates gets a malloc arena of its own (up to 8 per core). A forward of a 135M
 model over ~1,000-token judge prompts frees its activations (tensors below glibc's mmap threshold, up to
 32 MiB, come from the arena) back to the calling thread's arena, which keeps them: free, but resident.
-So each row thread that scored held about its own peak working set. On the ``smollm2-135m`` run 13
+So each row thread that scored could hold up to its own peak working set. On the ``smollm2-135m`` run 13
 (``results/smollm2-135m-2026-12-04/TIMINGS.md``) the driver climbed by 0.75-1.1 GiB per row thread over
-one merge's AlpacaEval pass, 6.8 -> 13.3 GiB, and fell back when the pass's threads ended; a repeat of
-that pass's judge calls here (``benchmarks/bench_score_memory.py --threads``) left an arena with 1.0 GB of
-system memory of which 12 MB were in use.
+one merge's AlpacaEval pass, 6.8 -> 13.3 GiB, and fell back when the pass's threads ended.
+``benchmarks/bench_row_thread_memory.py`` (6 row threads
+judging 8 AlpacaEval instructions each with SmolLM2-135M, 2026-12-04): 393 MiB kept after the pass without
+a trim, 14 MiB with it, verdicts bitwise equal.
 
 :func:`trim_heap` (glibc ``malloc_trim(0)``: every arena, free pages inside a heap too, ``madvise``
 ``MADV_DONTNEED``) hands those pages back; :func:`heap_trimmed` does it after each call of a method.
