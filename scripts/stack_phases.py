@@ -21,7 +21,10 @@ from pathlib import Path
 
 PHASES = (("judge_completions", "judge"), ("VLLMEngine.__init__", "engine start"), ("engine_for", "engine start"),
           ("reference_nll", "reference NLL"), ("states", "routed prompt states"), ("generate", "generation"),
-          ("execut", "code execution"), ("sandbox", "code execution"), ("subprocess", "code execution"))
+          # HumanEval's programs: darts_bench/scoring/code.py and the sandbox (not "execut", which also matched
+          # darts_bench/executors frames outside any code execution, e.g. the train stage's)
+          ("check_programs", "code execution"), ("score_code_samples", "code execution"),
+          ("sandbox", "code execution"), ("subprocess", "code execution"))
 
 
 def classify(body: str) -> str:

@@ -88,3 +88,15 @@ def test_a_busy_thread_caught_without_a_frame_is_named_not_a_crash():
     """run 13's dumps held an active thread with its header line only (py-spy caught it starting)."""
     sp = load_script("stack_phases")
     assert sp.classify('Thread 7 (active): "eval-m-gsm8k"\n') == "other: (no frame)"
+
+
+def test_an_executor_frame_is_not_code_execution():
+    """A train-stage thread running in darts_bench/executors is ``other``; HumanEval's program checks are code
+    execution."""
+    sp = load_script("stack_phases")
+    train = ('Thread 5 (active): "MainThread"\n    Diagnostics.many (darts_bench/surgery/diagnostics.py:360)\n'
+             '    LocalExecutor.map (darts_bench/executors/local.py:40)\n')
+    assert sp.classify(train) == "other: Diagnostics.many (darts_bench/surgery/diagnostics.py:360)"
+    code = ('Thread 6 (active): "eval-m-humaneval"\n    run_programs (darts_bench/sandbox/host.py:760)\n'
+            '    check_programs (darts_bench/scoring/code.py:55)\n')
+    assert sp.classify(code) == "code execution"
