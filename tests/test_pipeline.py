@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -69,6 +70,12 @@ def test_end_to_end_micro_run(micro_dir, micro_pipeline, capsys):
     if sys.platform == "linux":
         peaks = res["manifest"]["stage_peak_rss_gib"]
         assert set(peaks) == set(res["manifest"]["stage_seconds"]) and all(0.01 < v < 64 for v in peaks.values())
+    # the CPU the values were computed on (rounding differs across CPUs: README "Guarantees")
+    import torch
+
+    cpu = res["manifest"]["cpu"]
+    assert cpu["isa"] == torch.backends.cpu.get_cpu_capability() and cpu["count"] == os.cpu_count()
+    assert isinstance(cpu["model"], str) and cpu["model"]
     df = pd.read_csv(out / "table.csv")
     cols = contract_columns(["humaneval", "gsm8k", "alpacaeval"])
     assert list(df.columns) == cols

@@ -364,6 +364,8 @@ def test_stage_peak_rss_is_each_stages_own_and_nested_stages_keep_the_outer_peak
     """``Pipeline.peak_rss``: the driver's peak RSS while each stage ran. A stage that triggers another
     lazily keeps the peak it reached before (the nested stage resets the kernel's mark), and a stage
     does not inherit an earlier stage's peak. Buffers of 256 / 64 MiB, filled so their pages are resident."""
+    import mmap
+
     import darts_bench.pipeline as pipeline
     from darts_bench.config import load_config
 
@@ -373,9 +375,13 @@ def test_stage_peak_rss_is_each_stages_own_and_nested_stages_keep_the_outer_peak
     pipe = pipeline.Pipeline(load_config(str(micro_cfg_path)))
 
     def hold(n_mib):
-        buf = b"\x01" * (n_mib * MIB)  # resident: every page written
+        # a mapping of its own (not malloc: a large free chunk already resident in the heap, e.g. left by the
+        # micro pipeline earlier in the session, would serve a malloc without new pages), every page written
+        buf, page = mmap.mmap(-1, n_mib * MIB), b"\x01" * MIB
+        for i in range(n_mib):
+            buf[i * MIB:(i + 1) * MIB] = page
         assert buf[-1] == 1
-        del buf  # an mmap'd block: RSS drops back once freed
+        buf.close()  # unmapped: RSS drops back
 
     def evaluate():
         hold(256)

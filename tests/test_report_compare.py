@@ -173,3 +173,19 @@ def test_runs_of_different_configs_are_refused_unless_allowed(tmp_path, capsys):
     same = _copy(tmp_path / "b")
     _edit_rows(same, lambda rows, p: p["manifest"]["config"].update(work_dir="/elsewhere", out_dir="x"))
     assert config_changes(base_m, json.loads((same / "results.json").read_text())["manifest"]) == []
+
+
+def test_the_cpu_of_each_run_is_in_the_manifest_table(tmp_path, capsys):
+    """Rounding, and so every row downstream of a data merge, can differ across CPUs: the manifest table
+    says which CPU each run had (empty for a run from before the record)."""
+    base, new = _copy(tmp_path), tmp_path / "new2"
+    shutil.copytree(base, new)
+    for d, cpu in ((base, {"model": "AMD EPYC 9B14", "isa": "AVX2", "count": 2}),
+                   (new, {"model": "Intel(R) Xeon(R) Processor", "isa": "AVX512", "count": 2})):
+        _edit_rows(d, lambda rows, payload, cpu=cpu: payload["manifest"].update(cpu=cpu))
+    assert main(["compare", str(base), str(new)]) == 0  # no cell moved
+    out = capsys.readouterr().out
+    assert ('| cpu | {"count": 2, "isa": "AVX2", "model": "AMD EPYC 9B14"} | {"count": 2, "isa": "AVX512", '
+            '"model": "Intel(R) Xeon(R) Processor"} | yes |') in out
+    assert main(["compare", str(TINY), str(new)]) == 0
+    assert '| cpu |  | {"count": 2' in capsys.readouterr().out

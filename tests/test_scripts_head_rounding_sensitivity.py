@@ -32,5 +32,7 @@ def test_a_small_run_reports_bitwise_reruns(tmp_path):
     assert [(r["method"], r["seed"]) for r in rows] == [("surgery", 0), ("darts", 0)]
     for r in rows:
         assert r["rerun_bitwise"] is True  # the same features train the same head
-        assert r["rel_moved_median"] > 0  # one ulp moved it
+        # one ulp moved it: at some tokens (after one epoch on 8 sequences the median token may not move: on an
+        # Intel Xeon the Surgery head's median was 0.0 and its 99th percentile 3.3e-6; on the machines of earlier sessions both moved)
+        assert r["rel_moved_p99"] > 0 and r["rel_moved_median"] >= 0
         assert 0 <= r["top1_flip"] <= 1

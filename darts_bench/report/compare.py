@@ -333,6 +333,8 @@ def manifest_rows(mb: dict, mn: dict) -> list[tuple[str, str, str, bool]]:
         out.append((name, _fmt(a), _fmt(b), a != b))
 
     add("platform", mb.get("platform"), mn.get("platform"))
+    add("cpu", json.dumps(mb.get("cpu"), sort_keys=True) if mb.get("cpu") else None,
+        json.dumps(mn.get("cpu"), sort_keys=True) if mn.get("cpu") else None)
     add("python", mb.get("python"), mn.get("python"))
     pk = sorted(set(mb.get("packages") or {}) | set(mn.get("packages") or {}))
     for p in pk:

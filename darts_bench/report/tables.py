@@ -85,6 +85,26 @@ def _merge_details(merges: dict) -> dict:
     return out
 
 
+def cpu_record() -> dict[str, Any]:
+    """The machine's CPU as results depend on it: ``model`` (``/proc/cpuinfo``'s model name, else
+    ``platform.processor()``), ``isa`` (the instruction set torch's CPU kernels were chosen for:
+    ``torch.backends.cpu.get_cpu_capability()``, e.g. ``AVX512``) and ``count`` (``os.cpu_count()``).
+    Float rounding, and so every value downstream of a data merge's solve or gradient steps, can differ
+    between CPUs; same config and seed are bitwise only on one (README "Guarantees")."""
+    import os
+
+    import torch
+
+    model = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        pass
+    return {"model": model or platform.processor() or None, "isa": torch.backends.cpu.get_cpu_capability(),
+            "count": os.cpu_count()}
+
+
 def _versions() -> dict[str, str]:
     out = {}
     for p in PACKAGES:
@@ -429,6 +449,7 @@ def write_report(record: RunRecord) -> pd.DataFrame:
         "isolation": isolation_record(),  # how generated code was contained (darts_bench.sandbox)
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "cpu": cpu_record(),
         "pool": {"key": record.pool.key, "build_report": record.pool.report},
         "merges": {m: p.name for m, p in record.merges.items()},
         # the data merges (AdaMerging, RegMean): what each learned / used, from the file beside its weights
