@@ -23,15 +23,16 @@ find_driver() {
       par[$1] = $2 }
     END { for (p in par) if (!(par[p] in par)) { print p; exit } }'
 }
-seen=0
+# The first driver found is kept until it exits: another process tree matching PATTERN later (a test suite's
+# `darts_bench.cli run` subprocesses beside the run, as in run 15) is never sampled in its place.
+drv=
 while [ ! -f "$OUT/stop" ]; do
   t=$(date +%s)
-  drv=$(find_driver)
   if [ -z "$drv" ]; then
-    [ "$seen" = 1 ] && break  # the run ended
-    sleep 3; continue
+    drv=$(find_driver)
+    [ -z "$drv" ] && { sleep 3; continue; }
   fi
-  seen=1
+  kill -0 "$drv" 2>/dev/null || break  # the run ended
   # the driver and its descendants (vLLM's engine core and workers, a local Ray instance's raylet and actors)
   ps -eo pid=,ppid=,rss=,args= | awk -v t="$t" -v root="$drv" '
     { pid[NR] = $1; par[$1] = $2; line[NR] = $0 }

@@ -58,3 +58,25 @@ def test_the_sampler_finds_the_driver_given_the_pattern_as_an_argument(tmp_path)
     assert all(c.split()[0] == sys.executable for c in cmds)  # the driver and its forked child only
     assert len(pids) == 2  # ... both sampled, the child under the driver
     assert max(int(r[3]) for r in rows if int(r[1]) == driver) >= 64 * 1024  # RSS in KiB: the 64 MiB buffer
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not shutil.which("ps"), reason="ps -eo and /proc: Linux")
+def test_the_sampler_keeps_the_first_driver_when_another_matching_run_starts(tmp_path):
+    """Run 15 ran beside a test suite whose `darts_bench.cli run` subprocesses matched the pattern too, and the
+    sampler took them for the driver at times: it now stays with the driver it found first until that exits."""
+    out = tmp_path / "sample"
+    env = {**os.environ, "PYSPY": ""}
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(8)", *PATTERN.split()])
+    sampler = subprocess.Popen(["bash", str(ROOT / "scripts" / "sample_run.sh"), str(out), PATTERN], env=env)
+    try:
+        time.sleep(3)  # the sampler has found `first`
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(20)", *PATTERN.split()])
+        assert first.wait(timeout=30) == 0
+        assert sampler.wait(timeout=30) == 0  # it ends with the first driver, not with the other run
+        assert other.poll() is None
+    finally:
+        for p in (sampler, other):
+            if p.poll() is None:
+                p.kill()
+    pids = {int(line.split()[1]) for line in (out / "rss.txt").read_text().splitlines()}
+    assert pids == {first.pid}
