@@ -189,3 +189,28 @@ def test_the_cpu_of_each_run_is_in_the_manifest_table(tmp_path, capsys):
             '"model": "Intel(R) Xeon(R) Processor"} | yes |') in out
     assert main(["compare", str(TINY), str(new)]) == 0
     assert '| cpu |  | {"count": 2' in capsys.readouterr().out
+
+
+def test_the_regression_baseline_is_the_one_made_on_this_kind_of_cpu(tmp_path):
+    """.ci/run holds the micro run against the baseline of its own CPU (rounding differs between CPUs): the
+    ``micro-*`` dir whose manifest CPU model and isa match, else the first ``micro`` (no CPU record)."""
+    from darts_bench.report.compare import baseline_for
+    from darts_bench.report.tables import cpu_record
+
+    root = tmp_path / "baselines"
+    for name, cpu in (("micro", None), ("micro-amd", {"model": "AMD EPYC", "isa": "AVX512", "count": 2}),
+                      ("micro-xeon", {"model": "Intel(R) Xeon(R) Processor", "isa": "AVX512", "count": 2})):
+        (root / name).mkdir(parents=True)
+        (root / name / "results.json").write_text(json.dumps({"manifest": {} if cpu is None else {"cpu": cpu}}))
+    xeon = {"model": "Intel(R) Xeon(R) Processor", "isa": "AVX512", "count": 16}  # core count not matched
+    assert baseline_for(root, "micro", xeon) == root / "micro-xeon"
+    assert baseline_for(root, "micro", {"model": "AMD EPYC", "isa": "AVX512"}) == root / "micro-amd"
+    assert baseline_for(root, "micro", {"model": "Intel(R) Xeon(R) Processor", "isa": "AVX2"}) == root / "micro"
+    assert baseline_for(root, "micro", {"model": "Apple M3", "isa": "NO AVX"}) == root / "micro"
+    assert baseline_for(root, "micro").parent == root  # this machine's CPU: one of them
+    with pytest.raises(FileNotFoundError, match="no regression baseline 'tiny'"):
+        baseline_for(root, "tiny", cpu_record())
+    # the committed ones: this repository's CPU baselines are well-formed
+    committed = TINY.parent / "baselines"
+    assert baseline_for(committed, "micro", xeon) == committed / "micro-intel-xeon"
+    assert baseline_for(committed, "micro", {"model": "AMD EPYC", "isa": "AVX512"}) == committed / "micro"

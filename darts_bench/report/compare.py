@@ -425,6 +425,34 @@ def run_compare(baseline_dir: str, new_dir: str, out: str | None = None, allow_c
 
 # ------------------------------------------------------------------------------------------------
 # committed baselines: a results dir holding BASELINE_MARKER is never overwritten by a run unless asked
+def baseline_for(baselines: str | Path, name: str, cpu: dict | None = None) -> Path:
+    """The committed regression baseline ``name`` for a machine's CPU: the dir ``<baselines>/<name>-*`` whose
+    ``results.json`` ``manifest.cpu`` has the ``model`` and ``isa`` of ``cpu`` (default: this machine's,
+    :func:`darts_bench.report.tables.cpu_record`), else ``<baselines>/<name>`` (the first baseline, made before
+    the manifest recorded the CPU). Rounding differs between CPUs and the heads amplify it (README
+    "Regression baselines"), so a run is held against a baseline made on its own kind of CPU when one exists.
+
+    Raises:
+        FileNotFoundError: neither a matching dir nor ``<baselines>/<name>`` exists.
+    """
+    from darts_bench.report.tables import cpu_record
+
+    cpu = cpu_record() if cpu is None else cpu
+    root = Path(baselines)
+    for d in sorted(root.glob(f"{name}-*")):
+        try:
+            got = json.loads((d / "results.json").read_text())["manifest"].get("cpu") or {}
+        except (OSError, ValueError, KeyError):
+            continue
+        if got.get("model") == cpu.get("model") and got.get("isa") == cpu.get("isa"):
+            return d
+    default = root / name
+    if not (default / "results.json").is_file():
+        raise FileNotFoundError(f"no regression baseline {name!r} in {root} (neither one for CPU "
+                                f"{cpu.get('model')!r} / {cpu.get('isa')} nor {default})")
+    return default
+
+
 BASELINE_MARKER = "BASELINE.md"
 REFRESH_ENV = "DARTS_BENCH_REFRESH_BASELINE"
 
