@@ -27,8 +27,6 @@ time_ratio: trimmed / untrimmed, identical: every verdict and verdict NLL bitwis
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,13 +34,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 MODES = ("untrimmed", "trimmed")
-
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
 
 
 def row_pairs(n: int, chars: int, offset: int) -> list[tuple[str, str, str]]:
@@ -107,7 +98,7 @@ def child(mode: str, args, out: Path) -> None:
     for t in threads:
         t.start()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS from here
-    before = _status("VmRSS")
+    before = common.proc_status("VmRSS")
     start.wait()
     done = threading.Event()
     retained: list[int] = []
@@ -115,7 +106,7 @@ def child(mode: str, args, out: Path) -> None:
     def watch() -> None:  # the RSS once the last row has scored, with every row thread still alive
         while not done.is_set():
             if all(v is not None for v in verdicts):
-                retained.append(_status("VmRSS"))
+                retained.append(common.proc_status("VmRSS"))
                 return
             time.sleep(0.05)
 
@@ -125,20 +116,20 @@ def child(mode: str, args, out: Path) -> None:
         t.join()
     done.set()
     w.join()
-    out.write_text(json.dumps({"mode": mode, "before_b": before, "retained_b": (retained or [_status("VmRSS")])[0]
-                               - before, "peak_b": _status("VmHWM") - before, "wall_s": sum(walls), "nll": judge.nll,
+    kept = (retained or [common.proc_status("VmRSS")])[0]
+    out.write_text(json.dumps({"mode": mode, "before_b": before, "retained_b": kept - before,
+                               "peak_b": common.proc_status("VmHWM") - before, "wall_s": sum(walls), "nll": judge.nll,
                                "verdicts": verdicts, "computed": memo.computed["score"]}))
 
 
 def run_child(mode: str, args, tmp: Path) -> dict:
+    import common
+
     out = tmp / f"{mode}.json"
-    cmd = [sys.executable, str(HERE), "--child", mode, "--threads", str(args.threads), "--rows", str(args.rows),
-           "--prompts", str(args.prompts), "--chars", str(args.chars), "--batch-size", str(args.batch_size),
-           "--out", str(out), "--model-dir", str(args.model_dir_resolved)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
-    if p.returncode != 0:
-        raise RuntimeError(f"child {mode} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    return common.child_json([sys.executable, str(HERE), "--child", mode, "--threads", str(args.threads), "--rows",
+                              str(args.rows), "--prompts", str(args.prompts), "--chars", str(args.chars),
+                              "--batch-size", str(args.batch_size), "--out", str(out), "--model-dir",
+                              str(args.model_dir_resolved)], out, mode)
 
 
 def main() -> None:

@@ -27,8 +27,6 @@ checks that ``blocked`` gives ``one_block``'s token NLLs bitwise and ``library``
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,13 +34,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 MODES = ("blocked", "one_block", "library", "forward")
-
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key}")
 
 
 def workload(tok, n_pairs: int, cont_tokens: int) -> tuple[list[str], list[str]]:
@@ -108,7 +99,7 @@ def child(mode: str, model_dir: Path, n_pairs: int, cont_tokens: int, batch_size
     if mode == "one_block":
         hf_model.SCORE_BLOCK_POSITIONS = 1 << 40
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS from here
-    before = _status("VmRSS")
+    before = common.proc_status("VmRSS")
     t0 = time.perf_counter()
     if mode == "library":
         nll = library_scores(model, pairs, tok.pad_token_id, batch_size)
@@ -117,20 +108,19 @@ def child(mode: str, model_dir: Path, n_pairs: int, cont_tokens: int, batch_size
     else:
         nll = [s.token_nll for s in tm.score(contexts, conts)]
     wall = time.perf_counter() - t0
-    out.write_text(json.dumps({"mode": mode, "extra_b": _status("VmHWM") - before, "before_b": before, "wall_s": wall,
+    out.write_text(json.dumps({"mode": mode, "extra_b": common.proc_status("VmHWM") - before, "before_b": before,
+                               "wall_s": wall,
                                "positions": sum(n for _, n in pairs), "vocab": int(model.config.vocab_size),
                                "token_nll": nll, "threads": torch.get_num_threads()}))
 
 
 def run_child(mode: str, args, tmp: Path) -> dict:
+    import common
+
     out = tmp / f"{mode}.json"
-    p = subprocess.run([sys.executable, str(HERE), "--child", mode, "--model-dir", str(args.model_dir_resolved),
-                        "--pairs", str(args.pairs), "--cont-tokens", str(args.cont_tokens), "--batch-size",
-                        str(args.batch_size), "--threads", str(args.threads), "--out", str(out)],
-                       capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
-    if p.returncode != 0:
-        raise RuntimeError(f"child {mode} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    return common.child_json([sys.executable, str(HERE), "--child", mode, "--model-dir", str(args.model_dir_resolved),
+                              "--pairs", str(args.pairs), "--cont-tokens", str(args.cont_tokens), "--batch-size",
+                              str(args.batch_size), "--threads", str(args.threads), "--out", str(out)], out, mode)
 
 
 def main() -> None:

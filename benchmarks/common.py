@@ -22,7 +22,6 @@ import atexit
 import datetime as _dt
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -91,13 +90,32 @@ def set_threads(n: int) -> int:
 
 # ------------------------------------------------------------------------------------- env info
 def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    """The CPU's model name as ``results.json`` records it (``darts_bench.report.tables.cpu_record``)."""
+    from darts_bench.report.tables import cpu_record
+
+    return cpu_record()["model"] or "unknown"
+
+
+def proc_status(key: str) -> int:
+    """``key`` of ``/proc/self/status`` in bytes (``VmRSS``, ``VmHWM``: kB there)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {key}")
+
+
+def child_json(argv: list[str], out: Path, what: str) -> dict:
+    """Run ``argv`` (a benchmark's ``--child`` process, tqdm off) and return the JSON it wrote to ``out``.
+
+    Raises:
+        RuntimeError: the child failed (its stderr's tail in the message).
+    """
+    import subprocess
+
+    p = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    if p.returncode != 0:
+        raise RuntimeError(f"child {what} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return json.loads(out.read_text())
 
 
 def env_info(threads: int | None = None) -> dict:

@@ -309,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" not in os.environ:  # a plain `python -m` start: a group of one
         os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": str(_free_port())})
+    import torch.distributed as dist
+
     from darts_bench.config import SurgeryConfig
 
     tensors = load_file(spec["data"])
@@ -318,8 +320,6 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ["RANK"])
     try:
         res = train_ranks(spec["method"], train, val, scfg, spec["seed"], spec["ds_config"], spec["backend"])
-        import torch.distributed as dist
-
         dist.barrier()  # every rank is done with the group before any rank tears it down
     except FloatingPointError as e:
         if rank == 0:
@@ -327,8 +327,6 @@ def main(argv: list[str] | None = None) -> int:
             (out / _ERROR_FILE).write_text(json.dumps({"type": "FloatingPointError", "message": str(e)}))
         return 3
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
     if res is not None:
