@@ -3,7 +3,9 @@ row vs in one pass (``HFMultiHeadModel``), for greedy generation and for teacher
 
 Workload: the first ``--prompts`` GSM8K test questions in the task's prompt format, greedy,
 ``--max-new`` new tokens at most (no stop strings: every path decodes the same number of steps),
-``--batch-size`` prompts per chunk, on one model (the random tiny Llama or ``--model-dir``). The heads
+``--batch-size`` prompts per chunk, on one model (the random tiny Llama, ``--model-dir``, or
+``--random-from DIR``: a random-init model of DIR's config and tokenizer, for timing a model's shape
+on a machine its weights cannot reach), on ``--device`` in ``--dtype``. The heads
 are random heads of the trained heads' shape (rank 16, 512-row position table), scaled small as
 trained heads are. One timed unit is one chunk of ``batch_size`` prompts:
 
@@ -22,9 +24,16 @@ one-pass (7 heads) / 1 row, row_by_row_over_one_pass, within_1e-6: NLLs within 1
 row-by-row's, n}.
 
     .venv/bin/python benchmarks/bench_eval_heads.py [--prompts 32] [--max-new 64]
+    python3 benchmarks/bench_eval_heads.py --device cuda --dtype bfloat16 --random-from CONFIG_DIR  # a GPU
+
+On a GPU the one-pass batch (7 x ``--batch-size`` sequences) and the row-by-row batch
+(``--batch-size``) may run different matmul kernels (cuBLAS picks by shape), so ``identical``
+counts what the kernels give there; the CPU runs are token-identical (``tests/test_evaluate_one_pass.py``).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import common  # noqa: F401  (sets sys.path and env first)
 import torch
@@ -53,13 +62,22 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--max-new", type=int, default=None)
     ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--random-from", type=Path, default=None,
+                    help="a dir with config.json + tokenizer: benchmark a random-init model of that config")
+    ap.add_argument("--device", default="cpu", help="torch device (cpu, cuda)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
     t = common.tier(args)
     n_prompts, max_new = args.prompts or max(t["gen_prompts"], 32), args.max_new or t["gen_tokens"]
     repeats, bs = args.repeats or t["gen_repeats"], args.batch_size
     threads = common.set_threads(args.threads)
 
-    model, tok = common.load(common.model_dir(args))
+    mdir = common.model_dir(args)
+    model, tok = common.load(mdir, dtype=getattr(torch, args.dtype), device=args.device)
+    cuda = model.device.type == "cuda"
+    if cuda:
+        print(f"device {torch.cuda.get_device_name(model.device)}; {args.dtype}; "
+              f"TF32 matmul {torch.backends.cuda.matmul.allow_tf32}")
     model.requires_grad_(False)
     slots = [None, *random_heads(model.config.hidden_size)]
     K = len(slots)
@@ -116,7 +134,9 @@ def main() -> None:
                              for k in range(1, K))
     within = sum(abs(a.nll - b.nll) <= 1e-6 * abs(a.nll) for u in range(len(units)) for k in range(K)
                  for a, b in zip(sc["7 rows"][u][k], sc["one-pass"][u][k]))
-    print(f"model {common.model_dir(args)}; {K} rows (plain + 3 Surgery + 3 DARTS random heads); {n_prompts} GSM8K "
+    max_rel = max(abs(a.nll - b.nll) / max(abs(a.nll), 1e-30) for u in range(len(units)) for k in range(K)
+                  for a, b in zip(sc["7 rows"][u][k], sc["one-pass"][u][k]))
+    print(f"model {mdir}{' (random init)' if args.random_from else ''}; {args.device} {args.dtype}; {K} rows (plain + 3 Surgery + 3 DARTS random heads); {n_prompts} GSM8K "
           f"prompts in chunks of {bs}; greedy, {max_new} new tokens; {threads} thread(s); {repeats} rounds x "
           f"{len(units)} chunks, rotating order")
     print(common.table(["path", "wall s per round", "cpu s per round"],
@@ -128,16 +148,20 @@ def main() -> None:
           f"{identical}/{n}; corrected chunks whose completions differ from the plain row's: "
           f"{differs_from_plain}/{(K - 1) * len(units)}")
     print(f"scoring: one-pass 7 heads / 1 row {sc_ratio:.2f}x wall ({sc_cpu:.2f}x cpu); 7 rows row-by-row / one-pass "
-          f"{sc_rbr_ratio:.2f}x; NLLs within 1e-6 relative {within}/{n}")
+          f"{sc_rbr_ratio:.2f}x; NLLs within 1e-6 relative {within}/{n} (max relative difference {max_rel:.2e})")
+    if cuda:
+        print(f"peak CUDA memory {torch.cuda.max_memory_allocated(model.device) / 2**30:.2f} GiB")
     common.summary("eval_heads",
                    f"7 rows of a merge, {n_prompts} prompts: generation row-by-row/one-pass {gen_ratio:.2f}x "
                    f"({identical}/{n} identical); scoring 7 heads one-pass / 1 row {sc_ratio:.2f}x, "
                    f"row-by-row/one-pass {sc_rbr_ratio:.2f}x ({within}/{n} within 1e-6)",
                    eval_heads_one_pass={"ratio": round(gen_ratio, 3), "cpu_ratio": round(gen_cpu, 3),
-                                        "identical": identical, "n": n},
+                                        "identical": identical, "n": n, "device": args.device,
+                                        "dtype": args.dtype},
                    ref_signals_one_forward={"ratio": round(sc_ratio, 3), "cpu_ratio": round(sc_cpu, 3),
                                             "row_by_row_over_one_pass": round(sc_rbr_ratio, 3),
-                                            "within_1e-6": within, "n": n})
+                                            "within_1e-6": within, "max_rel_diff": float(f"{max_rel:.3g}"),
+                                            "n": n})
 
 
 if __name__ == "__main__":

@@ -308,8 +308,41 @@ def build_tiny_checkpoint(out: Path, *, hidden_size: int = 128, num_hidden_layer
     return out
 
 
+def random_checkpoint(config_dir: Path, out: Path, seed: int = 0) -> Path:
+    """A random-init model of ``config_dir``'s ``config.json`` (architecture, shapes, tied
+    embeddings) with its tokenizer, saved as safetensors into ``out`` (atomically); the weights in
+    ``config_dir`` are never read (it may hold none). For timing a model's shape where its weights
+    cannot travel (a device machine with no hub): the outputs of such a model mean nothing.
+
+    Raises:
+        SystemExit: ``config_dir`` has no ``config.json``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if (out / "config.json").is_file():
+        return out
+    if not (Path(config_dir) / "config.json").is_file():
+        raise SystemExit(f"--random-from {config_dir}: no config.json there")
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    cfg = AutoConfig.from_pretrained(str(config_dir))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model.save_pretrained(tmp, safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(config_dir)).save_pretrained(tmp)
+    tmp.replace(out)
+    return out
+
+
 def model_dir(args) -> Path:
-    """The checkpoint under test: ``--model-dir`` or the cached random tiny Llama."""
+    """The checkpoint under test: a random-init model of ``--random-from``'s config (scripts that
+    offer it), ``--model-dir``, or the cached random tiny Llama."""
+    if getattr(args, "random_from", None) is not None:
+        t0 = time.perf_counter()
+        src = Path(args.random_from)
+        p = random_checkpoint(src, _cache_root() / f"random-{src.resolve().name}")
+        print(f"random-init checkpoint of {src}'s config: {p} ({time.perf_counter() - t0:.1f} s to build or find)")
+        return p
     if args.model_dir is not None:
         if not (Path(args.model_dir) / "config.json").is_file():
             raise SystemExit(f"--model-dir {args.model_dir}: no config.json there")
@@ -349,11 +382,11 @@ def perturbed_copy(src: Path, dst: Path, rel_scale: float = 0.02, seed: int = 1)
     return dst
 
 
-def load(path: Path):
-    """``(model, tokenizer)`` through the project's loader (fp32, CPU, left padding)."""
+def load(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """``(model, tokenizer)`` through the project's loader (left padding; fp32 on the CPU unless told)."""
     from darts_bench.evaluate.hf_model import load_causal_lm
 
-    return load_causal_lm(path)
+    return load_causal_lm(path, dtype=dtype, device=device)
 
 
 def token_sequences(tok, n: int, length: int, seed: int = 0, min_frac: float = 0.875) -> list[list[int]]:
