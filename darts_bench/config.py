@@ -595,8 +595,10 @@ class EvaluateConfig(_Strict):
     one_pass: bool = Field(
         True, description="evaluate a merge's rows together: each task runs on every row of a model dir at once "
         "and their generate / score calls go to the backend's multi-head model in one pass (in-process HF: "
-        "one batched forward with the head chosen per sequence). False: row by row. Outputs "
-        "and scores are identical, so it is in no cache key")
+        "one batched forward with the head chosen per sequence). False: row by row. In float32 outputs "
+        "and scores are identical (CPU and H200 measured), so it is in no cache key; in bfloat16/float16 the "
+        "larger stacked batches round differently (an H200: 194-217 of 224 greedy completions equal), so it is in "
+        "the evaluate key there")
     one_pass_max_batch: int | None = Field(
         None, ge=1, description="HF one pass: at most this many sequences per multi-head generate call (the "
         "rows' chunks of tasks.batch_size prompts are stacked up to it; always at least one chunk). The KV "

@@ -445,3 +445,28 @@ def test_one_pass_is_not_in_the_eval_key(tmp_path):
     off = on.model_copy(update={"evaluate": on.evaluate.model_copy(update={"one_pass": False})})
     assert on.evaluate.one_pass and not off.evaluate.one_pass
     assert eval_key(on, row, _echo_task(), ex) == eval_key(off, row, _echo_task(), ex)
+
+
+@pytest.mark.parametrize("backend,pool_dtype,vllm_dtype,in_key", [
+    ("hf", "bfloat16", "auto", True), ("hf", "float16", "auto", True), ("vllm", "bfloat16", "auto", True),
+    ("vllm", "float32", "bfloat16", True), ("vllm", "bfloat16", "float32", False), ("hf", "float32", "bfloat16", False)])
+def test_one_pass_is_in_the_eval_key_in_16_bit(tmp_path, backend, pool_dtype, vllm_dtype, in_key):
+    """In a 16-bit engine dtype the one pass's stacked batches round differently from row by row's
+    (an H200: 194/224 greedy completions equal at chunks of 8, results/device/eval-heads-h200), so the
+    key tells the paths apart; the engine's dtype is vLLM's own unless ``auto`` (then the pool's)."""
+    from darts_bench.api import Example
+    from darts_bench.config import Config
+    from darts_bench.stages.evaluate import engine_dtype, eval_key, one_pass_numerics
+
+    row, ex = _group(tmp_path)[1], [Example("a", "p", "r")]
+    base = Config()
+    on = base.model_copy(update={
+        "pool": base.pool.model_copy(update={"dtype": pool_dtype}),
+        "evaluate": base.evaluate.model_copy(update={
+            "backend": backend, "vllm": base.evaluate.vllm.model_copy(update={"dtype": vllm_dtype})})})
+    off = on.model_copy(update={"evaluate": on.evaluate.model_copy(update={"one_pass": False})})
+    want = vllm_dtype if backend == "vllm" and vllm_dtype != "auto" else pool_dtype
+    assert engine_dtype(on) == want
+    assert one_pass_numerics(on) == ({"one_pass": True} if in_key else {}) and one_pass_numerics(off) == {}
+    k_on, k_off = (eval_key(c, row, _echo_task(), ex) for c in (on, off))
+    assert (k_on != k_off) is in_key

@@ -41,19 +41,39 @@ def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str 
     kernels; samples are seeded per prompt and sample, not per batch), and the generation engine
     (empty for ``hf``).
 
-    ``evaluate.one_pass`` is not in the key: the one-pass path gives the row-by-row path's greedy
-    and sampled completions token for token (each head's prompts in the same ``batch_size`` chunks,
-    the same left padding, samples drawn one head at a time with the same seeds) and the same
-    scores bitwise (one body forward, the head on the whole chunk, ``lm_head`` through the same
-    ``continuation_scores``), tested in ``tests/test_evaluate_one_pass.py``, so a result cached by
-    either path serves the other."""
+    ``evaluate.one_pass`` is not in the key when the engine computes in float32: the one-pass path
+    gives the row-by-row path's greedy and sampled completions token for token (each head's prompts
+    in the same ``batch_size`` chunks, the same left padding, samples drawn one head at a time with
+    the same seeds) and the same scores bitwise (one body forward, the head on the whole chunk,
+    ``lm_head`` through the same ``continuation_scores``), tested in
+    ``tests/test_evaluate_one_pass.py`` on the CPU and measured on an H200 (224/224 completions,
+    ``results/device/eval-heads-h200``), so a result cached by either path serves the other. In
+    bfloat16 or float16 the one pass stacks a merge's chunks into larger batches, whose kernels round
+    differently (the same H200: 194 and 217 of 224 greedy completions equal at chunks of 8 and 32;
+    27 of 28 on a CPU), so there ``numerics`` names the one pass (:func:`one_pass_numerics`)."""
     tcfg = getattr(cfg.tasks, task.name)
     return stable_hash({"model": model_key if model_key is not None else row.model_key, "task": task.name,
                         "version": task.version, "cfg": tcfg.model_dump(mode="json"), "n": len(examples),
                         "seed": cfg.seed, "judge": judge_key,
                         "ex": stable_hash([(e.id, e.prompt, e.reference) for e in examples]),
-                        "numerics": {"device": cfg.device, "batch_size": cfg.tasks.batch_size},
+                        "numerics": {"device": cfg.device, "batch_size": cfg.tasks.batch_size,
+                                     **one_pass_numerics(cfg)},
                         **backend_key(cfg, "evaluate")})
+
+
+def engine_dtype(cfg) -> str:
+    """The dtype the evaluate stage's engine computes in: ``evaluate.vllm.dtype`` on the vLLM backend
+    unless ``auto``, else ``pool.dtype``."""
+    if cfg.evaluate.backend == "vllm" and cfg.evaluate.vllm.dtype != "auto":
+        return cfg.evaluate.vllm.dtype
+    return cfg.pool.dtype
+
+
+def one_pass_numerics(cfg) -> dict:
+    """``{"one_pass": True}`` when ``evaluate.one_pass`` is on and the engine computes in a 16-bit
+    dtype (its outputs may then differ from the row-by-row path's in the last bits, and so in greedy
+    tokens: see :func:`eval_key`), else ``{}`` (float32: both paths are equal, the keys unchanged)."""
+    return {"one_pass": True} if cfg.evaluate.one_pass and engine_dtype(cfg) != "float32" else {}
 
 
 def evaluate(cfg, rows: list[Row], all_rows: list[Row], tasks: dict, executor, work_dir: Path) -> dict[str, dict[str, TaskResult]]:
