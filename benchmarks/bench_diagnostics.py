@@ -30,6 +30,12 @@ three calls:
 Figure ``diagnostics_known_streams`` = {ratio: every call on its own / known streams (median wall per
 unit), identical: rows whose per-token L1 / KL / agreement / floor lists are equal, n: rows}.
 
+Third workload (``--no-top1`` skips it): the top-1 index of one ``[LOGIT_ROWS, V]`` block of logits as
+the diagnostics' agreement and the scoring's ``greedy`` take it, ``argmax(-1)`` (the plain call) vs
+``first_argmax`` (``torch.max(x, -1).indices``, the same first-occurrence index). Figure
+``top1_max_indices`` = {ratio: argmax / first_argmax (median wall per block), identical: blocks whose
+indices are equal, n: blocks}.
+
     .venv/bin/python benchmarks/bench_diagnostics.py [--tier smollm2-135m] [--tokens 2048]
 """
 
@@ -51,6 +57,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--matched", action="store_true", help="also diagnose the rank d + 32 Surgery control")
     ap.add_argument("--no-stage", action="store_true", help="skip the train stage's three-call workload")
+    ap.add_argument("--no-top1", action="store_true", help="skip the argmax / first_argmax workload")
     args = ap.parse_args()
     threads = common.set_threads(args.threads)
     repeats = args.repeats or 3
@@ -103,7 +110,34 @@ def main() -> None:
         figures["diagnostics_known_streams"] = fig
         text += (f"; the train stage's three calls over those tokens, each on its own / with known streams "
                  f"{fig['ratio']:.2f}x ({fig['identical']}/{fig['n']} rows identical)")
+    if not args.no_top1:
+        fig = top1_blocks(data, W_m, repeats)
+        figures["top1_max_indices"] = fig
+        text += f"; top-1 index argmax / first_argmax {fig['ratio']:.2f}x ({fig['identical']}/{fig['n']} equal)"
     common.summary("diagnostics", text, **figures)
+
+
+def top1_blocks(data, W_m, repeats: int) -> dict:
+    """``argmax(-1)`` vs ``first_argmax`` on the plain merge's logits, one ``[LOGIT_ROWS, V]`` block per unit."""
+    from darts_bench.surgery.losses import LOGIT_ROWS, first_argmax, row_blocks
+
+    blocks = [data.h_merged[r:e] @ W_m.T for r, e in row_blocks(len(data), LOGIT_ROWS)]
+    res: dict[str, dict] = {"argmax": {}, "first_argmax": {}}
+
+    def run(name, fn):
+        def f(u):
+            res[name][u] = fn(blocks[u])
+        return f
+
+    tm = common.interleave({"argmax": run("argmax", lambda x: x.argmax(-1)),
+                            "first_argmax": run("first_argmax", first_argmax)},
+                           repeats=repeats * 3, warmup=1, units=len(blocks))
+    same = sum(torch.equal(res["argmax"][u], res["first_argmax"][u]) for u in range(len(blocks)))
+    ratio = tm.ratio("argmax", "first_argmax")
+    print(f"\ntop-1 index of {len(blocks)} blocks of [{blocks[0].shape[0]}, {blocks[0].shape[1]}] logits:")
+    print(common.table(["path", "wall s per round", "cpu s per round"], tm.round_rows()))
+    print(f"argmax / first_argmax: {ratio:.2f}x wall; identical {same}/{len(blocks)}")
+    return {"ratio": round(ratio, 3), "identical": same, "n": len(blocks)}
 
 
 def stage_calls(data, pair, W_e, W_m, d: int, g: torch.Generator, repeats: int) -> dict:

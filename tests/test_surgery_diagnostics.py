@@ -251,6 +251,37 @@ def test_blocked_vocabulary_work_is_bitwise_the_whole_tensor_computation():
     assert row_blocks(300, 299) == [(0, 150), (150, 300)] and row_blocks(5, 512) == [(0, 5)] and row_blocks(0, 8) == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_argmax_is_argmax_on_ties_nan_and_inf(dtype):
+    """``first_argmax`` (``torch.max(x, -1).indices``, what the diagnostics' top-1 agreement and the scoring's
+    ``greedy`` use) gives ``argmax``'s index: the first of tied maxima, NaN as the maximum, on rows of
+    small-integer logits (many ties), with NaN and inf, at 1 and 2 threads, on a vocabulary-sized and a
+    short row, and in the agreement of an expert with a model whose top logits tie."""
+    from darts_bench.surgery.diagnostics import ExpertDistribution
+    from darts_bench.surgery.losses import first_argmax
+
+    g = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt)
+            for V in (49_152, 1_003, 3):
+                x = torch.randint(0, 4, (130, V), generator=g).to(dtype)
+                x[3, V // 2] = float("nan")
+                x[4] = float("nan")
+                x[5, -2:] = float("inf")
+                x[6] = 7  # every entry tied: index 0
+                want = x.argmax(-1)
+                assert torch.equal(first_argmax(x), want), (nt, V)
+                assert want[6] == 0 and want[4] == 0 and want[3] == V // 2
+    finally:
+        torch.set_num_threads(threads)
+    le = torch.randint(0, 3, (64, 500), generator=g).float()
+    lm = torch.randint(0, 3, (64, 500), generator=g).float()
+    _, agree = ExpertDistribution(le).compare(lm)
+    assert torch.equal(agree, (le.argmax(-1) == lm.argmax(-1)).float())
+
+
 def test_grouped_diagnostics_equal_one_call_per_group():
     """``diagnose_rows(..., groups=...)`` (the task-agnostic rows' one pass: routed and shared heads of
     both methods beside one plain-merge row) gives, per group, exactly the JSON of a call with that

@@ -21,6 +21,7 @@ from darts_bench.evaluate.memory import heap_trimmed
 from darts_bench.evaluate.sampling import SeededSampler, sample_seed
 from darts_bench.surgery.corrected import attach_head, final_norm
 from darts_bench.surgery.heads import CorrectionHead, positions_from_mask
+from darts_bench.surgery.losses import first_argmax
 
 DEFAULT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 
@@ -594,7 +595,7 @@ def continuation_scores(h: torch.Tensor, input_ids: torch.Tensor, n_cont: Sequen
         logp = torch.log_softmax(logits.float(), dim=-1)
         del logits
         nll_parts.append(-logp.gather(-1, tgt[s:e, None])[:, 0])
-        hit_parts.append(logp.argmax(-1) == tgt[s:e])
+        hit_parts.append(first_argmax(logp) == tgt[s:e])
         del logp
     tok_nll = torch.cat(nll_parts) if nll_parts else torch.zeros(0, device=h.device)
     hit = torch.cat(hit_parts) if hit_parts else torch.zeros(0, dtype=torch.bool, device=h.device)
@@ -614,6 +615,6 @@ def _scores_from_logits(logits: torch.Tensor, input_ids: torch.Tensor,
         tgt = input_ids[i, L - n:]  # [n]
         lp = logp[i, L - n - 1:L - 1]  # predictions for the continuation tokens
         tok_nll = -lp.gather(-1, tgt[:, None])[:, 0]
-        out.append(ScoreContinuation(nll=float(tok_nll.sum()), n_tokens=n, greedy=bool((lp.argmax(-1) == tgt).all()),
+        out.append(ScoreContinuation(nll=float(tok_nll.sum()), n_tokens=n, greedy=bool((first_argmax(lp) == tgt).all()),
                                      token_nll=tok_nll.tolist()))
     return out

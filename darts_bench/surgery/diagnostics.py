@@ -37,7 +37,7 @@ import torch
 from darts_bench.controls import factored_logits_pay
 from darts_bench.report.stats import sequence_bootstrap
 from darts_bench.surgery.heads import CorrectionHead
-from darts_bench.surgery.losses import ENTROPY_ROWS, LOGIT_ROWS, entropy_weights, row_blocks, token_l1
+from darts_bench.surgery.losses import ENTROPY_ROWS, LOGIT_ROWS, entropy_weights, first_argmax, row_blocks, token_l1
 from darts_bench.surgery.train import TokenData
 
 
@@ -78,7 +78,7 @@ class ExpertDistribution:
         for r in range(0, n, rows):
             self.logp[r:r + rows] = torch.log_softmax(logits_expert[r:r + rows].float(), dim=-1)
             self.p[r:r + rows] = self.logp[r:r + rows].exp()
-        self.top1 = logits_expert.argmax(-1)  # [n] int64
+        self.top1 = first_argmax(logits_expert)  # [n] int64 (argmax)
 
     @torch.no_grad()
     def kl(self, logits_model: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,7 @@ class ExpertDistribution:
     def compare(self, logits_model: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kl, agree)`` of ``logits_model`` ``[n, V]``: per-token KL (nats, fp32) and top-1
         agreement (0/1 float), both ``[n]``."""
-        return self.kl(logits_model), (self.top1 == logits_model.argmax(-1)).float()
+        return self.kl(logits_model), (self.top1 == first_argmax(logits_model)).float()
 
 
 class HeadLogits:
