@@ -325,6 +325,7 @@ def random_checkpoint(config_dir: Path, out: Path, seed: int = 0) -> Path:
         raise SystemExit(f"--random-from {config_dir}: no config.json there")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(out, ignore_errors=True)  # a dir left without config.json by a killed run
     cfg = AutoConfig.from_pretrained(str(config_dir))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -339,8 +340,15 @@ def model_dir(args) -> Path:
     offer it), ``--model-dir``, or the cached random tiny Llama."""
     if getattr(args, "random_from", None) is not None:
         t0 = time.perf_counter()
+        if args.model_dir is not None:
+            raise SystemExit("--random-from and --model-dir: give one")
         src = Path(args.random_from)
-        p = random_checkpoint(src, _cache_root() / f"random-{src.resolve().name}")
+        if not (src / "config.json").is_file():
+            raise SystemExit(f"--random-from {src}: no config.json there")
+        import hashlib
+
+        tag = hashlib.sha256((src / "config.json").read_bytes()).hexdigest()[:12]  # a changed config: a new model
+        p = random_checkpoint(src, _cache_root() / f"random-{src.resolve().name}-{tag}")
         print(f"random-init checkpoint of {src}'s config: {p} ({time.perf_counter() - t0:.1f} s to build or find)")
         return p
     if args.model_dir is not None:

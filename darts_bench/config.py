@@ -596,15 +596,16 @@ class EvaluateConfig(_Strict):
         True, description="evaluate a merge's rows together: each task runs on every row of a model dir at once "
         "and their generate / score calls go to the backend's multi-head model in one pass (in-process HF: "
         "one batched forward with the head chosen per sequence). False: row by row. In float32 outputs "
-        "and scores are identical (CPU and H200 measured), so it is in no cache key; in bfloat16/float16 the "
-        "larger stacked batches round differently (an H200: 194-217 of 224 greedy completions equal), so it is in "
-        "the evaluate key there")
+        "and scores are identical (CPU tested, HF on an H200 measured), so it is in no cache key; in "
+        "bfloat16/float16, and with vLLM on a GPU, the batches round differently (an H200 in bfloat16: 194-217 of "
+        "224 greedy completions equal), so the evaluate key names the path there (stages.evaluate.one_pass_exact)")
     one_pass_max_batch: int | None = Field(
         None, ge=1, description="HF one pass: at most this many sequences per multi-head generate call (the "
         "rows' chunks of tasks.batch_size prompts are stacked up to it; always at least one chunk). The KV "
         "cache grows with it: at 7B and thousands of new tokens a merge's 9 rows x 32 prompts need ~330 GB, so "
         "a GPU preset caps it (llama2-7b: 32). None: every chunk of one padded length in one call. vLLM "
-        "schedules its own batches (evaluate.vllm.max_num_seqs). Outputs do not depend on it (no cache key)")
+        "schedules its own batches (evaluate.vllm.max_num_seqs). In float32 outputs do not depend on it (no "
+        "cache key); in bfloat16/float16 they may, so it is in the evaluate key there")
     share_prefix: bool = Field(
         False, description="hf backend: a score call's pairs whose context another distinct pair of the call "
         "shares (the AlpacaEval judge's two verdicts, a multiple-choice question's options) forward that "

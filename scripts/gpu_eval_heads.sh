@@ -23,7 +23,8 @@ mode="${1:?usage: $0 prepare | run OUT_DIR}"
 if [ "$mode" = prepare ]; then
   ex="$(git rev-parse --git-path info/exclude)"
   for p in /.whl/ /.gpu-bench/; do grep -qxF "$p" "$ex" 2>/dev/null || echo "$p" >> "$ex"; done
-  # what darts_bench's import path of this benchmark needs that the device image lacks (KINDS.md's list)
+  # what darts_bench's import path of this benchmark needs that the device machine's image lacks (its package
+  # list, read 2026-11-17: torch, transformers, tokenizers, safetensors are there; pydantic is not)
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
     pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 || exit
@@ -31,7 +32,7 @@ if [ "$mode" = prepare ]; then
   cfg="${SMOLLM2_DIR:?set SMOLLM2_DIR to a SmolLM2-135M checkpoint dir (config.json + tokenizer files)}"
   mkdir -p .gpu-bench/data/gsm8k .gpu-bench/smollm2-135m-config
   cp "$data/gsm8k/test.jsonl" .gpu-bench/data/gsm8k/
-  for f in config.json generation_config.json tokenizer.json tokenizer_config.json chat_template.jinja; do
+  for f in config.json tokenizer.json tokenizer_config.json chat_template.jinja; do
     [ -f "$cfg/$f" ] && cp "$cfg/$f" .gpu-bench/smollm2-135m-config/
   done
   du -sh .whl .gpu-bench

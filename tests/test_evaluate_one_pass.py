@@ -447,26 +447,41 @@ def test_one_pass_is_not_in_the_eval_key(tmp_path):
     assert eval_key(on, row, _echo_task(), ex) == eval_key(off, row, _echo_task(), ex)
 
 
-@pytest.mark.parametrize("backend,pool_dtype,vllm_dtype,in_key", [
-    ("hf", "bfloat16", "auto", True), ("hf", "float16", "auto", True), ("vllm", "bfloat16", "auto", True),
-    ("vllm", "float32", "bfloat16", True), ("vllm", "bfloat16", "float32", False), ("hf", "float32", "bfloat16", False)])
-def test_one_pass_is_in_the_eval_key_in_16_bit(tmp_path, backend, pool_dtype, vllm_dtype, in_key):
-    """In a 16-bit engine dtype the one pass's stacked batches round differently from row by row's
-    (an H200: 194/224 greedy completions equal at chunks of 8, results/device/eval-heads-h200), so the
-    key tells the paths apart; the engine's dtype is vLLM's own unless ``auto`` (then the pool's)."""
+@pytest.mark.parametrize("backend,device,pool_dtype,vllm_dtype,exact", [
+    ("hf", "cpu", "float32", "auto", True), ("hf", "cuda", "float32", "auto", True),
+    ("vllm", "cpu", "float32", "auto", True), ("vllm", "cpu", "bfloat16", "float32", True),
+    ("hf", "cpu", "float32", "bfloat16", True),  # vLLM's dtype is not the HF engine's
+    ("hf", "cpu", "bfloat16", "auto", False), ("hf", "cuda", "float16", "auto", False),
+    ("vllm", "cpu", "bfloat16", "auto", False), ("vllm", "cpu", "float32", "bfloat16", False),
+    ("vllm", "cuda", "float32", "auto", False)])
+def test_one_pass_in_the_eval_key_where_it_is_not_exact(tmp_path, backend, device, pool_dtype, vllm_dtype, exact):
+    """Where the one pass is exact (a float32 engine, not vLLM on a GPU) the key is the same for both paths and
+    the same as before the rule; elsewhere (a 16-bit engine: an H200 gave 194/224 greedy completions equal in
+    bfloat16, results/device/eval-heads-h200; vLLM on a GPU, unmeasured) it names the path, both of them (so a
+    row-by-row run is not served a one-pass result cached before the rule), and the HF one pass's batch cap."""
     from darts_bench.api import Example
     from darts_bench.config import Config
-    from darts_bench.stages.evaluate import engine_dtype, eval_key, one_pass_numerics
+    from darts_bench.stages.evaluate import engine_dtype, eval_key, one_pass_exact, one_pass_numerics
 
     row, ex = _group(tmp_path)[1], [Example("a", "p", "r")]
     base = Config()
-    on = base.model_copy(update={
-        "pool": base.pool.model_copy(update={"dtype": pool_dtype}),
-        "evaluate": base.evaluate.model_copy(update={
-            "backend": backend, "vllm": base.evaluate.vllm.model_copy(update={"dtype": vllm_dtype})})})
-    off = on.model_copy(update={"evaluate": on.evaluate.model_copy(update={"one_pass": False})})
-    want = vllm_dtype if backend == "vllm" and vllm_dtype != "auto" else pool_dtype
-    assert engine_dtype(on) == want
-    assert one_pass_numerics(on) == ({"one_pass": True} if in_key else {}) and one_pass_numerics(off) == {}
-    k_on, k_off = (eval_key(c, row, _echo_task(), ex) for c in (on, off))
-    assert (k_on != k_off) is in_key
+
+    def cfg(one_pass: bool, max_batch=None):
+        return base.model_copy(update={
+            "device": device, "pool": base.pool.model_copy(update={"dtype": pool_dtype}),
+            "evaluate": base.evaluate.model_copy(update={
+                "backend": backend, "one_pass": one_pass, "one_pass_max_batch": max_batch,
+                "vllm": base.evaluate.vllm.model_copy(update={"dtype": vllm_dtype})})})
+
+    on, off = cfg(True), cfg(False)
+    assert engine_dtype(on) == (vllm_dtype if backend == "vllm" and vllm_dtype != "auto" else pool_dtype)
+    assert one_pass_exact(on) is exact
+    key = lambda c: eval_key(c, row, _echo_task(), ex)  # noqa: E731
+    if exact:
+        assert one_pass_numerics(on) == one_pass_numerics(off) == {}
+        assert key(on) == key(off) == key(cfg(True, 4))  # {}: the hash input of before the rule
+    else:
+        assert one_pass_numerics(off) == {"one_pass": False}
+        assert one_pass_numerics(on)["one_pass"] is True
+        assert key(on) != key(off)
+        assert (key(on) != key(cfg(True, 4))) is (backend == "hf")

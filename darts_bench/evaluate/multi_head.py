@@ -55,7 +55,9 @@ class HFMultiHeadModel:
             default slots are equal when they hold the same object (or both None).
         max_batch: greedy generation stacks chunks of equal padded length into one
             ``model.generate`` of at most this many sequences (at least one chunk; None: no cap):
-            it bounds the KV cache (``evaluate.one_pass_max_batch``); outputs do not depend on it.
+            it bounds the KV cache (``evaluate.one_pass_max_batch``); float32 outputs do not depend on
+            it (16-bit ones may: the stacked batches' kernels round differently,
+            ``darts_bench.stages.evaluate.one_pass_exact``).
 
     Raises:
         ValueError: a head's ``d_model`` differs from the model's hidden size.
@@ -132,8 +134,9 @@ class HFMultiHeadModel:
         Greedy (``temperature == 0``): each slot's prompts (its requests in order) are chunked by
         ``batch_size`` as the row-by-row path chunks them; equal (head, chunk) pairs are generated
         once, and chunks of equal padded length are stacked into one ``model.generate`` call (up to
-        ``max_batch`` sequences) with the head chosen per sequence, so outputs equal the row-by-row
-        path's token for token (test: ``tests/test_evaluate_one_pass.py``). Sampled (``temperature > 0``): one head at a time,
+        ``max_batch`` sequences) with the head chosen per sequence, so float32 outputs equal the
+        row-by-row path's token for token (test: ``tests/test_evaluate_one_pass.py``; in bfloat16 the
+        larger stacked batches round differently: ``results/device/eval-heads-h200``). Sampled (``temperature > 0``): one head at a time,
         exactly the row-by-row call (the same chunks and per-sample seeds
         :func:`~darts_bench.evaluate.sampling.sample_seed`), so samples equal the row-by-row path's.
 

@@ -52,7 +52,8 @@ Every head of a merge in one pass (the evaluate stage's ``evaluate.one_pass``): 
 requests name their head slot; each actor serves its share with the multi-head model of its loaded
 weights (``HFMultiHeadModel``, or the engine's ``VLLMMultiHeadModel``): one batched pass for the
 rows' prompts instead of one per row. A slot's prompts are chunked as that slot's single-head proxy
-chunks them, so outputs equal the row-by-row path's.
+chunks them, so outputs equal the row-by-row path's where the one pass is exact
+(``darts_bench.stages.evaluate.one_pass_exact``: float32, not vLLM on a GPU).
 
 Engines (``evaluate.backend: vllm``, and ``calibration.backend: vllm`` for the experts'
 continuations). :meth:`RayExecutor.vllm_text_model` returns a
@@ -613,7 +614,8 @@ class RayMultiHeadModel:
     for HF actors, one contiguous chunk per actor for engine actors), and chunk ``k`` of every
     slot travels in one payload (op ``multi_*``, :data:`~darts_bench.executors.worker.MULTI_OPS`),
     so an actor runs the chunks of all heads in one multi-head call: greedy outputs equal the
-    row-by-row path's token for token (the same batches per head), and a score request's
+    row-by-row path's token for token (the same batches per head) where the one pass is exact
+    (``darts_bench.stages.evaluate.one_pass_exact``), and a score request's
     (context, continuation) pair is run through the transformer once for all heads asking for it
     (distinct pairs are chunked in first-request order, as in-process).
 

@@ -41,16 +41,21 @@ def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str 
     kernels; samples are seeded per prompt and sample, not per batch), and the generation engine
     (empty for ``hf``).
 
-    ``evaluate.one_pass`` is not in the key when the engine computes in float32: the one-pass path
-    gives the row-by-row path's greedy and sampled completions token for token (each head's prompts
-    in the same ``batch_size`` chunks, the same left padding, samples drawn one head at a time with
-    the same seeds) and the same scores bitwise (one body forward, the head on the whole chunk,
-    ``lm_head`` through the same ``continuation_scores``), tested in
-    ``tests/test_evaluate_one_pass.py`` on the CPU and measured on an H200 (224/224 completions,
-    ``results/device/eval-heads-h200``), so a result cached by either path serves the other. In
-    bfloat16 or float16 the one pass stacks a merge's chunks into larger batches, whose kernels round
-    differently (the same H200: 194 and 217 of 224 greedy completions equal at chunks of 8 and 32;
-    27 of 28 on a CPU), so there ``numerics`` names the one pass (:func:`one_pass_numerics`)."""
+    ``evaluate.one_pass`` is not in the key where the one pass is exact (:func:`one_pass_exact`: a
+    float32 engine, not vLLM on a GPU): there it gives the row-by-row path's greedy and sampled
+    completions token for token (each head's prompts in the same ``batch_size`` chunks, the same
+    left padding, samples drawn one head at a time with the same seeds) and the same scores bitwise
+    (one body forward, the head on the whole chunk, ``lm_head`` through the same
+    ``continuation_scores``), tested in ``tests/test_evaluate_one_pass.py`` on the CPU and measured
+    with the HF engine on an H200 (224/224 completions, ``results/device/eval-heads-h200``), so a
+    result cached by either path serves the other. Elsewhere (bfloat16 or float16; vLLM on a GPU,
+    whose steps batch the rows' requests differently, unmeasured) the batches the one pass forms
+    round differently from row by row's (the H200 in bfloat16: 194 and 217 of 224 greedy
+    completions equal at chunks of 8 and 32; a CPU: 27 of 28, ``cpu_smoke_*.log`` there), so
+    ``numerics`` names the path (:func:`one_pass_numerics`). A one-pass result there also depends
+    on which rows shared its batches (rows selected, rows already cached, ``one_pass_max_batch``):
+    a valid greedy output of the merge's head, reproducible bit for bit only in float32 or row by
+    row (README "One pass per merge")."""
     tcfg = getattr(cfg.tasks, task.name)
     return stable_hash({"model": model_key if model_key is not None else row.model_key, "task": task.name,
                         "version": task.version, "cfg": tcfg.model_dump(mode="json"), "n": len(examples),
@@ -69,11 +74,27 @@ def engine_dtype(cfg) -> str:
     return cfg.pool.dtype
 
 
+def one_pass_exact(cfg) -> bool:
+    """Whether the one pass gives the row-by-row path's outputs bit for bit: a float32 engine
+    (:func:`engine_dtype`), except vLLM on a device other than the CPU (tested on the CPU with both
+    backends; measured with HF on an H200; see :func:`eval_key`)."""
+    if engine_dtype(cfg) != "float32":
+        return False
+    return not (cfg.evaluate.backend == "vllm" and not str(cfg.device).startswith("cpu"))
+
+
 def one_pass_numerics(cfg) -> dict:
-    """``{"one_pass": True}`` when ``evaluate.one_pass`` is on and the engine computes in a 16-bit
-    dtype (its outputs may then differ from the row-by-row path's in the last bits, and so in greedy
-    tokens: see :func:`eval_key`), else ``{}`` (float32: both paths are equal, the keys unchanged)."""
-    return {"one_pass": True} if cfg.evaluate.one_pass and engine_dtype(cfg) != "float32" else {}
+    """The evaluate key's record of the path: ``{}`` where the one pass is exact
+    (:func:`one_pass_exact`: the keys stay as they were, a result of either path serves the other),
+    else ``{"one_pass": evaluate.one_pass}``, with ``one_pass_max_batch`` for an HF one pass (it
+    sets the stacked batches' size). Both paths are named, so a row-by-row run is never served a
+    one-pass result cached before this rule."""
+    if one_pass_exact(cfg):
+        return {}
+    out = {"one_pass": bool(cfg.evaluate.one_pass)}
+    if cfg.evaluate.one_pass and cfg.evaluate.backend == "hf":
+        out["one_pass_max_batch"] = cfg.evaluate.one_pass_max_batch
+    return out
 
 
 def evaluate(cfg, rows: list[Row], all_rows: list[Row], tasks: dict, executor, work_dir: Path) -> dict[str, dict[str, TaskResult]]:

@@ -532,7 +532,8 @@ class VLLMMultiHeadModel:
     ``head_dirs``; a None entry is the plain merge), so one ``generate`` batches the rows of a merge
     and a prompt's prefill (prefix caching) is shared by all of them: the KV cache does not depend
     on the head. Greedy outputs equal the row-by-row ones (:class:`VLLMTextModel` with each head)
-    token for token.
+    token for token in float32 on the CPU (tested); elsewhere the engine's steps batch differently
+    and may round differently (``darts_bench.stages.evaluate.one_pass_exact``).
 
     Args:
         name: label for logs.
