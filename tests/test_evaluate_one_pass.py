@@ -454,7 +454,8 @@ def test_one_pass_is_not_in_the_eval_key(tmp_path):
     ("hf", "cpu", "bfloat16", "auto", False), ("hf", "cuda", "float16", "auto", False),
     ("vllm", "cpu", "bfloat16", "auto", False), ("vllm", "cpu", "float32", "bfloat16", False),
     ("vllm", "cuda", "float32", "auto", False)])
-def test_one_pass_in_the_eval_key_where_it_is_not_exact(tmp_path, backend, device, pool_dtype, vllm_dtype, exact):
+def test_one_pass_in_the_eval_key_where_it_is_not_exact(tmp_path, monkeypatch, backend, device, pool_dtype, vllm_dtype,
+                                                        exact):
     """Where the one pass is exact (a float32 engine, not vLLM on a GPU) the key is the same for both paths and
     the same as before the rule; elsewhere (a 16-bit engine: an H200 gave 194/224 greedy completions equal in
     bfloat16, results/device/eval-heads-h200; vLLM on a GPU, unmeasured) it names the path, both of them (so a
@@ -463,6 +464,9 @@ def test_one_pass_in_the_eval_key_where_it_is_not_exact(tmp_path, backend, devic
     from darts_bench.config import Config
     from darts_bench.stages.evaluate import engine_dtype, eval_key, one_pass_exact, one_pass_numerics
 
+    import darts_bench.stages.evaluate as ev
+
+    monkeypatch.setattr(ev, "_vllm_platform_is_cpu", lambda: True)  # a CPU build of vLLM (or none)
     row, ex = _group(tmp_path)[1], [Example("a", "p", "r")]
     base = Config()
 
@@ -485,3 +489,21 @@ def test_one_pass_in_the_eval_key_where_it_is_not_exact(tmp_path, backend, devic
         assert one_pass_numerics(on)["one_pass"] is True
         assert key(on) != key(off)
         assert (key(on) != key(cfg(True, 4))) is (backend == "hf")
+
+
+def test_vllm_on_a_gpu_is_not_exact_whatever_device_says(tmp_path, monkeypatch):
+    """A float32 vLLM backend with ``device: cpu`` is exact only where its engines run on the CPU: a GPU build of
+    vLLM here, or Ray actors that reserve GPUs, make the key name the path (the HF backend stays exact)."""
+    import darts_bench.stages.evaluate as ev
+    from darts_bench.config import Config
+
+    base = Config()
+    vllm = base.model_copy(update={"evaluate": base.evaluate.model_copy(update={"backend": "vllm"})})
+    monkeypatch.setattr(ev, "_vllm_platform_is_cpu", lambda: True)
+    assert ev.one_pass_exact(vllm) and ev.one_pass_exact(base)
+    on_ray_gpus = vllm.model_copy(update={"executor": "ray",
+                                          "ray": vllm.ray.model_copy(update={"num_gpus_per_actor": 1})})
+    assert not ev.one_pass_exact(on_ray_gpus)
+    monkeypatch.setattr(ev, "_vllm_platform_is_cpu", lambda: False)  # a CUDA build of vLLM
+    assert not ev.one_pass_exact(vllm) and ev.one_pass_numerics(vllm) == {"one_pass": True}
+    assert ev.one_pass_exact(base)  # HF: cfg.device decides where it runs, and float32 is exact there

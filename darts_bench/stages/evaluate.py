@@ -14,6 +14,7 @@ batched ``generate`` and one transformer forward serve every row of the merge.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -76,11 +77,35 @@ def engine_dtype(cfg) -> str:
 
 def one_pass_exact(cfg) -> bool:
     """Whether the one pass gives the row-by-row path's outputs bit for bit: a float32 engine
-    (:func:`engine_dtype`), except vLLM on a device other than the CPU (tested on the CPU with both
-    backends; measured with HF on an H200; see :func:`eval_key`)."""
+    (:func:`engine_dtype`), HF anywhere (tested on the CPU, measured on an H200), vLLM only where its
+    engines run on the CPU (tested; on a GPU unmeasured: :func:`vllm_engines_on_cpu`). See
+    :func:`eval_key`."""
     if engine_dtype(cfg) != "float32":
         return False
-    return not (cfg.evaluate.backend == "vllm" and not str(cfg.device).startswith("cpu"))
+    return cfg.evaluate.backend != "vllm" or vllm_engines_on_cpu(cfg)
+
+
+def vllm_engines_on_cpu(cfg) -> bool:
+    """Whether the vLLM backend's engines run on the CPU: ``device`` is ``cpu``, Ray actors reserve no
+    GPU (``ray.num_gpus_per_actor``), and this environment's vLLM is a CPU build (a GPU build puts
+    its engines on the GPU whatever ``device`` says; checked once per process, ~3 s to import
+    ``vllm.platforms``; without vLLM here, by the config alone)."""
+    if not str(cfg.device).startswith("cpu"):
+        return False
+    if cfg.executor == "ray" and cfg.ray.num_gpus_per_actor > 0:
+        return False
+    return _vllm_platform_is_cpu()
+
+
+@functools.lru_cache(maxsize=1)
+def _vllm_platform_is_cpu() -> bool:
+    from darts_bench.evaluate.engines.vllm import vllm_available
+
+    if not vllm_available():
+        return True
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def one_pass_numerics(cfg) -> dict:
