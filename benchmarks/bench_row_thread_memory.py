@@ -97,7 +97,7 @@ def child(mode: str, args, out: Path) -> None:
     threads = [threading.Thread(target=row, args=(r,), name=f"row-{r}") for r in range(args.rows)]
     for t in threads:
         t.start()
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS from here
+    common.reset_peak_rss()  # VmHWM := VmRSS from here
     before = common.proc_status("VmRSS")
     start.wait()
     done = threading.Event()

@@ -98,7 +98,7 @@ def child(mode: str, model_dir: Path, n_pairs: int, cont_tokens: int, batch_size
     pairs = score_pairs(tok, contexts, conts, tm.max_length)
     if mode == "one_block":
         hf_model.SCORE_BLOCK_POSITIONS = 1 << 40
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS from here
+    common.reset_peak_rss()  # VmHWM := VmRSS from here
     before = common.proc_status("VmRSS")
     t0 = time.perf_counter()
     if mode == "library":

@@ -104,6 +104,19 @@ def proc_status(key: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {key}")
 
 
+def reset_peak_rss() -> None:
+    """Set this process's ``VmHWM`` to its current RSS (``darts_bench.pipeline.reset_process_peak_rss``),
+    so a later ``proc_status("VmHWM")`` is the peak from here on.
+
+    Raises:
+        RuntimeError: the kernel cannot reset it (no ``/proc/self/clear_refs``): a peak would be wrong.
+    """
+    from darts_bench.pipeline import reset_process_peak_rss
+
+    if not reset_process_peak_rss():
+        raise RuntimeError("cannot reset this process's peak RSS (/proc/self/clear_refs): a Linux >= 4.0 bench")
+
+
 def child_json(argv: list[str], out: Path, what: str) -> dict:
     """Run ``argv`` (a benchmark's ``--child`` process, tqdm off) and return the JSON it wrote to ``out``.
 
@@ -308,21 +321,27 @@ def build_tiny_checkpoint(out: Path, *, hidden_size: int = 128, num_hidden_layer
     return out
 
 
-def random_checkpoint(config_dir: Path, out: Path, seed: int = 0) -> Path:
+def random_checkpoint(config_dir: Path, root: Path, seed: int = 0) -> Path:
     """A random-init model of ``config_dir``'s ``config.json`` (architecture, shapes, tied
-    embeddings) with its tokenizer, saved as safetensors into ``out`` (atomically); the weights in
-    ``config_dir`` are never read (it may hold none). For timing a model's shape where its weights
-    cannot travel (a device machine with no hub): the outputs of such a model mean nothing.
+    embeddings) with its tokenizer, saved as safetensors (atomically) into
+    ``root/random-<dir name>-<config.json's hash>`` (a changed config: a new model) and returned; the
+    weights in ``config_dir`` are never read (it may hold none). For timing a model's shape where its
+    weights cannot travel (a device machine with no hub): the outputs of such a model mean nothing.
 
     Raises:
         SystemExit: ``config_dir`` has no ``config.json``.
     """
+    import hashlib
+
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    cfg_file = Path(config_dir) / "config.json"
+    if not cfg_file.is_file():
+        raise SystemExit(f"--random-from {config_dir}: no config.json there")
+    tag = hashlib.sha256(cfg_file.read_bytes()).hexdigest()[:12]
+    out = Path(root) / f"random-{Path(config_dir).resolve().name}-{tag}"
     if (out / "config.json").is_file():
         return out
-    if not (Path(config_dir) / "config.json").is_file():
-        raise SystemExit(f"--random-from {config_dir}: no config.json there")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(out, ignore_errors=True)  # a dir left without config.json by a killed run
@@ -343,12 +362,7 @@ def model_dir(args) -> Path:
         if args.model_dir is not None:
             raise SystemExit("--random-from and --model-dir: give one")
         src = Path(args.random_from)
-        if not (src / "config.json").is_file():
-            raise SystemExit(f"--random-from {src}: no config.json there")
-        import hashlib
-
-        tag = hashlib.sha256((src / "config.json").read_bytes()).hexdigest()[:12]  # a changed config: a new model
-        p = random_checkpoint(src, _cache_root() / f"random-{src.resolve().name}-{tag}")
+        p = random_checkpoint(src, _cache_root())
         print(f"random-init checkpoint of {src}'s config: {p} ({time.perf_counter() - t0:.1f} s to build or find)")
         return p
     if args.model_dir is not None:

@@ -68,7 +68,7 @@ def test_in_process_engines_keep_the_pinned_judge(monkeypatch):
             self.llm = None
             events.append(("stop", self.model_dir))
 
-    monkeypatch.setattr(vb, "_on_cpu", lambda: True)  # on a GPU pinning is off (two engines cannot share it)
+    monkeypatch.setattr(vb, "on_cpu", lambda: True)  # on a GPU pinning is off (two engines cannot share it)
     cfg = load_config("tiny", ["evaluate.backend=vllm"])
 
     def backend():
@@ -91,7 +91,7 @@ def test_in_process_engines_keep_the_pinned_judge(monkeypatch):
         j2 = be.engine_for("J")
         assert be.engine_for("J", pin=True) is j2 and be.engine_for("C") is not j2
     assert events == [("start", "J"), ("start", "C"), ("stop", "C"), ("stop", "J")]
-    monkeypatch.setattr(vb, "_on_cpu", lambda: False)
+    monkeypatch.setattr(vb, "on_cpu", lambda: False)
     events.clear()
     with backend() as be:
         be.engine_for("A")

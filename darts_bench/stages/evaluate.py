@@ -99,13 +99,9 @@ def vllm_engines_on_cpu(cfg) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _vllm_platform_is_cpu() -> bool:
-    from darts_bench.evaluate.engines.vllm import vllm_available
+    from darts_bench.evaluate.engines.vllm import on_cpu, vllm_available
 
-    if not vllm_available():
-        return True
-    from vllm.platforms import current_platform
-
-    return bool(current_platform.is_cpu())
+    return on_cpu() if vllm_available() else True
 
 
 def one_pass_numerics(cfg) -> dict:

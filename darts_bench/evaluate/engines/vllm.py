@@ -126,7 +126,9 @@ def vllm_architecture(model_dir: str | Path, architectures: list[str] | None) ->
     return arch
 
 
-def _on_cpu() -> bool:
+def on_cpu() -> bool:
+    """Whether this environment's vLLM is a CPU build (``vllm.platforms.current_platform``): its engines
+    then run on the CPU whatever ``device`` says. Imports vLLM (~3 s the first time)."""
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
@@ -185,7 +187,7 @@ class VLLMEngine:
 
         from vllm import LLM
 
-        if _on_cpu():
+        if on_cpu():
             for k, v in _cpu_env(vcfg).items():
                 os.environ[k] = v  # the config wins over the environment
         before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -203,7 +205,7 @@ class VLLMEngine:
             kwargs["max_num_batched_tokens"] = vcfg.max_num_batched_tokens
         if distributed_executor_backend:
             kwargs["distributed_executor_backend"] = distributed_executor_backend
-        if not _on_cpu():
+        if not on_cpu():
             kwargs["gpu_memory_utilization"] = vcfg.gpu_memory_utilization
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
@@ -212,7 +214,7 @@ class VLLMEngine:
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         self.step_tokens = sched.max_num_batched_tokens
         self.chunked_prefill = bool(sched.enable_chunked_prefill)
-        self.on_cpu = _on_cpu()
+        self.on_cpu = on_cpu()
         # evaluate.vllm.scoring hf | heads | shared: teacher-forced scores (all, a head's, a head's and those
         # sharing a context) from a transformers copy
         self.scoring = getattr(vcfg, "scoring", "engine")
@@ -683,7 +685,7 @@ class VLLMBackend(Backend):
         """
         self._check_open()
         key = str(model_dir)
-        pin = pin and _on_cpu()
+        pin = pin and on_cpu()
         for eng in self._pinned.values():
             if self._serves(eng, key):
                 return eng
