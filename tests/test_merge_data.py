@@ -98,6 +98,34 @@ def test_adamerging_finds_the_entropy_minimiser():
     assert hist[-1] == pytest.approx(h_star, abs=1e-6) and hist[0] > hist[-1] + 0.04
 
 
+def test_corpus_entropy_is_the_token_weighted_mean_of_the_batch_losses_bit_for_bit():
+    """The entropy before and after (``corpus_entropy``: the merged tensors once for all batches) is the
+    real-token-weighted mean of ``loss`` per batch (each batch recombining the tensors itself), to the
+    bit, on a random two-layer Llama with right padding; an all-padding corpus is refused by name."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    experts = [{n: p + 0.02 * torch.randn_like(p) for n, p in model.named_parameters()} for _ in range(3)]
+    merge = LayerWiseMerge(model, experts)
+    ids = torch.randint(0, 61, (7, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    mask[4, 2:] = 0
+    mask[6, 7:] = 0
+    batches = [(ids[i:i + 3], mask[i:i + 3]) for i in range(0, 7, 3)]  # 3 + 3 + 1 prompts
+    lam = 0.3 + 0.1 * torch.randn(merge.shape)
+    with torch.no_grad():
+        want = sum(merge.loss(lam, b).item() * int(b[1].sum()) for b in batches) / int(mask.sum())
+    assert merge.corpus_entropy(lam, batches) == want
+    with pytest.raises(ValueError, match="at least one real"):
+        merge.corpus_entropy(lam, [(ids[:1], torch.zeros_like(ids[:1]))])
+
+
 def test_regmean_linear_is_the_closed_form():
     rng = np.random.default_rng(0)
     X = [rng.normal(size=(40, 5)) * s for s in (1.0, 2.0, 0.5)]

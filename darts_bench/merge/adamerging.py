@@ -89,11 +89,30 @@ class LayerWiseMerge:
         return {n: self.base[n] + sum(lam[k, l] * self.tau[k][n] for k in range(len(self.tau)))
                 for l, n in enumerate(self.names)}
 
-    def logits(self, lam: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Merged model's logits [B, T, V] for ``input_ids`` [B, T] (``functional_call``)."""
-        out = functional_call(self.model, self.params(lam), args=(),
+    def logits(self, lam: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """Merged model's logits [B, T, V] for ``input_ids`` [B, T] (``functional_call``); ``params``:
+        ``self.params(lam)`` already computed (the same tensors, so the same logits bit for bit)."""
+        out = functional_call(self.model, self.params(lam) if params is None else params, args=(),
                               kwargs={"input_ids": input_ids, "attention_mask": attention_mask})
         return out.logits if hasattr(out, "logits") else out
+
+    def corpus_entropy(self, lam: torch.Tensor, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """The mean entropy (nats) of the merge at ``lam`` [K, L] over every real position of ``batches``:
+        each batch's :func:`mean_entropy` weighted by its real-token count. No gradients; the merged
+        tensors are computed once for all batches (as many forwards, one recombination: on SmolLM2-135M
+        a recombination costs about as much as a batch-of-4 forward), so each batch's value is the
+        one :meth:`loss` gives bit for bit.
+
+        Raises:
+            ValueError: no batches, or no real token in them."""
+        n = sum(int(b[1].sum()) for b in batches)
+        if n == 0:
+            raise ValueError("AdaMerging's corpus entropy needs at least one real (non-pad) token")
+        with torch.no_grad():
+            params = self.params(lam)
+            return sum(mean_entropy(self.logits(lam, ids, mask, params), mask).item() * int(mask.sum())
+                       for ids, mask in batches) / n
 
     def loss(self, lam: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The AdaMerging objective on one batch: :func:`mean_entropy` of the merged predictions."""
@@ -158,11 +177,9 @@ def build_adamerging(spec, base_dir: Path, experts: dict[str, Path], prompts: di
         merge, batches, spec.steps, spec.lr, spec.init, cfg.seed,
         on_step=lambda s, h: (s % every == 0 or s == spec.steps - 1)
         and log.info("adamerging %s: step %d/%d entropy %.4f nats", spec.name, s + 1, spec.steps, h))
+    final = merge.corpus_entropy(lam, batches)
+    initial = merge.corpus_entropy(torch.full(merge.shape, float(spec.init)), batches)
     with torch.no_grad():
-        final = sum(merge.loss(lam, b).item() * int(b[1].sum()) for b in batches) / sum(int(b[1].sum()) for b in batches)
-        start = torch.full(merge.shape, float(spec.init))
-        initial = (sum(merge.loss(start, b).item() * int(b[1].sum()) for b in batches)
-                   / sum(int(b[1].sum()) for b in batches))
         merged = merge.params(lam)
         for n, p in model.named_parameters():
             p.copy_(merged[n])
