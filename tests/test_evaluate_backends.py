@@ -139,3 +139,29 @@ def test_backends_chosen_by_name_from_the_config():
         assert a.key == b.key
     with pytest.raises(ValueError, match="unknown backend role 'train'"):
         backend_class(cfg, "train")
+
+
+def test_engine_processes_leave_out_the_resource_tracker():
+    """An engine's processes are the children started since ``before``, less Python's multiprocessing
+    resource tracker: the first spawned child (vLLM's engine core) starts it, it serves the whole process,
+    and an engine's shutdown must not wait for it (10 s) nor kill it."""
+    import multiprocessing
+    import time
+
+    import psutil
+
+    from darts_bench.evaluate.engines.vllm import engine_processes
+
+    ctx = multiprocessing.get_context("spawn")  # as vLLM starts its engine core: the tracker runs from here on
+    proc = ctx.Process(target=time.sleep, args=(60,))
+    proc.start()
+    try:
+        tracker = {p.pid for p in psutil.Process().children()
+                   if any("multiprocessing.resource_tracker" in a for a in p.cmdline())}
+        assert len(tracker) == 1
+        got = engine_processes(set())  # nothing was running before: the tracker is new as well
+        assert proc.pid in got and not tracker & got
+        assert proc.pid not in engine_processes({proc.pid})
+    finally:
+        proc.kill()
+        proc.join()

@@ -234,6 +234,18 @@ def test_per_request_heads_one_pass_equal_row_by_row(setup):
         mh.generate([(4, "hi")], max_new_tokens=2)
 
 
+def test_engine_processes_are_the_engines_own(setup):
+    """The processes an engine's shutdown waits for (and kills if they outlive it) are vLLM's engine core
+    and worker, never Python's multiprocessing resource tracker, which the engine core's spawn starts and
+    which serves the process until it exits (counted as the engine's, each shutdown waited 10 s for it and
+    then killed it: ``engine_processes``)."""
+    import psutil
+
+    procs = [psutil.Process(p) for p in setup["engine"]._pids]
+    assert sorted(p.name() for p in procs) == ["VLLM::EngineCore", "VLLM::Worker"]
+    assert not any("multiprocessing.resource_tracker" in a for p in procs for a in p.cmdline())
+
+
 # ------------------------------------------------------------------ a second architecture: Qwen2
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory, setup):  # after the Llama engine's tests (setup), so one engine runs at a time

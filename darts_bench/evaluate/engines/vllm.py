@@ -126,6 +126,30 @@ def vllm_architecture(model_dir: str | Path, architectures: list[str] | None) ->
     return arch
 
 
+def engine_processes(before: set[int]) -> set[int]:
+    """The pids of this process's descendants started since ``before`` (their pids then), less
+    Python's ``multiprocessing`` resource tracker: the engine's processes (vLLM's engine core and
+    workers), which :meth:`VLLMEngine.shutdown` waits for and kills if they outlive it.
+
+    The resource tracker is started by the first spawned child of the process (vLLM's engine core, the
+    first time) and serves the whole process until it exits (it unlinks leaked semaphores and shared
+    memory then), so it is no engine's: counted as one, every shutdown waited its full 10 s timeout for
+    it and then killed it (and the next engine start launched a new one)."""
+    import psutil
+
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        if p.pid in before:
+            continue
+        try:
+            if any("multiprocessing.resource_tracker" in a for a in p.cmdline()):
+                continue
+        except psutil.Error:  # gone already, or not ours to read: not the tracker, which is our child
+            pass
+        out.add(p.pid)
+    return out
+
+
 def on_cpu() -> bool:
     """Whether this environment's vLLM is a CPU build (``vllm.platforms.current_platform``): its engines
     then run on the CPU whatever ``device`` says. Imports vLLM (~3 s the first time)."""
@@ -210,7 +234,7 @@ class VLLMEngine:
         t0 = time.perf_counter()
         self.llm = LLM(**kwargs)
         self.startup_s = time.perf_counter() - t0
-        self._pids = {p.pid for p in psutil.Process().children(recursive=True)} - before
+        self._pids = engine_processes(before)
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         self.step_tokens = sched.max_num_batched_tokens
         self.chunked_prefill = bool(sched.enable_chunked_prefill)
