@@ -148,6 +148,47 @@ def test_regmean_linear_is_the_closed_form():
         regmean_linear([torch.zeros(5, 5)], [torch.tensor(W[0])], 1.0)
 
 
+def test_input_grams_share_a_product_between_projections_of_one_input_bit_for_bit():
+    """``input_grams`` reuses the Gram matrix of the input q / k / v (and gate / up) projections share; each
+    module's matrix is still X^T X of its own inputs over the real positions, equal to the bit to a hook
+    per module computing its own, over batches with padding (a random two-layer Llama)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from darts_bench.merge.regmean import linear_modules
+
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=61, hidden_size=16, intermediate_size=40, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    ids = torch.randint(0, 61, (5, 7))
+    mask = torch.ones_like(ids)
+    mask[2, 4:] = 0
+    batches = [(ids[:3], mask[:3]), (ids[3:], mask[3:])]
+    own: dict[str, torch.Tensor] = {}
+    state = {}
+
+    def hook(name):
+        def fn(_m, inputs, _o):
+            x = inputs[0][state["mask"]].double()
+            own[name] = own[name] + x.T @ x if name in own else x.T @ x
+        return fn
+
+    mods = linear_modules(model)
+    handles = [m.register_forward_hook(hook(n)) for n, m in mods.items()]
+    with torch.no_grad():
+        for i, m in batches:
+            state["mask"] = m.bool()
+            model(input_ids=i, attention_mask=m)
+    for h in handles:
+        h.remove()
+    grams, tokens = input_grams(model, batches)
+    assert tokens == int(mask.sum()) and set(grams) == set(own) == set(mods) and len(mods) == 2 * 7 + 1  # lm_head untied
+    assert all(torch.equal(grams[n], own[n]) for n in own)
+    layer = "model.layers.1"
+    assert torch.equal(grams[f"{layer}.self_attn.q_proj"], grams[f"{layer}.self_attn.v_proj"])
+    assert torch.equal(grams[f"{layer}.mlp.gate_proj"], grams[f"{layer}.mlp.up_proj"])
+    assert not torch.equal(grams[f"{layer}.self_attn.q_proj"], grams[f"{layer}.self_attn.o_proj"])
+
+
 def test_data_merge_specs_validated():
     spec = MergeSpec(name="ada", method="adamerging")
     assert (spec.steps, spec.lr, spec.init, spec.batch_size, spec.calibration_split) == (100, 1e-3, 0.3, 8, "transductive")

@@ -342,6 +342,14 @@ def _linear_inputs(arch: dict[str, Any]) -> list[tuple[int, int]]:
     return layer * arch["num_hidden_layers"] + ([] if arch["tie_word_embeddings"] else [(h, arch["vocab_size"])])
 
 
+def _gram_inputs(arch: dict[str, Any]) -> list[int]:
+    """``d_in`` of every Gram product RegMean computes (:func:`darts_bench.merge.regmean.input_grams`): per
+    decoder layer one for the attention input (q, k, v share it), o's, one for the MLP input (gate, up) and
+    down's; and an output layer's not tied to the input embeddings."""
+    h, f = arch["hidden_size"], arch["intermediate_size"]
+    return [h, h, h, f] * arch["num_hidden_layers"] + ([] if arch["tie_word_embeddings"] else [h])
+
+
 def _data_merge(x: PlanInputs, m) -> dict[str, Any]:
     """One data merge (AdaMerging or RegMean, on the ``m.calibration_split`` prompts of the tasks with an
     expert): ``{"what", "seconds", "memory_bytes", "flops"}``; ``seconds`` (device seconds) is None when
@@ -351,12 +359,13 @@ def _data_merge(x: PlanInputs, m) -> dict[str, Any]:
       forward + backward of the merged model over one batch of ``batch_size`` prompts (6 P FLOPs per
       token at ``train``) and the lambda-weighted recombination of the K task vectors with its backward
       (K x P elements at ``recombine``, x :data:`RECOMBINE_BACKWARD`); then the entropy before and after,
-      each a pass over every prompt batch: a forward (2 P FLOPs per token at ``forward``) and a
-      recombination (no backward) per batch.
+      each a pass over every prompt batch (a forward per batch, 2 P FLOPs per token at ``forward``) with
+      one recombination (no backward), and the final merged weights' recombination.
     * RegMean (:func:`darts_bench.merge.regmean.build_regmean`): each expert's forward over its own
-      task's prompts (2 P FLOPs per token), and in fp64 (``fp64``): the Gram products of every linear
-      layer's inputs (2 d_in^2 FLOPs per token and layer), each expert's ``G W^T`` (2 d_in^2 d_out per
-      layer), and per layer one LU solve (2/3 d_in^3 + 2 d_in^2 d_out).
+      task's prompts (2 P FLOPs per token), and in fp64 (``fp64``): the Gram products of the linear
+      layers' distinct inputs (2 d_in^2 FLOPs per token and input: q / k / v share one, gate / up one;
+      :func:`_gram_inputs`), each expert's ``G W^T`` (2 d_in^2 d_out per layer), and per layer one LU
+      solve (2/3 d_in^3 + 2 d_in^2 d_out).
     * both: reading the base and the K experts in float32 and writing the merged checkpoint in
       ``m.dtype`` at :data:`LOAD_BYTES_PER_S`.
 
@@ -373,7 +382,7 @@ def _data_merge(x: PlanInputs, m) -> dict[str, Any]:
     if m.method == "adamerging":
         step_tok = min(m.batch_size, n_prompts) * total / n_prompts
         n_batches = math.ceil(n_prompts / m.batch_size)
-        recombinations = 2 * n_batches + m.steps * RECOMBINE_BACKWARD  # in no-grad recombinations
+        recombinations = 3 + m.steps * RECOMBINE_BACKWARD  # in no-grad recombinations
         flops = (m.steps * step_tok * 6 + 2 * total * 2) * P if P else None
         what = (f"{m.name}: AdaMerging, {m.steps} Adam steps of {m.batch_size} prompts (~{num(step_tok)} tokens, "
                 f"forward + backward, and the recombination of {K} task vectors) on the entropy of {num(total)} "
@@ -384,7 +393,7 @@ def _data_merge(x: PlanInputs, m) -> dict[str, Any]:
             if P and arch else None
     else:
         lin = _linear_inputs(arch) if arch else []
-        gram_flops_tok = sum(2 * i * i for i, _ in lin)
+        gram_flops_tok = sum(2 * i * i for i in _gram_inputs(arch)) if arch else 0
         gw = sum(2 * i * i * o for i, o in lin)  # one expert's G W^T (and the solve's substitutions)
         lu = sum(2 * i ** 3 / 3 for i, _ in lin)
         fp64 = total * gram_flops_tok + (K + 1) * gw + lu
