@@ -18,17 +18,22 @@ Figures: ``diagnostics_factored`` = {ratio: lm_head per head / factored (median 
 max_rel_kl: the largest relative difference of a per-token KL, agree_identical: per-token top-1
 agreements equal out of n, n}.
 
-Second workload (``--no-stage`` skips it): the three ``Diagnostics.many`` calls the train stage makes
-over one (merge, task, split)'s tokens: the methods' heads (plain, Surgery, DARTS), the matched control
+Second workload (``--no-stage`` skips it): the rows of one (merge, task, split)'s tokens as three
+``Diagnostics.many`` calls (the train stage's until 2026-12-04): the methods' heads (plain, Surgery, DARTS), the matched control
 (plain, the rank d + 32 head) and the task-agnostic rows (plain, a routed Surgery and a routed DARTS head,
-each made of three random task heads, a shared Surgery and a shared DARTS head). One timed unit is the
-three calls:
+each made of three random task heads, a shared Surgery and a shared DARTS head). One timed unit is
+the three calls, or the one pass:
 
   every call on its own   each call computes the plain merge's row and the KL floor again
   known streams           the later two calls take the first one's ``Diagnostics.known``
 
+  one pass                one call with every row of the three (the train stage's way since the
+                          2026-12-04 seventeenth session: ``darts_bench.stages.train.diagnose_streams``)
+
 Figure ``diagnostics_known_streams`` = {ratio: every call on its own / known streams (median wall per
-unit), identical: rows whose per-token L1 / KL / agreement / floor lists are equal, n: rows}.
+unit), identical: rows whose per-token L1 / KL / agreement / floor lists are equal, n: rows}; figure
+``diagnostics_one_pass`` = {ratio: known streams / one pass, identical: rows equal to the three calls' (the
+plain row once), n: rows}.
 
 Third workload (``--no-top1`` skips it): the top-1 index of one ``[LOGIT_ROWS, V]`` block of logits as
 the diagnostics' agreement and the scoring's ``greedy`` take it, ``argmax(-1)`` (the plain call) vs
@@ -106,10 +111,12 @@ def main() -> None:
     figures = {"diagnostics_factored": {"ratio": round(ratio, 3), "cpu_ratio": round(cpu_ratio, 3),
                                         "max_rel_kl": kl_rel, "agree_identical": agree_same, "n": total}}
     if not args.no_stage:
-        fig = stage_calls(data, heads[1:3], W_e, W_m, d, g, repeats)
-        figures["diagnostics_known_streams"] = fig
-        text += (f"; the train stage's three calls over those tokens, each on its own / with known streams "
-                 f"{fig['ratio']:.2f}x ({fig['identical']}/{fig['n']} rows identical)")
+        figs = stage_calls(data, heads[1:3], W_e, W_m, d, g, repeats)
+        fig, one = figs["known"], figs["one_pass"]
+        figures["diagnostics_known_streams"], figures["diagnostics_one_pass"] = fig, one
+        text += (f"; the train stage's rows of those tokens in three calls, each on its own / with known streams "
+                 f"{fig['ratio']:.2f}x ({fig['identical']}/{fig['n']} rows identical), three calls with known "
+                 f"streams / one pass {one['ratio']:.2f}x ({one['identical']}/{one['n']} rows identical)")
     if not args.no_top1:
         fig = top1_blocks(data, W_m, repeats)
         figures["top1_max_indices"] = fig
@@ -158,29 +165,39 @@ def stage_calls(data, pair, W_e, W_m, d: int, g: torch.Generator, repeats: int) 
                                    seq_task) for k, m in enumerate(("surgery", "darts"))]
     calls = [[None, *pair], [None, rand_head("surgery", d + 32, 20)],
              [None, *routed, rand_head("surgery", 16, 21), rand_head("darts", 16, 22)]]
-    res: dict[bool, list] = {}
+    one = [None, *pair, *calls[1][1:], *calls[2][1:]]  # every row of the three calls, the plain one once
+    res: dict[str, list] = {}
 
-    def run(reuse: bool):
+    def run(mode: str):
         def fn(u):
+            if mode == "one pass":
+                res[mode] = Diagnostics(lambda: [data], 1.0, 5.0, W_e, W_m).many(one)
+                return
             known, out = None, []
             for hs in calls:
                 diag = Diagnostics(lambda: [data], 1.0, 5.0, W_e, W_m, known=known)
                 out += diag.many(hs)
-                known = diag.known if reuse else None
-            res[reuse] = out
+                known = diag.known if mode == "known streams" else None
+            res[mode] = out
         return fn
 
-    tm = common.interleave({"every call on its own": run(False), "known streams": run(True)}, repeats=repeats,
-                           warmup=1)
+    modes = ("every call on its own", "known streams", "one pass")
+    tm = common.interleave({m: run(m) for m in modes}, repeats=repeats, warmup=1)
     keys = ("per_token_l1", "per_token_kl", "per_token_agree", "per_token_floor")
-    same = sum(all(a[k] == b[k] for k in keys) for a, b in zip(res[False], res[True]))
-    ratio = tm.ratio("every call on its own", "known streams")
-    print(f"\nthe train stage's three calls (methods {len(calls[0])} rows, matched control 2, task-agnostic "
-          f"{len(calls[2])}), {len(data)} tokens:")
+    rows = lambda xs: [all(a[k] == b[k] for k in keys) for a, b in zip(*xs)]  # noqa: E731
+    same = sum(rows((res["every call on its own"], res["known streams"])))
+    # the three calls' rows without their repeats of the plain row (the 2nd and 3rd calls' first)
+    three = [r for i, r in enumerate(res["known streams"]) if i not in (len(calls[0]), len(calls[0]) + len(calls[1]))]
+    same_one = sum(rows((three, res["one pass"])))
+    ratio, ratio_one = tm.ratio("every call on its own", "known streams"), tm.ratio("known streams", "one pass")
+    print(f"\nthe train stage's rows of one token set (methods {len(calls[0])} rows, matched control 2, "
+          f"task-agnostic {len(calls[2])}), {len(data)} tokens: three calls, or one pass (the stage's way):")
     print(common.table(["path", "wall s per unit", "cpu s per unit"],
                        tm.round_rows()))
-    print(f"every call on its own / known streams: {ratio:.2f}x wall; rows identical {same}/{len(res[True])}")
-    return {"ratio": round(ratio, 3), "identical": same, "n": len(res[True])}
+    print(f"every call on its own / known streams: {ratio:.2f}x wall; rows identical {same}/{len(res['known streams'])}")
+    print(f"known streams (three calls) / one pass: {ratio_one:.2f}x wall; rows identical {same_one}/{len(one)}")
+    return {"known": {"ratio": round(ratio, 3), "identical": same, "n": len(res["known streams"])},
+            "one_pass": {"ratio": round(ratio_one, 3), "identical": same_one, "n": len(one)}}
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ reference-answer set (``--ref-seqs`` x ``--ref-len`` tokens, the first half of e
 prompt), ``d = --d`` (4096, Llama-2-7B's width), lm_heads ``[--vocab, d]``. Each measurement runs in
 a fresh subprocess (this file with ``--child MODE``) that trains one DARTS head (``--epochs``) and
 runs the diagnostics of the plain merge and of the head on the held-out and reference tokens, as
-``darts_bench.stages.train.train_and_diagnose`` does, and reports its peak RSS (``resource.getrusage``) minus its
+``darts_bench.stages.train.train_heads`` and ``diagnose_streams`` do, and reports its peak RSS (``resource.getrusage``) minus its
 RSS after imports and the lm_heads (the data part):
 
   old       dcca732: shards concatenated (``load_shards``), train / val copies, all reference

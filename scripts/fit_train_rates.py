@@ -2,24 +2,28 @@
 
     python scripts/fit_train_rates.py RUN_LOG [--config smollm2-135m] [--set KEY=VALUE ...] [--vocab FLOP/s] [--markdown]
 
-Reads the ``built in`` lines of a run's log (``darts-bench train`` / ``run`` at INFO level: one line per
-artifact of the train stage, with its time and its directory) and, from each artifact's ``diagnostics.json``,
-the tokens it scored and trained on; the surgery settings come from the run's config (``--config`` /
-``--set`` as the run was given them), d and V from the planner's architecture of it. Per line it counts what :func:`darts_bench.plan.stages.diagnostics_work`
-and :func:`darts_bench.plan.stages.train` count for that artifact:
+Reads a run log's train-stage lines (``darts-bench train`` / ``run`` at INFO level) and, from the artifacts they
+name, the tokens each trained on and its heads; the surgery settings come from the run's config (``--config`` /
+``--set`` as the run was given them), d and V from the planner's architecture of it. Per line it counts what
+:func:`darts_bench.plan.stages.diagnostics_work` and :func:`darts_bench.plan.stages.train` count for it:
 
-* ``train heads <merge>/<task>/<split>`` (the methods' heads; the first call over its streams): per
-  held-out and reference-answer token 3 lm_head matmuls (expert, plain merge, KL floor; the rank-r heads are
-  factored: ``2 r V`` FLOPs each) and ``3 + heads`` passes over the vocabulary; each head's steps;
-* ``train heads ...[rank=matched]`` (the matched control; plain row and floor reused): 2 matmuls, 2 passes;
-* ``diagnose task-agnostic rows ...`` (plain row and floor reused; routed and shared heads factored):
-  2 matmuls and ``1 + kinds x methods`` passes;
-* ``train shared heads <merge>/<split>``: the shared heads' steps (no vocabulary work);
+* ``train heads <merge>/<task>/<split>[variant]: heads trained in S s (<dir>; ...)``: each head's optimiser
+  steps (the methods' heads at ``surgery.rank``, the matched control at its rank);
+* ``diagnose <merge>/<task>/<split>: ... in one pass over NV held-out and NR reference tokens in S s (<dirs>)``
+  (:func:`darts_bench.stages.train.diagnose_streams`: every row of the artifacts listed): per token 3 lm_head
+  matmuls (expert, plain merge, KL floor) and 3 passes over the vocabulary, and per head one pass and, unless
+  its logits are factored (``2 r V`` FLOPs), one matmul; the heads are each heads artifact's (its
+  ``head_config.json`` ranks) and a task-agnostic artifact's ``kinds x methods``;
+* ``train shared heads <merge>/<split>: built in S s (<dir>)``: the shared heads' steps (no vocabulary work);
 
-and fits ``seconds = FLOPs / vocab + passes x V / vocab_pass + steps x head_step_s + head FLOPs / train``
+and, in a log from before the one-pass diagnostics (no ``heads trained in`` line), the per-artifact ``built
+in`` lines of that stage: ``train heads`` (the methods' heads and the first call over their streams: 3 matmuls,
+``3 + heads`` passes), ``train heads ...[rank=matched]`` (2 matmuls, 2 passes) and ``diagnose task-agnostic
+rows`` (2 matmuls, ``1 + kinds x methods`` passes), each with its heads' steps. It then and fits ``seconds = FLOPs / vocab + passes x V / vocab_pass + steps x head_step_s + head FLOPs / train``
 (``train`` fixed at ``THROUGHPUT["cpu"]["train"]``) by least squares over the lines. Prints the three rates
 and, with ``--markdown``, the per-line table (inputs, measured, fitted) for TIMINGS.md, so the fit can be
-recomputed from the table alone. Exit status 0; 2 when the log has no train-stage lines or an artifact's
+recomputed from the table alone. In a one-pass log every diagnostics line has the same rows, so its matmuls
+and passes are proportional: give the matmul rate (``--vocab``) and fit the other two. Exit status 0; 2 when the log has no train-stage lines or an artifact's
 ``diagnostics.json`` is missing.
 """
 
@@ -34,6 +38,9 @@ from pathlib import Path
 
 LINE = re.compile(r"INFO (?P<what>train heads|train shared heads|diagnose task-agnostic rows) "
                   r"(?P<name>\S+): built in (?P<s>[0-9.]+) s \((?P<dir>[^)]+)\)")
+TRAINED = re.compile(r"INFO (?P<what>train heads) (?P<name>\S+): heads trained in (?P<s>[0-9.]+) s \((?P<dir>[^;)]+)")
+ONE_PASS = re.compile(r"INFO (?P<what>diagnose) (?P<name>\S+): \d+ rows of \d+ artifacts in one pass over "
+                      r"(?P<nv>\d+) held-out and (?P<nr>\d+) reference tokens in (?P<s>[0-9.]+) s \((?P<dir>[^)]+)\)")
 
 
 def line_inputs(what: str, name: str, art: Path, cfg) -> dict:
@@ -49,6 +56,9 @@ def line_inputs(what: str, name: str, art: Path, cfg) -> dict:
     epochs, bs = scfg["epochs"], scfg["batch_size"]
     fac = factored_logits_pay(r, d)
 
+    def split_heads(n: int) -> tuple[int, int]:  # (factored, full) heads of the methods' rank
+        return (n, 0) if fac else (0, n)
+
     def steps_of(n_heads: int) -> int:
         return n_heads * epochs * math.ceil(diag["n_train_tokens"] / bs)
 
@@ -59,15 +69,44 @@ def line_inputs(what: str, name: str, art: Path, cfg) -> dict:
 
     if what == "train shared heads":
         return line("shared", 0, (0, 0, 0), steps_of(meth), r)
+    if what == "heads trained":  # one-pass diagnostics: the training alone
+        heads = [json.loads(p.read_text())["rank"] for p in sorted(art.glob("*/head_config.json"))]
+        return line("matched" if name.endswith("[rank=matched]") else "methods", 0, (0, 0, 0),
+                    steps_of(len(heads)), heads[0])
     if what == "diagnose task-agnostic rows":
         any_kind = next(iter(diag.values()))
         n = any_kind["n_val_tokens"] + any_kind["n_reference_tokens"]
-        return line("agnostic", n, diagnostics_call(kinds * meth, fac, False), 0, r)
+        return line("agnostic", n, diagnostics_call(*split_heads(kinds * meth), False), 0, r)
     n = diag["n_val_tokens"] + diag["n_reference_tokens"]
     if name.endswith("[rank=matched]"):
         rank = param_matched_rank(d, r, scfg["max_len"], scfg.get("overflow", "clamp"))
-        return line("matched", n, diagnostics_call(1, False, False), steps_of(1), rank)
-    return line("methods", n, diagnostics_call(meth, fac, True), steps_of(meth), r)
+        return line("matched", n, diagnostics_call(0, 1, False), steps_of(1), rank)
+    return line("methods", n, diagnostics_call(*split_heads(meth), True), steps_of(meth), r)
+
+
+def one_pass_inputs(n: int, arts: list[Path], cfg) -> dict:
+    """The counted work of one ``diagnose ... in one pass`` line over ``n`` tokens: its heads are each heads
+    artifact's in ``arts`` (factored or not by their ``head_config.json`` ranks) and each task-agnostic
+    artifact's ``kinds x methods`` (of the methods' rank); see the module docstring."""
+    from darts_bench.controls import factored_logits_pay
+    from darts_bench.plan.stages import diagnostics_call
+
+    scfg = cfg["surgery"]
+    d, r = cfg["d"], scfg["rank"]
+    fac = full = 0
+    for art in arts:
+        if "-agnostic-" in art.name:
+            ranks = [r] * (len(scfg.get("task_agnostic") or []) * len(scfg["methods"]))
+        else:
+            ranks = [json.loads(p.read_text())["rank"] for p in sorted(art.glob("*/head_config.json"))]
+        for k in ranks:
+            if factored_logits_pay(k, d):
+                fac += 1
+            else:
+                full += 1
+    mm, ps, fh = diagnostics_call(fac, full, True)
+    return {"kind": "diagnostics", "tokens": n, "matmuls": mm * n, "passes": ps * n, "factored": fh * n, "steps": 0,
+            "head_flops": 0}
 
 
 def fit(lines: list[dict], d: int, V: int, r: int, train_rate: float, vocab: float | None = None) -> dict:
@@ -104,7 +143,13 @@ def fit_log(log: Path, conf, vocab: float | None = None) -> tuple[list[dict], di
     from darts_bench.plan import make_plan
     from darts_bench.plan.resources import THROUGHPUT
 
-    found = [m for m in map(LINE.search, log.read_text().splitlines()) if m]
+    text = log.read_text().splitlines()
+    one_pass = any(TRAINED.search(t) for t in text)
+    if one_pass:  # the one-pass diagnostics: training, diagnostics and shared heads lines
+        found = [m for t in text for m in (TRAINED.search(t), ONE_PASS.search(t), LINE.search(t))
+                 if m and (m.re is not LINE or m["what"] == "train shared heads")]
+    else:
+        found = [m for m in map(LINE.search, text) if m]
     if not found:
         raise ValueError(f"{log}: no train-stage 'built in' lines")
     arch = make_plan(conf)["model"]["architecture"]
@@ -114,11 +159,16 @@ def fit_log(log: Path, conf, vocab: float | None = None) -> tuple[list[dict], di
                        "overflow": sc.overflow, "task_agnostic": list(sc.task_agnostic), "max_len": sc.max_len}}
     lines = []
     for m in found:
-        art = Path(m["dir"])
-        if cfg["surgery"]["max_len"] is None and m["what"] == "train heads":  # the resolved table length
-            cfg["surgery"]["max_len"] = next(json.loads(p.read_text())["max_len"] for p in art.glob("*/head_config.json"))
-        lines.append({**line_inputs(m["what"], m["name"], art, cfg), "what": m["what"], "name": m["name"],
-                      "seconds": float(m["s"])})
+        if m.re is ONE_PASS:
+            arts = [Path(a) for a in m["dir"].split(", ")]
+            got = one_pass_inputs(int(m["nv"]) + int(m["nr"]), arts, cfg)
+        else:
+            art = Path(m["dir"])
+            if cfg["surgery"]["max_len"] is None and m["what"] == "train heads":  # the resolved table length
+                cfg["surgery"]["max_len"] = next(json.loads(p.read_text())["max_len"]
+                                                 for p in art.glob("*/head_config.json"))
+            got = line_inputs("heads trained" if m.re is TRAINED else m["what"], m["name"], art, cfg)
+        lines.append({**got, "what": m["what"], "name": m["name"], "seconds": float(m["s"])})
     return lines, fit(lines, cfg["d"], cfg["V"], sc.rank, THROUGHPUT["cpu"]["train"], vocab)
 
 

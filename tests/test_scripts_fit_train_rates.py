@@ -75,3 +75,62 @@ def test_fit_recovers_the_rates_a_log_was_made_with(tmp_path, capsys):
     (tmp_path / "empty.log").write_text("12:00:00 INFO stage train: start\n")
     assert fit.main([str(tmp_path / "empty.log")]) == 2
     assert "no train-stage 'built in' lines" in capsys.readouterr().err
+
+
+def test_fit_reads_the_one_pass_diagnostics_log(tmp_path):
+    """A log of the one-pass train stage (``heads trained in`` lines with the heads' steps, one ``diagnose ...
+    in one pass`` line per stream naming its artifacts, ``train shared heads`` lines): line times made from
+    known rates come back from the fit (the matmul rate fixed: 1e-6 relative); a pass's heads are its heads artifacts' (rank 16:
+    factored, the rank-608 control: a matmul) and the task-agnostic artifact's kinds x methods; the
+    per-artifact ``built in`` lines of that log (the writes) are not fitted."""
+    from darts_bench.config import load_config
+    from darts_bench.plan.resources import THROUGHPUT
+
+    fit = _script()
+    cfg = load_config("smollm2-135m")
+    d, V, r, sc = 576, 49152, cfg.surgery.rank, cfg.surgery
+    meth, kinds = len(sc.methods), len(sc.task_agnostic)
+    rates = {"vocab": 80e9, "vocab_pass": 2.6e8, "head_step_s": 1.9e-3}
+    train = THROUGHPUT["cpu"]["train"]
+
+    def seconds(matmuls, passes, factored, steps, head_flops):
+        return ((matmuls * 2 * d + factored * 2 * r) * V / rates["vocab"] + passes * V / rates["vocab_pass"]
+                + steps * rates["head_step_s"] + head_flops / train)
+
+    def heads_artifact(path, ranks, n_train):
+        path.mkdir()
+        (path / "diagnostics.json").write_text(json.dumps({"n_train_tokens": n_train}))
+        for k, rank in ranks.items():
+            (path / k).mkdir()
+            (path / k / "head_config.json").write_text(json.dumps({"rank": rank, "max_len": 1184}))
+
+    log = []
+    for i, (n_val, n_ref, n_train) in enumerate([(2100, 900, 4000), (3300, 1500, 6100), (1800, 2600, 3500)]):
+        name, steps = f"m/t{i}/transductive", sc.epochs * math.ceil(n_train / sc.batch_size)
+        methods, matched, agn = tmp_path / f"{i}-methods", tmp_path / f"{i}-matched", tmp_path / f"m-t{i}-agnostic-k"
+        heads_artifact(methods, {m: r for m in sc.methods}, n_train)
+        heads_artifact(matched, {"surgery": 608}, n_train)
+        agn.mkdir()
+        for art, shown, ranks in ((methods, name, [r] * meth), (matched, name + "[rank=matched]", [608])):
+            t = seconds(0, 0, 0, len(ranks) * steps, len(ranks) * steps * sc.batch_size * 12 * d * ranks[0])
+            log.append(f"12:00:00 INFO train heads {shown}: heads trained in {t:.6f} s ({art}; diagnosed in one pass "
+                       "with the other rows of its token streams below)")
+        n, fac = n_val + n_ref, meth + kinds * meth  # the methods' heads and the task-agnostic rows' heads
+        t = seconds((3 + 1) * n, (3 + fac + 1) * n, fac * n, 0, 0)
+        log.append(f"12:00:00 INFO diagnose {name}: {1 + fac + 1} rows of 3 artifacts in one pass over {n_val} "
+                   f"held-out and {n_ref} reference tokens in {t:.6f} s ({methods}, {matched}, {agn})")
+        log.append(f"12:00:00 INFO train heads {name}: built in 0.010000 s ({methods})")  # the write: not fitted
+        shared = tmp_path / f"{i}-shared"
+        shared.mkdir()
+        (shared / "diagnostics.json").write_text(json.dumps({"n_train_tokens": 3 * n_train}))
+        s_steps = meth * sc.epochs * math.ceil(3 * n_train / sc.batch_size)
+        log.append(f"12:00:00 INFO train shared heads m/transductive: built in "
+                   f"{seconds(0, 0, 0, s_steps, s_steps * sc.batch_size * 12 * d * r):.6f} s ({shared})")
+    (tmp_path / "run.log").write_text("\n".join(["12:00:00 INFO stage train: start", *log]) + "\n")
+    # every pass has the same rows, so its matmuls and passes are proportional: the matmul rate is fixed (as
+    # with --vocab) and the other two come back
+    lines, res = fit.fit_log(tmp_path / "run.log", cfg, vocab=80e9)
+    assert len(lines) == 12 and sorted({x["kind"] for x in lines}) == ["diagnostics", "matched", "methods", "shared"]
+    assert res["total_fitted"] == pytest.approx(res["total_measured"], rel=1e-6)
+    for k, v in rates.items():
+        assert res[k] == pytest.approx(v, rel=1e-6), k

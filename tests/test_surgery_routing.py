@@ -298,11 +298,13 @@ def test_micro_routed_behaviour_uses_the_routed_head_per_sequence(agnostic_pipel
 
 
 @pytest.mark.micro
-def test_micro_later_artifacts_reuse_the_plain_row_and_floor_bitwise(agnostic_pipeline, monkeypatch):
-    """The task-agnostic rows' diagnostics read the same held-out and reference tokens as the methods'
-    heads of their (merge, task, split): in one train stage the plain merge's row and the KL floor of
-    each token stream are computed once (``known_streams``), and every ``diagnostics.json`` is
-    byte-equal to the one a stage without that reuse writes."""
+def test_micro_one_diagnostics_pass_per_stream_writes_the_per_artifact_bytes(agnostic_pipeline, monkeypatch):
+    """Each (merge, task, split)'s held-out and reference tokens get one diagnostics pass for every row whose
+    artifact is missing (here the methods' heads and the task-agnostic rows), and every file of every artifact
+    is byte-equal to what a pass per artifact writes: rebuilding only the task-agnostic artifacts (a pass of
+    their own, the methods' heads read back from disk) gives the same bytes, whether the plain merge's row and
+    the KL floor of each stream are computed again (``known_streams`` emptied) or reused from the pass that
+    built the methods' heads in the same process (``known_streams``)."""
     import shutil
     from pathlib import Path
 
@@ -322,10 +324,12 @@ def test_micro_later_artifacts_reuse_the_plain_row_and_floor_bitwise(agnostic_pi
 
     monkeypatch.setattr(Diagnostics, "many", counting)
 
-    def rebuild(max_known: int) -> dict[str, bytes]:
+    def rebuild(which: str, max_known: int, clear: bool = True) -> dict[str, bytes]:
         for p in mine():
-            shutil.rmtree(p)
-        train_stage._known_streams.clear()
+            if which == "all" or "-agnostic-" in p.name:
+                shutil.rmtree(p)
+        if clear:
+            train_stage._known_streams.clear()
         monkeypatch.setattr(train_stage, "KNOWN_STREAMS_MAX", max_known)
         counts.clear()
         pipe = Pipeline(agnostic_pipeline.cfg)
@@ -333,12 +337,17 @@ def test_micro_later_artifacts_reuse_the_plain_row_and_floor_bitwise(agnostic_pi
             pipe.train()
         finally:
             pipe.close()
-        return {p.name: (p / "diagnostics.json").read_bytes() for p in mine()}
+        return {str(f.relative_to(heads_dir)): f.read_bytes() for p in mine() for f in sorted(p.rglob("*"))
+                if f.is_file()}
 
     default = train_stage.KNOWN_STREAMS_MAX
-    fresh = rebuild(0)
-    assert len(counts) == 2 * 2 * 3 * 2 and all(c == (1, 1) for c in counts)  # (pair, agnostic) x streams x tasks x splits
-    reused = rebuild(default)
-    assert len(fresh) == 2 * 3 * 2 and reused == fresh  # pair and agnostic artifacts of 3 tasks x 2 splits
-    # each (task, split)'s two streams: computed by the methods' heads, reused by the task-agnostic rows
-    assert sorted(counts) == [(0, 0)] * 12 + [(1, 1)] * 12
+    one_pass = rebuild("all", 0)
+    # one pass per stream (held-out, reference) x 3 tasks x 2 splits, for the heads and the task-agnostic rows
+    assert len(counts) == 2 * 3 * 2 and all(c == (1, 1) for c in counts)
+    assert len({k.split("/")[0] for k in one_pass}) == 2 * 3 * 2  # heads and agnostic artifacts of 3 tasks x 2 splits
+    assert sum(k.endswith("diagnostics.json") for k in one_pass) == 2 * 3 * 2 and any("darts/" in k for k in one_pass)
+    assert rebuild("agnostic", 0) == one_pass  # their own pass, plain row and floor computed again
+    assert len(counts) == 12 and all(c == (1, 1) for c in counts)
+    assert rebuild("all", default) == one_pass
+    assert rebuild("agnostic", default, clear=False) == one_pass  # plain row and floor of the pass above
+    assert counts == [(0, 0)] * 12

@@ -506,15 +506,16 @@ def collect(x: PlanInputs) -> dict[str, Any]:
     return _finish(s, kind, x.workers)
 
 
-def diagnostics_call(heads: int, factored: bool, first: bool) -> tuple[int, int, int]:
+def diagnostics_call(factored: int, full: int, first: bool = True) -> tuple[int, int, int]:
     """``(matmuls, passes, factored heads)`` per token of one :meth:`~darts_bench.surgery.diagnostics.Diagnostics.many`
-    call scoring ``heads`` heads (besides the plain row): the expert's logits (one matmul, one pass); on the
-    ``first`` call over a token stream the plain merge's row and the KL floor (two matmuls, two passes; the
-    plain logits are the factored heads' base too), on a later one the plain logits only when ``factored``
-    heads need them; each head one pass, and one matmul unless ``factored``. Used by :func:`diagnostics_work`
-    and ``scripts/fit_train_rates.py``."""
-    mm = 1 + (2 if first else int(factored)) + (0 if factored else heads)
-    return mm, 1 + (2 if first else 0) + heads, heads if factored else 0
+    call scoring ``factored`` heads whose logits come from the plain merge's (:class:`~darts_bench.surgery.
+    diagnostics.HeadLogits`: ``2 r V`` FLOPs each) and ``full`` heads with an lm_head matmul each (besides the
+    plain row): the expert's logits (one matmul, one pass); on the ``first`` call over a token stream the plain
+    merge's row and the KL floor (two matmuls, two passes; the plain logits are the factored heads' base too),
+    on a later one the plain logits only when factored heads need them; each head one pass. Used by
+    :func:`diagnostics_work` and ``scripts/fit_train_rates.py``."""
+    mm = 1 + (2 if first else int(factored > 0)) + full
+    return mm, 1 + (2 if first else 0) + factored + full, factored
 
 
 def diagnostics_work(x: PlanInputs) -> dict[str, Any]:
@@ -522,27 +523,23 @@ def diagnostics_work(x: PlanInputs) -> dict[str, Any]:
     ``THROUGHPUT[kind]["vocab"]``) and passes over the vocabulary (the expert's log-softmax, each scored
     row's log-softmax, KL and argmax: V elements per token, at ``THROUGHPUT[kind]["vocab_pass"]``).
 
-    :func:`darts_bench.stages.train.diagnose_rows` runs :meth:`darts_bench.surgery.diagnostics.Diagnostics.many`
-    over a (merge, task, split, head seed)'s held-out tokens and again over its task's reference-answer
-    tokens: once per sweep variant with the methods' heads, once more per matched control (its head) and,
-    with ``surgery.task_agnostic``, once for every kind's heads (``routed``, ``shared``:
-    :func:`~darts_bench.stages.train.agnostic_diagnostics`). Per token and call: the expert's logits (one
-    matmul, one pass) and each head's row (one pass; one matmul unless its logits are factored,
+    :func:`darts_bench.stages.train.diagnose_streams` runs one :func:`~darts_bench.stages.train.diagnose_rows`
+    pass (:meth:`darts_bench.surgery.diagnostics.Diagnostics.many`) over a (merge, task, split, head seed)'s
+    held-out tokens and again over its task's reference-answer tokens, with every row of every sweep variant:
+    the methods' heads, the matched controls' and, with ``surgery.task_agnostic``, each kind's (``routed``,
+    ``shared``) heads. Per token: the expert's logits, the plain merge's row and the KL floor (three matmuls,
+    three passes) and each head's row (one pass; one matmul unless its logits are factored,
     :func:`darts_bench.controls.factored_logits_pay`: the methods' heads at rank below ``d / 4``, and the routed
-    heads made of them; a factored head adds ``2 r V`` FLOPs and needs the plain merge's logits, one matmul per
-    call). The plain merge's row and the KL floor (two matmuls, two passes) are computed by the first call over
-    a stream and reused by the later ones (:func:`~darts_bench.stages.train.known_streams`) when the run's
-    streams fit in :data:`darts_bench.stages.KNOWN_STREAMS_MAX`. With ``surgery.entropy_source: kl`` each call
-    adds two matmuls per token of its split and of its references (the KL weight source). Held-out tokens are
-    ``calibration.held_out_fraction`` of a set's tokens, reference tokens ``n_examples x reference_tokens_est``
-    of the task.
+    and shared heads of them; a factored head adds ``2 r V`` FLOPs; the matched controls are never factored).
+    With ``surgery.entropy_source: kl`` the pass adds two matmuls per token of its split and of its references
+    (the KL weight source). Held-out tokens are ``calibration.held_out_fraction`` of a set's tokens, reference
+    tokens ``n_examples x reference_tokens_est`` of the task.
 
-    Returns ``{"diagnostics_tokens"`` (tokens scored, summed over the calls), ``"diagnostics_matmuls"`` (token x
+    Returns ``{"diagnostics_tokens"`` (tokens scored, summed over the passes), ``"diagnostics_matmuls"`` (token x
     matmul products), ``"diagnostics_flops"`` (FLOPs: 2 d V per token and matmul, plus the factored heads'
     2 r V), ``"diagnostics_passes"`` (token x pass products)``}``; zeros without an architecture or heads.
     """
     from darts_bench.controls import factored_logits_pay
-    from darts_bench.stages import KNOWN_STREAMS_MAX
 
     cfg, cal, scfg = x.cfg, x.cfg.calibration, x.cfg.surgery
     M, seeds, n_var = len(cfg.merges), len(head_seeds(cfg)), len(surgery_variants(cfg))
@@ -550,27 +547,19 @@ def diagnostics_work(x: PlanInputs) -> dict[str, Any]:
     n_meth = len(scfg.methods)
     kinds = sum(k in scfg.task_agnostic for k in ("routed", "shared"))
     fac = bool(d) and factored_logits_pay(scfg.rank, d)
-    n_streams = M * seeds * sum(1 for k in x.splits if not k.endswith("/reference"))
-    reuse = n_streams <= KNOWN_STREAMS_MAX
-
-    # per stream: the first variant's methods call computes the plain row and floor; the rest reuse them
-    call = diagnostics_call
-    calls = [call(n_meth, fac, True)] + [call(n_meth, fac, not reuse)] * (n_var - 1)
-    calls += [call(1, False, not reuse)] * (n_var * len(scfg.controls))
-    if kinds:
-        calls += [call(kinds * n_meth, fac, not reuse)] * n_var
+    low_rank = n_var * n_meth * (1 + kinds)  # the methods' heads and the task-agnostic rows' heads made of them
+    mm, ps, fh = diagnostics_call(low_rank if fac else 0, (0 if fac else low_rank) + n_var * len(scfg.controls))
     tokens = matmuls = passes = fac_heads = 0
     for key, c in x.splits.items():
         task = key.split("/", 1)[0]
         ti = x.tasks[task]
         n = round(c["tokens"] * cal.held_out_fraction) + ti["n_examples"] * ti["reference_tokens_est"]
-        for mm, ps, fh in calls:
-            tokens += M * seeds * n
-            matmuls += M * seeds * n * mm
-            passes += M * seeds * n * ps
-            fac_heads += M * seeds * n * fh
-            if scfg.entropy_source == "kl":  # each call loads its split and streams the references again
-                matmuls += M * seeds * 2 * (c["tokens"] + ti["n_examples"] * ti["reference_tokens_est"])
+        tokens += M * seeds * n
+        matmuls += M * seeds * n * mm
+        passes += M * seeds * n * ps
+        fac_heads += M * seeds * n * fh
+        if scfg.entropy_source == "kl":  # the pass loads its split and streams the references with KL weights
+            matmuls += M * seeds * 2 * (c["tokens"] + ti["n_examples"] * ti["reference_tokens_est"])
     V = x.arch["vocab_size"] if x.arch else 0
     flops = (matmuls * 2 * d + fac_heads * 2 * scfg.rank) * V
     return {"diagnostics_tokens": tokens, "diagnostics_matmuls": matmuls, "diagnostics_flops": flops,

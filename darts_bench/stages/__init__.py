@@ -23,8 +23,9 @@ from darts_bench.artifacts import stable_hash
 
 
 #: token streams (one (merge, task, split, head seed)'s held-out and reference tokens) whose plain-merge row
-#: and KL floor the train stage keeps for its later artifacts (:func:`darts_bench.stages.train.known_streams`;
-#: the planner counts those matmuls once when a run's streams fit)
+#: and KL floor the train stage keeps for a later pass over them in the same process
+#: (:func:`darts_bench.stages.train.known_streams`: rows added to a run whose other artifacts are cached; a
+#: fresh train stage makes one pass per stream, :func:`darts_bench.stages.train.diagnose_streams`)
 KNOWN_STREAMS_MAX = 64
 
 

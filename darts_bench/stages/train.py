@@ -20,13 +20,14 @@ import functools
 import itertools
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from darts_bench.api import resolve_suite
-from darts_bench.artifacts import cached, stable_hash
+from darts_bench.artifacts import cached, stable_hash, verify
 from darts_bench.collect.features import FeatureSet
 from darts_bench.evidence import RUN_N_BOOT
 from darts_bench.pool.checkpoint import lm_head_weight
@@ -121,7 +122,12 @@ def head_key(cfg, features_key: str, reference_key: str, scfg, seed: int | None 
 
 def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, variants: list[tuple[str, Any]],
           seeds: list[int], work_dir: Path, release_executor: Callable[[], None] = lambda: None) -> dict:
-    """Train (or reuse) every head of the run.
+    """Train (or reuse) every head of the run, in three steps: the heads of every (merge, task, split,
+    variant, seed) artifact that is not cached (:func:`train_heads`, held in memory); the routers and
+    shared heads of the task-agnostic rows; then per (merge, task, split, seed) one diagnostics pass for
+    all its missing rows, after which each artifact is written (:func:`diagnose_streams`). An artifact's
+    files are those one pass per artifact would write, byte for byte; a run killed before step 3 retrains
+    the heads it held.
 
     Args:
         collected: the collect stage's ``{"calibration", "features"}``.
@@ -137,7 +143,7 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
         and the shared heads in ``run_heads`` under task :data:`darts_bench.rows.SHARED_TASK`
         (:func:`train_shared`; the methods' variants, not the controls), and ``"agnostic_runs":
         {(merge, task, split, variant, seed): {"routed"?, "shared"?: diagnostics}}``
-        (:func:`agnostic_diagnostics`).
+        (:func:`agnostic_artifact`).
     """
     feats = collected["features"]
     heads: dict[tuple[str, str, str, str], Path] = {}
@@ -145,6 +151,10 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
     runs: dict[tuple[str, str, str, str, int], dict] = {}
     run_heads: dict[tuple[str, str, str, str, str, int], Path] = {}
     first = (variants[0][0], seeds[0])
+    # 1. the heads of every (merge, task, split, variant, seed) whose artifact is not cached, trained now and
+    #    held until step 3 writes them with their diagnostics
+    pending: dict[tuple, dict] = {}
+    finals: dict[tuple, tuple[Path, str]] = {}
     for (m, name, split), fs in feats.items():
         if split == "reference":
             continue
@@ -153,35 +163,221 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
         for (tag, scfg), seed in itertools.product(variants, seeds):
             key = head_key(cfg, fs.key, ref_fs.key, scfg=scfg, seed=seed)
             final = work_dir / "heads" / f"{m}-{name}-{split}-{key}"
-
-            def build(tmp: Path, fs=fs, ref_fs=ref_fs, m=m, name=name, split=split, task=task, scfg=scfg,
-                      seed=seed) -> None:
-                train_and_diagnose(cfg, tmp, fs, merges[m], pool.path(task.expert), ref_fs, m, name,
-                                   split, scfg=scfg, run_seed=seed, work_dir=work_dir,
-                                   release_executor=release_executor)
-
-            cached(final, build, what=f"train heads {m}/{name}/{split}{tag}{seed_tag(cfg, seed)}",
-                   meta={"kind": "heads", "merge": m, "task": name, "split": split, "variant": tag, "seed": seed})
-            runs[(m, name, split, tag, seed)] = json.loads((final / "diagnostics.json").read_text())
+            what = f"train heads {m}/{name}/{split}{tag}{seed_tag(cfg, seed)}"
+            finals[(m, name, split, tag, seed)] = (final, what)
+            if not reusable(final):
+                t0 = time.perf_counter()
+                x = diagnosis_inputs(cfg, fs, merges[m], pool.path(task.expert), ref_fs, name, split, scfg, seed)
+                pending[(m, name, split, tag, seed)] = {
+                    "scfg": scfg, "x": _training_record(x),
+                    "trained": train_heads(cfg, x, m, name, split, scfg, seed, work_dir, release_executor)}
+                log.info("%s: heads trained in %.1f s (%s; diagnosed in one pass with the other rows of its "
+                         "token streams below)", what, time.perf_counter() - t0, final)
             for method in scfg.methods:
                 run_heads[(m, name, method, split, tag, seed)] = final / method
-                if (tag, seed) == first:
-                    heads[(m, name, method, split)] = final / method
-            if (tag, seed) == first:
-                diags[(m, name, split)] = runs[(m, name, split, tag, seed)]
     out = {"heads": heads, "diagnostics": diags, "runs": runs, "run_heads": run_heads}
+    # 2. the task-agnostic rows' routers and shared heads (the methods' variants only: controls get no
+    #    task-agnostic rows, darts_bench/rows.py)
     agnostic = cfg.surgery.task_agnostic
+    own = {tag for tag, _ in surgery_variants(cfg)}
+    method_variants = [(tag, scfg) for tag, scfg in variants if tag in own] if agnostic else []
+    if "routed" in agnostic:
+        out["routers"] = train_routers(cfg, feats, seeds, work_dir)
+    if "shared" in agnostic:
+        run_heads.update(train_shared(cfg, feats, merges, pool, tasks, method_variants, seeds, work_dir))
+    # 3. per (merge, task, split, seed): one diagnostics pass over its token streams for every row whose
+    #    artifact is missing (the methods' heads of each variant, the matched controls, the task-agnostic
+    #    rows), then each artifact written
+    agnostic_runs = diagnose_streams(cfg, feats, merges, pool, tasks, variants, method_variants, seeds,
+                                     out.get("routers", {}), run_heads, pending, finals, work_dir)
+    for (m, name, split, tag, seed), (final, _) in finals.items():
+        runs[(m, name, split, tag, seed)] = json.loads((final / "diagnostics.json").read_text())
+        for method in dict(variants)[tag].methods:
+            if (tag, seed) == first:
+                heads[(m, name, method, split)] = final / method
+        if (tag, seed) == first:
+            diags[(m, name, split)] = runs[(m, name, split, tag, seed)]
     if agnostic:
-        # the methods' variants only (controls get no task-agnostic rows: darts_bench/rows.py)
-        own = {tag for tag, _ in surgery_variants(cfg)}
-        method_variants = [(tag, scfg) for tag, scfg in variants if tag in own]
-        if "routed" in agnostic:
-            out["routers"] = train_routers(cfg, feats, seeds, work_dir)
-        if "shared" in agnostic:
-            run_heads.update(train_shared(cfg, feats, merges, pool, tasks, method_variants, seeds, work_dir))
-        out["agnostic_runs"] = agnostic_diagnostics(cfg, feats, merges, pool, tasks, method_variants, seeds,
-                                                    out.get("routers", {}), run_heads, work_dir)
+        out["agnostic_runs"] = agnostic_runs
     return out
+
+
+def reusable(final: Path) -> bool:
+    """Whether a complete artifact is at ``final`` (:func:`~darts_bench.artifacts.verify`): the train stage
+    trains the heads of the others."""
+    return final.exists() and verify(final) is None
+
+
+def _training_record(x: dict) -> dict:
+    """What a pending heads artifact keeps of :func:`diagnosis_inputs` for its ``diagnostics.json``."""
+    return {"n_train_tokens": len(x["train"]), "tr_seq": x["tr_seq"], "va_seq": x["va_seq"]}
+
+
+def train_heads(cfg, x: dict, m: str, name: str, split: str, scfg, run_seed: int, work_dir: Path,
+                release_executor: Callable[[], None] = lambda: None) -> dict[str, tuple[Any, dict]]:
+    """Train one head per method of ``scfg`` on ``x`` (:func:`diagnosis_inputs`: the train tokens, validated
+    on the held-out ones), on DeepSpeed when ``cfg.deepspeed.enabled``. Returns ``{method: (head, the extra
+    fields save_head writes: merge, task, split, training history)}``."""
+    train_, val = x["train"], x["val"]
+    trained = {}
+    for method in scfg.methods:
+        hseed = derive_seed(run_seed, m, name, split, method)
+        if cfg.deepspeed.enabled:
+            from darts_bench.surgery.train_deepspeed import train_head_deepspeed
+
+            if cfg.executor == "ray" and cfg.deepspeed.launcher == "ray":
+                release_executor()  # free the collection actors' CPUs/GPUs for Ray Train's workers
+            res = train_head_deepspeed(method, train_.materialize(), val.materialize(), scfg, hseed, cfg.deepspeed,
+                                       work_dir / "deepspeed", ray_address=cfg.ray.address)
+        else:
+            res = train_head(method, train_, val, scfg, hseed)
+        trained[method] = (res.head, {"merge": m, "task": name, "split": split, "history": res.history})
+    return trained
+
+
+def heads_diagnostics(d: dict, methods: list[str], record: dict) -> dict:
+    """A heads artifact's ``diagnostics.json`` from :func:`diagnose_rows`' result ``d`` for its rows
+    (``none`` and ``methods``) and its :func:`_training_record`."""
+    d = dict(d)
+    diags = {"none": d.pop("none"), "n_train_tokens": record["n_train_tokens"], "train_sequences": record["tr_seq"],
+             "held_out_sequences": record["va_seq"], "n_heldout": len(record["va_seq"])}
+    for method in methods:
+        diags[method] = d.pop(method)
+    diags.update(d)
+    return diags
+
+
+def _signature(scfg) -> tuple:
+    """What a diagnostics pass's rows must share (the entropy weights' source and cap): rows of variants that
+    differ there are diagnosed in separate passes."""
+    return (scfg.entropy_source, scfg.w_max)
+
+
+def diagnose_streams(cfg, feats: dict, merges: dict[str, Path], pool, tasks: dict, variants: list[tuple[str, Any]],
+                     method_variants: list[tuple[str, Any]], seeds: list[int], routers: dict, run_heads: dict,
+                     pending: dict, finals: dict, work_dir: Path) -> dict[tuple, dict]:
+    """Write the train stage's diagnostics: per (merge, task, split, head seed), the heads artifacts of
+    ``pending`` (their heads and ``diagnostics.json``: :func:`heads_diagnostics`) and, for each of
+    ``method_variants`` with ``surgery.task_agnostic``, the task-agnostic rows' artifact
+    (:func:`agnostic_artifact`), whichever are not cached, from one :func:`diagnose_rows` pass over the
+    (merge, task, split, seed)'s held-out and reference-answer tokens with all their rows (``groups``: each
+    artifact's rows; the same values as one pass per artifact, ``tests/test_surgery_routing.py``). The
+    tokens, the expert's distribution, the plain merge's logits and row and the KL floor are computed once
+    for all of them (three passes per stream before: the methods' heads, the matched control, the
+    task-agnostic rows). Variants whose entropy weights differ (:func:`_signature`) get a pass each.
+
+    Returns:
+        ``{(merge, task, split, variant, seed): {"routed"?, "shared"?: diagnostics}}`` of the task-agnostic rows.
+    Raises:
+        RuntimeError: a stream's reference-answer features and tokens disagree in length (named by merge and task).
+    """
+    from darts_bench.rows import SHARED_TASK
+    from darts_bench.surgery.heads import load_head
+    from darts_bench.surgery.routing import Router, sequence_routed_head
+    from darts_bench.surgery.train import TokenData
+
+    kinds = [k for k in ("routed", "shared") if k in cfg.surgery.task_agnostic]
+    out: dict[tuple, dict] = {}
+
+    def head_of(m, t, meth, split, tag, seed):  # a task's head: held by ``pending`` or on disk
+        p = pending.get((m, t, split, tag, seed))
+        return p["trained"][meth][0] if p is not None else load_head(run_heads[(m, t, meth, split, tag, seed)])
+
+    for (m, name, split), fs in feats.items():
+        if split == "reference":
+            continue
+        ref_fs = feats[(m, name, "reference")]
+        expert_dir = pool.path(tasks[name][0].expert)
+        for seed in seeds:
+            # what this (merge, task, split, seed) needs: [(signature, scfg, kind, tag, final, what, parts)]
+            todo = []
+            for tag, scfg in variants:
+                if (m, name, split, tag, seed) in pending:
+                    final, what = finals[(m, name, split, tag, seed)]
+                    todo.append((_signature(scfg), scfg, "heads", tag, final, what))
+            for tag, scfg in method_variants:
+                final = agnostic_artifact(cfg, fs, ref_fs, m, split, tag, scfg, seed, kinds, routers, run_heads,
+                                          work_dir / "heads", name)
+                what = f"diagnose task-agnostic rows {m}/{name}/{split}{tag}{seed_tag(cfg, seed)}"
+                if reusable(final):
+                    cached(final, lambda tmp: None, what=what)  # logs the reuse
+                else:
+                    todo.append((_signature(scfg), scfg, "agnostic", tag, final, what))
+                out[(m, name, split, tag, seed)] = final
+            for sig in dict.fromkeys(t[0] for t in todo):
+                items = [t for t in todo if t[0] == sig]
+                t0 = time.perf_counter()
+                x = diagnosis_inputs(cfg, fs, merges[m], expert_dir, ref_fs, name, split, items[0][1], seed)
+                heads: dict[str, Any] = {"none": None}
+                groups: dict[str, dict[str, str]] = {}
+                ref_stream = x["ref_stream"]
+                for _, scfg, kind, tag, final, _ in items:
+                    if kind == "heads":
+                        trained = pending[(m, name, split, tag, seed)]["trained"]
+                        heads.update({f"{tag}|{meth}": h for meth, (h, _) in trained.items()})
+                        groups[f"heads{tag}"] = {"none": "none", **{meth: f"{tag}|{meth}" for meth in trained}}
+                        continue
+                    for kind_ in kinds:
+                        if kind_ == "routed":
+                            rdir = routers[(m, split, seed)]
+                            router = Router.load(rdir / "router.json")
+                            held = json.loads((rdir / "routing.json").read_text())["tasks"][name]
+                            seq_task = dict(zip(held["held_out_sequences"], held["held_out_routed"]))
+                            # reference sequences are looked up past the calibration set's indices (only the
+                            # routed heads read sequence indices; the other rows ignore them)
+                            off = len(fs.calib.meta["sequences"])
+                            ref_routed = router.predict(calibration_prompt_features(ref_fs))
+                            seq_task.update({off + i: t for i, t in enumerate(ref_routed)})
+                            base_stream = x["ref_stream"]
+
+                            def routed_stream(base_stream=base_stream, off=off):
+                                for b in base_stream():
+                                    yield TokenData(b.h_merged, b.h_expert, b.positions, b.seq_index + off,
+                                                    b.weight_source)
+
+                            ref_stream = routed_stream
+
+                            kind_heads = {meth: sequence_routed_head(
+                                {t: head_of(m, t, meth, split, tag, seed) for t in router.classes}, seq_task)
+                                for meth in scfg.methods}
+                        else:
+                            kind_heads = {meth: load_head(run_heads[(m, SHARED_TASK, meth, split, tag, seed)])
+                                          for meth in scfg.methods}
+                        heads.update({f"{tag}|{kind_}/{meth}": h for meth, h in kind_heads.items()})
+                        groups[f"agnostic{tag}|{kind_}"] = {"none": "none",
+                                                            **{meth: f"{tag}|{kind_}/{meth}" for meth in kind_heads}}
+                try:
+                    res = diagnose_rows(heads, x["val"], fs.calib.meta, x["template"], ref_stream, x["ref_groups"],
+                                        x["n_ref_excluded"], x["mean_h"], items[0][1].w_max, x["W_e"], x["W_m"],
+                                        x["seed"], device=cfg.device, groups=groups,
+                                        known=known_streams(fs, ref_fs, merges[m], expert_dir, x["va_seq"],
+                                                            cfg.device))
+                except RuntimeError as e:
+                    raise RuntimeError(f"{m}/{name}: {e}") from e
+                log.info("diagnose %s/%s/%s%s: %d rows of %d artifacts in one pass over %d held-out and %d "
+                         "reference tokens in %.1f s (%s)", m, name, split, seed_tag(cfg, seed), len(heads),
+                         len(items), len(x["val"]), len(x["ref_groups"]), time.perf_counter() - t0,
+                         ", ".join(str(t[4]) for t in items))
+                for _, scfg, kind, tag, final, what in items:
+                    if kind == "heads":
+                        p = pending[(m, name, split, tag, seed)]
+                        d = heads_diagnostics(res[f"heads{tag}"], list(p["trained"]), p["x"])
+
+                        def build(tmp: Path, p=p, d=d) -> None:
+                            for method, (head, extra) in p["trained"].items():
+                                save_head(head, tmp / method, extra=extra)
+                            (tmp / "diagnostics.json").write_text(json.dumps(d))
+
+                        cached(final, build, what=what, meta={"kind": "heads", "merge": m, "task": name,
+                                                              "split": split, "variant": tag, "seed": seed})
+                    else:
+                        agn = {kind_: res[f"agnostic{tag}|{kind_}"] for kind_ in kinds}
+                        for d in agn.values():
+                            d.update({"n_heldout": len(x["va_seq"]), "held_out_sequences": x["va_seq"]})
+                        cached(final, lambda tmp, agn=agn: (tmp / "diagnostics.json").write_text(json.dumps(agn)),
+                               what=what, meta={"kind": "agnostic-diagnostics", "merge": m, "task": name,
+                                                "split": split, "variant": tag, "seed": seed})
+    return {k: json.loads((final / "diagnostics.json").read_text()) for k, final in out.items()}
 
 
 # --------------------------------------------------------------------------- task-agnostic rows
@@ -197,7 +393,7 @@ def _by_merge_split(feats: dict) -> dict[tuple[str, str], dict[str, FeatureSet]]
 
 def task_split(cfg, fs: FeatureSet, name: str, split: str, seed: int) -> tuple[list[int], list[int]]:
     """``(train, held-out)`` sequence indices of one task's calibration set under head seed ``seed``:
-    the split the task's heads train and validate on (:func:`train_and_diagnose`)."""
+    the split the task's heads train and validate on (:func:`train_heads`)."""
     n_seq = len(fs.calib.meta["sequences"])
     return split_by_sequence(n_seq, cfg.calibration.held_out_fraction, split_seed(seed, name, split))
 
@@ -277,88 +473,27 @@ def train_routers(cfg, feats: dict, seeds: list[int], work_dir: Path) -> dict[tu
 AGNOSTIC_DIAGNOSTICS_VERSION = 1
 
 
-def agnostic_diagnostics(cfg, feats: dict, merges: dict[str, Path], pool, tasks: dict,
-                         variants: list[tuple[str, Any]], seeds: list[int], routers: dict, run_heads: dict,
-                         work_dir: Path) -> dict[tuple, dict]:
-    """The behaviour diagnostics of the task-agnostic rows, per (merge, task, split, variant, seed):
-    :func:`diagnose_rows` on the task's held-out calibration tokens and reference answers (the oracle
-    heads' token sets) with, per method, the ``@routed`` row's head chosen per sequence (the router's
-    decision on that sequence's prompt: the held-out prompts' from ``routing.json``, the reference
-    prompts' from their merged features; :func:`darts_bench.surgery.routing.sequence_routed_head`) and
-    the ``@shared`` row's head. Artifact ``heads/<merge>-<task>-<split>-agnostic-<key>/diagnostics.json``:
-    ``{"routed": {...}, "shared": {...}}``, each shaped as a task's ``diagnostics.json`` (rows ``none``
-    and each method).
-
-    Returns:
-        ``{(merge, task, split, variant, seed): {"routed"?: diagnostics, "shared"?: diagnostics}}``.
-    """
+def agnostic_artifact(cfg, fs: FeatureSet, ref_fs: FeatureSet, m: str, split: str, tag: str, scfg, seed: int,
+                      kinds: list[str], routers: dict, run_heads: dict, heads_dir: Path, name: str) -> Path:
+    """Where the task-agnostic rows' diagnostics of (merge ``m``, task ``name``, ``split``, variant ``tag``,
+    ``seed``) live: ``heads/<merge>-<task>-<split>-agnostic-<key>/diagnostics.json``, ``{"routed": {...},
+    "shared": {...}}``, each shaped as a task's ``diagnostics.json`` (rows ``none`` and each method) of
+    :func:`diagnose_rows` on the task's held-out calibration tokens and reference answers (the oracle heads'
+    token sets) with, per method, the ``@routed`` row's head chosen per sequence (the router's decision on
+    that sequence's prompt: the held-out prompts' from ``routing.json``, the reference prompts' from their
+    merged features; :func:`darts_bench.surgery.routing.sequence_routed_head`) and the ``@shared`` row's
+    head (written by :func:`diagnose_streams`). The key: the oracle heads' key, the router and the heads it
+    routes between, the shared heads, :data:`AGNOSTIC_DIAGNOSTICS_VERSION`."""
     from darts_bench.rows import SHARED_TASK
-    from darts_bench.surgery.heads import load_head
-    from darts_bench.surgery.routing import Router, sequence_routed_head
-    from darts_bench.surgery.train import TokenData
 
-    kinds = [k for k in ("routed", "shared") if k in cfg.surgery.task_agnostic]
-    out: dict[tuple, dict] = {}
-    for (m, name, split), fs in feats.items():
-        if split == "reference":
-            continue
-        ref_fs = feats[(m, name, "reference")]
-        for (tag, scfg), seed in itertools.product(variants, seeds):
-            parts = {"oracle": head_key(cfg, fs.key, ref_fs.key, scfg, seed), "version": AGNOSTIC_DIAGNOSTICS_VERSION}
-            if "routed" in kinds:
-                classes = json.loads((routers[(m, split, seed)] / "routing.json").read_text())["classes"]
-                parts["router"] = routers[(m, split, seed)].name
-                parts["heads"] = {t: str(run_heads[(m, t, meth, split, tag, seed)]) for t in classes
-                                  for meth in scfg.methods}
-            if "shared" in kinds:
-                parts["shared"] = str(run_heads[(m, SHARED_TASK, scfg.methods[0], split, tag, seed)].parent)
-            final = work_dir / "heads" / f"{m}-{name}-{split}-agnostic-{stable_hash(parts)}"
-
-            def build(tmp: Path, m=m, name=name, split=split, fs=fs, ref_fs=ref_fs, scfg=scfg, seed=seed) -> None:
-                x = diagnosis_inputs(cfg, fs, merges[m], pool.path(tasks[name][0].expert), ref_fs, name, split, scfg,
-                                     seed)
-                # one pass for every kind: the rows of both kinds share the token streams, the expert's
-                # distribution, the plain merge's row and the KL floor (diagnose_rows' groups)
-                heads, groups, ref_stream = {"none": None}, {}, x["ref_stream"]
-                for kind in kinds:
-                    if kind == "routed":
-                        rdir = routers[(m, split, seed)]
-                        router = Router.load(rdir / "router.json")
-                        held = json.loads((rdir / "routing.json").read_text())["tasks"][name]
-                        seq_task = dict(zip(held["held_out_sequences"], held["held_out_routed"]))
-                        # reference sequences are looked up past the calibration set's indices (only the
-                        # routed heads read sequence indices; the other rows ignore them)
-                        off = len(fs.calib.meta["sequences"])
-                        ref_routed = router.predict(calibration_prompt_features(ref_fs))
-                        seq_task.update({off + i: t for i, t in enumerate(ref_routed)})
-                        base_stream = x["ref_stream"]
-
-                        def ref_stream(base_stream=base_stream, off=off):
-                            for b in base_stream():
-                                yield TokenData(b.h_merged, b.h_expert, b.positions, b.seq_index + off, b.weight_source)
-
-                        kind_heads = {meth: sequence_routed_head(
-                            {t: load_head(run_heads[(m, t, meth, split, tag, seed)]) for t in router.classes}, seq_task)
-                            for meth in scfg.methods}
-                    else:
-                        kind_heads = {meth: load_head(run_heads[(m, SHARED_TASK, meth, split, tag, seed)])
-                                      for meth in scfg.methods}
-                    heads.update({f"{kind}/{meth}": h for meth, h in kind_heads.items()})
-                    groups[kind] = {"none": "none", **{meth: f"{kind}/{meth}" for meth in kind_heads}}
-                res = diagnose_rows(heads, x["val"], fs.calib.meta, x["template"], ref_stream, x["ref_groups"],
-                                    x["n_ref_excluded"], x["mean_h"], scfg.w_max, x["W_e"], x["W_m"], x["seed"],
-                                    device=cfg.device, groups=groups,
-                                    known=known_streams(fs, ref_fs, merges[m], pool.path(tasks[name][0].expert),
-                                                        x["va_seq"], cfg.device))
-                for d in res.values():
-                    d.update({"n_heldout": len(x["va_seq"]), "held_out_sequences": x["va_seq"]})
-                (tmp / "diagnostics.json").write_text(json.dumps(res))
-
-            cached(final, build, what=f"diagnose task-agnostic rows {m}/{name}/{split}{tag}{seed_tag(cfg, seed)}",
-                   meta={"kind": "agnostic-diagnostics", "merge": m, "task": name, "split": split, "variant": tag,
-                         "seed": seed})
-            out[(m, name, split, tag, seed)] = json.loads((final / "diagnostics.json").read_text())
-    return out
+    parts = {"oracle": head_key(cfg, fs.key, ref_fs.key, scfg, seed), "version": AGNOSTIC_DIAGNOSTICS_VERSION}
+    if "routed" in kinds:
+        classes = json.loads((routers[(m, split, seed)] / "routing.json").read_text())["classes"]
+        parts["router"] = routers[(m, split, seed)].name
+        parts["heads"] = {t: str(run_heads[(m, t, meth, split, tag, seed)]) for t in classes for meth in scfg.methods}
+    if "shared" in kinds:
+        parts["shared"] = str(run_heads[(m, SHARED_TASK, scfg.methods[0], split, tag, seed)].parent)
+    return heads_dir / f"{m}-{name}-{split}-agnostic-{stable_hash(parts)}"
 
 
 def shared_head_key(cfg, fss: dict[str, FeatureSet], ref_keys: dict[str, str], scfg, seed: int) -> str:
@@ -616,59 +751,3 @@ def diagnosis_inputs(cfg, fs: FeatureSet, merge_dir: Path, expert_dir: Path, ref
     return {"W_e": W_e, "W_m": W_m, "seed": seed, "tr_seq": tr_seq, "va_seq": va_seq, "train": train_, "val": val,
             "mean_h": float(train_.weight_source.mean()), "template": template, "ref_stream": ref_stream,
             "ref_groups": ref_groups, "n_ref_excluded": n_ref_excluded}
-
-
-def train_and_diagnose(cfg, out: Path, fs: FeatureSet, merge_dir: Path, expert_dir: Path,
-                       ref_fs: FeatureSet, m: str, name: str, split: str, scfg, run_seed: int, work_dir: Path,
-                       release_executor: Callable[[], None] = lambda: None) -> None:
-    """Train one head per method of ``scfg`` for (merge ``m``, task ``name``, ``split``) and write
-    them with ``diagnostics.json`` into ``out``. Held-out sequences (``calibration.held_out_fraction``,
-    split by sequence with a seed derived from ``run_seed``) validate; the reference-answer tokens
-    (``ref_fs``) are scored, never trained on.
-
-    ``diagnostics.json`` (:func:`diagnose_rows`) per row (``none``, then each method): the signals
-    on all held-out tokens (top level), on the ``gen`` (expert-continuation) and ``prompt``
-    positions (:func:`darts_bench.surgery.data.position_sets`) and on the reference answers
-    (``reference``); the positions whose token is the same in every sequence of the calibration set
-    (a shared chat template, :func:`darts_bench.surgery.data.shared_template`) are left out of
-    ``gen``, ``prompt`` and ``reference`` and listed under ``template``. ``per_sequence`` holds, per
-    set (``all``, ``gen``, ``prompt``, ``reference``), the float64 per-sequence sums every interval
-    (``intervals``, ``intervals_gen``, ``intervals_prompt``, ``intervals_reference``) is computed from
-    (:func:`darts_bench.surgery.intervals.intervals_from_sums` with ``bootstrap``'s ``n_boot`` /
-    ``seed``). Also ``n_heldout`` (held-out sequences), the train / held-out sequence indices and
-    token counts.
-
-    Raises:
-        RuntimeError: the reference-answer features and the diagnostics stream disagree in length.
-    """
-    x = diagnosis_inputs(cfg, fs, merge_dir, expert_dir, ref_fs, name, split, scfg, run_seed)
-    W_e, W_m, calib, seed = x["W_e"], x["W_m"], fs.calib, x["seed"]
-    tr_seq, va_seq, train_, val, mean_h = x["tr_seq"], x["va_seq"], x["train"], x["val"], x["mean_h"]
-    template, ref_stream, ref_groups, n_ref_excluded = x["template"], x["ref_stream"], x["ref_groups"], x["n_ref_excluded"]
-
-    trained = {}
-    for method in scfg.methods:
-        hseed = derive_seed(run_seed, m, name, split, method)
-        if cfg.deepspeed.enabled:
-            from darts_bench.surgery.train_deepspeed import train_head_deepspeed
-
-            if cfg.executor == "ray" and cfg.deepspeed.launcher == "ray":
-                release_executor()  # free the collection actors' CPUs/GPUs for Ray Train's workers
-            res = train_head_deepspeed(method, train_.materialize(), val.materialize(), scfg, hseed, cfg.deepspeed,
-                                       work_dir / "deepspeed", ray_address=cfg.ray.address)
-        else:
-            res = train_head(method, train_, val, scfg, hseed)
-        save_head(res.head, out / method, extra={"merge": m, "task": name, "split": split, "history": res.history})
-        trained[method] = res.head
-    try:
-        d = diagnose_rows({"none": None, **trained}, val, calib.meta, template, ref_stream, ref_groups,
-                          n_ref_excluded, mean_h, scfg.w_max, W_e, W_m, seed, device=cfg.device,
-                          known=known_streams(fs, ref_fs, merge_dir, expert_dir, va_seq, cfg.device))
-    except RuntimeError as e:
-        raise RuntimeError(f"{m}/{name}: {e}") from e
-    diags = {"none": d.pop("none"), "n_train_tokens": len(train_), "train_sequences": tr_seq,
-             "held_out_sequences": va_seq, "n_heldout": len(va_seq)}
-    for method in trained:
-        diags[method] = d.pop(method)
-    diags.update(d)
-    (out / "diagnostics.json").write_text(json.dumps(diags))
