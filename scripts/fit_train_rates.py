@@ -157,16 +157,22 @@ def fit_log(log: Path, conf, vocab: float | None = None) -> tuple[list[dict], di
     cfg = {"d": arch["hidden_size"], "V": arch["vocab_size"],
            "surgery": {"rank": sc.rank, "methods": list(sc.methods), "epochs": sc.epochs, "batch_size": sc.batch_size,
                        "overflow": sc.overflow, "task_agnostic": list(sc.task_agnostic), "max_len": sc.max_len}}
+    def where(d: str) -> Path:  # a work dir relative to the run's cwd: the log's dir, unless it is here
+        p = Path(d)
+        return p if p.is_absolute() or p.exists() else log.parent / p
+
     lines = []
     for m in found:
         if m.re is ONE_PASS:
-            arts = [Path(a) for a in m["dir"].split(", ")]
+            arts = [where(a) for a in m["dir"].split(", ")]
             got = one_pass_inputs(int(m["nv"]) + int(m["nr"]), arts, cfg)
         else:
-            art = Path(m["dir"])
+            art = where(m["dir"])
             if cfg["surgery"]["max_len"] is None and m["what"] == "train heads":  # the resolved table length
-                cfg["surgery"]["max_len"] = next(json.loads(p.read_text())["max_len"]
-                                                 for p in art.glob("*/head_config.json"))
+                got_len = [json.loads(p.read_text())["max_len"] for p in art.glob("*/head_config.json")]
+                if not got_len:
+                    raise FileNotFoundError(f"{art}: no */head_config.json (the artifact of line {m.group(0)!r})")
+                cfg["surgery"]["max_len"] = got_len[0]
             got = line_inputs("heads trained" if m.re is TRAINED else m["what"], m["name"], art, cfg)
         lines.append({**got, "what": m["what"], "name": m["name"], "seconds": float(m["s"])})
     return lines, fit(lines, cfg["d"], cfg["V"], sc.rank, THROUGHPUT["cpu"]["train"], vocab)
