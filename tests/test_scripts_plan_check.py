@@ -46,22 +46,25 @@ def test_plan_check_cached_stages_and_missing_files(tmp_path, capsys):
     assert "cannot check the plan" in capsys.readouterr().err
 
 
-def test_plan_holds_the_smollm2_reference_merge_and_run_4_collect_and_train_stages():
-    """The planner's data-merge constants are fitted to the committed smollm2-135m reference run
-    (results/smollm2-135m/results.json: its merge stage, AdaMerging + RegMean, 444.6 s, within 25%); the
-    train-stage constants to run 4 (results/smollm2-135m/TIMINGS.md, 2026-12-03: the current train code on the
-    reference's preset with calibration.backend=vllm, 593.1 s; `scripts/fit_train_rates.py`), and the collect
-    stage's engine start and full-logits forward rate to run 4's collection (704.1 s): the plan of that
-    configuration is within 25% of both."""
+def test_plan_holds_the_smollm2_run_16_merge_and_train_and_run_4_collect_stages():
+    """The planner's data-merge constants (fitted to the committed smollm2-135m reference run) with this code's
+    counts (AdaMerging's entropy passes recombine once per lambda, RegMean's Grams per distinct input) are
+    within 25% of run 16a's merge stage (results/smollm2-135m-2026-12-04-run16/TIMINGS.md: AdaMerging + RegMean,
+    236.5 s); the train-stage constants are fitted to run 16's (344.7 s, one diagnostics pass per stream;
+    `scripts/fit_train_rates.py`), and the collect stage's engine start and full-logits forward rate to run 4's
+    collection (results/smollm2-135m/TIMINGS.md, 704.1 s): the plan of that configuration is within 25% of each."""
     from darts_bench.config import load_config
     from darts_bench.plan import make_plan
 
-    recs = {r["stage"]: r for r in _script().plan_check(REPO / "results" / "smollm2-135m")}
-    assert recs["merge"]["measured_s"] == pytest.approx(444.6, abs=0.1) and recs["merge"]["verdict"] == "within"
-    run4_train = 593.1
-    assert "| train | 1,436.5 s | 927.8 s | 626.3 s | 593.1 s |" in (REPO / "results" / "smollm2-135m" / "TIMINGS.md").read_text()
+    run16 = REPO / "results" / "smollm2-135m-2026-12-04-run16"
+    recs = {r["stage"]: r for r in _script().plan_check(run16)}
+    assert recs["merge"]["verdict"] == "cached"  # built by run 16a, whose log has it
+    assert recs["train"]["measured_s"] == pytest.approx(344.7, abs=0.1) and recs["train"]["verdict"] == "within"
+    timings = (run16 / "TIMINGS.md").read_text()
+    assert "| merge | 236.5 s (16a: AdaMerging 159.5 s, RegMean 77.0 s) |" in timings
     plan = make_plan(load_config("smollm2-135m", ["evaluate.backend=vllm", "calibration.backend=vllm"]))
-    assert plan["stages"]["train"]["wall_seconds"] == pytest.approx(run4_train, rel=0.25)
+    assert plan["stages"]["merge"]["wall_seconds"] == pytest.approx(236.5, rel=0.25)
+    assert plan["stages"]["train"]["wall_seconds"] == pytest.approx(344.7, rel=0.25)
     # collect: run 4's 704.1 s (3 vLLM engine starts at 45 s, the features at the full-logits rate)
     timings = (REPO / "results" / "smollm2-135m" / "TIMINGS.md").read_text()
     assert "| collect | 1,018.4 s | 725.8 s | 655.0 s | 704.1 s |" in timings
