@@ -165,7 +165,9 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
             final = work_dir / "heads" / f"{m}-{name}-{split}-{key}"
             what = f"train heads {m}/{name}/{split}{tag}{seed_tag(cfg, seed)}"
             finals[(m, name, split, tag, seed)] = (final, what)
-            if not reusable(final):
+            if reusable(final):
+                log.info("%s: cached (%s)", what, final)  # as artifacts.cached logs a reuse
+            else:
                 t0 = time.perf_counter()
                 x = diagnosis_inputs(cfg, fs, merges[m], pool.path(task.expert), ref_fs, name, split, scfg, seed)
                 pending[(m, name, split, tag, seed)] = {
@@ -300,7 +302,7 @@ def diagnose_streams(cfg, feats: dict, merges: dict[str, Path], pool, tasks: dic
                                           work_dir / "heads", name)
                 what = f"diagnose task-agnostic rows {m}/{name}/{split}{tag}{seed_tag(cfg, seed)}"
                 if reusable(final):
-                    cached(final, lambda tmp: None, what=what)  # logs the reuse
+                    log.info("%s: cached (%s)", what, final)  # as artifacts.cached logs a reuse
                 else:
                     todo.append((_signature(scfg), scfg, "agnostic", tag, final, what))
                 out[(m, name, split, tag, seed)] = final
