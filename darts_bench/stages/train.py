@@ -291,7 +291,7 @@ def diagnose_streams(cfg, feats: dict, merges: dict[str, Path], pool, tasks: dic
         ref_fs = feats[(m, name, "reference")]
         expert_dir = pool.path(tasks[name][0].expert)
         for seed in seeds:
-            # what this (merge, task, split, seed) needs: [(signature, scfg, kind, tag, final, what, parts)]
+            # what this (merge, task, split, seed) needs: [(signature, scfg, kind, tag, final, what)]
             todo = []
             for tag, scfg in variants:
                 if (m, name, split, tag, seed) in pending:
