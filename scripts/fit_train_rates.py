@@ -19,12 +19,13 @@ name, the tokens each trained on and its heads; the surgery settings come from t
 and, in a log from before the one-pass diagnostics (no ``heads trained in`` line), the per-artifact ``built
 in`` lines of that stage: ``train heads`` (the methods' heads and the first call over their streams: 3 matmuls,
 ``3 + heads`` passes), ``train heads ...[rank=matched]`` (2 matmuls, 2 passes) and ``diagnose task-agnostic
-rows`` (2 matmuls, ``1 + kinds x methods`` passes), each with its heads' steps. It then and fits ``seconds = FLOPs / vocab + passes x V / vocab_pass + steps x head_step_s + head FLOPs / train``
-(``train`` fixed at ``THROUGHPUT["cpu"]["train"]``) by least squares over the lines. Prints the three rates
-and, with ``--markdown``, the per-line table (inputs, measured, fitted) for TIMINGS.md, so the fit can be
-recomputed from the table alone. In a one-pass log every diagnostics line has the same rows, so its matmuls
-and passes are proportional: give the matmul rate (``--vocab``) and fit the other two. Exit status 0; 2 when the log has no train-stage lines or an artifact's
-``diagnostics.json`` is missing.
+rows`` (2 matmuls, ``1 + kinds x methods`` passes), each with its heads' steps. It then fits
+``seconds = FLOPs / vocab + passes x V / vocab_pass + steps x head_step_s + head FLOPs / train`` (``train``
+fixed at ``THROUGHPUT["cpu"]["train"]``) by least squares over the lines. Prints the three rates and, with
+``--markdown``, the per-line table (inputs, measured, fitted) for TIMINGS.md, so the fit can be recomputed from
+the table alone. In a one-pass log every diagnostics line has the same rows, so its matmuls
+and passes are proportional: give the matmul rate (``--vocab``) and fit the other two. Exit status 0; 2 when the
+log has no train-stage lines or an artifact's ``diagnostics.json`` is missing.
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ def fit_log(log: Path, conf, vocab: float | None = None) -> tuple[list[dict], di
     cfg = {"d": arch["hidden_size"], "V": arch["vocab_size"],
            "surgery": {"rank": sc.rank, "methods": list(sc.methods), "epochs": sc.epochs, "batch_size": sc.batch_size,
                        "overflow": sc.overflow, "task_agnostic": list(sc.task_agnostic), "max_len": sc.max_len}}
+
     def where(d: str) -> Path:  # a work dir relative to the run's cwd: the log's dir, unless it is here
         p = Path(d)
         return p if p.is_absolute() or p.exists() else log.parent / p

@@ -165,9 +165,7 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
             final = work_dir / "heads" / f"{m}-{name}-{split}-{key}"
             what = f"train heads {m}/{name}/{split}{tag}{seed_tag(cfg, seed)}"
             finals[(m, name, split, tag, seed)] = (final, what)
-            if reusable(final):
-                log.info("%s: cached (%s)", what, final)  # as artifacts.cached logs a reuse
-            else:
+            if not reused(final, what):
                 t0 = time.perf_counter()
                 x = diagnosis_inputs(cfg, fs, merges[m], pool.path(task.expert), ref_fs, name, split, scfg, seed)
                 pending[(m, name, split, tag, seed)] = {
@@ -194,20 +192,22 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
                                      out.get("routers", {}), run_heads, pending, finals, work_dir)
     for (m, name, split, tag, seed), (final, _) in finals.items():
         runs[(m, name, split, tag, seed)] = json.loads((final / "diagnostics.json").read_text())
-        for method in dict(variants)[tag].methods:
-            if (tag, seed) == first:
-                heads[(m, name, method, split)] = final / method
         if (tag, seed) == first:
             diags[(m, name, split)] = runs[(m, name, split, tag, seed)]
+            for method in dict(variants)[tag].methods:
+                heads[(m, name, method, split)] = final / method
     if agnostic:
         out["agnostic_runs"] = agnostic_runs
     return out
 
 
-def reusable(final: Path) -> bool:
-    """Whether a complete artifact is at ``final`` (:func:`~darts_bench.artifacts.verify`): the train stage
-    trains the heads of the others."""
-    return final.exists() and verify(final) is None
+def reused(final: Path, what: str) -> bool:
+    """Whether a complete artifact is at ``final`` (:func:`~darts_bench.artifacts.verify`), logged as
+    :func:`~darts_bench.artifacts.cached` logs a reuse: the train stage trains and diagnoses the others."""
+    if final.exists() and verify(final) is None:
+        log.info("%s: cached (%s)", what, final)
+        return True
+    return False
 
 
 def _training_record(x: dict) -> dict:
@@ -301,9 +301,7 @@ def diagnose_streams(cfg, feats: dict, merges: dict[str, Path], pool, tasks: dic
                 final = agnostic_artifact(cfg, fs, ref_fs, m, split, tag, scfg, seed, kinds, routers, run_heads,
                                           work_dir / "heads", name)
                 what = f"diagnose task-agnostic rows {m}/{name}/{split}{tag}{seed_tag(cfg, seed)}"
-                if reusable(final):
-                    log.info("%s: cached (%s)", what, final)  # as artifacts.cached logs a reuse
-                else:
+                if not reused(final, what):
                     todo.append((_signature(scfg), scfg, "agnostic", tag, final, what))
                 out[(m, name, split, tag, seed)] = final
             for sig in dict.fromkeys(t[0] for t in todo):
