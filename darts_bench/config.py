@@ -569,6 +569,13 @@ class VLLMConfig(_Strict):
         "the full forward's at rounding level. One pass and row by row agree in every mode. The copy is a "
         "second set of weights: on a GPU leave room for it below gpu_memory_utilization. Generation stays on "
         "the engine; collect never scores")
+    prefix_cache_mib: int = Field(
+        0, ge=0, description="with scoring: shared, the HF copy keeps the plain model's shared contexts' KV cache "
+        "in blocks of 64 tokens across score calls, up to this many MiB (least recently used dropped): the "
+        "AlpacaEval judge's prompts of one instruction share the template, the instruction and, reference first, "
+        "the reference for every row (darts_bench.evaluate.prefix_cache). Values do not depend on the budget or "
+        "on what the cache holds; they differ from scoring: shared alone at rounding level, so the evaluate key "
+        "names the block size when it is set. 0: off. SmolLM2-135M in float32: 2.9 MiB per block")
 
     @field_validator("cpu_threads_bind", mode="before")
     @classmethod
@@ -614,6 +621,13 @@ class EvaluateConfig(_Strict):
         "relative on the tiny bench model, 6.9e-6 on SmolLM2-135M with ~1,000-token judge prompts; the verdicts "
         "equal), so it is in the hf backend's cache key when set. The vLLM backend's counterpart is "
         "evaluate.vllm.scoring: shared")
+    prefix_cache_mib: int = Field(
+        0, ge=0, description="hf backend, with share_prefix: the plain models keep their shared contexts' KV "
+        "cache in blocks of 64 tokens across score calls, up to this many MiB each (least recently used "
+        "dropped; darts_bench.evaluate.prefix_cache), so the AlpacaEval judge forwards the template, instruction "
+        "and reference it shares with earlier rows' prompts once. Values do not depend on the budget; they "
+        "differ from share_prefix alone at rounding level (in the key when set). 0: off. The vLLM backend's "
+        "counterpart is evaluate.vllm.prefix_cache_mib")
     rows: list[str] | None = Field(
         None, description="evaluate only the rows whose names match one of these fnmatch patterns (e.g. "
         "['base', 'expert:*'] for base and experts only: no merge, collection or head training then); "

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from darts_bench.api import Completion, ScoreContinuation
 from darts_bench.evaluate.memory import heap_trimmed
+from darts_bench.evaluate.prefix_cache import blocks_supported
 from darts_bench.evaluate.sampling import SeededSampler, sample_seed
 from darts_bench.surgery.corrected import attach_head, final_norm
 from darts_bench.surgery.heads import CorrectionHead, positions_from_mask
@@ -190,11 +191,18 @@ class HFTextModel:
             share (the AlpacaEval judge's two verdicts, a multiple-choice question's options) once,
             with its KV cache, and then only each pair's remaining tokens (:func:`score_plan`).
             Values differ from the full forward's at rounding level (tested within 1e-6 relative).
+        prefix_cache: with ``share_prefix`` and no head, the shared prefixes' whole
+            :data:`~darts_bench.evaluate.prefix_cache.PREFIX_BLOCK_TOKENS`-token blocks come from this
+            :class:`~darts_bench.evaluate.prefix_cache.PrefixBlockCache` (computed block by block and kept
+            for later calls; the rest of each prefix is forwarded with the pair's own tokens). Values
+            do not depend on what it holds; they differ from ``share_prefix`` alone at rounding level.
+            Ignored for a model with sliding-window layers
+            (:func:`~darts_bench.evaluate.prefix_cache.blocks_supported`).
     """
 
     def __init__(self, name: str, model: PreTrainedModel, tokenizer, head: CorrectionHead | None = None,
                  batch_size: int = 8, max_length: int | None = None, score_by_length: bool = False,
-                 share_prefix: bool = False):
+                 share_prefix: bool = False, prefix_cache=None):
         self.name, self.model, self.tokenizer = name, model, tokenizer
         self.tokenizer.padding_side = "left"
         self.tokenizer.truncation_side = "left"  # keep the end of an over-long prompt
@@ -206,6 +214,7 @@ class HFTextModel:
             max_length = min(1024, getattr(model.config, "max_position_embeddings", None) or 1024)
         self.batch_size, self.max_length, self.score_by_length = batch_size, max_length, score_by_length
         self.share_prefix = share_prefix
+        self.prefix_cache = prefix_cache
         self.device = next(model.parameters()).device
 
     def close(self) -> None:
@@ -384,16 +393,32 @@ class HFTextModel:
                 hd.remove()
             return grab.pop("h"), kv_cache_of(out)
 
-        for kind, part in score_plan(pairs, self.batch_size, self.score_by_length, self.share_prefix and hidden):
+        blocks = self.prefix_cache if self.head is None and self.prefix_cache is not None \
+            and blocks_supported(self.model) else None
+        plan = score_plan(pairs, self.batch_size, self.score_by_length, self.share_prefix and hidden)
+        if blocks is not None:  # every prefix chunk's missing blocks first, batched across the call
+            blocks.prefetch(self.model, final_states, [pairs[m[0]][0][:blocks.cut(P)] for kind, part in plan
+                                                       if kind == "prefix" for P, m in part if blocks.cut(P)])
+        for kind, part in plan:
             if kind == "prefix":
+                if blocks is not None:  # the prefixes' whole blocks from the cache, the rest with each pair
+                    part = [(blocks.cut(P), m) for P, m in part]
                 x = prefix_chunk(pairs, part, pad, self.device)
-                h_p, cache = final_states(input_ids=x.prefix_ids, attention_mask=x.prefix_mask,
-                                          position_ids=x.prefix_pos, use_cache=True)
-                cache.reorder_cache(x.group_of)  # one copy of its group's prefix cache per pair
+                if blocks is not None and any(P for P, _ in part):
+                    h_p, cache = blocks.states(self.model, final_states, [pairs[m[0]][0][:P] for P, m in part])
+                elif blocks is not None:  # no whole block: each sequence forwarded from its first token
+                    h_p, cache = None, None
+                else:
+                    h_p, cache = final_states(input_ids=x.prefix_ids, attention_mask=x.prefix_mask,
+                                              position_ids=x.prefix_pos, use_cache=True)
+                kv = {}
+                if cache is not None:
+                    cache.reorder_cache(x.group_of)  # one copy of its group's prefix cache per pair
+                    kv = with_kv_cache(self.model, cache)
                 h_s, _ = final_states(input_ids=x.suffix_ids, attention_mask=x.mask, position_ids=x.suffix_pos,
-                                      use_cache=True, **with_kv_cache(self.model, cache))
-                got = continuation_scores(torch.cat([h_p[x.group_of], h_s], 1), x.input_ids, x.n_cont, lm_head,
-                                          cap, ends=x.ends)
+                                      use_cache=True, **kv)
+                got = continuation_scores(h_s if h_p is None else torch.cat([h_p[x.group_of], h_s], 1), x.input_ids,
+                                          x.n_cont, lm_head, cap, ends=x.ends)
                 idx = [i for g in part for i in g[1]]
                 for i, sc in zip(idx, got):
                     for j in x.same[i]:

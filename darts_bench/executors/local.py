@@ -18,7 +18,7 @@ class LocalExecutor:
 
     Evaluation models are not made here: the backends (:mod:`darts_bench.evaluate.engines`) load
     them in-process themselves when :attr:`in_process` is True. ``share_prefix`` goes to each
-    :class:`ModelWorker` (``evaluate.share_prefix``).
+    :class:`ModelWorker` (``evaluate.share_prefix``), and ``prefix_cache_mib`` (``evaluate.prefix_cache_mib``).
 
     Attributes:
         in_process: True: work runs in this process (backends use their in-process layout).
@@ -28,9 +28,9 @@ class LocalExecutor:
     in_process = True
 
     def __init__(self, batch_size: int = 8, device: str = "cpu", torch_threads: int | None = None,
-                 dtype: str = "float32", share_prefix: bool = False):
+                 dtype: str = "float32", share_prefix: bool = False, prefix_cache_mib: int = 0):
         self.batch_size, self.device, self.torch_threads, self.dtype = batch_size, device, torch_threads, dtype
-        self.share_prefix = share_prefix
+        self.share_prefix, self.prefix_cache_mib = share_prefix, prefix_cache_mib
         self._last: tuple[tuple, ModelWorker] | None = None
 
     def worker(self, model_dir: str, head_dir: str | None = None, name: str = "model") -> ModelWorker:
@@ -40,7 +40,8 @@ class LocalExecutor:
             return self._last[1]
         self._last = None  # free the previous model before loading the next
         w = ModelWorker(str(model_dir), head_dir=key[1], name=name, device=self.device, batch_size=self.batch_size,
-                        torch_threads=self.torch_threads, dtype=self.dtype, share_prefix=self.share_prefix)
+                        torch_threads=self.torch_threads, dtype=self.dtype, share_prefix=self.share_prefix,
+                        prefix_cache_mib=self.prefix_cache_mib)
         self._last = (key, w)
         return w
 
@@ -80,4 +81,5 @@ def make_executor(cfg) -> Any:
         # expert and each merge starts its actors once; Pipeline.collect releases them at the end
         return RayExecutor(cfg, keep_idle=True)
     return LocalExecutor(batch_size=cfg.calibration.batch_size, device=cfg.device, torch_threads=cfg.torch_threads,
-                         dtype=cfg.pool.dtype, share_prefix=cfg.evaluate.share_prefix)
+                         dtype=cfg.pool.dtype, share_prefix=cfg.evaluate.share_prefix,
+                         prefix_cache_mib=cfg.evaluate.prefix_cache_mib)

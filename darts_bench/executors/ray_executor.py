@@ -166,6 +166,7 @@ class RayExecutor:
         self.torch_threads = cfg.torch_threads or max(1, int(self.rcfg.num_cpus_per_actor))
         self.dtype = cfg.pool.dtype
         self.share_prefix = cfg.evaluate.share_prefix  # the HF workers' scores (evaluate.share_prefix)
+        self.prefix_cache_mib = cfg.evaluate.prefix_cache_mib  # ... and their block cache across calls
         self.worker_cls, self.keep_idle = worker_cls, keep_idle
         self._owns_ray = init_ray(self.rcfg.address)
         self._local = self.rcfg.address is None
@@ -263,7 +264,7 @@ class RayExecutor:
         return dict(worker_cls=self.worker_cls, graceful=False,
                     kwargs=dict(model_dir=key[1], head_dir=None, name=name, device=self.device, batch_size=key[2],
                                 torch_threads=self.torch_threads, dtype=self.dtype,
-                                share_prefix=self.share_prefix))
+                                share_prefix=self.share_prefix, prefix_cache_mib=self.prefix_cache_mib))
 
     def _acquire(self, key: tuple, name: str = "model", spec: dict[str, Any] | None = None) -> _Group:
         """The (possibly new) actor group for ``key``; marks it most recently used. ``spec``

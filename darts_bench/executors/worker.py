@@ -109,7 +109,7 @@ class ModelWorker:
     Used in-process by the local executor and as the body of a Ray actor. The checkpoint is loaded
     by :func:`~darts_bench.evaluate.engines.hf.load_text_model` (the HF backend's loader); ``share_prefix``
     is its text models' (``evaluate.share_prefix``: a context shared by several pairs of a score call is
-    forwarded once).
+    forwarded once), ``prefix_cache_mib`` its plain model's block cache across calls (``evaluate.prefix_cache_mib``).
 
     Attributes:
         checkpoint_loads: checkpoints this worker loaded (1).
@@ -118,9 +118,10 @@ class ModelWorker:
 
     def __init__(self, model_dir: str, head_dir: str | None = None, name: str = "model",
                  device: str = "cpu", batch_size: int = 8, torch_threads: int | None = None,
-                 dtype: str = "float32", share_prefix: bool = False):
+                 dtype: str = "float32", share_prefix: bool = False, prefix_cache_mib: int = 0):
         self._plain = load_text_model(model_dir, name, None, device=device, dtype=dtype, batch_size=batch_size,
-                                      torch_threads=torch_threads, share_prefix=share_prefix)
+                                      torch_threads=torch_threads, share_prefix=share_prefix,
+                                      prefix_cache_mib=prefix_cache_mib)
         self.checkpoint_loads, self.head_loads = 1, 0
         self.text_model, self.head_dir = self._plain, None
         self._multi: tuple[tuple, Any] | None = None  # (head dirs, HFMultiHeadModel) of the last multi-head op

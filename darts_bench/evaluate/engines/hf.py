@@ -23,6 +23,7 @@ of ``ray.shard_size`` prompts (the in-process worker or the Ray actors).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,12 +31,16 @@ import torch
 
 from darts_bench.evaluate.engines.base import Backend
 from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm
+from darts_bench.evaluate.prefix_cache import PREFIX_BLOCK_TOKENS, PrefixBlockCache
 from darts_bench.surgery.heads import load_head
+
+log = logging.getLogger("darts_bench")
 
 
 def load_text_model(model_dir: str | Path, name: str = "model", head_dir: str | Path | None = None, *,
                     device: str = "cpu", dtype: str = "float32", batch_size: int = 8,
-                    torch_threads: int | None = None, share_prefix: bool = False) -> HFTextModel:
+                    torch_threads: int | None = None, share_prefix: bool = False,
+                    prefix_cache_mib: int = 0) -> HFTextModel:
     """Load ``model_dir`` (HF checkpoint dir) as an :class:`HFTextModel` named ``name``, with the head
     saved in ``head_dir`` attached (None: the plain model).
 
@@ -46,6 +51,9 @@ def load_text_model(model_dir: str | Path, name: str = "model", head_dir: str | 
         torch_threads: ``torch.set_num_threads`` first (None: unchanged).
         share_prefix: ``HFTextModel``'s ``share_prefix`` (``evaluate.share_prefix``): a context shared by
             several distinct pairs of a score call is forwarded once.
+        prefix_cache_mib: with ``share_prefix``, a :class:`~darts_bench.evaluate.prefix_cache.PrefixBlockCache`
+            of this many MiB for the plain model's shared contexts across calls (``evaluate.prefix_cache_mib``;
+            0: none).
     Raises:
         FileNotFoundError / ValueError: the checkpoint dir is missing, incomplete or corrupt
             (:func:`~darts_bench.evaluate.hf_model.check_checkpoint`), or the head's files are
@@ -55,7 +63,8 @@ def load_text_model(model_dir: str | Path, name: str = "model", head_dir: str | 
         torch.set_num_threads(torch_threads)
     model, tok = load_causal_lm(model_dir, dtype=getattr(torch, dtype), device=device)
     return HFTextModel(name, model, tok, head=load_head(head_dir) if head_dir else None, batch_size=batch_size,
-                       share_prefix=share_prefix)
+                       share_prefix=share_prefix,
+                       prefix_cache=PrefixBlockCache.from_mib(prefix_cache_mib) if share_prefix else None)
 
 
 class HFBackend(Backend):
@@ -83,15 +92,19 @@ class HFBackend(Backend):
     @classmethod
     def cache_key(cls, cfg, role: str = "evaluate") -> dict[str, Any]:
         """Empty by default: HF artifact keys carry no backend part (they predate the backends). With
-        ``evaluate.share_prefix`` the evaluate role's key says so (its scores differ at rounding level)."""
-        return {"share_prefix": True} if role == "evaluate" and cfg.evaluate.share_prefix else {}
+        ``evaluate.share_prefix`` the evaluate role's key says so (its scores differ at rounding level), and
+        with ``evaluate.prefix_cache_mib`` too the block size (:mod:`darts_bench.evaluate.prefix_cache`: values
+        depend on it, not on the budget)."""
+        if role != "evaluate" or not cfg.evaluate.share_prefix:
+            return {}
+        return {"share_prefix": True, **({"prefix_blocks": PREFIX_BLOCK_TOKENS} if cfg.evaluate.prefix_cache_mib else {})}
 
     def _load(self, name: str, model_dir: str, head_dir: str | None) -> HFTextModel:
         self._loads += 1
         c = self.cfg
         return load_text_model(model_dir, name, head_dir, device=c.device, dtype=c.pool.dtype,
                                batch_size=self.batch_size, torch_threads=c.torch_threads,
-                               share_prefix=c.evaluate.share_prefix)
+                               share_prefix=c.evaluate.share_prefix, prefix_cache_mib=c.evaluate.prefix_cache_mib)
 
     def _open_proxy(self, name: str, model_dir: str, head_dir: str | None):
         return self.executor.text_model(name, model_dir, head_dir, batch_size=self.batch_size)
@@ -117,7 +130,8 @@ class HFBackend(Backend):
         if live and (head or any(w.head is not None for w in live)):
             return self._load(name, key, head)  # a head would act on the other wrapper's forwards: a private copy
         w = _Shared(name, base.model, base.tokenizer, head=load_head(head) if head else None,
-                    batch_size=self.batch_size, max_length=base.max_length, share_prefix=base.share_prefix)
+                    batch_size=self.batch_size, max_length=base.max_length, share_prefix=base.share_prefix,
+                    prefix_cache=base.prefix_cache)
         live.append(w)
         return w
 
@@ -161,7 +175,12 @@ class HFBackend(Backend):
         return [s[0] for part in gens for s in part]
 
     def close(self) -> None:
-        """Drop every loaded model and close the held proxies (their actors are released)."""
+        """Drop every loaded model and close the held proxies (their actors are released); log what each
+        model's prefix cache (``evaluate.prefix_cache_mib``) saved."""
+        for key, base in self._base.items():
+            pc = base.prefix_cache
+            if pc is not None and (pc.hits or pc.misses):
+                log.info("prefix cache of %s: %s", key, pc.summary())
         super().close()
         self._base.clear()
         self._pinned.clear()

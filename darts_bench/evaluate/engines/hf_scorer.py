@@ -33,11 +33,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
+import logging
+
 import torch
 
 from darts_bench.api import ScoreContinuation
 from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm
+from darts_bench.evaluate.prefix_cache import PrefixBlockCache
 from darts_bench.surgery.heads import load_head
+
+log = logging.getLogger("darts_bench")
 
 
 class HFScorer:
@@ -49,13 +54,19 @@ class HFScorer:
         device: torch device of the copy (``cpu``; ``cuda`` beside a GPU engine).
         share_prefix: forward a context shared by several pairs of a call once (``HFTextModel``'s
             ``share_prefix``; ``evaluate.vllm.scoring: shared``).
+        prefix_cache_mib: with ``share_prefix``, keep the plain model's shared contexts' KV blocks across
+            calls, up to this many MiB (:class:`~darts_bench.evaluate.prefix_cache.PrefixBlockCache`;
+            ``evaluate.vllm.prefix_cache_mib``; 0: none). Dropped with the copy (:meth:`close`).
 
     Attributes:
         loads: checkpoint loads so far (0 until the first score; then 1).
     """
 
-    def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu", share_prefix: bool = False):
+    def __init__(self, model_dir: str | Path, dtype: str = "float32", device: str = "cpu", share_prefix: bool = False,
+                 prefix_cache_mib: int = 0):
         self.model_dir, self.dtype, self.device, self.share_prefix = str(model_dir), dtype, device, share_prefix
+        self.prefix_cache_mib = prefix_cache_mib if share_prefix else 0
+        self.prefix_cache = None
         self._model = self._tok = None
         self.loads = 0
 
@@ -63,13 +74,15 @@ class HFScorer:
         if self._model is None:
             self._model, self._tok = load_causal_lm(self.model_dir, dtype=getattr(torch, self.dtype),
                                                     device=self.device)
+            self.prefix_cache = PrefixBlockCache.from_mib(self.prefix_cache_mib)
             self.loads += 1
         return self._model, self._tok
 
     def _plain(self, name: str, head_dir: str | Path | None, batch_size: int, max_length: int | None) -> HFTextModel:
         model, tok = self._loaded()
         return HFTextModel(name, model, tok, head=load_head(head_dir) if head_dir else None, batch_size=batch_size,
-                           max_length=max_length, score_by_length=True, share_prefix=self.share_prefix)
+                           max_length=max_length, score_by_length=True, share_prefix=self.share_prefix,
+                           prefix_cache=self.prefix_cache)
 
     def score(self, contexts: Sequence[str], continuations: Sequence[str], head_dir: str | Path | None = None,
               batch_size: int = 8, max_length: int | None = None, name: str = "scorer") -> list[ScoreContinuation]:
@@ -112,5 +125,7 @@ class HFScorer:
                                                name=name).score(requests)
 
     def close(self) -> None:
-        """Drop the copy (the next score loads it again)."""
-        self._model = self._tok = None
+        """Drop the copy and its prefix cache (the next score loads it again), logging what the cache saved."""
+        if self.prefix_cache is not None and (self.prefix_cache.hits or self.prefix_cache.misses):
+            log.info("prefix cache of the HF copy of %s: %s", self.model_dir, self.prefix_cache.summary())
+        self._model = self._tok = self.prefix_cache = None

@@ -62,6 +62,7 @@ from darts_bench.evaluate.engines.base import Backend
 from darts_bench.evaluate.engines.hf_scorer import HFScorer
 from darts_bench.evaluate.engines.vllm_plugin import darts_arch
 from darts_bench.evaluate.hf_model import check_checkpoint, cut_at_stop, format_chat
+from darts_bench.evaluate.prefix_cache import PREFIX_BLOCK_TOKENS
 
 log = logging.getLogger("darts_bench")
 
@@ -242,8 +243,10 @@ class VLLMEngine:
         # evaluate.vllm.scoring hf | heads | shared: teacher-forced scores (all, a head's, a head's and those
         # sharing a context) from a transformers copy
         self.scoring = getattr(vcfg, "scoring", "engine")
-        self.scorer = HFScorer(self.model_dir, self.dtype, "cpu" if self.on_cpu else "cuda",
-                               share_prefix=self.scoring == "shared") if self.scoring != "engine" else None
+        shared = self.scoring == "shared"
+        self.scorer = HFScorer(self.model_dir, self.dtype, "cpu" if self.on_cpu else "cuda", share_prefix=shared,
+                               prefix_cache_mib=getattr(vcfg, "prefix_cache_mib", 0) if shared else 0) \
+            if self.scoring != "engine" else None
         log.info("vLLM engine for %s up in %.1f s (dtype %s, processes %s)", self.model_dir, self.startup_s,
                  self.dtype, sorted(self._pids))
         atexit.register(self.shutdown)
@@ -681,10 +684,14 @@ class VLLMBackend(Backend):
         """The engine settings (``evaluate.vllm``) and dtype: bf16 outputs differ between engines.
         ``evaluate.vllm.scoring`` is in the key only where it changes numbers: the ``evaluate``
         role with ``hf`` or ``heads`` scoring (``engine``, the default, keeps the keys it had before the setting
-        existed; collect's continuations never score)."""
+        existed; collect's continuations never score); ``evaluate.vllm.prefix_cache_mib`` as the block size
+        (:data:`~darts_bench.evaluate.prefix_cache.PREFIX_BLOCK_TOKENS`) only with ``shared`` scoring."""
         vllm = cfg.evaluate.vllm.model_dump(mode="json")
         if role != "evaluate" or vllm["scoring"] == "engine":
             del vllm["scoring"]
+        # the block cache changes numbers only where shared contexts reach the copy; its budget never does
+        if vllm.pop("prefix_cache_mib") and role == "evaluate" and vllm.get("scoring") == "shared":
+            vllm["prefix_blocks"] = PREFIX_BLOCK_TOKENS
         return {"backend": cls.name, "vllm": vllm, "dtype": cfg.pool.dtype}
 
     # ------------------------------------------------------------------ in-process engines
