@@ -376,7 +376,11 @@ class Task(ABC):
           the judge scores teacher-forced, e.g. a forced choice between verdicts: a forward with
           the full-vocabulary logits on vLLM, a plain forward on HF) and ``scored_per_prompt``
           (int >= 1, default 1: how many of those scored sequences share one prompt, e.g. 2
-          verdicts; ``evaluate.vllm.scoring: shared`` forwards such a prompt once).
+          verdicts; ``evaluate.vllm.scoring: shared`` forwards such a prompt once) and
+          ``shared_tokens_per_row`` (int >= 0: of one row's scored prompts, the tokens every other row's
+          prompts for the same example start with too, e.g. the template, instruction and reference; with the
+          judge's prefix cache, ``evaluate.prefix_cache_mib`` / ``evaluate.vllm.prefix_cache_mib``, forwarded
+          once for the stage instead of once per row).
         * ``what`` / ``where`` (str): text appended to the evaluate stage's description / placement.
 
         Returns ``{}`` (the default) when the protocol costs nothing more."""

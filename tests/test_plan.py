@@ -301,8 +301,10 @@ def test_alpacaeval_plan_declares_its_local_judge_and_its_tokens(monkeypatch, tm
     """AlpacaEval's ``plan()``: one judge call per example and order; a call reads the template (300),
     the instruction (50), the model's output (max_new_tokens) and the reference (350) tokens. In the
     local judge's default ``score`` mode it scores both verdicts (4 tokens each) after the whole prompt:
-    two teacher-forced sequences per call, nothing generated; in ``generate`` mode it writes
-    judge.max_new_tokens (8). The judge is the local expert:instruction."""
+    two teacher-forced sequences per call, nothing generated, and each row's prompts share the template and
+    instruction (both orders) and the reference (reference first) with every other row's: 805 x (2 x 350 +
+    350) tokens; in ``generate`` mode it writes judge.max_new_tokens (8). The judge is the local
+    expert:instruction."""
     import shutil
 
     from darts_bench.api import get_task
@@ -311,7 +313,8 @@ def test_alpacaeval_plan_declares_its_local_judge_and_its_tokens(monkeypatch, tm
     got = task.plan(cfg.tasks.alpacaeval, 805)
     assert got == {"judge": {"label": "local judge expert:instruction", "model": "expert:instruction",
                              "prompt_tokens_per_row": 0, "new_tokens_per_row": 0,
-                             "scored_tokens_per_row": 8_861_440, "scored_per_prompt": 2},
+                             "scored_tokens_per_row": 8_861_440, "scored_per_prompt": 2,
+                             "shared_tokens_per_row": 845_250},
                    "what": "AlpacaEval judge expert:instruction"}
     assert 805 * 2 * 2 * (300 + 50 + 2048 + 350 + 4) == 8_861_440  # 2048: MergeLM's cap
     plan = make_plan(cfg)
@@ -546,7 +549,9 @@ def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
     assert k["load_seconds"] == pytest.approx(e["load_seconds"] + 2 * hf["load_seconds"] / hf["model_loads"])
     assert h["seconds"] < k["seconds"] < e["seconds"]
     # shared: as heads, and the judge's two verdicts per prompt from a copy beside the judge's engine, each prompt
-    # forwarded once at the forward rate (the judge's scored tokens / 2); a second copy, loaded once
+    # forwarded once at the forward rate (the judge's scored tokens / 2), and with the preset's prefix cache
+    # (evaluate.vllm.prefix_cache_mib) the 10 x (2 x 350 + 350) tokens every row's prompts share once for the
+    # stage, not once for each of the 24 rows; a second copy, loaded once
     from darts_bench.plan.resources import forward_seconds
 
     sh = make_plan(load_config("smollm2-135m", [*sets, "evaluate.vllm.scoring=shared"]))
@@ -558,7 +563,7 @@ def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
     P, kind = sh["model"]["params"], "cpu"
     judged = e["judge_tokens"]  # all scored: the judge's default score mode generates nothing
     assert (r["seconds"] - r["load_seconds"]) - (k["seconds"] - k["load_seconds"]) == pytest.approx(
-        forward_seconds(judged / 2, P, kind) - forward_seconds(judged, P, kind, rate="logits"))
+        forward_seconds(judged / 2 - (24 - 1) * 10_500, P, kind) - forward_seconds(judged, P, kind, rate="logits"))
     assert r["seconds"] < k["seconds"]
 
 
@@ -569,7 +574,8 @@ def test_hf_share_prefix_counts_each_judge_prompt_once():
     from darts_bench.plan.resources import forward_seconds
 
     off = make_plan(load_config("smollm2-135m", ["evaluate.share_prefix=false"]))
-    b = make_plan(load_config("smollm2-135m"))["stages"]["evaluate"]  # the preset's setting
+    # the preset's setting, without its prefix cache (test_the_judge_prefix_cache_forwards_the_shared_prompt_tokens_once)
+    b = make_plan(load_config("smollm2-135m", ["evaluate.prefix_cache_mib=0"]))["stages"]["evaluate"]
     a = off["stages"]["evaluate"]
     judged = a["judge_tokens"]  # all scored: the judge's default score mode generates nothing
     timed = ("seconds", "wall_seconds", "device_hours")
@@ -742,3 +748,28 @@ def test_train_line_counts_the_diagnostics():
     wide = train("surgery.rank=200")
     assert wide["diagnostics_matmuls"] - both["diagnostics_matmuls"] == M * n * 3 * meth
     assert train("surgery.entropy_source=kl")["diagnostics_flops"] > both["diagnostics_flops"]
+
+
+def test_the_judge_prefix_cache_forwards_the_shared_prompt_tokens_once():
+    """With the judge's prefix cache (vLLM: scoring shared + evaluate.vllm.prefix_cache_mib; hf: share_prefix +
+    evaluate.prefix_cache_mib) the evaluate stage's seconds drop by exactly the forward of the shared prompt
+    tokens (AlpacaEval's ``shared_tokens_per_row``) of every evaluated row but one; with heads scoring no judge
+    prompt reaches the copy and the cache changes nothing."""
+    from darts_bench.plan.resources import forward_seconds
+    from darts_bench.plan.stages import plan_inputs
+
+    def evaluate(*sets):
+        cfg = load_config("smollm2-135m", list(sets))
+        return make_plan(cfg)["stages"]["evaluate"]["seconds"], plan_inputs(cfg)[0]
+
+    for backend, key, extra in (("vllm", "evaluate.vllm.prefix_cache_mib", ["evaluate.vllm.scoring=shared"]),
+                                ("hf", "evaluate.prefix_cache_mib", ["evaluate.share_prefix=true"])):
+        cached, x = evaluate(f"evaluate.backend={backend}", *extra, f"{key}=512")
+        plain, _ = evaluate(f"evaluate.backend={backend}", *extra, f"{key}=0")
+        shared = x.needs["alpacaeval"]["judge"]["shared_tokens_per_row"]
+        assert shared == 10 * (2 * 350 + 350)  # the preset's 10 instructions
+        assert plain - cached == pytest.approx(forward_seconds((len(x.evaluated) - 1) * shared, x.params, "cpu"),
+                                               rel=1e-9), backend
+    a, _ = evaluate("evaluate.backend=vllm", "evaluate.vllm.scoring=heads", "evaluate.vllm.prefix_cache_mib=512")
+    b, _ = evaluate("evaluate.backend=vllm", "evaluate.vllm.scoring=heads", "evaluate.vllm.prefix_cache_mib=0")
+    assert a == b

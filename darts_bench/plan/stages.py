@@ -47,7 +47,7 @@ TYPICAL_TOKENS = {
 POSITION_BIAS = {"surgery": False, "darts": True, "darts_ew_only": False, "darts_pos_only": True}
 _PLAN_KEYS = {"judge", "what", "where"}
 _JUDGE_KEYS = {"label", "model", "prompt_tokens_per_row", "new_tokens_per_row"}
-_JUDGE_OPTIONAL = {"scored_tokens_per_row", "scored_per_prompt"}
+_JUDGE_OPTIONAL = {"scored_tokens_per_row", "scored_per_prompt", "shared_tokens_per_row"}
 
 
 @dataclass(frozen=True)
@@ -742,6 +742,8 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     copy_judges = scoring_judges if scoring == "shared" else set()
     # ... and the hf backend's with evaluate.share_prefix: each prompt forwarded once for its verdicts
     once_judges = scoring_judges if copy_judges or (not vllm and cfg.evaluate.share_prefix) else set()
+    # ... and with the prefix cache the prompts' shared tokens (template, instruction, reference) once for the stage
+    cached_prefix = bool(cfg.evaluate.vllm.prefix_cache_mib if vllm else cfg.evaluate.prefix_cache_mib)
     judges = x.local_judges
     layout = one_pass_layout(cfg)
     native = layout is not None
@@ -892,7 +894,9 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
             j = x.needs[t]["judge"]
             secs += gen(rows * j["prompt_tokens_per_row"], rows * j["new_tokens_per_row"])
             if t in once_judges:  # each prompt forwarded once for its scored_per_prompt verdicts
-                secs += forward_seconds(rows * j["scored_tokens_per_row"] / j.get("scored_per_prompt", 1), P, kind)
+                per_row = j["scored_tokens_per_row"] / j.get("scored_per_prompt", 1)
+                shared = min(j.get("shared_tokens_per_row", 0), per_row) if cached_prefix else 0
+                secs += forward_seconds(rows * (per_row - shared) + shared, P, kind)
             else:
                 secs += forward_seconds(rows * j.get("scored_tokens_per_row", 0), P, kind, rate=score_rate)
     s["seconds"] = secs

@@ -167,7 +167,9 @@ class AlpacaEvalTask(Task):
         output (``max_new_tokens``) and the reference output. The local judge in ``score`` mode (the
         annotator config's default) scores both verdicts (:attr:`verdict_tokens` each) after the whole
         prompt, two teacher-forced sequences per call (``scored_tokens_per_row``) that share the prompt
-        (``scored_per_prompt``: 2); in ``generate`` mode,
+        (``scored_per_prompt``: 2), and every row's prompt for an example starts with the template, the
+        instruction and, in the order with the reference first, the reference (``shared_tokens_per_row``: the
+        judge's prefix cache forwards them once); in ``generate`` mode,
         and a named annotator, it reads the prompt and writes ``judge.max_new_tokens``."""
         j = config.judge
         named = j.annotator
@@ -176,8 +178,12 @@ class AlpacaEvalTask(Task):
                  + self.typical_tokens["reference"])
         mode = (load_annotator_config(self.annotators_config)[2].get("completions_kwargs") or {}).get("mode", "score")
         if named is None and mode == "score":
+            head = self.judge_template_tokens + self.typical_tokens["prompt"]
+            shared = n_examples * (2 * head + self.typical_tokens["reference"] if j.both_orders
+                                   else head + self.typical_tokens["reference"])
             tokens = {"prompt_tokens_per_row": 0, "new_tokens_per_row": 0,
-                      "scored_tokens_per_row": calls * 2 * (reads + self.verdict_tokens), "scored_per_prompt": 2}
+                      "scored_tokens_per_row": calls * 2 * (reads + self.verdict_tokens), "scored_per_prompt": 2,
+                      "shared_tokens_per_row": shared}
         else:
             tokens = {"prompt_tokens_per_row": calls * reads, "new_tokens_per_row": calls * j.max_new_tokens}
         return {"judge": {"label": named or f"local judge {j.model}", "model": None if named else j.model,
