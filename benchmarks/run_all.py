@@ -34,6 +34,7 @@ BENCHES = {
     "generate": "bench_generate.py",
     "eval_heads": "bench_eval_heads.py",
     "judge_memo": "bench_judge_memo.py",
+    "judge_prefix_cache": "bench_judge_prefix_cache.py",
     "diagnostics": "bench_diagnostics.py",
     "merge_memory": "bench_merge_memory.py",
     "score_memory": "bench_score_memory.py",
