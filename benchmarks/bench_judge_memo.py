@@ -52,6 +52,22 @@ def merge_rows(results: Path, merge: str) -> dict[str, list[tuple[str, str, str]
     return rows
 
 
+class Recording:
+    """The judge, appending each scored sequence's NLL to ``nlls[key]`` (the plain path's count, the NLL
+    comparison); everything else is the judge's."""
+
+    def __init__(self, model, nlls: dict[str, list[float]], key: str):
+        self.model, self.nlls, self.key = model, nlls, key
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def score(self, contexts, continuations):
+        got = self.model.score(contexts, continuations)
+        self.nlls[self.key] += [g.nll for g in got]
+        return got
+
+
 def main() -> None:
     from tasks.alpacaeval.judge import judge_pairs
 
@@ -74,23 +90,11 @@ def main() -> None:
     nlls: dict[str, list[float]] = {k: [] for k in out}  # per path, every sequence the judge scored, in call order
     counted: dict[str, int] = {}
 
-    class Recording:  # the judge, keeping each scored sequence's NLL (the plain path's count, the NLL comparison)
-        def __init__(self, model, key):
-            self.model, self.key = model, key
-
-        def __getattr__(self, name):
-            return getattr(self.model, name)
-
-        def score(self, contexts, continuations):
-            got = self.model.score(contexts, continuations)
-            nlls[self.key] += [g.nll for g in got]
-            return got
-
     def path(key: str, model, memoised: bool):
         """One timed unit: every row's judge calls, on ``model`` directly or through a fresh memo."""
         def unit(_u):
             nlls[key], m = [], CallMemo()
-            judged = Recording(model, key)
+            judged = Recording(model, nlls, key)
             out[key] = {r: judge_pairs(MemoModel(judged, m) if memoised else judged, p) for r, p in pairs.items()}
             counted[key] = m.computed["score"] if memoised else len(nlls[key])
         return unit

@@ -29,7 +29,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import common  # noqa: F401  (sets sys.path and env first)
-from bench_judge_memo import merge_rows
+from bench_judge_memo import Recording, merge_rows
 
 from darts_bench.evaluate.hf_model import HFTextModel
 from darts_bench.evaluate.memo import CallMemo, MemoModel
@@ -61,18 +61,6 @@ def main() -> None:
     tokens: dict[str, int] = {k: 0 for k in judges}
     caches: dict[str, PrefixBlockCache] = {}
 
-    class Recording:  # the judge, keeping each scored sequence's NLL
-        def __init__(self, model, key):
-            self.model, self.key = model, key
-
-        def __getattr__(self, name):
-            return getattr(self.model, name)
-
-        def score(self, contexts, continuations):
-            got = self.model.score(contexts, continuations)
-            nlls[self.key] += [g.nll for g in got]
-            return got
-
     def path(key: str):
         """One timed unit: every row's judge calls through one fresh memo (and, for blocks, one fresh cache)."""
         judge = judges[key]
@@ -87,7 +75,7 @@ def main() -> None:
 
             hook = model.get_input_embeddings().register_forward_hook(count)
             try:
-                out[key] = {r: judge_pairs(MemoModel(Recording(judge, key), memo), p) for r, p in pairs.items()}
+                out[key] = {r: judge_pairs(MemoModel(Recording(judge, nlls, key), memo), p) for r, p in pairs.items()}
             finally:
                 hook.remove()
         return unit

@@ -112,6 +112,7 @@ def test_backends_chosen_by_name_from_the_config():
     assert backend_key(cfg, "evaluate") == {}
     settings = cfg.evaluate.vllm.model_dump(mode="json")
     del settings["scoring"]  # collect's continuations never score
+    del settings["prefix_cache_mib"]  # a budget never changes values (the block size is keyed where the cache acts)
     assert backend_key(cfg, "calibration") == {"backend": "vllm", "vllm": settings, "dtype": cfg.pool.dtype}
     # evaluate.vllm.scoring is in the evaluate key only when it is not engine: the default keeps the keys that
     # vLLM runs had before the setting existed (these fields), and calibration's key never has it
