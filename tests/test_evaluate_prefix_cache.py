@@ -60,7 +60,9 @@ def test_blocks_equal_the_full_forward_and_do_not_depend_on_the_cache(ckpt):
     tiny = [_nll(tiny_model.score(*c)) for c in calls]
     back_model = _model(ckpt, PrefixBlockCache(1 << 30, block=4))
     back = [_nll(back_model.score(*c)) for c in reversed(calls)][::-1]
-    assert warm == cold == tiny == back
+    capped_model = _model(ckpt, PrefixBlockCache(1 << 30, block=4, max_batch_tokens=8))  # one block per forward
+    capped = [_nll(capped_model.score(*c)) for c in calls]
+    assert warm == cold == tiny == back == capped
     for f, w in zip(full, warm):
         for a, b in zip(f, w):
             assert b == pytest.approx(a, rel=1e-6, abs=0)
@@ -117,8 +119,9 @@ def test_a_head_or_a_sliding_window_keeps_the_plain_path(ckpt):
     assert not blocks_supported(model)
     model.config.use_sliding_window = False  # Qwen2-style: the window only when switched on
     assert blocks_supported(model)
-    with pytest.raises(ValueError, match="max_bytes"):
-        PrefixBlockCache(0)
+    for bad in ({"max_bytes": 0}, {"max_bytes": 1, "max_batch_tokens": 0}):
+        with pytest.raises(ValueError, match="max_bytes, block"):
+            PrefixBlockCache(**bad)
     assert PrefixBlockCache.from_mib(0) is None and PrefixBlockCache.from_mib(2).max_bytes == 2 << 20
 
 

@@ -65,17 +65,22 @@ class PrefixBlockCache:
             recently used go first. At least one block is always computed, even beyond the budget.
         block: tokens per block (None: :data:`PREFIX_BLOCK_TOKENS`, read when the cache is made).
         max_batch: most blocks computed in one forward (blocks of the same index in different contexts).
+        max_batch_tokens: most tokens (the blocks' and the blocks' before them) in one such forward, at least one
+            block: its past is stacked and then extended, two copies of ``[batch, kv_heads, tokens, head_dim]`` per
+            layer (SmolLM2-135M fp32: 4,096 tokens ~ 2 x 190 MB; 16 blocks at index 20 would be 2 x 2.2 GB).
 
     Attributes:
-        hits, misses: blocks found / computed so far; ``forwarded``: tokens the blocks' forwards ran.
+        hits, misses: blocks a call found (made by an earlier call) / computed so far; ``forwarded``: tokens the
+            blocks' forwards ran.
     """
 
-    def __init__(self, max_bytes: int, block: int | None = None, max_batch: int = 16):
+    def __init__(self, max_bytes: int, block: int | None = None, max_batch: int = 16, max_batch_tokens: int = 4096):
         block = PREFIX_BLOCK_TOKENS if block is None else block
-        if max_bytes < 1 or block < 1 or max_batch < 1:
-            raise ValueError(f"prefix cache: max_bytes, block and max_batch must be >= 1, got {max_bytes}, {block}, "
-                             f"{max_batch}")
+        if min(max_bytes, block, max_batch, max_batch_tokens) < 1:
+            raise ValueError(f"prefix cache: max_bytes, block, max_batch and max_batch_tokens must be >= 1, got "
+                             f"{max_bytes}, {block}, {max_batch}, {max_batch_tokens}")
         self.max_bytes, self.block, self.max_batch = int(max_bytes), int(block), int(max_batch)
+        self.max_batch_tokens = int(max_batch_tokens)
         # chain digest -> (keys per layer [kv_heads, block, head_dim], values likewise, h [block, d_model], bytes)
         self._blocks: collections.OrderedDict[bytes, tuple] = collections.OrderedDict()
         self.bytes = 0
@@ -113,7 +118,7 @@ class PrefixBlockCache:
         """
         from transformers import DynamicCache
 
-        per = self._gather(model, final_states, prefixes)
+        per = self._gather(model, final_states, prefixes, count=False)  # found or made by the call's prefetch
         P = max(len(p) for p in prefixes)
         first = next(b for bl in per for b in bl)
         n_layers, (kvh, _, hd), d = len(first[0]), first[0][0].shape, first[2].shape[-1]
@@ -141,10 +146,12 @@ class PrefixBlockCache:
         :attr:`max_batch` prefixes rather than one per chunk). As :meth:`states`, without the assembly."""
         self._gather(model, final_states, prefixes)
 
-    def _gather(self, model, final_states: Callable, prefixes: Sequence[Sequence[int]]) -> list[list[tuple]]:
+    def _gather(self, model, final_states: Callable, prefixes: Sequence[Sequence[int]],
+                count: bool = True) -> list[list[tuple]]:
         """The blocks of each prefix: found, or computed block index by block index, up to
         :attr:`max_batch` prefixes per forward, each on its own blocks before (equal lengths: no padding).
-        A block computed here is held for the call even if the budget evicts it from the cache."""
+        A block computed here is held for the call even if the budget evicts it from the cache. ``count``: add the
+        blocks found to :attr:`hits` (not for a chunk's blocks after :meth:`prefetch` found or made them)."""
         from transformers import DynamicCache
 
         from darts_bench.evaluate.hf_model import with_kv_cache
@@ -170,13 +177,14 @@ class PrefixBlockCache:
                 got = self._blocks.get(chain[k])
                 if got is not None:
                     self._blocks.move_to_end(chain[k])
-                    self.hits += 1
+                    self.hits += count
                     have[chain[k]] = got
                 else:
                     todo[chain[k]] = j
             items = list(todo.items())
-            for s in range(0, len(items), self.max_batch):
-                part = items[s:s + self.max_batch]
+            per = max(1, min(self.max_batch, self.max_batch_tokens // ((k + 1) * B)))
+            for s in range(0, len(items), per):
+                part = items[s:s + per]
                 n = len(part)
                 kw = {"input_ids": torch.tensor([list(prefixes[j][k * B:(k + 1) * B]) for _, j in part],
                                                 dtype=torch.long, device=dev),
