@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("samples", type=Path)
-    ap.add_argument("--since", default=None, help="HH:MM:SS (UTC, the samples' day)")
+    ap.add_argument("--since", default=None, help="HH:MM:SS (UTC, the first sample's day; a time over 12 h "
+                    "before the first sample's is on the next day: a run across midnight)")
     ap.add_argument("--until", default=None)
     args = ap.parse_args(argv)
     opener = gzip.open if args.samples.suffix == ".gz" else open
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         if hms is None:
             return default
         t = dt.datetime.strptime(hms, "%H:%M:%S").time()
-        return int(dt.datetime.combine(day, t, dt.timezone.utc).timestamp())
+        when = int(dt.datetime.combine(day, t, dt.timezone.utc).timestamp())
+        return when if when >= first - 43_200 else when + 86_400  # over 12 h before the first sample: the next day
 
     got = phases(text, at(args.since, 0), at(args.until, 1 << 40))
     total = sum(got.values())

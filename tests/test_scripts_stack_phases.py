@@ -100,3 +100,16 @@ def test_an_executor_frame_is_not_code_execution():
     code = ('Thread 6 (active): "eval-m-humaneval"\n    run_programs (darts_bench/sandbox/host.py:760)\n'
             '    check_programs (darts_bench/scoring/code.py:55)\n')
     assert sp.classify(code) == "code execution"
+
+
+def test_a_window_across_midnight_reads_its_times_on_the_next_day(capsys):
+    """Run 17 started at 23:55 and evaluated from 00:18:15 to 00:45:24 the next day: ``--since/--until`` more than
+    12 h before the first sample's time of day are read on the day after it, giving its TIMINGS.md phases."""
+    run17 = RUN.parent / "smollm2-135m-2026-12-05-run17"
+    sp = load_script("stack_phases")
+    sp.main([str(run17 / "run17_driver_stacks.txt.gz"), "--since", "00:18:15", "--until", "00:45:24"])
+    out = capsys.readouterr().out
+    for line in ("| generation | 555 | 34% |", "| judge | 399 | 24% |", "| reference NLL | 362 | 22% |",
+                 "| engine start | 146 | 9% |", "| all | 1,630 | |"):
+        assert line in out
+    assert "the AlpacaEval judge 399 s (24%)" in (run17 / "TIMINGS.md").read_text().replace("\n  ", " ")
