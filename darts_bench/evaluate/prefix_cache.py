@@ -29,12 +29,9 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import logging
 from typing import Callable, Sequence
 
 import torch
-
-log = logging.getLogger("darts_bench")
 
 PREFIX_BLOCK_TOKENS = 64
 """Tokens per cached block: a context shares whole blocks only (the last partial block is forwarded with
@@ -62,7 +59,8 @@ class PrefixBlockCache:
 
     Args:
         max_bytes: most bytes of blocks kept (keys, values and final hidden states); the least
-            recently used go first. At least one block is always computed, even beyond the budget.
+            recently used go first (the newest block is kept even when it alone exceeds the budget; a
+            call holds the blocks it uses until it returns, whatever the budget).
         block: tokens per block (None: :data:`PREFIX_BLOCK_TOKENS`, read when the cache is made).
         max_batch: most blocks computed in one forward (blocks of the same index in different contexts).
         max_batch_tokens: most tokens (the blocks' and the blocks' before them) in one such forward, at least one
