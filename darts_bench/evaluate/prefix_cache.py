@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import logging
 from typing import Callable, Sequence
 
 import torch
+
+log = logging.getLogger("darts_bench")
 
 PREFIX_BLOCK_TOKENS = 64
 """Tokens per cached block: a context shares whole blocks only (the last partial block is forwarded with
@@ -93,6 +96,12 @@ class PrefixBlockCache:
         """One line for the log: blocks found and computed, bytes held."""
         return (f"{self.hits} blocks of {self.block} tokens found, {self.misses} computed "
                 f"({self.forwarded} tokens forwarded), {len(self._blocks)} held ({self.bytes / 2**20:.0f} MiB)")
+
+    def log_use(self, what: str) -> None:
+        """Log :meth:`summary` as ``prefix cache of <what>: ...`` once the cache has been used (the HF backend
+        and the vLLM engine's HF copy, when they drop the model)."""
+        if self.hits or self.misses:
+            log.info("prefix cache of %s: %s", what, self.summary())
 
     def cut(self, n: int) -> int:
         """The tokens of an ``n``-token shared prefix that come from whole blocks."""
@@ -214,9 +223,6 @@ class PrefixBlockCache:
 
 
 def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(keys, values)`` ``[batch, kv_heads, seq, head_dim]`` per layer of a transformers
-    ``DynamicCache`` (its ``layers``, transformers >= 5; ``key_cache`` / ``value_cache`` before)."""
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        return [(layer.keys, layer.values) for layer in layers]
-    return list(zip(cache.key_cache, cache.value_cache))
+    """``(keys, values)`` ``[batch, kv_heads, seq, head_dim]`` per layer of a transformers ``DynamicCache``
+    (its ``layers``: transformers 5, which the project requires)."""
+    return [(layer.keys, layer.values) for layer in cache.layers]

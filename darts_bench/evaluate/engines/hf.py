@@ -23,7 +23,6 @@ of ``ray.shard_size`` prompts (the in-process worker or the Ray actors).
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -33,8 +32,6 @@ from darts_bench.evaluate.engines.base import Backend
 from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm
 from darts_bench.evaluate.prefix_cache import PREFIX_BLOCK_TOKENS, PrefixBlockCache
 from darts_bench.surgery.heads import load_head
-
-log = logging.getLogger("darts_bench")
 
 
 def load_text_model(model_dir: str | Path, name: str = "model", head_dir: str | Path | None = None, *,
@@ -178,9 +175,8 @@ class HFBackend(Backend):
         """Drop every loaded model and close the held proxies (their actors are released); log what each
         model's prefix cache (``evaluate.prefix_cache_mib``) saved."""
         for key, base in self._base.items():
-            pc = base.prefix_cache
-            if pc is not None and (pc.hits or pc.misses):
-                log.info("prefix cache of %s: %s", key, pc.summary())
+            if base.prefix_cache is not None:
+                base.prefix_cache.log_use(key)
         super().close()
         self._base.clear()
         self._pinned.clear()

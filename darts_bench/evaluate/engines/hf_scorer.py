@@ -33,16 +33,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-import logging
-
 import torch
 
 from darts_bench.api import ScoreContinuation
 from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm
 from darts_bench.evaluate.prefix_cache import PrefixBlockCache
 from darts_bench.surgery.heads import load_head
-
-log = logging.getLogger("darts_bench")
 
 
 class HFScorer:
@@ -126,6 +122,6 @@ class HFScorer:
 
     def close(self) -> None:
         """Drop the copy and its prefix cache (the next score loads it again), logging what the cache saved."""
-        if self.prefix_cache is not None and (self.prefix_cache.hits or self.prefix_cache.misses):
-            log.info("prefix cache of the HF copy of %s: %s", self.model_dir, self.prefix_cache.summary())
+        if self.prefix_cache is not None:
+            self.prefix_cache.log_use(f"the HF copy of {self.model_dir}")
         self._model = self._tok = self.prefix_cache = None
