@@ -180,3 +180,24 @@ def test_keys_and_backends_carry_the_cache(ckpt, monkeypatch, caplog):
         scorer.close()
     assert scorer.prefix_cache is None and "prefix cache of the HF copy" in caplog.text
     assert HFScorer(ckpt[0], share_prefix=False, prefix_cache_mib=1).prefix_cache_mib == 0
+
+
+def test_bfloat16_blocks_do_not_depend_on_the_cache(ckpt):
+    """A bfloat16 judge (a user's half-precision checkpoint): cold, warm, evicting and one-block-per-forward caches
+    give bitwise equal scores, within 1e-3 relative of the full forward (bfloat16 rounding)."""
+    import torch
+
+    model, tok = load_causal_lm(ckpt[0], dtype=torch.bfloat16)
+    calls = [judge_call(row) for row in OUTPUTS]
+
+    def run(cache, order=calls):
+        tm = HFTextModel("judge", model, tok, batch_size=3, score_by_length=True, share_prefix=True, prefix_cache=cache)
+        return [_nll(tm.score(*c)) for c in order]
+
+    warm = run(PrefixBlockCache(1 << 30, block=4))
+    assert warm == [run(PrefixBlockCache(1 << 30, block=4), [c])[0] for c in calls]
+    assert warm == run(PrefixBlockCache(1, block=4)) == run(PrefixBlockCache(1 << 30, block=4, max_batch_tokens=4))
+    full = [_nll(HFTextModel("judge", model, tok, batch_size=3, score_by_length=True).score(*c)) for c in calls]
+    for f, w in zip(full, warm):
+        for a, b in zip(f, w):
+            assert b == pytest.approx(a, rel=1e-3, abs=0)

@@ -23,7 +23,7 @@ judge prompts, verdicts equal), so the evaluate key names the block size where t
 A cache belongs to one set of weights: its blocks are keyed by tokens alone, so weights changed in place after
 it was filled would be served stale keys and values. The pipeline never does that (heads are hooks after the
 last layer); the HF backend keeps one cache per loaded model and the vLLM engine's HF copy drops its cache with
-the copy. Measured in bfloat16 too (the test model on the CPU): the scores are as independent of the cache's
+the copy. Tested in bfloat16 too (the test model on the CPU, `test_bfloat16_blocks_do_not_depend_on_the_cache`): the scores are as independent of the cache's
 contents (bitwise) as in float32, within 1.6e-4 relative of the full forward.
 
 Only the plain model is cached (no correction head: a head changes the final hidden states, not the
