@@ -11,8 +11,9 @@ One timed unit is one call:
 
   lm_head per head  ``Diagnostics(..., factored=False)``: ``[tokens, d] x [d, V]`` per head
   factored          ``Diagnostics(...)``: the plain logits once, each head's as
-                    ``W h - (W U) relu(D h) + (W b)[p]`` (a rank-16 matmul and the bias rows of the
-                    block's distinct positions)
+                    ``W h - (W U) relu(D h) + (W b)[p]`` (a rank-16 matmul, and the bias rows of
+                    the positions no earlier block had: each once per head since 2026-12-05, before
+                    that every block's distinct positions)
 
 Figures: ``diagnostics_factored`` = {ratio: lm_head per head / factored (median wall per call),
 max_rel_kl: the largest relative difference of a per-token KL, agree_identical: per-token top-1

@@ -541,7 +541,8 @@ class VLLMConfig(_Strict):
         "auto", description="'auto': pool.dtype (compare engines in float32)")
     max_model_len: int | None = Field(None, ge=16, description="tokens per request; None: the model's "
                                       "max_position_embeddings + 1 (the window plus the last sampled token)")
-    max_num_seqs: int = Field(32, ge=1, description="requests batched per engine step")
+    max_num_seqs: int = Field(32, ge=1, description="requests batched per engine step; float32 on the CPU: "
+                              "outputs do not depend on it (not in the cache key there; VLLMBackend.cache_key)")
     max_num_batched_tokens: int | None = Field(None, ge=16, description="tokens per step (chunked prefill)")
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True

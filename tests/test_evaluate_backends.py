@@ -113,6 +113,7 @@ def test_backends_chosen_by_name_from_the_config():
     settings = cfg.evaluate.vllm.model_dump(mode="json")
     del settings["scoring"]  # collect's continuations never score
     del settings["prefix_cache_mib"]  # a budget never changes values (the block size is keyed where the cache acts)
+    del settings["max_num_seqs"]  # float32 on the CPU: batch-invariant (test_max_num_seqs_keyed_where_it_changes_values)
     assert backend_key(cfg, "calibration") == {"backend": "vllm", "vllm": settings, "dtype": cfg.pool.dtype}
     # evaluate.vllm.scoring is in the evaluate key only when it is not engine: the default keeps the keys that
     # vLLM runs had before the setting existed (these fields), and calibration's key never has it
@@ -120,7 +121,7 @@ def test_backends_chosen_by_name_from_the_config():
     engine, hf = load_config("tiny", on), load_config("tiny", [*on, "evaluate.vllm.scoring=hf"])
     assert sorted(backend_key(engine, "evaluate")["vllm"]) == [
         "cpu_threads_bind", "dtype", "enable_chunked_prefill", "enable_prefix_caching", "enforce_eager",
-        "gpu_memory_utilization", "kv_cache_gb", "max_model_len", "max_num_batched_tokens", "max_num_seqs",
+        "gpu_memory_utilization", "kv_cache_gb", "max_model_len", "max_num_batched_tokens",
         "tensor_parallel_size"]
     assert backend_key(hf, "evaluate")["vllm"] == {**backend_key(engine, "evaluate")["vllm"], "scoring": "hf"}
     assert backend_key(hf, "calibration") == backend_key(engine, "calibration")
@@ -140,6 +141,25 @@ def test_backends_chosen_by_name_from_the_config():
         assert a.key == b.key
     with pytest.raises(ValueError, match="unknown backend role 'train'"):
         backend_class(cfg, "train")
+
+
+def test_max_num_seqs_keyed_where_it_changes_values():
+    """``evaluate.vllm.max_num_seqs`` (requests per decoding step) is a setting of speed only for a float32
+    engine on the CPU (its outputs do not depend on the batch: tests/test_evaluate_vllm_parity.py), so it is
+    in no key there, for either role; a 16-bit engine (pool.dtype or evaluate.vllm.dtype) or one on a GPU
+    keys it."""
+    on = ["evaluate.backend=vllm", "calibration.backend=vllm"]
+    for role in ("evaluate", "calibration"):
+        base = backend_key(load_config("tiny", on), role)
+        assert "max_num_seqs" not in base["vllm"]
+        assert backend_key(load_config("tiny", [*on, "evaluate.vllm.max_num_seqs=128"]), role) == base
+        for extra in (["evaluate.vllm.dtype=bfloat16"], ["pool.dtype=bfloat16"], ["device=cuda"]):
+            a = backend_key(load_config("tiny", [*on, *extra]), role)
+            b = backend_key(load_config("tiny", [*on, *extra, "evaluate.vllm.max_num_seqs=128"]), role)
+            assert a["vllm"]["max_num_seqs"] == 32 and b["vllm"]["max_num_seqs"] == 128 and a != b
+        # a float32 engine over a bfloat16 pool computes in float32: unkeyed
+        f32 = backend_key(load_config("tiny", [*on, "pool.dtype=bfloat16", "evaluate.vllm.dtype=float32"]), role)
+        assert "max_num_seqs" not in f32["vllm"]
 
 
 def test_engine_processes_leave_out_the_resource_tracker():

@@ -125,6 +125,21 @@ def test_head_changes_vllm_outputs(setup):
     assert plain.generate_ids(PROMPTS, max_new_tokens=NEW) == a  # the head is swapped out again
 
 
+@pytest.mark.parametrize("head", [None, "darts"])
+def test_request_tokens_do_not_depend_on_their_batch(setup, head):
+    """float32 on the CPU: each request's greedy tokens are the same in a call of all prompts (batches of up
+    to max_num_seqs 4 with the others, several steps) as alone (one request per call: a batch of one), so
+    ``evaluate.vllm.max_num_seqs`` is a setting of speed only there and in no float32 CPU cache key
+    (``VLLMBackend.cache_key``)."""
+    vm = setup["engine"].text_model("vllm", setup["heads"][head] if head else None)
+    prompts = [*PROMPTS, *PROMPTS[::-1]]  # 10 requests, more than the engine's max_num_seqs (4)
+    together = vm.generate_ids(prompts, max_new_tokens=NEW)
+    alone = [vm.generate_ids([p], max_new_tokens=NEW)[0] for p in prompts]
+    assert together == alone
+    if head:  # the head's continuations differ between prompts (the plain micro model repeats a token)
+        assert len({tuple(t[0]) for t in together}) >= 4
+
+
 def test_stop_strings_give_hf_text(setup):
     ref, vm = _pair(setup, "darts")
     stop = ["\n", " the"]

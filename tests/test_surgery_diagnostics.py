@@ -361,6 +361,41 @@ def test_factored_head_logits_equal_lm_head_on_the_head_output(overflow):
     assert res[True][-1]["per_token_kl"] == res[False][-1]["per_token_kl"]  # not factored
 
 
+@pytest.mark.parametrize("overflow", ["clamp", "zero", "bucket"])
+def test_position_bias_rows_computed_once_per_stream(overflow):
+    """A DARTS head's ``W b`` rows are computed once per distinct bias row over all the blocks a
+    ``HeadLogits`` serves (a single new row too: it goes with a copy of itself), not once per block; the
+    logits equal the per-block computation (the bias rows of each block's distinct positions, the way
+    before 2026-12-05) within float32 rounding, and ``lm_head`` on the head's output likewise."""
+    from darts_bench.surgery.diagnostics import HeadLogits
+    from darts_bench.surgery.heads import build_head
+
+    torch.manual_seed(1)
+    d, V = 64, 3000
+    W = torch.randn(V, d) * 0.3
+    head = build_head("darts", d, rank=4, max_len=48, overflow=overflow, seed=3)
+    with torch.no_grad():
+        head.up.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(4))
+        head.pos_bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(5))
+    f = HeadLogits(head, W)
+    blocks = [torch.arange(70), torch.arange(30), torch.arange(40, 75), torch.tensor([75, 75, 3]),
+              torch.tensor([90])]  # the last two blocks need one new row each (bucket: 75 and 90 share none)
+    seen = set()
+    for pos in blocks:
+        hm = torch.randn(len(pos), d)
+        plain = hm @ W.T
+        got = f.logits(plain, hm, pos)
+        idx, keep = head.bias_index(pos)
+        seen |= set(idx.tolist())
+        assert f.bias_rows_computed == len(seen)
+        rows, inv = torch.unique(idx, return_inverse=True)  # the per-block computation
+        wb = (head.pos_bias[rows] @ W.T)[inv] * keep[:, None]
+        want = plain - torch.relu(hm @ head.down.weight.T) @ (W @ head.up.weight).T + wb
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-5)
+        assert torch.allclose(got, head(hm, pos) @ W.T, rtol=1e-5, atol=1e-5)
+    assert f.bias_rows_computed < sum(len(torch.unique(head.bias_index(p)[0])) for p in blocks)
+
+
 def test_factored_logits_of_a_routed_head_equal_lm_head_on_its_output():
     """A head chosen per sequence (the ``@routed`` rows) whose heads are all low-rank is factored too: each
     token's logits come from its routed head's factors. They equal ``lm_head`` on the routed head's output

@@ -21,8 +21,8 @@ For a merged model, with and without a head, against the task expert:
 :class:`Diagnostics` computes them on ``cfg.device``, batched over tokens, and computes
 ``kl_floor`` once per token set for all heads. A low-rank head's logits come from the plain merge's
 (:class:`HeadLogits`): ``lm_head`` is linear, so ``W (h - U relu(D h) + b_p) = W h - (W U) relu(D h)
-+ W b_p``, and only the rank-``r`` term and the bias rows of the block's distinct positions are
-computed per head.
++ W b_p``, and only the rank-``r`` term per block and the bias rows of the stream's distinct positions
+(once each) are computed per head.
 """
 
 from __future__ import annotations
@@ -96,6 +96,10 @@ class ExpertDistribution:
         return self.kl(logits_model), (self.top1 == first_argmax(logits_model)).float()
 
 
+#: rows of ``W b`` computed in one product at least (:meth:`HeadLogits._bias_rows`)
+BIAS_MIN_ROWS = 32
+
+
 class HeadLogits:
     """A low-rank head's logits from the plain merge's, without a ``[tokens, d] x [d, V]`` matmul
     of its own.
@@ -104,8 +108,8 @@ class HeadLogits:
     (``D``: ``[r, d]``, ``U``: ``[d, r]``, ``b``: the position-bias table, DARTS only), and
     ``lm_head`` is linear (``W``: ``[V, d]``, no bias), so
     ``W out = W h - (W U) relu(D h) + (W b)[p]``: with ``W h`` (the plain merge's logits, computed
-    anyway) a head costs a ``[tokens, r] x [r, V]`` matmul plus ``W b`` for the distinct positions
-    of the block (:meth:`logits`). ``W U`` (``[V, r]``) is computed once per head. Exact in real
+    anyway) a head costs a ``[tokens, r] x [r, V]`` matmul plus the rows of ``W b`` for positions no
+    earlier block had (:meth:`logits`, :meth:`_bias_rows`). ``W U`` (``[V, r]``) is computed once per head. Exact in real
     arithmetic; in float32 the logits differ from ``W @ out`` by rounding only (tested on random
     heads and features: per-token KL within 1e-6 relative, agreements equal).
 
@@ -129,6 +133,10 @@ class HeadLogits:
         self.parts = [(h, h.down.weight.detach().float(), W @ h.up.weight.detach().float())
                       for h in (head.heads if self.routed else [head])]
         self.W = W
+        # per part with a position bias: (W b rows [rows + 1, V] float32, filled lazily; done [rows] bool);
+        # the last row stays zero (overflow "zero": positions without a bias)
+        self._bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.bias_rows_computed = 0  # rows of W b computed so far (each at most once per head)
 
     @staticmethod
     def pays(head, d_model: int) -> bool:
@@ -149,13 +157,38 @@ class HeadLogits:
         torch.addmm(plain, z, WU.T, alpha=-1, out=out)
         if head.pos_bias is not None:
             idx, keep = head.bias_index(positions.to(h.device))
-            rows, inv = torch.unique(idx, return_inverse=True)
-            wb = head.pos_bias[rows].float() @ self.W.T  # [distinct positions, V]
+            table = self._bias_rows(k, idx)
             if head.cfg.overflow == "zero":
-                wb = torch.cat([wb, torch.zeros_like(wb[:1])])  # a zero row for the positions without bias
-                inv = torch.where(keep > 0, inv, len(rows))
-            out.add_(wb[inv])
+                idx = torch.where(keep > 0, idx, table.shape[0] - 1)  # the zero row: positions without bias
+            out.add_(table[idx])
         return out
+
+    def _bias_rows(self, k: int, idx: torch.Tensor) -> torch.Tensor:
+        """Part ``k``'s table ``W b`` (``[rows + 1, V]`` float32, last row zero) with every row that
+        ``idx`` (bias-table rows, int64) names computed: a row is computed the first time a block
+        needs it and reused by every later block (the stream's tokens at one position share it), so a
+        head costs one ``[positions, d] x [d, V]`` matmul over the distinct positions of the whole
+        stream instead of one per block. Rows are computed at least :data:`BIAS_MIN_ROWS` at a time
+        (fewer new rows go with copies of the first): a product of a few rows takes other BLAS kernels,
+        which round differently (AMD EPYC, torch 2.13: 1-3, 5-7 and 9-11 rows differ from the same rows
+        in a larger product, 12 and more do not), so the rows do not depend on how the stream's positions
+        fall into blocks, and on that CPU the logits equal the per-block computation's (whose blocks hold
+        hundreds of positions) bitwise."""
+        head = self.parts[k][0]
+        if k not in self._bias:
+            n, V = head.pos_bias.shape[0], self.W.shape[0]
+            table = torch.empty(n + 1, V, dtype=torch.float32, device=self.W.device)  # pages touched as filled
+            table[n].zero_()
+            self._bias[k] = (table, torch.zeros(n, dtype=torch.bool, device=self.W.device))
+        table, done = self._bias[k]
+        rows = torch.unique(idx)
+        new = rows[~done[rows]]
+        if len(new):
+            take = torch.cat([new, new[:1].expand(max(0, BIAS_MIN_ROWS - len(new)))])
+            table[new] = (head.pos_bias[take].float() @ self.W.T)[:len(new)]  # [new rows, V]
+            done[new] = True
+            self.bias_rows_computed += len(new)
+        return table
 
     @torch.no_grad()
     def logits(self, plain: torch.Tensor, h: torch.Tensor, positions: torch.Tensor,

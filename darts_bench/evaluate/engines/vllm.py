@@ -685,8 +685,15 @@ class VLLMBackend(Backend):
         ``evaluate.vllm.scoring`` is in the key only where it changes numbers: the ``evaluate``
         role with ``hf`` or ``heads`` scoring (``engine``, the default, keeps the keys it had before the setting
         existed; collect's continuations never score); ``evaluate.vllm.prefix_cache_mib`` as the block size
-        (:data:`~darts_bench.evaluate.prefix_cache.PREFIX_BLOCK_TOKENS`) only with ``shared`` scoring."""
+        (:data:`~darts_bench.evaluate.prefix_cache.PREFIX_BLOCK_TOKENS`) only with ``shared`` scoring.
+        ``evaluate.vllm.max_num_seqs`` is left out of a float32 engine's key on the CPU (``device: cpu``):
+        there a request's tokens do not depend on the requests it shares a decoding step with (the
+        micro pools' engines: one request per call equal to all in one call, ``tests/test_evaluate_vllm_parity.py``;
+        SmolLM2-135M: 240 GSM8K requests at 32, 128 and 256 sequences a step, every token equal,
+        ``results/bench-2026-12-05/vllm_max_num_seqs.log``); in 16-bit or on a GPU it stays keyed."""
         vllm = cfg.evaluate.vllm.model_dump(mode="json")
+        if cfg.device == "cpu" and (cfg.pool.dtype if vllm["dtype"] == "auto" else vllm["dtype"]) == "float32":
+            del vllm["max_num_seqs"]  # batch-invariant there: a setting of speed only
         if role != "evaluate" or vllm["scoring"] == "engine":
             del vllm["scoring"]
         # the block cache changes numbers only where shared contexts reach the copy; its budget never does
