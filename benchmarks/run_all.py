@@ -41,6 +41,7 @@ BENCHES = {
     "row_thread_memory": "bench_row_thread_memory.py",
     "generate_vllm": "bench_generate_vllm.py",  # SKIPPED without vllm (run it from .venv-vllm)
     "vllm_scoring": "bench_vllm_scoring.py",  # SKIPPED without vllm (run it from .venv-vllm)
+    "vllm_max_num_seqs": "bench_vllm_max_num_seqs.py",  # SKIPPED without vllm (run it from .venv-vllm)
 }
 EXTRA = {"ray_collect": "bench_ray_collect.py"}  # optional (--with-ray): starts a local Ray cluster
 

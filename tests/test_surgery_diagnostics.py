@@ -427,6 +427,17 @@ def test_factored_logits_of_a_routed_head_equal_lm_head_on_its_output():
     want = routed(hm, pos, seq) @ W_m.T
     got = HeadLogits(routed, W_m).logits(hm @ W_m.T, hm, pos, seq_index=seq)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    # a head's tokens in one run (one sequence; sequences 1-3, one head each) are computed in place (views), tokens
+    # spread over the block (every sequence) gathered and scattered: bitwise the same logits either way
+    f = HeadLogits(routed, W_m)
+    for a, b in ((0, 60), (60, 200), (0, n)):
+        plain, which = hm[a:b] @ W_m.T, routed.which(seq[a:b])
+        got = f.logits(plain, hm[a:b], pos[a:b], seq_index=seq[a:b])
+        gathered = torch.empty_like(plain)
+        for k in which.unique().tolist():
+            idx = (which == k).nonzero()[:, 0]
+            gathered[idx] = f._one(k, plain[idx], hm[a:b][idx], pos[a:b][idx], None)
+        assert torch.equal(got, gathered)
     with pytest.raises(ValueError, match="needs each token's seq_index"):
         HeadLogits(routed, W_m).logits(hm @ W_m.T, hm, pos)
     assert not HeadLogits.pays(sequence_routed_head({**subs, "big": build_head("surgery", d, rank=40)}, seq_task), d)

@@ -210,7 +210,11 @@ class HeadLogits:
         which = self.head.which(seq_index).to(h.device)
         for k in which.unique().tolist():
             idx = (which == k).nonzero()[:, 0]
-            out[idx] = self._one(k, plain[idx], h[idx], positions[idx], None)
+            a, b = int(idx[0]), int(idx[-1]) + 1
+            if b - a == len(idx):  # one run of tokens (the usual case: a block's sequences routed alike): views
+                self._one(k, plain[a:b], h[a:b], positions[a:b], out[a:b])
+            else:
+                out[idx] = self._one(k, plain[idx], h[idx], positions[idx], None)
         return out
 
 
