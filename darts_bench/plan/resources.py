@@ -128,12 +128,14 @@ VLLM_ENGINE_OVERHEAD = 3.4e9 - 134_515_008 * 4 - 2 * 2**30
 VLLM_GPU_RESERVE = 2e9
 # Start-up of one engine (seconds, besides reading the weights at LOAD_BYTES_PER_S): on the CPU with
 # enforce_eager, SmolLM2-135M alone on 2 cores, from the request to the engine's first call (the previous engine's
-# shutdown and vLLM's own "up in" time): 63, 38, 39 s for the calibration engines of run 4 and 39, 43, 47 s
-# in run 5's evaluation (results/smollm2-135m/TIMINGS.md); 104 s was seen on a loaded box (README "vLLM backend"),
-# 327 s the first time with compilation; GPU assumed.
-VLLM_START_S = {"cpu": {"eager": 45.0, "compiled": 330.0}, "cuda": {"eager": 60.0, "compiled": 180.0}}
-VLLM_START_RANGE = {"cpu": "38-63 s per engine measured on 2 idle CPU cores with enforce_eager (104 s on a loaded "
-                           "box, 327 s compiled)",
+# shutdown and vLLM's own "up in" time). Since an engine's shutdown stopped waiting 10 s for Python's resource
+# tracker (2026-12-04): "up in" 18.8-25.1 s for the 9 engines of run 19 (results/smollm2-135m-2026-12-05-run19,
+# AMD EPYC), 19.9-25.6 s in run 17 (36.8 s the first), plus 5-6 s shutting the previous one down. Before: 63, 38,
+# 39 s for the calibration engines of run 4 and 39, 43, 47 s in run 5's evaluation (results/smollm2-135m/TIMINGS.md);
+# 104 s was seen on a loaded box (README "vLLM backend"), 327 s the first time with compilation; GPU assumed.
+VLLM_START_S = {"cpu": {"eager": 25.0, "compiled": 330.0}, "cuda": {"eager": 60.0, "compiled": 180.0}}
+VLLM_START_RANGE = {"cpu": "19-26 s per engine measured on 2 idle CPU cores with enforce_eager (2026-12-05; 104 s "
+                           "seen on a loaded box, 327 s compiled)",
                     "cuda": "60 s per engine assumed on GPU with enforce_eager (180 s with CUDA graphs)"}
 # vLLM / HF generation tokens/s on CPU, measured (README "vLLM backend": SmolLM2-135M, batch 8,
 # fp32, 3.04x; LAB-NOTES 4.9x on an idler box): the CPU decoding time is divided by it (prefill at the forward rate).
