@@ -689,8 +689,9 @@ class VLLMBackend(Backend):
         ``evaluate.vllm.max_num_seqs`` is left out of a float32 engine's key on the CPU (``device: cpu``):
         there a request's tokens do not depend on the requests it shares a decoding step with (the
         micro pools' engines: one request per call equal to all in one call, ``tests/test_evaluate_vllm_parity.py``;
-        SmolLM2-135M: 240 GSM8K requests at 32, 128 and 256 sequences a step, every token equal,
-        ``results/bench-2026-12-05/vllm_max_num_seqs.log``); in 16-bit or on a GPU it stays keyed."""
+        SmolLM2-135M: 120 GSM8K chat requests at 32 and 128 sequences a step, every token equal,
+        ``benchmarks/bench_vllm_max_num_seqs.py``; the smollm2-135m run 19 at 128: every completion and
+        calibration continuation of run 17's at 32); in 16-bit or on a GPU it stays keyed."""
         vllm = cfg.evaluate.vllm.model_dump(mode="json")
         if cfg.device == "cpu" and (cfg.pool.dtype if vllm["dtype"] == "auto" else vllm["dtype"]) == "float32":
             del vllm["max_num_seqs"]  # batch-invariant there: a setting of speed only
