@@ -378,13 +378,18 @@ def test_position_bias_rows_computed_once_per_stream(overflow):
         head.up.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(4))
         head.pos_bias.normal_(0, 0.5, generator=torch.Generator().manual_seed(5))
     f = HeadLogits(head, W)
+    # a table over the byte budget is never made: the rows of each block's distinct positions, nothing kept
+    per_block = HeadLogits(head, W, table_bytes=(head.pos_bias.shape[0] + 1) * V * 4 - 1)
     blocks = [torch.arange(70), torch.arange(30), torch.arange(40, 75), torch.tensor([75, 75, 3]),
               torch.tensor([90])]  # the last two blocks need one new row each (bucket: 75 and 90 share none)
-    seen = set()
+    seen, distinct = set(), 0
     for pos in blocks:
         hm = torch.randn(len(pos), d)
         plain = hm @ W.T
         got = f.logits(plain, hm, pos)
+        assert torch.allclose(per_block.logits(plain, hm, pos), got, rtol=1e-6, atol=1e-5)
+        distinct += len(torch.unique(head.bias_index(pos)[0]))
+        assert per_block.bias_rows_computed == distinct and not per_block._bias
         idx, keep = head.bias_index(pos)
         seen |= set(idx.tolist())
         assert f.bias_rows_computed == len(seen)

@@ -98,6 +98,9 @@ class ExpertDistribution:
 
 #: rows of ``W b`` computed in one product at least (:meth:`HeadLogits._bias_rows`)
 BIAS_MIN_ROWS = 32
+#: most bytes one head's ``W b`` table may take in :class:`HeadLogits` (larger: rows per block, nothing kept):
+#: 1 GiB holds 2,048 positions of a 131,072-token vocabulary
+BIAS_TABLE_MAX_BYTES = 1 << 30
 
 
 class HeadLogits:
@@ -121,13 +124,17 @@ class HeadLogits:
         head: the head (float32 parameters on the matmuls' device), or a routed head whose ``heads``
             all :meth:`pays`.
         W: ``[V, d]`` float32 ``lm_head`` weights of the merged model.
+        table_bytes: most bytes a head's ``W b`` table may take (:meth:`_bias_rows`; default
+            :data:`BIAS_TABLE_MAX_BYTES`); a head whose whole table would be larger gets its bias rows per
+            block (the block's distinct positions), holding nothing between blocks.
 
     Use :meth:`pays` first: at ``r`` near ``d`` (the parameter-matched Surgery control) the
     factored form saves nothing.
     """
 
-    def __init__(self, head, W: torch.Tensor):
+    def __init__(self, head, W: torch.Tensor, table_bytes: int | None = None):
         self.head = head
+        self.table_bytes = BIAS_TABLE_MAX_BYTES if table_bytes is None else table_bytes
         self.routed = bool(getattr(head, "per_sequence", False))
         # per head routed to (one for a plain head): (head, D [r, d], W U [V, r])
         self.parts = [(h, h.down.weight.detach().float(), W @ h.up.weight.detach().float())
@@ -157,11 +164,26 @@ class HeadLogits:
         torch.addmm(plain, z, WU.T, alpha=-1, out=out)
         if head.pos_bias is not None:
             idx, keep = head.bias_index(positions.to(h.device))
-            table = self._bias_rows(k, idx)
+            if (head.pos_bias.shape[0] + 1) * self.W.shape[0] * 4 <= self.table_bytes:
+                table = self._bias_rows(k, idx)
+                last = table.shape[0] - 1
+            else:  # the block's distinct positions only, nothing kept
+                rows, idx = torch.unique(idx, return_inverse=True)
+                table = self._product(head, rows)
+                if head.cfg.overflow == "zero":
+                    table = torch.cat([table, table.new_zeros(1, table.shape[1])])
+                last = len(rows)
+                self.bias_rows_computed += len(rows)
             if head.cfg.overflow == "zero":
-                idx = torch.where(keep > 0, idx, table.shape[0] - 1)  # the zero row: positions without bias
+                idx = torch.where(keep > 0, idx, last)  # the zero row: positions without bias
             out.add_(table[idx])
         return out
+
+    def _product(self, head, rows: torch.Tensor) -> torch.Tensor:
+        """``W b`` rows ``[len(rows), V]`` float32 of ``head``'s bias table, from one product of at least
+        :data:`BIAS_MIN_ROWS` rows (fewer go with copies of the first; :meth:`_bias_rows` says why)."""
+        take = torch.cat([rows, rows[:1].expand(max(0, BIAS_MIN_ROWS - len(rows)))])
+        return (head.pos_bias[take].float() @ self.W.T)[:len(rows)]
 
     def _bias_rows(self, k: int, idx: torch.Tensor) -> torch.Tensor:
         """Part ``k``'s table ``W b`` (``[rows + 1, V]`` float32, last row zero) with every row that
@@ -173,7 +195,9 @@ class HeadLogits:
         which round differently (AMD EPYC, torch 2.13: 1-3, 5-7 and 9-11 rows differ from the same rows
         in a larger product, 12 and more do not), so the rows do not depend on how the stream's positions
         fall into blocks, and on that CPU the logits equal the per-block computation's (whose blocks hold
-        hundreds of positions) bitwise."""
+        hundreds of positions) bitwise. Memory: the rows computed, up to ``[rows + 1, V]`` float32 per head
+        for one :class:`Diagnostics` pass (SmolLM2-135M: at most 1,185 x 49,152 x 4 B = 233 MB, ~130 MB for
+        the smollm2 tier's streams; a table over ``table_bytes`` is never made: :meth:`_one`)."""
         head = self.parts[k][0]
         if k not in self._bias:
             n, V = head.pos_bias.shape[0], self.W.shape[0]
@@ -184,8 +208,7 @@ class HeadLogits:
         rows = torch.unique(idx)
         new = rows[~done[rows]]
         if len(new):
-            take = torch.cat([new, new[:1].expand(max(0, BIAS_MIN_ROWS - len(new)))])
-            table[new] = (head.pos_bias[take].float() @ self.W.T)[:len(new)]  # [new rows, V]
+            table[new] = self._product(head, new)  # [new rows, V]
             done[new] = True
             self.bias_rows_computed += len(new)
         return table
