@@ -196,8 +196,8 @@ class HeadLogits:
         in a larger product, 12 and more do not), so the rows do not depend on how the stream's positions
         fall into blocks, and on that CPU the logits equal the per-block computation's (whose blocks hold
         hundreds of positions) bitwise. Memory: the rows computed, up to ``[rows + 1, V]`` float32 per head
-        for one :class:`Diagnostics` pass (SmolLM2-135M: at most 1,185 x 49,152 x 4 B = 233 MB, ~130 MB for
-        the smollm2 tier's streams; a table over ``table_bytes`` is never made: :meth:`_one`)."""
+        for one :class:`Diagnostics` pass (SmolLM2-135M: at most 1,185 x 49,152 x 4 B = 233 MB, at most 91 MB
+        for the smollm2 tier's streams, whose sequences have at most 464 tokens; a table over ``table_bytes`` is never made: :meth:`_one`)."""
         head = self.parts[k][0]
         if k not in self._bias:
             n, V = head.pos_bias.shape[0], self.W.shape[0]
