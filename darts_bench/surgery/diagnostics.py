@@ -112,8 +112,8 @@ class HeadLogits:
     ``lm_head`` is linear (``W``: ``[V, d]``, no bias), so
     ``W out = W h - (W U) relu(D h) + (W b)[p]``: with ``W h`` (the plain merge's logits, computed
     anyway) a head costs a ``[tokens, r] x [r, V]`` matmul plus the rows of ``W b`` for positions no
-    earlier block had (:meth:`logits`, :meth:`_bias_rows`). ``W U`` (``[V, r]``) is computed once per head. Exact in real
-    arithmetic; in float32 the logits differ from ``W @ out`` by rounding only (tested on random
+    earlier block had (:meth:`logits`, :meth:`_bias_rows`). ``W U`` (``[V, r]``) is computed once per head.
+    Exact in real arithmetic; in float32 the logits differ from ``W @ out`` by rounding only (tested on random
     heads and features: per-token KL within 1e-6 relative, agreements equal).
 
     A head chosen per sequence (the ``@routed`` rows' :func:`~darts_bench.surgery.routing.sequence_routed_head`)
@@ -196,8 +196,9 @@ class HeadLogits:
         in a larger product, 12 and more do not), so the rows do not depend on how the stream's positions
         fall into blocks, and on that CPU the logits equal the per-block computation's (whose blocks hold
         hundreds of positions) bitwise. Memory: the rows computed, up to ``[rows + 1, V]`` float32 per head
-        for one :class:`Diagnostics` pass (SmolLM2-135M: at most 1,185 x 49,152 x 4 B = 233 MB, at most 91 MB
-        for the smollm2 tier's streams, whose sequences have at most 464 tokens; a table over ``table_bytes`` is never made: :meth:`_one`)."""
+        for one :class:`Diagnostics` pass (SmolLM2-135M: at most 1,185 x 49,152 x 4 B = 233 MB; the smollm2
+        tier's streams, whose sequences have at most 464 tokens, at most 91 MB); a table over ``table_bytes``
+        is never made (:meth:`_one`)."""
         head = self.parts[k][0]
         if k not in self._bias:
             n, V = head.pos_bias.shape[0], self.W.shape[0]
