@@ -583,6 +583,10 @@ class VLLMConfig(_Strict):
     def _bind_str(cls, v: Any) -> Any:
         return str(v) if isinstance(v, int) and not isinstance(v, bool) else v  # `--set ...=0` parses as int
 
+    def engine_dtype(self, pool_dtype: str) -> str:
+        """The dtype an engine computes in: :attr:`dtype`, or ``pool_dtype`` (``pool.dtype``) for ``auto``."""
+        return pool_dtype if self.dtype == "auto" else self.dtype
+
 
 class TrackingConfig(_Strict):
     """Where the trackers of ``loggers`` write (:mod:`darts_bench.loggers`); not part of the experiment."""

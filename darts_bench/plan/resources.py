@@ -206,7 +206,7 @@ def vllm_engine(cfg, arch: dict[str, Any], params: int) -> dict[str, Any]:
     :data:`VLLM_START_S` + weights at :data:`LOAD_BYTES_PER_S`) and ``note``.
     """
     v, kind = cfg.evaluate.vllm, device_kind(cfg.device)
-    dtype = cfg.pool.dtype if v.dtype == "auto" else v.dtype
+    dtype = v.engine_dtype(cfg.pool.dtype)
     b = DTYPE_BYTES[dtype]
     weights = params * b
     kv_token = 2 * arch["num_hidden_layers"] * kv_dim(arch) * b

@@ -188,7 +188,7 @@ class VLLMEngine:
 
         check_checkpoint(model_dir)
         self.model_dir, self.vcfg = str(model_dir), vcfg
-        self.dtype = dtype if vcfg.dtype == "auto" else vcfg.dtype
+        self.dtype = vcfg.engine_dtype(dtype)
         hf_cfg = AutoConfig.from_pretrained(self.model_dir)
         self.arch = vllm_architecture(self.model_dir, hf_cfg.architectures)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
@@ -693,7 +693,7 @@ class VLLMBackend(Backend):
         ``benchmarks/bench_vllm_max_num_seqs.py``; the smollm2-135m run 19 at 128: every completion and
         calibration continuation of run 17's at 32); in 16-bit or on a GPU it stays keyed."""
         vllm = cfg.evaluate.vllm.model_dump(mode="json")
-        if cfg.device == "cpu" and (cfg.pool.dtype if vllm["dtype"] == "auto" else vllm["dtype"]) == "float32":
+        if cfg.device == "cpu" and cfg.evaluate.vllm.engine_dtype(cfg.pool.dtype) == "float32":
             del vllm["max_num_seqs"]  # batch-invariant there: a setting of speed only
         if role != "evaluate" or vllm["scoring"] == "engine":
             del vllm["scoring"]
