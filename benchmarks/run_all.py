@@ -42,6 +42,7 @@ BENCHES = {
     "generate_vllm": "bench_generate_vllm.py",  # SKIPPED without vllm (run it from .venv-vllm)
     "vllm_scoring": "bench_vllm_scoring.py",  # SKIPPED without vllm (run it from .venv-vllm)
     "vllm_max_num_seqs": "bench_vllm_max_num_seqs.py",  # SKIPPED without vllm (run it from .venv-vllm)
+    "vllm_engine_switch": "bench_vllm_engine_switch.py",  # SKIPPED without vllm (run it from .venv-vllm)
 }
 EXTRA = {"ray_collect": "bench_ray_collect.py"}  # optional (--with-ray): starts a local Ray cluster
 

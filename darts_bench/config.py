@@ -570,6 +570,12 @@ class VLLMConfig(_Strict):
         "the full forward's at rounding level. One pass and row by row agree in every mode. The copy is a "
         "second set of weights: on a GPU leave room for it below gpu_memory_utilization. Generation stays on "
         "the engine; collect never scores")
+    reload_weights: bool = Field(
+        True, description="in-process engines: serve the next model dir (the next expert, merge or base) by loading "
+        "its weights into the running engine in place (vLLM's reload_weights; the prefix cache emptied, the heads "
+        "unloaded) when it has the engine's config.json and tokenizer files, instead of shutting the engine down "
+        "and starting another (~20-25 s on the CPU, more on a GPU); outputs equal a new engine's, so not in any "
+        "cache key. false: a new engine per model dir. Ray actors start an engine group per model dir either way")
     prefix_cache_mib: int = Field(
         0, ge=0, description="with scoring: shared, the HF copy keeps the plain model's shared contexts' KV cache "
         "in blocks of 64 tokens across score calls, up to this many MiB (least recently used dropped): the "

@@ -3,7 +3,8 @@
     python scripts/plan_check.py results/tiny [--tolerance 0.25] [--markdown]
 
 Rebuilds the plan (:func:`darts_bench.plan.make_plan`) from the run's own manifest (its config, suite and
-limits, as ``results.json`` records them) and sets each stage's planned wall time (``wall_seconds``) beside the
+limits, as ``results.json`` records them; a config from before ``evaluate.vllm.reload_weights`` is planned with it
+off, as its engines ran) and sets each stage's planned wall time (``wall_seconds``) beside the
 measured one (``manifest.stage_seconds``: the stage's exclusive wall time, see ``Pipeline.stage``). A stage is
 ``within`` when ``|measured / planned - 1| <= tolerance``. Stages that were cache hits in the measured run
 (under one second) are reported as ``cached`` and not judged. Exit status 0 always (the check informs the
@@ -33,7 +34,11 @@ def plan_check(results_dir: Path, tolerance: float = 0.25) -> list[dict]:
 
     manifest = json.loads((results_dir / "results.json").read_text())["manifest"]
     measured = manifest["stage_seconds"]
-    cfg = Config.model_validate(manifest["config"])
+    config = manifest["config"]
+    vllm = (config.get("evaluate") or {}).get("vllm")
+    if isinstance(vllm, dict) and "reload_weights" not in vllm:  # the run predates the setting: a new engine per
+        config = {**config, "evaluate": {**config["evaluate"], "vllm": {**vllm, "reload_weights": False}}}  # model dir
+    cfg = Config.model_validate(config)
     limits = manifest.get("limits") or {}
     suite = manifest.get("suite", "all")
     # the plan takes one --limit for every task; a run with per-task limits is planned from its config's limits

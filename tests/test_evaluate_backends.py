@@ -100,6 +100,77 @@ def test_in_process_engines_keep_the_pinned_judge(monkeypatch):
     assert events == [("start", "A"), ("stop", "A"), ("start", "J"), ("stop", "J"), ("start", "A"), ("stop", "A")]
 
 
+def test_in_process_engine_takes_the_next_checkpoint_in_place(monkeypatch, tmp_path):
+    """With ``evaluate.vllm.reload_weights`` (the default) the unpinned engine loads the next model dir's
+    weights in place when it has the engine's config.json and tokenizer files, and is restarted when they
+    differ, when the setting is off, or when the engine class cannot reload; the pinned judge never
+    reloads. The fingerprint ignores only the keys that name or date a checkpoint."""
+    import json
+
+    import darts_bench.evaluate.engines.vllm as vb
+    from darts_bench.executors.local import LocalExecutor
+
+    def ckpt(name, **config):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+                                                   "_name_or_path": name, **config}))
+        (d / "tokenizer.json").write_text('{"model": "bpe"}')
+        return str(d)
+
+    a, b, j = ckpt("a"), ckpt("b", transformers_version="5.19.0"), ckpt("j")
+    wide, other_tok = ckpt("wide", hidden_size=128), ckpt("tok")
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"model": "unigram"}')
+    assert vb.fingerprint_difference(vb.engine_fingerprint(a), vb.engine_fingerprint(b)) is None
+    assert vb.fingerprint_difference(vb.engine_fingerprint(a), vb.engine_fingerprint(wide)) == \
+        "config.json hidden_size differ"
+    assert vb.fingerprint_difference(vb.engine_fingerprint(a), vb.engine_fingerprint(other_tok)) == \
+        "files tokenizer.json differ"
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("[1]")
+    with pytest.raises(ValueError, match="bad/config.json: not a JSON object"):
+        vb.engine_fingerprint(tmp_path / "bad")
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        vb.engine_fingerprint(tmp_path / "missing")
+
+    events = []
+
+    class ReloadingEngine:
+        def __init__(self, model_dir, vcfg, dtype, seed=0):
+            self.model_dir, self.llm = str(model_dir), object()
+            self.fingerprint = vb.engine_fingerprint(model_dir)
+            events.append(("start", Path(self.model_dir).name))
+
+        reload_blocker = vb.VLLMEngine.reload_blocker
+
+        def reload(self, model_dir):
+            assert self.reload_blocker(model_dir) is None
+            events.append(("reload", Path(self.model_dir).name, Path(model_dir).name))
+            self.model_dir = str(model_dir)
+
+        def shutdown(self):
+            self.llm = None
+            events.append(("stop", Path(self.model_dir).name))
+
+    monkeypatch.setattr(vb, "on_cpu", lambda: True)
+    with open_models(load_config("tiny", ["evaluate.backend=vllm"]), LocalExecutor(), engine_cls=ReloadingEngine) as be:
+        first = be.engine_for(a)
+        judge = be.engine_for(j, pin=True)
+        assert be.engine_for(b) is first and first.model_dir == b  # in place
+        assert be.engine_for(j) is judge and judge.model_dir == j  # the pinned judge serves its own row
+        assert be.engine_for(wide) is not first  # another shape: a new engine
+        assert be.engine_for(other_tok) is not first
+    assert events == [("start", "a"), ("start", "j"), ("reload", "a", "b"), ("stop", "b"), ("start", "wide"),
+                      ("stop", "wide"), ("start", "tok"), ("stop", "tok"), ("stop", "j")]
+    events.clear()
+    off = load_config("tiny", ["evaluate.backend=vllm", "evaluate.vllm.reload_weights=false"])
+    with open_models(off, LocalExecutor(), engine_cls=ReloadingEngine) as be:
+        be.engine_for(a)
+        be.engine_for(b)
+    assert events == [("start", "a"), ("stop", "a"), ("start", "b"), ("stop", "b")]
+    assert backend_key(off, "evaluate") == backend_key(load_config("tiny", ["evaluate.backend=vllm"]), "evaluate")
+
+
 def test_backends_chosen_by_name_from_the_config():
     """The registry holds both backends lazily; the config's names choose them per role, and each
     backend names its engine in cache keys (HF: nothing, so HF keys are unchanged)."""
@@ -114,6 +185,7 @@ def test_backends_chosen_by_name_from_the_config():
     del settings["scoring"]  # collect's continuations never score
     del settings["prefix_cache_mib"]  # a budget never changes values (the block size is keyed where the cache acts)
     del settings["max_num_seqs"]  # float32 on the CPU: batch-invariant (test_max_num_seqs_keyed_where_it_changes_values)
+    del settings["reload_weights"]  # a new engine's outputs (test_weights_loaded_in_place_equal_a_new_engine)
     assert backend_key(cfg, "calibration") == {"backend": "vllm", "vllm": settings, "dtype": cfg.pool.dtype}
     # evaluate.vllm.scoring is in the evaluate key only when it is not engine: the default keeps the keys that
     # vLLM runs had before the setting existed (these fields), and calibration's key never has it

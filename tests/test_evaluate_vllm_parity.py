@@ -79,7 +79,7 @@ def _engine_setup(tmp, tiny=None):
     hf, tok = load_causal_lm(base)
     engine = VLLMEngine(base, cfg.evaluate.vllm, "float32", seed=0)
     try:
-        yield {"hf": hf, "tok": tok, "engine": engine, "heads": heads, "cfg": cfg}
+        yield {"hf": hf, "tok": tok, "engine": engine, "heads": heads, "cfg": cfg, "pool": pool}
     finally:
         engine.shutdown()
 
@@ -261,6 +261,76 @@ def test_engine_processes_are_the_engines_own(setup):
     assert not any("multiprocessing.resource_tracker" in a for p in procs for a in p.cmdline())
 
 
+def _reload_equals_new_engine(setup, tmp_path):
+    """``VLLMEngine.reload``: the running engine, having generated and scored the same prompts with the base
+    (their KV blocks in its prefix cache) and held per-request heads, takes an expert's weights in place and
+    then gives exactly what an engine started on the expert gives: greedy ids, finish reasons and
+    ``prompt_logprobs`` NLLs bitwise, plain and with a head; a text model made before the reload refuses to
+    run; a checkpoint of another shape is refused before anything is loaded; the same processes serve it."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from darts_bench.evaluate.engines.vllm import VLLMEngine
+
+    eng, pool, heads = setup["engine"], setup["pool"], setup["heads"]
+    # the micro pool's experts are one step from the base: too close for stale KV blocks to change a token, so
+    # the checkpoint loaded is an expert moved far from the base (what a stale prefix cache would show)
+    expert = tmp_path / "far"
+    shutil.copytree(pool.experts[sorted(pool.experts)[0]], expert)
+    g = torch.Generator().manual_seed(7)
+    for f in expert.glob("*.safetensors"):
+        w = load_file(f)
+        save_file({k: (v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype)).contiguous()
+                   for k, v in w.items()}, f, metadata={"format": "pt"})
+    conts = [" 42 is the answer", " a + b", " 5", "Natalia sold 72 clips.", " quick brown fox"]
+    before = eng.text_model("base", heads["darts"])
+    base_ids = before.generate_ids(PROMPTS, max_new_tokens=NEW)
+    eng.text_model("base").score(PROMPTS, conts)
+    eng.multi_head_model("base", [None, heads["surgery"]]).generate([(1, p) for p in PROMPTS], max_new_tokens=4)
+    pids = set(eng._pids)
+
+    def outputs(e):
+        got = {}
+        for h in (None, "darts"):
+            tm = e.text_model("expert", heads[h] if h else None)
+            got[h] = (tm.generate_finished(PROMPTS, max_new_tokens=NEW),
+                      [(s.nll, s.token_nll, s.greedy) for s in tm.score(PROMPTS, conts)])
+        return got
+
+    took = eng.reload(expert)
+    assert eng.model_dir == str(expert) and eng.reloads == 1 and eng._pids == pids and took < 30
+    assert eng.head_dir == "" and eng.head_dirs is None  # the old checkpoint's heads are gone
+    with pytest.raises(RuntimeError, match="now serves"):
+        before.generate_ids(PROMPTS[:1], max_new_tokens=2)
+    got = outputs(eng)
+    fresh = VLLMEngine(expert, setup["cfg"].evaluate.vllm, "float32", seed=0)
+    try:
+        want = outputs(fresh)
+    finally:
+        fresh.shutdown()
+    assert got == want
+    assert [[t for t, _ in r] for r in want["darts"][0]] != base_ids  # the expert does differ from the base
+    # another shape: refused by the fingerprint, nothing loaded
+    other = tmp_path / "other"
+    shutil.copytree(expert, other)
+    c = json.loads((other / "config.json").read_text())
+    c["rope_theta"] = float(c.get("rope_theta", 10000.0)) * 2
+    (other / "config.json").write_text(json.dumps(c))
+    assert "config.json rope_theta" in eng.reload_blocker(other)
+    with pytest.raises(ValueError, match="rope_theta"):
+        eng.reload(other)
+    assert eng.model_dir == str(expert)
+    eng.reload(pool.base)  # back to the base for the tests after this one
+    assert eng.text_model("base", heads["darts"]).generate_ids(PROMPTS, max_new_tokens=NEW) == base_ids
+
+
+def test_weights_loaded_in_place_equal_a_new_engine(setup, tmp_path):
+    """:func:`_reload_equals_new_engine` on the Llama-shaped micro pool (untied embeddings)."""
+    _reload_equals_new_engine(setup, tmp_path)
+
+
 # ------------------------------------------------------------------ a second architecture: Qwen2
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory, setup):  # after the Llama engine's tests (setup), so one engine runs at a time
@@ -307,6 +377,13 @@ def test_qwen2_per_request_heads_one_pass_equal_row_by_row(qwen2):
     """Per-request heads through ``DartsQwen2ForCausalLM`` (tied embeddings, grouped-query attention):
     one pass over 4 heads x 3 prompts equals row by row token for token, scores within 1e-6 relative."""
     _per_request_heads_equal_row_by_row(qwen2, PROMPTS[:3])
+
+
+def test_qwen2_weights_loaded_in_place_equal_a_new_engine(qwen2, tmp_path):
+    """:func:`_reload_equals_new_engine` with tied embeddings: the tied ``lm_head`` loads no weight of its own,
+    so its processed (packed) copy is made again (``reprocess_tied_weights``); without that its logits came
+    from the old checkpoint's embedding."""
+    _reload_equals_new_engine(qwen2, tmp_path)
 
 
 def test_architecture_vllm_lacks_is_a_clear_error(tmp_path):

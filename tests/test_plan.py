@@ -200,10 +200,11 @@ def test_vllm_engine_memory_on_cpu_is_weights_kv_and_overhead():
 def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
     """One engine per model dir in row order, the AlpacaEval judge's (expert:instruction) kept
     alive beside it; the start-up (19-26 s measured on 2 idle CPU cores) is in the time."""
-    from darts_bench.plan.resources import VLLM_START_S
+    from darts_bench.plan.resources import VLLM_RELOAD_S, VLLM_START_S
 
-    cfg = load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32", "surgery.task_agnostic=[]",
-                                       "evaluate.rows=null", "evaluate.vllm.scoring=engine"])
+    on = ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32", "surgery.task_agnostic=[]", "evaluate.rows=null",
+          "evaluate.vllm.scoring=engine"]
+    cfg = load_config("smollm2-135m", [*on, "evaluate.vllm.reload_weights=false"])
     plan = print_plan(cfg)
     out = capsys.readouterr().out
     e = plan["stages"]["evaluate"]
@@ -232,8 +233,25 @@ def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
     # calibration generation through vLLM: the engine beside the HF model in collect, one start per expert
     cal = make_plan(load_config("smollm2-135m", ["calibration.backend=vllm", "evaluate.vllm.dtype=float32"]))
     c, c_hf = cal["stages"]["collect"], make_plan(load_config("smollm2-135m"))["stages"]["collect"]
-    assert c["memory_bytes"] == c_hf["memory_bytes"] + 3.4e9 and c["engine_starts"] == 3
-    assert c["load_seconds"] == c_hf["load_seconds"] + 3 * (VLLM_START_S["cpu"]["eager"] + 538_060_032 / 1e9)
+    assert c["memory_bytes"] == c_hf["memory_bytes"] + 3.4e9
+    assert c["load_seconds"] == c_hf["load_seconds"] + VLLM_START_S["cpu"]["eager"] + 538_060_032 / 1e9 + 2 * (
+        VLLM_RELOAD_S + 538_060_032 / 1e9)  # one engine, given the next two experts' weights in place
+    assert c["engine_starts"] == 1 and c["engine_reloads"] == 2
+    off = make_plan(load_config("smollm2-135m", ["calibration.backend=vllm", "evaluate.vllm.dtype=float32",
+                                                 "evaluate.vllm.reload_weights=false"]))["stages"]["collect"]
+    assert off["engine_starts"] == 3 and off["engine_reloads"] == 0
+    assert off["load_seconds"] == c_hf["load_seconds"] + 3 * (VLLM_START_S["cpu"]["eager"] + 538_060_032 / 1e9)
+    # evaluate.vllm.reload_weights (the default): the row engine starts once and takes each next model dir's
+    # weights in place (4: code, math, 2 merges), the judge's own engine starts once
+    plan = print_plan(load_config("smollm2-135m", on))
+    out = capsys.readouterr().out
+    r = plan["stages"]["evaluate"]
+    assert r["engine_starts"] == r["model_loads"] == 2 and r["engine_reloads"] == 4
+    assert r["load_seconds"] == pytest.approx(2 * (VLLM_START_S["cpu"]["eager"] + 538_060_032 / 1e9)
+                                              + 4 * (VLLM_RELOAD_S + 538_060_032 / 1e9))
+    assert r["seconds"] == pytest.approx(e["seconds"] - e["load_seconds"] + r["load_seconds"])
+    assert ("4 checkpoints loaded into a running engine in place (evaluate.vllm.reload_weights: 4 in evaluate, 0 in "
+            "collect)") in out
 
 
 def test_vllm_engine_on_gpu_is_flagged_against_the_declared_gpu_memory():
@@ -283,16 +301,23 @@ def test_vllm_engines_in_ray_actors_are_planned_per_actor():
     expert for the calibration continuations."""
     cfg = load_config("llama2-7b", ["evaluate.backend=vllm"])
     actors = make_plan(cfg)["stages"]["evaluate"]
-    local = make_plan(load_config("llama2-7b", ["evaluate.backend=vllm", "executor=local"]))["stages"]["evaluate"]
+    local = make_plan(load_config("llama2-7b", ["evaluate.backend=vllm", "executor=local",
+                                                "evaluate.vllm.reload_weights=false"]))["stages"]["evaluate"]
     assert actors["memory_bytes"] == local["memory_bytes"]
     # groups: base, code, math, 3 merges (their corrected rows share the group) + the judge's (instruction)
     assert actors["model_loads"] == 7 and actors["engine_starts"] == 7 * cfg.ray.num_actors
     # in-process on a GPU two engines cannot share the device: the judge swaps in for every other row
     assert local["model_loads"] == local["engine_starts"] == 2 * (31 - 1)
+    # ... which reload_weights (the default) turns into one start and weights loaded in place; Ray actors
+    # start a group per model dir either way
+    inplace = make_plan(load_config("llama2-7b", ["evaluate.backend=vllm", "executor=local"]))["stages"]["evaluate"]
+    assert inplace["engine_starts"] == 1 and inplace["engine_reloads"] == 2 * (31 - 1) - 1
+    assert inplace["wall_seconds"] < local["wall_seconds"] and actors["engine_reloads"] == 0
     assert actors["wall_seconds"] < local["wall_seconds"] / 4
     # the experts' calibration continuations (calibration.backend: vllm): one engine group per expert
     cal = make_plan(load_config("llama2-7b", ["calibration.backend=vllm"]))["stages"]["collect"]
-    cal_local = make_plan(load_config("llama2-7b", ["calibration.backend=vllm", "executor=local"]))["stages"]["collect"]
+    cal_local = make_plan(load_config("llama2-7b", ["calibration.backend=vllm", "executor=local",
+                                                    "evaluate.vllm.reload_weights=false"]))["stages"]["collect"]
     assert cal_local["engine_starts"] > 0 and cal["engine_starts"] == cal_local["engine_starts"] * cfg.ray.num_actors
 
 
@@ -525,7 +550,7 @@ def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
     on CPU: the judge's) and one checkpoint load per engine start (the hf backend's load time);
     the stage cheaper; ``engine``, the default (not the smollm2 preset's: ``shared``), plans exactly what it
     planned before."""
-    sets = ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32"]
+    sets = ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32", "evaluate.vllm.reload_weights=false"]
     plan_e = make_plan(load_config("smollm2-135m", [*sets, "evaluate.vllm.scoring=engine"]))
     e = plan_e["stages"]["evaluate"]
     h = make_plan(load_config("smollm2-135m", [*sets, "evaluate.vllm.scoring=hf"]))["stages"]["evaluate"]

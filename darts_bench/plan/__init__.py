@@ -43,10 +43,14 @@ def _resource_notes(x: PlanInputs, st: dict[str, dict[str, Any]]) -> list[str]:
                      + " or lower max_model_len")
     e, c = st["evaluate"], st["collect"]
     if cfg.evaluate.backend == "vllm":
+        reloads = e.get("engine_reloads", 0) + c.get("engine_reloads", 0)
         notes.append(f"vLLM start-up: {e['engine_starts']} engine starts in evaluate"
                      + (f" (+{c['engine_starts']} in collect)" if c.get("engine_starts") else "")
                      + f", {VLLM_START_RANGE[kind]}; budgeted at {dur(engine['start_s'])} each "
-                       "(start-up + reading the weights) in the time column")
+                       "(start-up + reading the weights) in the time column"
+                     + (f"; {reloads} checkpoints loaded into a running engine in place (evaluate.vllm.reload_weights: "
+                        f"{e.get('engine_reloads', 0)} in evaluate, {c.get('engine_reloads', 0)} in collect) at "
+                        f"{dur(engine['reload_s'])} each" if reloads else ""))
     cap = cfg.ray.gpu_memory_gb * 1e9 if cfg.ray.gpu_memory_gb else None
     for name, s in st.items():
         if "gpu_bytes" in s and cap:

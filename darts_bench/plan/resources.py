@@ -134,6 +134,12 @@ VLLM_GPU_RESERVE = 2e9
 # 39 s for the calibration engines of run 4 and 39, 43, 47 s in run 5's evaluation (results/smollm2-135m/TIMINGS.md);
 # 104 s was seen on a loaded box (README "vLLM backend"), 327 s the first time with compilation; GPU assumed.
 VLLM_START_S = {"cpu": {"eager": 25.0, "compiled": 330.0}, "cuda": {"eager": 60.0, "compiled": 180.0}}
+# Loading another checkpoint into a running engine in place (evaluate.vllm.reload_weights, VLLMEngine.reload;
+# seconds besides reading the weights at LOAD_BYTES_PER_S): the RPC, vLLM's layerwise reload, the tied lm_head's
+# packing, emptying the prefix cache. Measured 0.44-0.73 s in all for SmolLM2-135M float32 (0.54 GB read from the
+# page cache) against 23.9-26.5 s for shutting an engine down and starting the next (AMD EPYC, 2 cores;
+# benchmarks/bench_vllm_engine_switch.py, results/bench-2026-12-05/vllm_engine_switch_smollm2.log).
+VLLM_RELOAD_S = 0.1
 VLLM_START_RANGE = {"cpu": "19-26 s per engine measured on 2 idle CPU cores with enforce_eager (2026-12-05; 104 s "
                            "seen on a loaded box, 327 s compiled)",
                     "cuda": "60 s per engine assumed on GPU with enforce_eager (180 s with CUDA graphs)"}
@@ -203,7 +209,8 @@ def vllm_engine(cfg, arch: dict[str, Any], params: int) -> dict[str, Any]:
     unknown), ``ram`` (host RSS of the engine's processes: CPU weights + KV + overhead; GPU the
     weights read on load + overhead), ``gpu`` (per GPU: the whole utilization budget; without a
     declared GPU memory the least it needs), ``tp`` (GPUs per engine), ``start_s`` (one start-up:
-    :data:`VLLM_START_S` + weights at :data:`LOAD_BYTES_PER_S`) and ``note``.
+    :data:`VLLM_START_S` + weights at :data:`LOAD_BYTES_PER_S`), ``reload_s`` (another checkpoint's weights
+    loaded into the running engine: :data:`VLLM_RELOAD_S` + weights at :data:`LOAD_BYTES_PER_S`) and ``note``.
     """
     v, kind = cfg.evaluate.vllm, device_kind(cfg.device)
     dtype = v.engine_dtype(cfg.pool.dtype)
@@ -214,7 +221,7 @@ def vllm_engine(cfg, arch: dict[str, Any], params: int) -> dict[str, Any]:
     tp = v.tensor_parallel_size
     start = VLLM_START_S[kind]["eager" if v.enforce_eager else "compiled"] + weights / tp / LOAD_BYTES_PER_S
     e = {"dtype": dtype, "weights": weights, "kv_token_bytes": kv_token, "max_model_len": max_len, "tp": tp,
-         "start_s": start}
+         "start_s": start, "reload_s": VLLM_RELOAD_S + weights / tp / LOAD_BYTES_PER_S}
     if kind == "cpu":
         kv = v.kv_cache_gb * 2**30
         e.update(kv=kv, kv_tokens=kv // kv_token, ram=weights + kv + VLLM_ENGINE_OVERHEAD, gpu=None)
@@ -242,9 +249,26 @@ def vllm_engine(cfg, arch: dict[str, Any], params: int) -> dict[str, Any]:
     return e
 
 
+def engine_loads(row_dirs: Sequence[str], tasks: Sequence[str], judges: Mapping[str, str],
+                 held: bool = False, reload: bool = False) -> tuple[int, int]:
+    """``(starts, reloads)``: vLLM engines (groups, with Ray actors) started in ``evaluate``, and
+    checkpoints loaded into a running engine in place (``evaluate.vllm.reload_weights``,
+    in-process only): every model dir the unpinned engine moves to after its first, since a pool's
+    models and merges share the engine's architecture and tokenizer. ``row_dirs``, ``tasks``,
+    ``judges`` and ``held`` as in :func:`engine_starts`."""
+    switches = engine_starts(row_dirs, tasks, judges, held=held)
+    if not reload:
+        return switches, 0
+    pinned = len({j.split("+", 1)[0] for j in judges.values()}) if held else 0
+    moves = switches - pinned  # the unpinned engine's: its first start, then one per model dir it moves to
+    return pinned + min(moves, 1), max(moves - 1, 0)
+
+
 def engine_starts(row_dirs: Sequence[str], tasks: Sequence[str], judges: Mapping[str, str],
                   held: bool = False) -> int:
-    """vLLM engines (groups, with Ray actors) started in ``evaluate``.
+    """vLLM engines (groups, with Ray actors) started in ``evaluate`` when every other model dir
+    starts a new one (``evaluate.vllm.reload_weights: false``, or Ray actors; :func:`engine_loads`
+    counts the in-place loads instead).
 
     Args:
         row_dirs: the model dir of each evaluated row in the pipeline's order, as the row name of

@@ -30,7 +30,7 @@ from darts_bench.plan.architecture import (DTYPE_BYTES, activations, architectur
                                           param_count)
 from darts_bench.plan.resources import (ACTOR_START_S, DIAG_BATCH, DIAG_TEMPS, FEATURE_COLUMNS_BYTES,
                                         LOAD_BYTES_PER_S, PROCESS_BASELINE, RECOMBINE_BACKWARD, THROUGHPUT,
-                                        decode_seconds, device_kind, engine_starts, forward_seconds, vllm_engine,
+                                        decode_seconds, device_kind, engine_loads, forward_seconds, vllm_engine,
                                         vllm_generation_seconds)
 from darts_bench.plan.units import gb, num
 from darts_bench.controls import CONTROL_METHOD, head_param_count, param_matched_rank
@@ -496,9 +496,13 @@ def collect(x: PlanInputs) -> dict[str, Any]:
         s["memory_note"] += f"; calibration generation: {e['note']}"
         s["vllm_engine"] = e
         # one per task expert (model-major collection); with Ray a group of x.workers engines, held across
-        # the expert's sets (restarted per set when the instance cannot hold it beside the HF group)
-        s["engine_starts"] = T * (x.workers if cfg.executor == "ray" else 1)
-        s["load_seconds"] += T * e["start_s"]
+        # the expert's sets (restarted per set when the instance cannot hold it beside the HF group); in-process
+        # with reload_weights one engine, given each next expert's weights in place
+        if cfg.executor != "ray" and cfg.evaluate.vllm.reload_weights:
+            s["engine_starts"], s["engine_reloads"] = min(T, 1), max(T - 1, 0)
+        else:
+            s["engine_starts"], s["engine_reloads"] = T * (x.workers if cfg.executor == "ray" else 1), 0
+        s["load_seconds"] += s["engine_starts"] * e["start_s"] + s["engine_reloads"] * e["reload_s"]
     else:
         gen_s = forward_seconds(gen - new, P, kind) + decode_seconds(new, P, kind, cal.batch_size, W, L)
     # the features: hidden states and the full-vocabulary entropy at every position
@@ -800,7 +804,9 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     if vllm:  # engine starts instead of HF loads (the engine runs in the evaluating process)
         workers = x.workers if ray else 1  # vLLM in the driver: one
         # one after the other; the judge's held (Ray: its pinned group; in-process on the CPU: pinned)
-        s["model_loads"] = engine_starts(row_dirs, list(x.tasks), judges, held=ray or kind == "cpu")
+        s["model_loads"], s["engine_reloads"] = engine_loads(
+            row_dirs, list(x.tasks), judges, held=ray or kind == "cpu",
+            reload=not ray and cfg.evaluate.vllm.reload_weights)
         s["engine_starts"] = s["model_loads"] * workers  # with Ray actors: a group each time
         s["where"] = (f"vLLM: one engine per Ray actor, {x.workers} actors per model dir" if ray else
                       "vLLM: one engine in the driver process" + (" (not in the Ray actors)" if x.workers > 1 else "")
@@ -821,7 +827,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
                             + (f" (x {1 + beside}: the judge's engine beside the row's)" if beside else "")
                             + f" + process {gb(PROCESS_BASELINE['evaluate'])}")
         s["vllm_engine"] = e
-        s["load_seconds"] = s["model_loads"] * e["start_s"]
+        s["load_seconds"] = s["model_loads"] * e["start_s"] + s["engine_reloads"] * e["reload_s"]
         if head_scores:  # the HF scorer: a copy of the weights beside each engine that scores with it
             judge_copies = len({judges[t] for t in copy_judges})
             # heads: never the judge's; shared: the judges' that score
@@ -831,7 +837,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
                 s["gpu_bytes"] = e["gpu"] + W
             s["memory_note"] += (f" + the HF scorer's weights {gb(W)} x {copies} "
                                  f"(evaluate.vllm.scoring: {scoring})")
-            s["load_seconds"] += ((s["model_loads"] if hf_scores else headed_dirs + judge_copies)
+            s["load_seconds"] += ((s["model_loads"] + s["engine_reloads"] if hf_scores else headed_dirs + judge_copies)
                                   * x.checkpoint_load_seconds)
 
         def gen(prompt_tokens: float, new_tokens: float, requests: float | None = None) -> float:

@@ -10,9 +10,11 @@ spawned worker process sees it), and a row's head is swapped in by an RPC to the
 
 Layouts of :class:`VLLMBackend` (chosen by ``executor.in_process``):
 
-* in-process (``executor: local``): the backend keeps one engine alive at a time (a request for
-  another model dir shuts the previous one down first) plus, on CPU, the pinned judge's
-  (:meth:`VLLMBackend.engine_for`); :meth:`VLLMBackend.close` stops them all.
+* in-process (``executor: local``): the backend keeps one engine alive at a time plus, on CPU, the
+  pinned judge's (:meth:`VLLMBackend.engine_for`); a request for another model dir loads that
+  checkpoint's weights into the running engine in place when it has the engine's architecture and
+  tokenizer (:meth:`VLLMEngine.reload`, ``evaluate.vllm.reload_weights``), and otherwise shuts the
+  engine down and starts a new one; :meth:`VLLMBackend.close` stops them all.
 * Ray (``executor: ray``): each Ray actor holds one engine
   (:class:`~darts_bench.executors.vllm_worker.VLLMWorker`, started by
   :meth:`RayExecutor.vllm_text_model <darts_bench.executors.ray_executor.RayExecutor.vllm_text_model>`
@@ -151,6 +153,54 @@ def engine_processes(before: set[int]) -> set[int]:
     return out
 
 
+#: files whose bytes a checkpoint must share with a running engine's to take its place by
+#: :meth:`VLLMEngine.reload` (the tokenizer, chat template and generation config the engine and this
+#: module read once, at start); a file missing from both checkpoints is equal
+ENGINE_SHARED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                       "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+                       "generation_config.json")
+#: ``config.json`` keys that name or date a checkpoint and change nothing an engine computes
+CONFIG_VOLATILE_KEYS = ("_name_or_path", "transformers_version")
+
+
+def engine_fingerprint(model_dir: str | Path) -> dict[str, Any]:
+    """What a running engine must share with ``model_dir`` for :meth:`VLLMEngine.reload` to load its
+    weights in place: ``config`` (``config.json`` less :data:`CONFIG_VOLATILE_KEYS`: architecture,
+    shapes, vocabulary, rotary settings, tied embeddings) and ``files`` (name -> sha256 of each of
+    :data:`ENGINE_SHARED_FILES` present).
+
+    Raises:
+        FileNotFoundError: ``model_dir`` has no ``config.json``.
+        ValueError: its ``config.json`` is not a JSON object.
+    """
+    import hashlib
+    import json
+
+    d = Path(model_dir)
+    try:
+        config = json.loads((d / "config.json").read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{d}: no config.json") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{d / 'config.json'}: not JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{d / 'config.json'}: not a JSON object")
+    for k in CONFIG_VOLATILE_KEYS:
+        config.pop(k, None)
+    files = {f: hashlib.sha256((d / f).read_bytes()).hexdigest() for f in ENGINE_SHARED_FILES if (d / f).is_file()}
+    return {"config": config, "files": files}
+
+
+def fingerprint_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    """Where two :func:`engine_fingerprint` results differ, in words (None: they do not)."""
+    keys = sorted(k for k in set(a["config"]) | set(b["config"]) if a["config"].get(k) != b["config"].get(k))
+    files = sorted(f for f in set(a["files"]) | set(b["files"]) if a["files"].get(f) != b["files"].get(f))
+    if not keys and not files:
+        return None
+    return "; ".join(p for p in (f"config.json {', '.join(keys[:5])}" if keys else "",
+                                 f"files {', '.join(files)}" if files else "") if p) + " differ"
+
+
 def on_cpu() -> bool:
     """Whether this environment's vLLM is a CPU build (``vllm.platforms.current_platform``): its engines
     then run on the CPU whatever ``device`` says. Imports vLLM (~3 s the first time)."""
@@ -188,6 +238,8 @@ class VLLMEngine:
 
         check_checkpoint(model_dir)
         self.model_dir, self.vcfg = str(model_dir), vcfg
+        self.fingerprint = engine_fingerprint(self.model_dir)
+        self.reloads = 0  # checkpoints loaded in place (reload) since the start
         self.dtype = vcfg.engine_dtype(dtype)
         hf_cfg = AutoConfig.from_pretrained(self.model_dir)
         self.arch = vllm_architecture(self.model_dir, hf_cfg.architectures)
@@ -243,13 +295,79 @@ class VLLMEngine:
         # evaluate.vllm.scoring hf | heads | shared: teacher-forced scores (all, a head's, a head's and those
         # sharing a context) from a transformers copy
         self.scoring = getattr(vcfg, "scoring", "engine")
-        shared = self.scoring == "shared"
-        self.scorer = HFScorer(self.model_dir, self.dtype, "cpu" if self.on_cpu else "cuda", share_prefix=shared,
-                               prefix_cache_mib=getattr(vcfg, "prefix_cache_mib", 0) if shared else 0) \
-            if self.scoring != "engine" else None
+        self.scorer = self._scorer()
         log.info("vLLM engine for %s up in %.1f s (dtype %s, processes %s)", self.model_dir, self.startup_s,
                  self.dtype, sorted(self._pids))
         atexit.register(self.shutdown)
+
+    def _scorer(self) -> HFScorer | None:
+        """The HF copy of :attr:`model_dir` that scores (``evaluate.vllm.scoring`` other than ``engine``), lazily loaded."""
+        if self.scoring == "engine":
+            return None
+        shared = self.scoring == "shared"
+        return HFScorer(self.model_dir, self.dtype, "cpu" if self.on_cpu else "cuda", share_prefix=shared,
+                        prefix_cache_mib=getattr(self.vcfg, "prefix_cache_mib", 0) if shared else 0)
+
+    # ------------------------------------------------------------------ weights in place
+    def reload_blocker(self, model_dir: str | Path) -> str | None:
+        """Why this engine cannot take ``model_dir``'s weights in place (:meth:`reload`), or None when
+        it can: ``model_dir`` must have the engine's ``config.json`` (less the keys that only name or
+        date a checkpoint) and the same tokenizer, chat template and generation config files
+        (:func:`engine_fingerprint`), which the engine read at start and keeps.
+
+        Raises:
+            FileNotFoundError / ValueError: ``model_dir`` has no readable ``config.json``.
+        """
+        if self.llm is None:
+            return "the engine is shut down"
+        diff = fingerprint_difference(self.fingerprint, engine_fingerprint(model_dir))
+        return f"{model_dir} and {self.model_dir}: {diff}" if diff else None
+
+    def reload(self, model_dir: str | Path) -> float:
+        """Serve ``model_dir`` from this engine: its weights loaded into the running model in place
+        (vLLM's worker ``reload_weights(weights_path=...)``, the in-place reload vLLM offers for
+        updating a served model's weights, through ``LLM.collective_rpc``; then the layers that share
+        a weight, a tied ``lm_head``, processed again:
+        :func:`~darts_bench.evaluate.engines.vllm_model.reprocess_tied_weights`), the prefix cache emptied
+        (its KV blocks were computed with the old weights), the heads unloaded (they belong to the
+        old checkpoint's rows) and the HF scoring copy dropped (the next score loads the new
+        checkpoint). Outputs then equal those of an engine started on ``model_dir`` (tests:
+        ``tests/test_evaluate_vllm_parity.py``); the processes, KV cache and settings stay, so no
+        start-up is paid (about 1-2 s instead of 20-25 s on the CPU for SmolLM2-135M;
+        ``benchmarks/bench_vllm_engine_switch.py``). Returns the seconds it took.
+
+        Raises:
+            ValueError: ``model_dir`` cannot take this engine's place (:meth:`reload_blocker` says why).
+            FileNotFoundError / ValueError: the checkpoint dir is incomplete or corrupt.
+            RuntimeError: the engine is shut down, or its prefix cache could not be emptied
+                (requests in flight).
+        """
+        if self.llm is None:
+            raise RuntimeError(f"the vLLM engine of {self.model_dir} is shut down")
+        model_dir = str(model_dir)
+        check_checkpoint(model_dir)
+        why = self.reload_blocker(model_dir)
+        if why:
+            raise ValueError(f"cannot load {model_dir} into the running engine: {why}")
+        t0 = time.perf_counter()
+        if self.head_dir:
+            self.llm.collective_rpc("darts_set_head", args=("",))
+        if self.head_dirs:
+            self.llm.collective_rpc("darts_set_heads", args=([],))
+        self.head_dir, self.head_dirs = "", None
+        old = self.model_dir
+        self.model_dir = model_dir  # text models of the old checkpoint refuse to run from here on
+        self.llm.collective_rpc("darts_reload_weights", args=(model_dir,))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(f"vLLM engine: the prefix cache could not be emptied after loading {model_dir} "
+                               "(requests in flight)")
+        if self.scorer is not None:
+            self.scorer.close()
+        self.scorer = self._scorer()
+        self.reloads += 1
+        took = time.perf_counter() - t0
+        log.info("vLLM engine: %s loaded in place of %s in %.1f s", model_dir, old, took)
+        return took
 
     # ------------------------------------------------------------------ head
     def set_head(self, head_dir: str | Path | None) -> None:
@@ -322,12 +440,25 @@ class VLLMTextModel:
     def __init__(self, name: str, engine: VLLMEngine, head_dir: str | Path | None = None, batch_size: int = 8,
                  max_length: int | None = None):
         self.name, self.engine, self.head_dir = name, engine, str(head_dir) if head_dir else None
+        # the checkpoint this row runs (the engine may load another later); a stand-in engine may have none
+        self.model_dir = getattr(engine, "model_dir", None)
         self.tokenizer = engine.tokenizer
         self.batch_size = batch_size
         self.max_length = max_length or min(1024, engine.max_position)
 
     def close(self) -> None:
         """No-op: the engine outlives the row (other rows of the same model reuse it)."""
+
+    def _live(self) -> "VLLMEngine":
+        """The engine, checked to serve this row's checkpoint.
+
+        Raises:
+            RuntimeError: the engine has since loaded another checkpoint (:meth:`VLLMEngine.reload`)."""
+        eng = self.engine
+        if self.model_dir is not None and eng.model_dir != self.model_dir:
+            raise RuntimeError(f"{self.name}: the vLLM engine now serves {eng.model_dir}, not this row's "
+                               f"{self.model_dir} (ask the backend for the row's model again)")
+        return eng
 
     def format_chat(self, user_message: str) -> str:
         return format_chat(self.tokenizer, user_message)
@@ -356,7 +487,8 @@ class VLLMTextModel:
         Raises:
             ValueError: greedy decoding with ``num_samples != 1`` or ``top_p != 1``; a prompt longer
                 than the engine's ``max_model_len``.
-            RuntimeError: vLLM aborted a request.
+            RuntimeError: vLLM aborted a request; the engine has loaded another checkpoint since
+                this model was made (:meth:`VLLMEngine.reload`).
         """
         from vllm import SamplingParams, TokensPrompt
 
@@ -368,7 +500,7 @@ class VLLMTextModel:
             raise ValueError(f"top_p={top_p} needs sampling (temperature > 0)")
         if not prompts:
             return []
-        eng = self.engine
+        eng = self._live()
         if heads is None:
             eng.set_head(self.head_dir)
         ids = self._ids(prompts)
@@ -481,8 +613,9 @@ class VLLMTextModel:
 
         Raises:
             ValueError: different numbers of contexts and continuations (or heads), an empty continuation.
+            RuntimeError: the engine has loaded another checkpoint since this model was made.
         """
-        eng = self.engine
+        eng = self._live()
         scorer = getattr(eng, "scorer", None)
         if scorer is None:
             return self._engine_score(contexts, continuations, heads)
@@ -691,8 +824,10 @@ class VLLMBackend(Backend):
         micro pools' engines: one request per call equal to all in one call, ``tests/test_evaluate_vllm_parity.py``;
         SmolLM2-135M: 120 GSM8K chat requests at 32 and 128 sequences a step, every token equal,
         ``benchmarks/bench_vllm_max_num_seqs.py``; the smollm2-135m run 19 at 128: every completion and
-        calibration continuation of run 17's at 32); in 16-bit or on a GPU it stays keyed."""
+        calibration continuation of run 17's at 32); in 16-bit or on a GPU it stays keyed.
+        ``evaluate.vllm.reload_weights`` is never keyed (:meth:`VLLMEngine.reload` gives a new engine's outputs)."""
         vllm = cfg.evaluate.vllm.model_dump(mode="json")
+        del vllm["reload_weights"]  # a new engine and one given the weights in place compute the same values
         if cfg.device == "cpu" and cfg.evaluate.vllm.engine_dtype(cfg.pool.dtype) == "float32":
             del vllm["max_num_seqs"]  # batch-invariant there: a setting of speed only
         if role != "evaluate" or vllm["scoring"] == "engine":
@@ -712,15 +847,22 @@ class VLLMBackend(Backend):
     def engine_for(self, model_dir: str | Path, pin: bool = False) -> "VLLMEngine":
         """The live in-process engine when one serves ``model_dir``, else a new one.
 
-        One unpinned engine is alive at a time (a new one shuts the previous one down first); ``pin``
-        keeps the engine alive beside it until :meth:`close` (the AlpacaEval judge, which every row
-        calls: without it the judge's engine would be restarted for every row). A pinned engine
-        also serves the unpinned requests of its model dir (e.g. the judge's own row). On a GPU
-        ``pin`` is ignored: each engine claims ``gpu_memory_utilization`` of the device, so two
-        cannot share it (the judge's engine then replaces the row's, as every other model dir does).
+        One unpinned engine is alive at a time. For another model dir it loads that checkpoint's
+        weights in place (:meth:`VLLMEngine.reload`: no start-up paid, outputs equal a new engine's)
+        when ``evaluate.vllm.reload_weights`` is on and the checkpoint has the engine's
+        ``config.json`` and tokenizer files (:meth:`VLLMEngine.reload_blocker`; a pool's base,
+        experts and merges do); otherwise it is shut down and a new one started (an engine class
+        without ``reload``, e.g. a test's stand-in, is always restarted). ``pin`` keeps the engine
+        alive beside it until :meth:`close` (the AlpacaEval judge, which every row calls: without it
+        the judge's engine would be restarted for every row); a pinned engine never loads another
+        checkpoint, and also serves the unpinned requests of its model dir (e.g. the judge's own
+        row). On a GPU ``pin`` is ignored: each engine claims ``gpu_memory_utilization`` of the
+        device, so two cannot share it (the judge's engine then replaces the row's, as every other
+        model dir does).
 
         Raises:
             RuntimeError: the backend is closed.
+            FileNotFoundError / ValueError: the checkpoint dir is incomplete or corrupt.
         """
         self._check_open()
         key = str(model_dir)
@@ -737,10 +879,24 @@ class VLLMBackend(Backend):
             self._pinned[key] = self._start(key)
             return self._pinned[key]
         if self._engine is not None:
+            why = self._reload_blocker(self._engine, key)
+            if why is None:
+                self._engine.reload(key)
+                return self._engine
+            log.info("vLLM: a new engine for %s (%s)", key, why)
             self._engine.shutdown()
             self._engine = None
         self._engine = self._start(key)
         return self._engine
+
+    def _reload_blocker(self, eng: "VLLMEngine", model_dir: str) -> str | None:
+        """Why ``eng`` is restarted rather than given ``model_dir``'s weights in place (None: it is given them)."""
+        if not getattr(self.vcfg, "reload_weights", False):
+            return "evaluate.vllm.reload_weights is off"
+        blocker = getattr(eng, "reload_blocker", None)
+        if blocker is None or not hasattr(eng, "reload"):
+            return f"{type(eng).__name__} cannot load weights in place"
+        return blocker(model_dir)
 
     # ------------------------------------------------------------------ Ray engine actors
     def _open_proxy(self, name: str, model_dir: str, head_dir: str | None):

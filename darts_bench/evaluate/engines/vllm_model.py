@@ -254,9 +254,52 @@ class DartsHeadRouter(_router_base()):
 ROUTER = f"{__name__}:DartsHeadRouter"
 
 
+def reprocess_tied_weights(model: torch.nn.Module) -> int:
+    """Process again the layers that share a weight tensor with another layer (a tied output embedding:
+    ``lm_head`` on ``embed_tokens``' weight); returns how many were.
+
+    vLLM's in-place reload (the worker's ``reload_weights``) loads each checkpoint tensor into the layer
+    that owns it and runs that layer's ``quant_method.process_weights_after_loading``; a tied
+    ``lm_head`` loads nothing of its own, so it keeps its processed form of the old weights. On the
+    CPU that form is a packed oneDNN copy of the weight made at start (``dispatch_cpu_unquantized_gemm``),
+    so without this the logits would still come from the old checkpoint's embedding (seen: SmolLM2-135M's
+    experts after the base, 0.1-2 nats off a new engine's log-probabilities).
+
+    Raises:
+        TypeError: a tied layer is quantized (processing it twice is not known to be safe).
+    """
+    groups: dict[tuple, list[torch.nn.Module]] = {}
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if isinstance(w, torch.Tensor) and w.numel() and getattr(mod, "quant_method", None) is not None:
+            groups.setdefault((w.data_ptr(), tuple(w.shape)), []).append(mod)
+    n = 0
+    for mods in groups.values():
+        if len(mods) < 2:
+            continue
+        for mod in mods:
+            qm = mod.quant_method
+            if not type(qm).__name__.startswith("Unquantized"):
+                raise TypeError(f"{type(mod).__name__} shares its weight and is quantized ({type(qm).__name__}): "
+                                "weights cannot be reloaded in place (set evaluate.vllm.reload_weights=false)")
+            qm.process_weights_after_loading(mod)
+            n += 1
+    return n
+
+
 class DartsWorkerExtension:
-    """Mixed into vLLM's worker (``worker_extension_cls``): RPCs that swap the head in place and
-    load the per-request heads."""
+    """Mixed into vLLM's worker (``worker_extension_cls``): RPCs that swap the head in place, load the
+    per-request heads and load another checkpoint's weights in place."""
+
+    def darts_reload_weights(self, weights_path: str) -> int:
+        """The worker's ``reload_weights(weights_path=...)`` (vLLM's in-place reload, which points the
+        worker's model config at ``weights_path``), then :func:`reprocess_tied_weights`; returns the
+        number of tied layers processed again."""
+        from vllm.config import set_current_vllm_config
+
+        self.reload_weights(weights_path=weights_path)
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            return reprocess_tied_weights(self.model_runner.get_model())
 
     def darts_set_heads(self, head_dirs: list[str | None]) -> int:
         model = self.model_runner.get_model()
