@@ -130,8 +130,9 @@ def test_in_process_engine_takes_the_next_checkpoint_in_place(monkeypatch, tmp_p
     (tmp_path / "bad" / "config.json").write_text("[1]")
     with pytest.raises(ValueError, match="bad/config.json: not a JSON object"):
         vb.engine_fingerprint(tmp_path / "bad")
-    with pytest.raises(FileNotFoundError, match="no config.json"):
-        vb.engine_fingerprint(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty: no config.json"):
+        vb.engine_fingerprint(tmp_path / "empty")
 
     events = []
 
@@ -160,8 +161,12 @@ def test_in_process_engine_takes_the_next_checkpoint_in_place(monkeypatch, tmp_p
         assert be.engine_for(j) is judge and judge.model_dir == j  # the pinned judge serves its own row
         assert be.engine_for(wide) is not first  # another shape: a new engine
         assert be.engine_for(other_tok) is not first
+        assert be.engine_for("org/hub-model") is not first  # a hub id: vLLM resolves it, a new engine
+        assert be.engine_for(a).model_dir == a
     assert events == [("start", "a"), ("start", "j"), ("reload", "a", "b"), ("stop", "b"), ("start", "wide"),
-                      ("stop", "wide"), ("start", "tok"), ("stop", "tok"), ("stop", "j")]
+                      ("stop", "wide"), ("start", "tok"), ("stop", "tok"), ("start", "hub-model"),
+                      ("stop", "hub-model"), ("start", "a"), ("stop", "a"), ("stop", "j")]
+    assert vb.engine_fingerprint("org/hub-model") is None
     events.clear()
     off = load_config("tiny", ["evaluate.backend=vllm", "evaluate.vllm.reload_weights=false"])
     with open_models(off, LocalExecutor(), engine_cls=ReloadingEngine) as be:
@@ -169,6 +174,40 @@ def test_in_process_engine_takes_the_next_checkpoint_in_place(monkeypatch, tmp_p
         be.engine_for(b)
     assert events == [("start", "a"), ("stop", "a"), ("start", "b"), ("stop", "b")]
     assert backend_key(off, "evaluate") == backend_key(load_config("tiny", ["evaluate.backend=vllm"]), "evaluate")
+
+
+def test_failed_reload_shuts_the_engine_down(tmp_path):
+    """A load in place that fails part-way (a worker error) leaves weights of both checkpoints: the engine is
+    shut down, the error names both model dirs, and the next request gets a new engine (its blocker says so)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    import darts_bench.evaluate.engines.vllm as vb
+
+    dirs = []
+    for name in ("a", "b"):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+        save_file({"w": torch.zeros(2)}, str(d / "model.safetensors"))
+        dirs.append(str(d))
+    calls = []
+
+    class DyingLLM:
+        def collective_rpc(self, method, args=(), kwargs=None):
+            calls.append(method)
+            raise RuntimeError("worker died")
+
+    eng = object.__new__(vb.VLLMEngine)  # no vllm here: the engine's state without its processes
+    eng.model_dir, eng.fingerprint, eng.llm, eng._pids = dirs[0], vb.engine_fingerprint(dirs[0]), DyingLLM(), set()
+    eng.head_dir, eng.head_dirs, eng.scorer, eng.reloads = "", None, None, 0
+    with pytest.raises(RuntimeError, match=r"vLLM engine of .*/a: loading .*/b in place failed \(worker died\); "
+                                           r"the engine is shut down"):
+        eng.reload(dirs[1])
+    assert calls == ["darts_reload_weights"] and eng.llm is None
+    assert eng.reload_blocker(dirs[0]) == "the engine is shut down"
 
 
 def test_backends_chosen_by_name_from_the_config():

@@ -163,20 +163,23 @@ ENGINE_SHARED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_token
 CONFIG_VOLATILE_KEYS = ("_name_or_path", "transformers_version")
 
 
-def engine_fingerprint(model_dir: str | Path) -> dict[str, Any]:
+def engine_fingerprint(model_dir: str | Path) -> dict[str, Any] | None:
     """What a running engine must share with ``model_dir`` for :meth:`VLLMEngine.reload` to load its
     weights in place: ``config`` (``config.json`` less :data:`CONFIG_VOLATILE_KEYS`: architecture,
     shapes, vocabulary, rotary settings, tied embeddings) and ``files`` (name -> sha256 of each of
-    :data:`ENGINE_SHARED_FILES` present).
+    :data:`ENGINE_SHARED_FILES` present); None when ``model_dir`` is no local directory (a hub id,
+    which vLLM resolves itself: such a model dir always gets a new engine).
 
     Raises:
-        FileNotFoundError: ``model_dir`` has no ``config.json``.
+        FileNotFoundError: the directory ``model_dir`` has no ``config.json``.
         ValueError: its ``config.json`` is not a JSON object.
     """
     import hashlib
     import json
 
     d = Path(model_dir)
+    if not d.is_dir():
+        return None
     try:
         config = json.loads((d / "config.json").read_text())
     except FileNotFoundError:
@@ -320,7 +323,10 @@ class VLLMEngine:
         """
         if self.llm is None:
             return "the engine is shut down"
-        diff = fingerprint_difference(self.fingerprint, engine_fingerprint(model_dir))
+        other = engine_fingerprint(model_dir)
+        if self.fingerprint is None or other is None:
+            return f"{self.model_dir if self.fingerprint is None else model_dir} is no local checkpoint dir"
+        diff = fingerprint_difference(self.fingerprint, other)
         return f"{model_dir} and {self.model_dir}: {diff}" if diff else None
 
     def reload(self, model_dir: str | Path) -> float:
@@ -339,8 +345,9 @@ class VLLMEngine:
         Raises:
             ValueError: ``model_dir`` cannot take this engine's place (:meth:`reload_blocker` says why).
             FileNotFoundError / ValueError: the checkpoint dir is incomplete or corrupt.
-            RuntimeError: the engine is shut down, or its prefix cache could not be emptied
-                (requests in flight).
+            RuntimeError: the engine is shut down; or loading failed, or the prefix cache could not be
+                emptied (requests in flight): the engine is then shut down (part of its weights may be
+                the new checkpoint's) and the backend starts a new one for the next request.
         """
         if self.llm is None:
             raise RuntimeError(f"the vLLM engine of {self.model_dir} is shut down")
@@ -350,17 +357,21 @@ class VLLMEngine:
         if why:
             raise ValueError(f"cannot load {model_dir} into the running engine: {why}")
         t0 = time.perf_counter()
-        if self.head_dir:
-            self.llm.collective_rpc("darts_set_head", args=("",))
-        if self.head_dirs:
-            self.llm.collective_rpc("darts_set_heads", args=([],))
-        self.head_dir, self.head_dirs = "", None
         old = self.model_dir
         self.model_dir = model_dir  # text models of the old checkpoint refuse to run from here on
-        self.llm.collective_rpc("darts_reload_weights", args=(model_dir,))
-        if not self.llm.reset_prefix_cache():
-            raise RuntimeError(f"vLLM engine: the prefix cache could not be emptied after loading {model_dir} "
-                               "(requests in flight)")
+        try:
+            if self.head_dir:
+                self.llm.collective_rpc("darts_set_head", args=("",))
+            if self.head_dirs:
+                self.llm.collective_rpc("darts_set_heads", args=([],))
+            self.head_dir, self.head_dirs = "", None
+            self.llm.collective_rpc("darts_reload_weights", args=(model_dir,))
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("its prefix cache could not be emptied (requests in flight)")
+        except Exception as e:  # part of the weights may be the new checkpoint's: the engine is unusable
+            self.shutdown()
+            raise RuntimeError(f"vLLM engine of {old}: loading {model_dir} in place failed ({e}); the engine is "
+                               "shut down") from e
         if self.scorer is not None:
             self.scorer.close()
         self.scorer = self._scorer()
