@@ -44,7 +44,7 @@ def _resource_notes(x: PlanInputs, st: dict[str, dict[str, Any]]) -> list[str]:
     e, c = st["evaluate"], st["collect"]
     if cfg.evaluate.backend == "vllm":
         reloads = e.get("engine_reloads", 0) + c.get("engine_reloads", 0)
-        notes.append(f"vLLM start-up: {e['engine_starts']} engine starts in evaluate"
+        notes.append(f"vLLM start-up: {e['engine_starts']} engine start{'' if e['engine_starts'] == 1 else 's'} in evaluate"
                      + (f" (+{c['engine_starts']} in collect)" if c.get("engine_starts") else "")
                      + f", {VLLM_START_RANGE[kind]}; budgeted at {dur(engine['start_s'])} each "
                        "(start-up + reading the weights) in the time column"
