@@ -144,14 +144,20 @@ def test_in_process_engine_takes_the_next_checkpoint_in_place(monkeypatch, tmp_p
 
         reload_blocker = vb.VLLMEngine.reload_blocker
 
+        fail = False
+
         def reload(self, model_dir):
             assert self.reload_blocker(model_dir) is None
+            if self.fail:
+                self.shutdown()
+                raise RuntimeError("loading in place failed")
             events.append(("reload", Path(self.model_dir).name, Path(model_dir).name))
             self.model_dir = str(model_dir)
 
-        def shutdown(self):
-            self.llm = None
-            events.append(("stop", Path(self.model_dir).name))
+        def shutdown(self):  # idempotent, as VLLMEngine.shutdown
+            if self.llm is not None:
+                self.llm = None
+                events.append(("stop", Path(self.model_dir).name))
 
     monkeypatch.setattr(vb, "on_cpu", lambda: True)
     with open_models(load_config("tiny", ["evaluate.backend=vllm"]), LocalExecutor(), engine_cls=ReloadingEngine) as be:
@@ -163,10 +169,32 @@ def test_in_process_engine_takes_the_next_checkpoint_in_place(monkeypatch, tmp_p
         assert be.engine_for(other_tok) is not first
         assert be.engine_for("org/hub-model") is not first  # a hub id: vLLM resolves it, a new engine
         assert be.engine_for(a).model_dir == a
+        e = be.engine_for(a)
+        e.fail = True  # a load that fails part-way: reload shut it down; the backend starts a new engine
+        assert be.engine_for(b) is not e and e.llm is None
     assert events == [("start", "a"), ("start", "j"), ("reload", "a", "b"), ("stop", "b"), ("start", "wide"),
                       ("stop", "wide"), ("start", "tok"), ("stop", "tok"), ("start", "hub-model"),
-                      ("stop", "hub-model"), ("start", "a"), ("stop", "a"), ("stop", "j")]
+                      ("stop", "hub-model"), ("start", "a"), ("stop", "a"), ("start", "b"), ("stop", "b"),
+                      ("stop", "j")]
     assert vb.engine_fingerprint("org/hub-model") is None
+    # other tensor names (vLLM would keep a tensor the new checkpoint lacks at its old value), a shard the index
+    # lists missing, a quantized checkpoint: no load in place
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2), "v": torch.zeros(1)}, str(tmp_path / "a" / "model.safetensors"))
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "b" / "model.safetensors"))
+    assert vb.fingerprint_difference(vb.engine_fingerprint(a), vb.engine_fingerprint(b)) == "tensor names differ"
+    save_file({"v": torch.ones(1), "w": torch.ones(2)}, str(tmp_path / "b" / "model.safetensors"))
+    assert vb.fingerprint_difference(vb.engine_fingerprint(a), vb.engine_fingerprint(b)) is None  # values may differ
+    (tmp_path / "b" / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"w": "model.safetensors", "v": "model-00002-of-00002.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match=r"shards \['model-00002-of-00002.safetensors'\] listed"):
+        vb.engine_fingerprint(b)
+    (tmp_path / "b" / "model.safetensors.index.json").unlink()
+    q = ckpt("q", quantization_config={"quant_method": "fp8"})
+    eng = ReloadingEngine(a, None, "float32")
+    assert eng.reload_blocker(q) == f"{q} is quantized (in-place reloading is tested on unquantized checkpoints only)"
     events.clear()
     off = load_config("tiny", ["evaluate.backend=vllm", "evaluate.vllm.reload_weights=false"])
     with open_models(off, LocalExecutor(), engine_cls=ReloadingEngine) as be:

@@ -308,11 +308,11 @@ def test_vllm_engines_in_ray_actors_are_planned_per_actor():
     assert actors["model_loads"] == 7 and actors["engine_starts"] == 7 * cfg.ray.num_actors
     # in-process on a GPU two engines cannot share the device: the judge swaps in for every other row
     assert local["model_loads"] == local["engine_starts"] == 2 * (31 - 1)
-    # ... which reload_weights (the default) turns into one start and weights loaded in place; Ray actors
-    # start a group per model dir either way
+    # ... and with reload_weights (the default) too: a hub pool's checkpoints are compared at run time (they may
+    # differ in config or tokenizer files), so the plan counts starts, an upper bound; Ray actors start a group
+    # per model dir either way
     inplace = make_plan(load_config("llama2-7b", ["evaluate.backend=vllm", "executor=local"]))["stages"]["evaluate"]
-    assert inplace["engine_starts"] == 1 and inplace["engine_reloads"] == 2 * (31 - 1) - 1
-    assert inplace["wall_seconds"] < local["wall_seconds"] and actors["engine_reloads"] == 0
+    assert inplace == local and actors["engine_reloads"] == 0
     assert actors["wall_seconds"] < local["wall_seconds"] / 4
     # the experts' calibration continuations (calibration.backend: vllm): one engine group per expert
     cal = make_plan(load_config("llama2-7b", ["calibration.backend=vllm"]))["stages"]["collect"]

@@ -249,12 +249,23 @@ def vllm_engine(cfg, arch: dict[str, Any], params: int) -> dict[str, Any]:
     return e
 
 
+def plans_reloads(cfg) -> bool:
+    """Whether the plan counts model-dir switches of the in-process engine as in-place loads
+    (``evaluate.vllm.reload_weights``, not with Ray actors): only for a pool built here (``pool.kind``
+    ``tiny`` or ``gguf``: one tokenizer and config for the base, the experts and the merges). A hub pool's
+    checkpoints are compared at run time (``VLLMEngine.reload_blocker``: config.json, tokenizer files,
+    tensor names); they often differ (a vocabulary padded by one token, another publisher's tokenizer
+    files), so the plan counts a start per switch there, an upper bound."""
+    return (cfg.executor != "ray" and cfg.evaluate.vllm.reload_weights
+            and getattr(cfg.pool, "kind", "hf") in ("tiny", "gguf"))
+
+
 def engine_loads(row_dirs: Sequence[str], tasks: Sequence[str], judges: Mapping[str, str],
                  held: bool = False, reload: bool = False) -> tuple[int, int]:
     """``(starts, reloads)``: vLLM engines (groups, with Ray actors) started in ``evaluate``, and
     checkpoints loaded into a running engine in place (``evaluate.vllm.reload_weights``,
-    in-process only): every model dir the unpinned engine moves to after its first, since a pool's
-    models and merges share the engine's architecture and tokenizer. ``row_dirs``, ``tasks``,
+    in-process only): every model dir the unpinned engine moves to after its first, as for a pool
+    built here (:func:`plans_reloads`). ``row_dirs``, ``tasks``,
     ``judges`` and ``held`` as in :func:`engine_starts`."""
     switches = engine_starts(row_dirs, tasks, judges, held=held)
     if not reload:

@@ -30,7 +30,7 @@ from darts_bench.plan.architecture import (DTYPE_BYTES, activations, architectur
                                           param_count)
 from darts_bench.plan.resources import (ACTOR_START_S, DIAG_BATCH, DIAG_TEMPS, FEATURE_COLUMNS_BYTES,
                                         LOAD_BYTES_PER_S, PROCESS_BASELINE, RECOMBINE_BACKWARD, THROUGHPUT,
-                                        decode_seconds, device_kind, engine_loads, forward_seconds, vllm_engine,
+                                        decode_seconds, device_kind, engine_loads, forward_seconds, plans_reloads, vllm_engine,
                                         vllm_generation_seconds)
 from darts_bench.plan.units import gb, num
 from darts_bench.controls import CONTROL_METHOD, head_param_count, param_matched_rank
@@ -498,7 +498,7 @@ def collect(x: PlanInputs) -> dict[str, Any]:
         # one per task expert (model-major collection); with Ray a group of x.workers engines, held across
         # the expert's sets (restarted per set when the instance cannot hold it beside the HF group); in-process
         # with reload_weights one engine, given each next expert's weights in place
-        if cfg.executor != "ray" and cfg.evaluate.vllm.reload_weights:
+        if plans_reloads(cfg):
             s["engine_starts"], s["engine_reloads"] = min(T, 1), max(T - 1, 0)
         else:
             s["engine_starts"], s["engine_reloads"] = T * (x.workers if cfg.executor == "ray" else 1), 0
@@ -806,7 +806,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         # one after the other; the judge's held (Ray: its pinned group; in-process on the CPU: pinned)
         s["model_loads"], s["engine_reloads"] = engine_loads(
             row_dirs, list(x.tasks), judges, held=ray or kind == "cpu",
-            reload=not ray and cfg.evaluate.vllm.reload_weights)
+            reload=plans_reloads(cfg))
         s["engine_starts"] = s["model_loads"] * workers  # with Ray actors: a group each time
         s["where"] = (f"vLLM: one engine per Ray actor, {x.workers} actors per model dir" if ray else
                       "vLLM: one engine in the driver process" + (" (not in the Ray actors)" if x.workers > 1 else "")

@@ -166,12 +166,13 @@ CONFIG_VOLATILE_KEYS = ("_name_or_path", "transformers_version")
 def engine_fingerprint(model_dir: str | Path) -> dict[str, Any] | None:
     """What a running engine must share with ``model_dir`` for :meth:`VLLMEngine.reload` to load its
     weights in place: ``config`` (``config.json`` less :data:`CONFIG_VOLATILE_KEYS`: architecture,
-    shapes, vocabulary, rotary settings, tied embeddings) and ``files`` (name -> sha256 of each of
-    :data:`ENGINE_SHARED_FILES` present); None when ``model_dir`` is no local directory (a hub id,
+    shapes, vocabulary, rotary settings, tied embeddings), ``files`` (name -> sha256 of each of
+    :data:`ENGINE_SHARED_FILES` present) and ``tensors`` (a hash of the safetensors tensor names); None when ``model_dir`` is no local directory (a hub id,
     which vLLM resolves itself: such a model dir always gets a new engine).
 
     Raises:
-        FileNotFoundError: the directory ``model_dir`` has no ``config.json``.
+        FileNotFoundError: the directory ``model_dir`` has no ``config.json``, or lacks a shard its
+            ``model.safetensors.index.json`` lists.
         ValueError: its ``config.json`` is not a JSON object.
     """
     import hashlib
@@ -191,17 +192,45 @@ def engine_fingerprint(model_dir: str | Path) -> dict[str, Any] | None:
     for k in CONFIG_VOLATILE_KEYS:
         config.pop(k, None)
     files = {f: hashlib.sha256((d / f).read_bytes()).hexdigest() for f in ENGINE_SHARED_FILES if (d / f).is_file()}
-    return {"config": config, "files": files}
+    return {"config": config, "files": files, "tensors": _tensor_names(d)}
+
+
+def _tensor_names(d: Path) -> str:
+    """sha256 of the sorted tensor names of the checkpoint's safetensors files (their headers only), with
+    the shards its ``model.safetensors.index.json`` lists that are missing named: vLLM's in-place reload
+    keeps a tensor the new checkpoint lacks at its old value (a new engine refuses such a checkpoint), so
+    a checkpoint with other tensors must not take an engine's place.
+
+    Raises:
+        FileNotFoundError: a shard the index lists is missing."""
+    import hashlib
+    import json
+
+    from safetensors import safe_open
+
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        missing = sorted({f for f in json.loads(index.read_text()).get("weight_map", {}).values()
+                          if not (d / f).is_file()})
+        if missing:
+            raise FileNotFoundError(f"{d}: shards {missing} listed in model.safetensors.index.json are missing")
+    names: list[str] = []
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            names += st.keys()
+    return hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()
 
 
 def fingerprint_difference(a: dict[str, Any], b: dict[str, Any]) -> str | None:
     """Where two :func:`engine_fingerprint` results differ, in words (None: they do not)."""
     keys = sorted(k for k in set(a["config"]) | set(b["config"]) if a["config"].get(k) != b["config"].get(k))
     files = sorted(f for f in set(a["files"]) | set(b["files"]) if a["files"].get(f) != b["files"].get(f))
-    if not keys and not files:
+    tensors = a.get("tensors") != b.get("tensors")
+    if not keys and not files and not tensors:
         return None
     return "; ".join(p for p in (f"config.json {', '.join(keys[:5])}" if keys else "",
-                                 f"files {', '.join(files)}" if files else "") if p) + " differ"
+                                 f"files {', '.join(files)}" if files else "",
+                                 "tensor names" if tensors else "") if p) + " differ"
 
 
 def on_cpu() -> bool:
@@ -314,9 +343,9 @@ class VLLMEngine:
     # ------------------------------------------------------------------ weights in place
     def reload_blocker(self, model_dir: str | Path) -> str | None:
         """Why this engine cannot take ``model_dir``'s weights in place (:meth:`reload`), or None when
-        it can: ``model_dir`` must have the engine's ``config.json`` (less the keys that only name or
-        date a checkpoint) and the same tokenizer, chat template and generation config files
-        (:func:`engine_fingerprint`), which the engine read at start and keeps.
+        it can: ``model_dir`` must be unquantized, with the engine's ``config.json`` (less the keys that
+        only name or date a checkpoint), the same tokenizer, chat template and generation config files
+        (which the engine read at start and keeps) and the same tensor names (:func:`engine_fingerprint`).
 
         Raises:
             FileNotFoundError / ValueError: ``model_dir`` has no readable ``config.json``.
@@ -326,6 +355,8 @@ class VLLMEngine:
         other = engine_fingerprint(model_dir)
         if self.fingerprint is None or other is None:
             return f"{self.model_dir if self.fingerprint is None else model_dir} is no local checkpoint dir"
+        if "quantization_config" in other["config"]:
+            return f"{model_dir} is quantized (in-place reloading is tested on unquantized checkpoints only)"
         diff = fingerprint_difference(self.fingerprint, other)
         return f"{model_dir} and {self.model_dir}: {diff}" if diff else None
 
@@ -728,7 +759,7 @@ class VLLMMultiHeadModel:
         if bad:
             raise ValueError(f"{self.name}: head indices {sorted(set(bad))[:5]} outside 0..{n - 1} "
                              f"({n} heads)")
-        self.engine.set_heads(self.head_dirs)
+        self._tm._live().set_heads(self.head_dirs)  # refuses before loading heads into another checkpoint's engine
         return [i if self.head_dirs[i] else -1 for i in idx]
 
     def close(self) -> None:
@@ -892,8 +923,12 @@ class VLLMBackend(Backend):
         if self._engine is not None:
             why = self._reload_blocker(self._engine, key)
             if why is None:
-                self._engine.reload(key)
-                return self._engine
+                try:
+                    self._engine.reload(key)
+                    return self._engine
+                except RuntimeError as e:  # reload shut the engine down: nothing of either checkpoint is kept
+                    why = str(e)
+                    log.warning("vLLM: %s; starting a new engine for %s", e, key)
             log.info("vLLM: a new engine for %s (%s)", key, why)
             self._engine.shutdown()
             self._engine = None
