@@ -189,8 +189,10 @@ def test_in_process_engine_takes_the_next_checkpoint_in_place(monkeypatch, tmp_p
     assert vb.fingerprint_difference(vb.engine_fingerprint(a), vb.engine_fingerprint(b)) is None  # values may differ
     (tmp_path / "b" / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"w": "model.safetensors", "v": "model-00002-of-00002.safetensors"}}))
+    from darts_bench.evaluate.hf_model import check_checkpoint  # VLLMEngine.reload checks first, then loads
+
     with pytest.raises(FileNotFoundError, match=r"shards \['model-00002-of-00002.safetensors'\] listed"):
-        vb.engine_fingerprint(b)
+        check_checkpoint(b)
     (tmp_path / "b" / "model.safetensors.index.json").unlink()
     q = ckpt("q", quantization_config={"quant_method": "fp8"})
     eng = ReloadingEngine(a, None, "float32")

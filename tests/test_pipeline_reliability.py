@@ -135,6 +135,12 @@ def test_missing_and_corrupt_safetensors(micro_pipeline, tmp_path):
     src = micro_pipeline.pool().path("math")
     ck = tmp_path / "ck"
     shutil.copytree(src, ck)
+    # a sharded checkpoint with a shard its index lists missing: named before any load
+    (ck / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model.safetensors", "b": "model-00002-of-00002.safetensors"}}')
+    with pytest.raises(FileNotFoundError, match=r"shards \['model-00002-of-00002.safetensors'\] listed"):
+        load_causal_lm(ck)
+    (ck / "model.safetensors.index.json").unlink()
     w = ck / "model.safetensors"
     data = w.read_bytes()
     w.write_bytes(data[: len(data) // 2])

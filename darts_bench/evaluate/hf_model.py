@@ -28,12 +28,16 @@ DEFAULT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 
 
 def check_checkpoint(path: str | Path) -> None:
-    """Fail early, naming the file, if a local checkpoint dir lacks its config or weights, or if a
-    safetensors file is truncated or corrupt (its header and tensor byte ranges are checked).
+    """Fail early, naming the file, if a local checkpoint dir lacks its config, its weights or a shard
+    its ``model.safetensors.index.json`` lists, or if a safetensors file is truncated or corrupt (its
+    header and tensor byte ranges are checked).
 
     Raises:
-        FileNotFoundError: no config.json / no weights; ValueError: a corrupt safetensors file.
+        FileNotFoundError: no config.json / no weights / a listed shard missing; ValueError: a corrupt
+            safetensors file.
     """
+    import json
+
     from safetensors import safe_open
 
     p = Path(path)
@@ -41,6 +45,12 @@ def check_checkpoint(path: str | Path) -> None:
         return  # a hub id: transformers resolves it
     if not (p / "config.json").is_file():
         raise FileNotFoundError(f"not a model checkpoint (no config.json): {p}")
+    index = p / "model.safetensors.index.json"
+    if index.is_file():
+        missing = sorted({f for f in json.loads(index.read_text()).get("weight_map", {}).values()
+                          if not (p / f).is_file()})
+        if missing:
+            raise FileNotFoundError(f"{p}: shards {missing} listed in model.safetensors.index.json are missing")
     files = sorted(p.glob("*.safetensors"))
     if not files and not any(p.glob("*.bin")):
         raise FileNotFoundError(f"no weights (*.safetensors) in checkpoint dir {p}")
@@ -52,9 +62,7 @@ def check_checkpoint(path: str | Path) -> None:
             size = f.stat().st_size
             with open(f, "rb") as fh:
                 n = int.from_bytes(fh.read(8), "little")
-                import json as _json
-
-                header = _json.loads(fh.read(n))
+                header = json.loads(fh.read(n))
             end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
             if 8 + n + end != size:
                 raise ValueError(f"expected {8 + n + end} bytes, found {size}")
