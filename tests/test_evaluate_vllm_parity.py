@@ -331,6 +331,68 @@ def test_weights_loaded_in_place_equal_a_new_engine(setup, tmp_path):
     _reload_equals_new_engine(setup, tmp_path)
 
 
+def _sharded_bf16(src, out, noise_seed: int | None = None):
+    """``src`` saved as a user's hub checkpoint often is: bfloat16, in several shards with an index (optionally
+    moved far from ``src`` first by seeded noise, as in :func:`_reload_equals_new_engine`). Returns ``out``."""
+    model, tok = load_causal_lm(src)
+    if noise_seed is not None:
+        g = torch.Generator().manual_seed(noise_seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    model.to(torch.bfloat16).save_pretrained(out, max_shard_size="100KB", safe_serialization=True)
+    tok.save_pretrained(out)
+    assert len(list(out.glob("*.safetensors"))) >= 2 and (out / "model.safetensors.index.json").is_file()
+    return out
+
+
+def test_sharded_bf16_weights_loaded_in_place_with_the_scoring_copy(setup, tmp_path):
+    """The user's path of in-place loads: sharded bfloat16 checkpoints (an index and several shards, as the hub
+    holds them) served by a float32 engine with ``evaluate.vllm.scoring: shared`` (the preset's: teacher-forced
+    scores under a head, and those of contexts shared within a call, from the engine's HF copy, whose plain
+    shared contexts' KV blocks are kept across calls). After the base's generations and scores (the copy's prefix
+    cache filled), the engine takes a far expert's shards in place and gives exactly what a new engine on that
+    expert gives: greedy ids and finish reasons, engine and copy scores bitwise; the copy is the expert's, loaded
+    anew. A single-file float32 checkpoint is refused by the fingerprint (its ``config.json`` ``dtype``): a new engine."""
+    from darts_bench.evaluate.engines.vllm import VLLMEngine
+
+    setup["engine"].shutdown()  # one engine at a time (the Qwen2 fixture after this shuts it down anyway)
+    pool, heads = setup["pool"], setup["heads"]
+    base = _sharded_bf16(pool.base, tmp_path / "base-bf16")
+    far = _sharded_bf16(pool.experts[sorted(pool.experts)[0]], tmp_path / "far-bf16", noise_seed=11)
+    vcfg = setup["cfg"].evaluate.vllm.model_copy(update={"scoring": "shared", "prefix_cache_mib": 64})
+    # contexts twice in a call (-> the copy, and its prefix cache), once (-> the engine's prompt_logprobs)
+    ctx = [PROMPTS[3], PROMPTS[3], PROMPTS[1], PROMPTS[1], PROMPTS[2], PROMPTS[0]]
+    conts = [" 72 clips", " 48", " a + b", " a - b", " 5", " there"]
+
+    def outputs(e):
+        got = {}
+        for h in (None, "darts"):
+            tm = e.text_model("m", heads[h] if h else None)
+            got[h] = (tm.generate_finished(PROMPTS, max_new_tokens=NEW),
+                      [(s.nll, s.token_nll, s.greedy) for s in tm.score(ctx, conts)])
+        return got
+
+    eng = VLLMEngine(base, vcfg, "float32", seed=0)
+    try:
+        on_base = outputs(eng)
+        assert eng.scorer.loads == 1 and eng.scorer.prefix_cache is not None and eng.scorer.model_dir == str(base)
+        assert "config.json dtype" in (eng.reload_blocker(pool.base) or "")
+        eng.reload(far)
+        assert eng.scorer.model_dir == str(far) and eng.scorer.loads == 0  # a new copy, loaded on first use
+        got = outputs(eng)
+        assert eng.scorer.loads == 1
+    finally:
+        eng.shutdown()
+    fresh = VLLMEngine(far, vcfg, "float32", seed=0)
+    try:
+        want = outputs(fresh)
+    finally:
+        fresh.shutdown()
+    assert got == want
+    assert got[None][1] != on_base[None][1] and got["darts"][0] != on_base["darts"][0]  # the expert differs
+
+
 # ------------------------------------------------------------------ a second architecture: Qwen2
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory, setup):  # after the Llama engine's tests (setup), so one engine runs at a time
