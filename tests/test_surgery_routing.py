@@ -237,11 +237,26 @@ def test_micro_routed_outputs_are_the_routed_heads_outputs(agnostic_pipeline):
 
 
 @pytest.mark.micro
-def test_micro_one_pass_equals_row_by_row_for_task_agnostic_rows(agnostic_pipeline, tmp_path):
+def test_micro_one_pass_equals_row_by_row_for_task_agnostic_rows(agnostic_pipeline, tmp_path, monkeypatch):
     """Rows of merge ``ties`` with the routed and shared rows, every task: identical completions and
     metrics (routing accuracy and reference NLL included, bitwise) on both evaluation paths; a routed
-    row whose prompts all went to the oracle head equals the oracle row."""
+    row whose prompts all went to the oracle head equals the oracle row. In one pass the two routed rows'
+    prompt states are computed once per distinct call (they make the same calls in turn), not once per row."""
+    import darts_bench.evaluate.routed as routed_mod
     from darts_bench.stages.evaluate import evaluate
+
+    calls: list[tuple[str, ...]] = []
+    source = routed_mod.prompt_state_source
+
+    def counted(model, model_dir, cfg):
+        fn = source(model, model_dir, cfg)
+
+        def states(texts):
+            calls.append(tuple(texts))
+            return fn(texts)
+        return states
+
+    monkeypatch.setattr(routed_mod, "prompt_state_source", counted)
 
     pipe = agnostic_pipeline
     all_rows, tasks = pipe.all_rows(), pipe.tasks()
@@ -252,7 +267,10 @@ def test_micro_one_pass_equals_row_by_row_for_task_agnostic_rows(agnostic_pipeli
     out = {}
     for one_pass in (False, True):
         cfg = pipe.cfg.model_copy(update={"evaluate": pipe.cfg.evaluate.model_copy(update={"one_pass": one_pass})})
+        calls.clear()
         out[one_pass] = evaluate(cfg, rows, all_rows, tasks, pipe.executor, tmp_path / f"work-{one_pass}")
+        if one_pass:
+            assert calls and len(calls) == len(set(calls))  # each distinct call's states once, for both routed rows
     for r in rows:
         for t in tasks:
             a, b = out[False][r.model][t], out[True][r.model][t]

@@ -431,7 +431,12 @@ class RoutedRowView(RowView):
         check_router_heads(name, router, slots)
 
         def states(texts):
-            return prompt_state_source(gather.model(), model_dir, cfg)(texts)
+            # the group's routed rows share one router per merge and make the same calls in turn: a call's states
+            # are computed once for all of them (the same prompt list in the same chunks: the same values)
+            key = tuple(texts)
+            if key not in gather.prompt_states:
+                gather.prompt_states[key] = prompt_state_source(gather.model(), model_dir, cfg)(texts)
+            return gather.prompt_states[key]
 
         self._slots, self._bs = slots, cfg.tasks.batch_size
         self.routing = Routing(router, states)
@@ -475,6 +480,7 @@ class _Gather:
 
     def __init__(self, n: int, model):
         self.model = model
+        self.prompt_states: dict[tuple[str, ...], object] = {}  # routed rows' prompt states by call (RoutedRowView)
         self._cond = threading.Condition()
         self._state = ["ready"] * n  # ready | waiting | done
         self._current: int | None = 0 if n else None
