@@ -327,3 +327,67 @@ def test_engine_processes_leave_out_the_resource_tracker():
     finally:
         proc.kill()
         proc.join()
+
+
+def test_pinned_judge_scored_on_the_copy_starts_no_engine(monkeypatch, tmp_path):
+    """With ``evaluate.vllm.scoring: shared`` (or ``hf``) on the CPU, a pinned model (the AlpacaEval judge) gives
+    its forced-choice scores (each prompt with two verdicts) from an HF copy the backend holds, bitwise what an
+    engine's text model gives through its own copy, and starts no engine: the rows' engine stays the only one.
+    Generation, or a score the engine would compute (a context with one continuation), starts the pinned engine
+    on first need, as before; with ``scoring: heads`` (the judge's plain scores on the engine) the judge gets its
+    pinned engine at once. Closing the backend closes the copy."""
+    from conftest import StandInEngine, tiny_checkpoint_with_heads
+
+    import darts_bench.evaluate.engines.vllm as vb
+    from darts_bench.evaluate.engines.hf_scorer import HFScorer
+    from darts_bench.evaluate.hf_model import load_causal_lm
+    from darts_bench.executors.local import LocalExecutor
+
+    prompts = ["Which output is better? (a) 7 (b) 8", "Compare: (a) def f(): pass (b) return 1"]
+    conts = [" Output (a)", " Output (b)"] * len(prompts)
+    model_dir, _ = tiny_checkpoint_with_heads(tmp_path, prompts + conts, seed=5)
+    _, tok = load_causal_lm(model_dir)
+    started = []
+
+    class Engine(StandInEngine):
+        def __init__(self, md, vcfg, dtype, seed=0):
+            super().__init__(tok, vb.scoring_copy(md, vcfg, vcfg.engine_dtype(dtype), True), vcfg.scoring)
+            self.model_dir, self.llm = str(md), object()
+            started.append(self.model_dir)
+
+        def text_model(self, name, head_dir=None, batch_size=8):
+            return vb.VLLMTextModel(name, self, head_dir, batch_size=batch_size)
+
+        def shutdown(self):
+            self.llm = None
+
+    def engine_score(self, contexts, continuations, heads):  # what reaches the engine: marked, not computed
+        return [vb.ScoreContinuation(nll=-1.0, n_tokens=1, greedy=False) for _ in contexts]
+
+    monkeypatch.setattr(vb, "on_cpu", lambda: True)
+    monkeypatch.setattr(vb.VLLMTextModel, "_engine_score", engine_score)
+    ctx = [p for p in prompts for _ in (1, 2)]
+    on = ["evaluate.backend=vllm", "evaluate.vllm.scoring=shared", "evaluate.vllm.prefix_cache_mib=8"]
+    with open_models(load_config("tiny", on), LocalExecutor(), engine_cls=Engine) as be:
+        judge = be.get("judge", model_dir, pin=True)
+        assert isinstance(judge, vb.CopyScoredModel) and started == []
+        got = judge.score(ctx, conts)
+        assert judge.format_chat("hi") == vb.format_chat(tok, "hi")
+        copy = be._copies[str(model_dir)]
+        assert started == [] and copy.loads == 1  # no engine; the copy loaded once
+        # what an engine's text model (scoring: shared, its own copy) gives for the same call: bitwise
+        ref = StandInEngine(tok, HFScorer(model_dir, share_prefix=True, prefix_cache_mib=8), "shared")
+        want = vb.VLLMTextModel("ref", ref).score(ctx, conts)
+        assert [(s.nll, s.token_nll, s.greedy) for s in got] == [(s.nll, s.token_nll, s.greedy) for s in want]
+        assert all(s.nll > 0 for s in got)
+        # a context with one continuation: the engine's score; the pinned engine started for it, once
+        assert judge.score(prompts[:1], conts[:1])[0].nll == -1.0 and started == [str(model_dir)]
+        assert judge.generate_ids is not None and started == [str(model_dir)]  # the same pinned engine
+        assert be.engine_for(str(model_dir), pin=True) is judge.engine_model().engine
+        with pytest.raises(ValueError, match="2 contexts and 1 continuations"):
+            judge.score(prompts, conts[:1])
+    assert copy._model is None  # closed with the backend
+    started.clear()
+    with open_models(load_config("tiny", [*on[:1], "evaluate.vllm.scoring=heads"]), LocalExecutor(),
+                     engine_cls=Engine) as be:
+        assert isinstance(be.get("judge", model_dir, pin=True), vb.VLLMTextModel) and started == [str(model_dir)]

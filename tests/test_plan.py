@@ -546,8 +546,9 @@ def test_vllm_one_pass_fills_decoding_steps_from_every_row():
 def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
     """``evaluate.vllm.scoring: hf``: the reference NLL counted as the HF one pass counts it (one
     transformer forward per model dir, a further head its ``lm_head``: the hf backend's token count)
-    instead of a ``prompt_logprobs`` forward per row; the HF copy's weights beside each engine (two
-    on CPU: the judge's) and one checkpoint load per engine start (the hf backend's load time);
+    instead of a ``prompt_logprobs`` forward per row; the HF copy's weights beside each engine and one checkpoint
+    load per engine start (the hf backend's load time), and on the CPU the judge, which only scores, on a copy of
+    its own without an engine (``CopyScoredModel``: one engine's memory less, its copy loaded once);
     the stage cheaper; ``engine``, the default (not the smollm2 preset's: ``shared``), plans exactly what it
     planned before."""
     sets = ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32", "evaluate.vllm.reload_weights=false"]
@@ -556,10 +557,14 @@ def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
     h = make_plan(load_config("smollm2-135m", [*sets, "evaluate.vllm.scoring=hf"]))["stages"]["evaluate"]
     hf = make_plan(load_config("smollm2-135m"))["stages"]["evaluate"]
     W = plan_e["model"]["weights_bytes"]
-    assert h["memory_bytes"] == e["memory_bytes"] + 2 * W and "HF scorer's weights" in h["memory_note"]
+    ram = e["vllm_engine"]["ram"]  # the judge's engine beside the rows' (scoring: engine and heads only)
+    assert h["memory_bytes"] == e["memory_bytes"] - ram + 2 * W and "HF scorer's weights" in h["memory_note"]
+    assert "judge's engine" in e["memory_note"] and "judge's engine" not in h["memory_note"]
     assert h["nll_tokens"] == hf["nll_tokens"] == 86_400 and e["nll_tokens"] == 291_600
     assert h["judge_tokens"] == e["judge_tokens"] and h["engine_starts"] == e["engine_starts"] == 6
-    assert h["load_seconds"] == pytest.approx(e["load_seconds"] + 6 * hf["load_seconds"] / hf["model_loads"])
+    # 6 engine starts either way (engine: 5 row dirs + the judge's pinned one serving its own row; hf: the 6 row
+    # dirs, the judge engine-less), each with its copy, and the judge's own copy
+    assert h["load_seconds"] == pytest.approx(e["load_seconds"] + 7 * hf["load_seconds"] / hf["model_loads"])
     assert h["seconds"] < 0.75 * e["seconds"]
     assert make_plan(load_config("tiny", sets))["stages"]["evaluate"] == \
         make_plan(load_config("tiny", [*sets, "evaluate.vllm.scoring=engine"]))["stages"]["evaluate"]
@@ -573,7 +578,7 @@ def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
     assert k["memory_bytes"] == e["memory_bytes"] + W
     assert k["load_seconds"] == pytest.approx(e["load_seconds"] + 2 * hf["load_seconds"] / hf["model_loads"])
     assert h["seconds"] < k["seconds"] < e["seconds"]
-    # shared: as heads, and the judge's two verdicts per prompt from a copy beside the judge's engine, each prompt
+    # shared: as heads, and the judge's two verdicts per prompt from a copy (on the CPU engine-less), each prompt
     # forwarded once at the forward rate (the judge's scored tokens / 2), and with the preset's prefix cache
     # (evaluate.vllm.prefix_cache_mib) the 10 x (2 x 350 + 350) tokens every row's prompts share once for the
     # stage, not once for each of the 24 rows; a second copy, loaded once
@@ -583,7 +588,7 @@ def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
     r = sh["stages"]["evaluate"]
     assert make_plan(load_config("smollm2-135m", sets))["stages"]["evaluate"] == r  # the preset's setting
     assert (r["nll_tokens"], r["judge_tokens"]) == (k["nll_tokens"], k["judge_tokens"])
-    assert r["memory_bytes"] == e["memory_bytes"] + 2 * W
+    assert r["memory_bytes"] == e["memory_bytes"] - ram + 2 * W
     assert r["load_seconds"] == pytest.approx(e["load_seconds"] + 3 * hf["load_seconds"] / hf["model_loads"])
     P, kind = sh["model"]["params"], "cpu"
     judged = e["judge_tokens"]  # all scored: the judge's default score mode generates nothing

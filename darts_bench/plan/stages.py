@@ -726,7 +726,9 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     corrected rows' scores from the copy: one forward per model dir with heads; the plain rows and the judge
     on the engine; the copy counted once, beside the rows' engine) or ``shared`` (as ``heads``, and a judge's
     scored sequences on a copy beside its engine, the ``forward`` rate, each prompt forwarded once for its
-    ``scored_per_prompt`` verdicts; the hf backend's judges likewise with ``evaluate.share_prefix``); with
+    ``scored_per_prompt`` verdicts; the hf backend's judges likewise with ``evaluate.share_prefix``). In-process
+    on the CPU a judge that only scores, with ``hf``, or with ``shared`` and two or more verdicts per prompt, starts
+    no engine (the backend's copy scores it: ``CopyScoredModel``; its own row runs on the rows' engine); with
     ``evaluate.vllm.enable_prefix_caching`` (the default) a prompt's
     prefill is counted once per model dir, shared by its rows' requests (the KV cache does not depend on
     the head), else once per row. A judge's ``scored_tokens_per_row`` (forced-choice verdicts) are
@@ -749,6 +751,14 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     # ... and with the prefix cache the prompts' shared tokens (template, instruction, reference) once for the stage
     cached_prefix = bool(cfg.evaluate.vllm.prefix_cache_mib if vllm else cfg.evaluate.prefix_cache_mib)
     judges = x.local_judges
+    # in-process on the CPU a judge that only scores, each prompt with two or more verdicts (all the copy's under
+    # shared; every score under hf), starts no engine: the backend's copy scores it (vllm.CopyScoredModel)
+    copy_only = {t for t in scoring_judges
+                 if vllm and not ray and kind == "cpu" and scoring in ("hf", "shared")
+                 and not x.needs[t]["judge"].get("prompt_tokens_per_row")
+                 and not x.needs[t]["judge"].get("new_tokens_per_row")
+                 and (scoring == "hf" or x.needs[t]["judge"].get("scored_per_prompt", 1) >= 2)}
+    engine_judges = {t: j for t, j in judges.items() if t not in copy_only}
     layout = one_pass_layout(cfg)
     native = layout is not None
     groups = Counter(s.merge or s.model for s in x.evaluated)  # rows per model dir
@@ -805,7 +815,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         workers = x.workers if ray else 1  # vLLM in the driver: one
         # one after the other; the judge's held (Ray: its pinned group; in-process on the CPU: pinned)
         s["model_loads"], s["engine_reloads"] = engine_loads(
-            row_dirs, list(x.tasks), judges, held=ray or kind == "cpu",
+            row_dirs, list(x.tasks), engine_judges, held=ray or kind == "cpu",
             reload=plans_reloads(cfg))
         s["engine_starts"] = s["model_loads"] * workers  # with Ray actors: a group each time
         s["where"] = (f"vLLM: one engine per Ray actor, {x.workers} actors per model dir" if ray else
@@ -819,7 +829,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     if vllm:
         e = x.engine
         # in-process on the CPU each local judge's engine is kept beside the row's (engine_for(pin=True))
-        beside = len(pinned) if not ray and kind == "cpu" else 0
+        beside = len({j.split("+", 1)[0] for j in engine_judges.values()}) if not ray and kind == "cpu" else 0
         s["memory_bytes"] = PROCESS_BASELINE["evaluate"] + e["ram"] * (1 + beside)
         if e["gpu"] is not None:
             s["gpu_bytes"] = e["gpu"]
@@ -830,15 +840,16 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         s["load_seconds"] = s["model_loads"] * e["start_s"] + s["engine_reloads"] * e["reload_s"]
         if head_scores:  # the HF scorer: a copy of the weights beside each engine that scores with it
             judge_copies = len({judges[t] for t in copy_judges})
-            # heads: never the judge's; shared: the judges' that score
-            copies = 1 + beside if hf_scores else 1 + min(beside, judge_copies)
+            own = len({judges[t].split("+", 1)[0] for t in copy_only})  # the backend's copies of engine-less judges
+            # heads: never the judge's; shared: the judges' that score (beside their engine, or engine-less)
+            copies = 1 + (beside if hf_scores else min(beside, judge_copies - own)) + own
             s["memory_bytes"] += W * copies
             if e["gpu"] is not None:
                 s["gpu_bytes"] = e["gpu"] + W
             s["memory_note"] += (f" + the HF scorer's weights {gb(W)} x {copies} "
                                  f"(evaluate.vllm.scoring: {scoring})")
-            s["load_seconds"] += ((s["model_loads"] + s["engine_reloads"] if hf_scores else headed_dirs + judge_copies)
-                                  * x.checkpoint_load_seconds)
+            s["load_seconds"] += ((s["model_loads"] + s["engine_reloads"] + own if hf_scores
+                                   else headed_dirs + judge_copies) * x.checkpoint_load_seconds)
 
         def gen(prompt_tokens: float, new_tokens: float, requests: float | None = None) -> float:
             return vllm_generation_seconds(prompt_tokens, new_tokens, P, kind, cfg, e, requests=requests)

@@ -230,6 +230,18 @@ def on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def scoring_copy(model_dir: str | Path, vcfg, dtype: str, cpu: bool) -> HFScorer | None:
+    """The HF copy of ``model_dir`` that computes teacher-forced scores beside a vLLM engine under
+    ``vcfg.scoring`` (None for ``engine``): in ``dtype`` (the engine's), on the CPU or the GPU, sharing
+    prefixes and keeping a prefix cache of ``vcfg.prefix_cache_mib`` with ``shared``; lazily loaded."""
+    scoring = getattr(vcfg, "scoring", "engine")
+    if scoring == "engine":
+        return None
+    shared = scoring == "shared"
+    return HFScorer(model_dir, dtype, "cpu" if cpu else "cuda", share_prefix=shared,
+                    prefix_cache_mib=getattr(vcfg, "prefix_cache_mib", 0) if shared else 0)
+
+
 class VLLMEngine:
     """One ``vllm.LLM`` over ``model_dir`` with the darts-bench model class ``Darts<Arch>`` (head
     slot empty).
@@ -323,11 +335,7 @@ class VLLMEngine:
 
     def _scorer(self) -> HFScorer | None:
         """The HF copy of :attr:`model_dir` that scores (``evaluate.vllm.scoring`` other than ``engine``), lazily loaded."""
-        if self.scoring == "engine":
-            return None
-        shared = self.scoring == "shared"
-        return HFScorer(self.model_dir, self.dtype, "cpu" if self.on_cpu else "cuda", share_prefix=shared,
-                        prefix_cache_mib=getattr(self.vcfg, "prefix_cache_mib", 0) if shared else 0)
+        return scoring_copy(self.model_dir, self.vcfg, self.dtype, self.on_cpu)
 
     # ------------------------------------------------------------------ weights in place
     def reload_blocker(self, model_dir: str | Path) -> str | None:
@@ -807,6 +815,85 @@ class VLLMMultiHeadModel:
         return self._tm.score([c for _, c, _ in requests], [x for _, _, x in requests], heads=heads)
 
 
+class CopyScoredModel:
+    """A pinned model (the AlpacaEval judge) of the in-process vLLM backend on the CPU whose
+    teacher-forced scores come from the HF copy alone, so no engine is started for it.
+
+    With ``evaluate.vllm.scoring: hf`` every score of an engine's text model is the copy's, and with
+    ``shared`` those whose context comes with another continuation in the same call: the local judge's
+    forced choice (``score`` mode) asks for exactly such pairs, a prompt with its two verdicts. So the
+    judge's engine would compute nothing: this model gives its scores from a copy held by the backend
+    (:func:`scoring_copy`: the engine's dtype and prefix settings, hence the values an engine's
+    :meth:`VLLMTextModel.score` gives, bitwise), and the rows' engine, not a second one pinned beside
+    it, serves the judge's own row (``expert:instruction``) with its weights loaded in place. Any other
+    call (generation, a score the engine would compute) goes to a text model on the engine pinned for
+    ``model_dir`` (:meth:`VLLMBackend.engine_for` with ``pin``), started on first need: what the
+    backend gave before this model existed.
+
+    Args:
+        name: label for logs.
+        backend: the backend (engines, the held copies, ``batch_size``).
+        model_dir: the checkpoint; head_dir: its correction head (None: the plain model).
+        copy: the backend's HF copy of ``model_dir`` (:meth:`VLLMBackend._copy`).
+    """
+
+    def __init__(self, name: str, backend: "VLLMBackend", model_dir: str, head_dir: str | None, copy: HFScorer):
+        from transformers import AutoConfig, AutoTokenizer
+
+        self.name, self.backend, self.model_dir, self.head_dir, self.copy = name, backend, model_dir, head_dir, copy
+        self.scoring = backend.vcfg.scoring
+        self.batch_size = backend.batch_size
+        # what VLLMEngine reads at start and VLLMTextModel takes from it: tokenizer, max_length
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer.truncation_side = "left"
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        max_position = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None) or 1024
+        self.max_length = min(1024, max_position)
+        self._engine_model: VLLMTextModel | None = None
+
+    def format_chat(self, user_message: str) -> str:
+        return format_chat(self.tokenizer, user_message)
+
+    def on_copy(self, contexts: Sequence[str], continuations: Sequence[str]) -> bool:
+        """Whether an engine's text model would send every pair of this call to the copy."""
+        if self.scoring == "hf" or self.head_dir:
+            return True
+        shared = shared_contexts(contexts, continuations)
+        return all(c in shared for c in contexts)
+
+    def score(self, contexts: Sequence[str], continuations: Sequence[str],
+              heads: Sequence[int] | None = None) -> list[ScoreContinuation]:
+        """See :meth:`VLLMTextModel.score`: from the copy when the engine would send every pair there,
+        else from the pinned engine's text model.
+
+        Raises:
+            ValueError: different numbers of contexts and continuations, an empty continuation.
+        """
+        if len(contexts) != len(continuations):
+            raise ValueError(f"{len(contexts)} contexts and {len(continuations)} continuations")
+        if heads is None and self.on_copy(contexts, continuations):
+            return self.copy.score(list(contexts), list(continuations), self.head_dir, batch_size=self.batch_size,
+                                   max_length=self.max_length, name=self.name)
+        return self.engine_model().score(contexts, continuations, heads)
+
+    def engine_model(self) -> "VLLMTextModel":
+        """The text model on the engine pinned for :attr:`model_dir` (started now if none serves it)."""
+        if self._engine_model is None or self._engine_model.engine.model_dir != self.model_dir \
+                or self._engine_model.engine.llm is None:
+            self._engine_model = self.backend.engine_for(self.model_dir, pin=True).text_model(
+                self.name, self.head_dir, batch_size=self.batch_size)
+        return self._engine_model
+
+    def __getattr__(self, attr: str):  # generate, generate_ids, generate_finished, ...: on the engine
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        return getattr(self.engine_model(), attr)
+
+    def close(self) -> None:
+        """No-op: the copy and any engine stay with the backend until it closes."""
+
+
 class VLLMBackend(Backend):
     """The ``vllm`` backend for one run (see the module docstring for its layouts).
 
@@ -834,6 +921,7 @@ class VLLMBackend(Backend):
         self.vcfg, self.dtype, self.seed = cfg.evaluate.vllm, cfg.pool.dtype, cfg.seed
         self._engine: VLLMEngine | None = None
         self._pinned: dict[str, VLLMEngine] = {}  # model dir -> engine kept alive beside _engine (the judge)
+        self._copies: dict[str, HFScorer] = {}  # model dir -> HF copy of a pinned model scored without engine
 
     @classmethod
     def check(cls, cfg, role: str) -> None:
@@ -950,7 +1038,16 @@ class VLLMBackend(Backend):
         key, head = str(model_dir), str(head_dir) if head_dir else None
         if not self.executor.in_process:
             return self._get_remote(name, key, head, pin)
+        if pin and on_cpu() and self.vcfg.scoring in ("hf", "shared"):
+            return CopyScoredModel(name, self, key, head, self._copy(key))
         return self.engine_for(key, pin=pin).text_model(name, head, batch_size=self.batch_size)
+
+    def _copy(self, model_dir: str) -> HFScorer:
+        """The backend's HF copy of ``model_dir`` for :class:`CopyScoredModel` (made once, closed with the backend)."""
+        if model_dir not in self._copies:
+            check_checkpoint(model_dir)
+            self._copies[model_dir] = scoring_copy(model_dir, self.vcfg, self.vcfg.engine_dtype(self.dtype), on_cpu())
+        return self._copies[model_dir]
 
     def multi_head_model(self, name: str, model_dir: str | Path, head_dirs: list[str | None]):
         """All heads of a merge on one engine, each request naming its head
@@ -1002,6 +1099,9 @@ class VLLMBackend(Backend):
         super().close()
         engines, self._engine = [self._engine, *self._pinned.values()], None
         self._pinned.clear()
+        for copy in self._copies.values():
+            copy.close()
+        self._copies.clear()
         for eng in engines:
             if eng is not None:
                 eng.shutdown()
