@@ -322,7 +322,8 @@ def test_micro_one_diagnostics_pass_per_stream_writes_the_per_artifact_bytes(agn
     is byte-equal to what a pass per artifact writes: rebuilding only the task-agnostic artifacts (a pass of
     their own, the methods' heads read back from disk) gives the same bytes, whether the plain merge's row and
     the KL floor of each stream are computed again (``known_streams`` emptied) or reused from the pass that
-    built the methods' heads in the same process (``known_streams``)."""
+    built the methods' heads in the same process (``known_streams``), the reference answers' also across the
+    splits of a (merge, task)."""
     import shutil
     from pathlib import Path
 
@@ -367,5 +368,26 @@ def test_micro_one_diagnostics_pass_per_stream_writes_the_per_artifact_bytes(agn
     assert rebuild("agnostic", 0) == one_pass  # their own pass, plain row and floor computed again
     assert len(counts) == 12 and all(c == (1, 1) for c in counts)
     assert rebuild("all", default) == one_pass
+    # a task's reference-answer stream is reused by its second split when both splits' prompts share the same
+    # template (what the stream leaves out); on the micro pool some tasks' do, some not
+    from darts_bench.surgery.data import shared_template
+
+    calib = agnostic_pipeline.collect()["calibration"]
+    tasks = list(dict.fromkeys(t for t, split in calib if split != "reference"))
+    same = [shared_template(calib[(t, "transductive")].meta) == shared_template(calib[(t, "inductive")].meta)
+            for t in tasks]
+    assert counts == [c for eq in same for c in [(1, 1), (1, 1), (1, 1), (0, 0) if eq else (1, 1)]]
     assert rebuild("agnostic", default, clear=False) == one_pass  # plain row and floor of the pass above
     assert counts == [(0, 0)] * 12
+    # splits whose prompts share one template (the smollm2 preset's GSM8K and AlpacaEval sets; here every template
+    # made empty) read one reference-answer stream per (merge, task): the second split's pass reuses the first's
+    # plain row and floor (passes: held-out, then reference, per split), and writes the bytes of a pass without
+    import darts_bench.surgery.data as data_mod
+
+    real = data_mod.shared_template
+    monkeypatch.setattr(data_mod, "shared_template", lambda meta: {})
+    alone = rebuild("all", 0)
+    assert alone != one_pass and rebuild("all", default) == alone
+    assert counts == [(1, 1), (1, 1), (1, 1), (0, 0)] * 3
+    monkeypatch.setattr(data_mod, "shared_template", real)
+    assert rebuild("all", default) == one_pass  # the module's artifacts as they were

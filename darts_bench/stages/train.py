@@ -351,7 +351,7 @@ def diagnose_streams(cfg, feats: dict, merges: dict[str, Path], pool, tasks: dic
                                         x["n_ref_excluded"], x["mean_h"], items[0][1].w_max, x["W_e"], x["W_m"],
                                         x["seed"], device=cfg.device, groups=groups,
                                         known=known_streams(fs, ref_fs, merges[m], expert_dir, x["va_seq"],
-                                                            cfg.device))
+                                                            x["template"], cfg.device))
                 except RuntimeError as e:
                     raise RuntimeError(f"{m}/{name}: {e}") from e
                 log.info("diagnose %s/%s/%s%s: %d rows of %d artifacts in one pass over %d held-out and %d "
@@ -573,17 +573,42 @@ _known_streams: "collections.OrderedDict[str, dict]" = collections.OrderedDict()
 
 
 def known_streams(fs: FeatureSet, ref_fs: FeatureSet, merge_dir: Path, expert_dir: Path, held_out: list[int],
-                  device: str) -> dict:
-    """The ``known`` dict of :func:`diagnose_rows` for one (merge, task, split, head seed)'s held-out and
-    reference tokens, kept in this process across the train stage's artifacts that diagnose them (the
-    methods' heads, the matched control, the task-agnostic rows: each would otherwise recompute the plain
-    merge's row and the KL floor, three ``[tokens, d] x [d, V]`` matmuls per block between them).
-    Keyed by both feature sets' keys (which fix the merge, the expert and the calibration and
-    reference sequences), the two model dirs, the held-out sequences and the device; at most
+                  template: dict[int, int], device: str) -> "KnownStreams":
+    """The ``known`` of :func:`diagnose_rows` for one (merge, task, split, head seed)'s held-out and
+    reference tokens, kept in this process across the train stage's passes that diagnose them (the
+    methods' heads, the matched control, the task-agnostic rows, and the other splits of the same (merge,
+    task): each would otherwise recompute the plain merge's row and the KL floor, three
+    ``[tokens, d] x [d, V]`` matmuls per block between them).
+    The held-out stream is keyed by its feature set's key (which fixes the merge, the expert and the
+    calibration sequences), the two model dirs, the held-out sequences and the device; the
+    reference-answer stream by the reference feature set's key, the two model dirs, the template left out
+    of it (:func:`~darts_bench.surgery.data.shared_template` of the split's calibration set) and the
+    device, so the splits of a (merge, task) with the same template share it. At most
     :data:`~darts_bench.stages.KNOWN_STREAMS_MAX` streams are kept, the least recently used dropped first
     (per-token float32 values only: four per token and stream)."""
-    key = stable_hash({"features": fs.key, "reference": ref_fs.key, "merge": str(merge_dir),
-                       "expert": str(expert_dir), "held_out": list(held_out), "device": str(device)})
+    common = {"merge": str(merge_dir), "expert": str(expert_dir), "device": str(device)}
+    return KnownStreams({
+        "val": _known_entry(stable_hash({**common, "features": fs.key, "held_out": list(held_out)})),
+        "reference": _known_entry(stable_hash({**common, "reference": ref_fs.key,
+                                               "template": sorted(template.items())}))})
+
+
+class KnownStreams:
+    """:func:`diagnose_rows`' ``known`` for a held-out and a reference stream, each entry of the process's cache
+    (:func:`known_streams`): ``get(name)`` / ``[name] = value`` with ``name`` ``val`` | ``reference``."""
+
+    def __init__(self, entries: dict[str, dict]):
+        self._entries = entries
+
+    def get(self, name: str):
+        return self._entries[name].get("known")
+
+    def __setitem__(self, name: str, value) -> None:
+        self._entries[name]["known"] = value
+
+
+def _known_entry(key: str) -> dict:
+    """The cache entry of one stream (made empty when new; the least recently used dropped beyond the cap)."""
     entry = _known_streams.pop(key, None)
     _known_streams[key] = entry = {} if entry is None else entry
     while len(_known_streams) > KNOWN_STREAMS_MAX:
