@@ -59,6 +59,15 @@ def surgery_variants(cfg) -> list[tuple[str, Any]]:
     return surgery_grid(cfg.surgery, cfg.sweep)
 
 
+def merged_entropy_needed(cfg) -> bool:
+    """Whether a run reads the merged model's next-token entropy: only a surgery variant (the
+    section or a sweep combination) with ``entropy_source: merged`` does (``expert``, the default,
+    reads the expert's; ``kl`` both models' hidden states). Otherwise the merged features skip the
+    ``lm_head`` and softmax over the vocabulary for every token (~22% of their forward on
+    SmolLM2-135M, whose vocabulary is a fifth of its weights)."""
+    return any(scfg.entropy_source == "merged" for _, scfg in surgery_variants(cfg))
+
+
 def control_tags(cfg) -> list[str]:
     """The variant tags of the control rows (:func:`darts_bench.controls.control_tag`), one per
     (sweep variant, ``surgery.controls`` entry), in that order; [] without controls. Controls cannot

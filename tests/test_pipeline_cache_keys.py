@@ -270,3 +270,42 @@ def test_sharded_bf16_checkpoint_fingerprint_covers_index_and_every_shard(micro_
     assert memo.hashed == [str(shards[-1].resolve())] and fp2["key"] != fp["key"]
     assert {k: v for k, v in fp2["files"].items() if k != shards[-1].name} == \
         {k: v for k, v in fp["files"].items() if k != shards[-1].name}
+
+
+def test_merged_features_skip_the_entropy_no_variant_reads(micro_pipeline, micro_cfg_path, tmp_path):
+    """A merged model's next-token entropy is read only under ``surgery.entropy_source: merged`` (the section or a
+    sweep combination): otherwise the merged features have no ``entropy`` column (the ``lm_head`` and softmax of
+    every token skipped) and their own key; with it, the column is there under the key it always had. The hidden
+    states are bitwise the same either way (what the heads and diagnostics read under ``expert`` / ``kl``), and
+    reading the merged entropy from features without it is a clear ``KeyError``."""
+    from darts_bench.artifacts import stable_hash
+    from darts_bench.collect.features import merged_entropy_needed, numerics_key
+    from darts_bench.collect.store import ShardedFeatures
+    from darts_bench.surgery.data import load_split
+
+    sets = [f"work_dir={tmp_path / 'work'}"]
+    plain = load_config(str(micro_cfg_path), sets)
+    merged = load_config(str(micro_cfg_path), [*sets, "surgery.entropy_source=merged"])
+    swept = load_config(str(micro_cfg_path), [*sets, "sweep.surgery.entropy_source=[expert,merged]"])
+    assert not merged_entropy_needed(plain) and merged_entropy_needed(merged) and merged_entropy_needed(swept)
+    assert merged_key(merged, "m", "c") == stable_hash({"merge": "m", "calib": "c", "numerics": numerics_key(merged)})
+    assert merged_key(plain, "m", "c") != merged_key(merged, "m", "c")
+    shutil.copytree(Path(micro_pipeline.cfg.work_dir) / "pool", tmp_path / "work" / "pool")
+    feats = {}
+    for name, cfg in (("plain", plain), ("merged", merged)):
+        pipe = Pipeline(cfg)
+        try:
+            feats[name] = pipe.collect()["features"]
+        finally:
+            pipe.close()
+    assert feats["plain"].keys() == feats["merged"].keys()
+    for k, fs in feats["plain"].items():
+        other = feats["merged"][k]
+        assert fs.key != other.key and fs.root != other.root
+        a, b = ShardedFeatures(fs.root), ShardedFeatures(other.root)
+        assert not a.has("entropy") and b.has("entropy") and ShardedFeatures(fs.calib.root).has("entropy")
+        assert torch.equal(a.read_h(), b.read_h()) and torch.equal(a.column("positions"), b.column("positions"))
+    fs = feats["plain"][next(iter(feats["plain"]))]
+    load_split(ShardedFeatures(fs.calib.root), ShardedFeatures(fs.root), [0], "expert")  # no entropy needed
+    with pytest.raises(KeyError, match="no 'entropy' column.*entropy_source: merged"):
+        load_split(ShardedFeatures(fs.calib.root), ShardedFeatures(fs.root), [0], "merged")

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from darts_bench.api import Task
+from darts_bench.rows import merged_entropy_needed
 from darts_bench.artifacts import cached, stable_hash
 from darts_bench.collect import store
 from darts_bench.collect.store import ShardedFeatures, load_shards
@@ -60,18 +61,19 @@ def length_order(sequences: list[list[int]]) -> list[int]:
 
 
 def _run_sharded(executor, model_dir: Path, sequences: list[list[int]], shard_size: int, out: Path,
-                 partial: Path, prefix: str, desc: str) -> None:
+                 partial: Path, prefix: str, desc: str, entropy: bool = True) -> None:
     """Compute features in batches of ``shard_size`` length-sorted sequences (:func:`length_order`;
     each batch persisted in ``partial`` as it finishes, so a resumed run redoes only missing ones),
     then write them into ``out`` in the store's layout (:mod:`darts_bench.collect.store`: shards of
-    ``shard_size`` sequences in stored order, an index), one shard in memory at a time.
+    ``shard_size`` sequences in stored order, an index), one shard in memory at a time. ``entropy``
+    False: no next-token entropy column (:func:`~darts_bench.executors.worker.hidden_state_features`).
 
     Raises:
         FloatingPointError: a batch holds NaN/inf (named by its shard index, ``desc`` and its sequences).
     """
     order = length_order(sequences)
     batches = [order[i:i + shard_size] for i in range(0, len(order), shard_size)]
-    payloads = [{"sequences": [sequences[j] for j in b]} for b in batches]
+    payloads = [{"sequences": [sequences[j] for j in b], **({} if entropy else {"entropy": False})} for b in batches]
     partial.mkdir(parents=True, exist_ok=True)
     bname = f"batch-{prefix}"
     done = {i for i in range(len(payloads)) if store.shard_is_complete(partial / store.shard_name(bname, i))}
@@ -182,8 +184,13 @@ def calibration_key(cfg, task: Task, split: str, prompts: list[str], expert_key:
 
 
 def merged_key(cfg, merge_key: str, calib_key: str) -> str:
-    """Cache key of a merged model's features on a calibration set (includes :func:`numerics_key`)."""
-    return stable_hash({"merge": merge_key, "calib": calib_key, "numerics": numerics_key(cfg)})
+    """Cache key of a merged model's features on a calibration set (includes :func:`numerics_key`);
+    features without the entropy column (:func:`merged_entropy_needed` False) are keyed apart, the
+    others as before the column became optional."""
+    key = {"merge": merge_key, "calib": calib_key, "numerics": numerics_key(cfg)}
+    if not merged_entropy_needed(cfg):
+        key["entropy"] = False
+    return stable_hash(key)
 
 
 def collect_calibration(cfg, task: Task, split: str, prompts: list[str], expert_dir: Path, executor,
@@ -235,7 +242,8 @@ def collect_merged(cfg, merge: str, merge_dir: Path, merge_key: str, calib: Cali
     def build(tmp: Path) -> None:
         seqs = calib.meta["sequences"]
         _run_sharded(executor, merge_dir, seqs, cfg.ray.shard_size, tmp, final.with_name(final.name + ".partial"),
-                     "merged", f"merged features {merge}/{calib.task}/{calib.split}")
+                     "merged", f"merged features {merge}/{calib.task}/{calib.split}",
+                     entropy=merged_entropy_needed(cfg))
 
     cached(final, build, what=f"collect features {merge}/{calib.task}/{calib.split}",
            meta={"kind": "features", "merge": merge, "calib": calib.key})

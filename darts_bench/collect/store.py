@@ -5,7 +5,8 @@ One feature artifact is a folder of safetensors shards plus an ``index.json``:
 * shard ``<prefix>-<i:05d>.safetensors`` (``prefix``: ``expert`` | ``merged``; ``i``: the shard
   index, shards of ``ray.shard_size`` sequences in a fixed order) holds, for every real token of
   its sequences: ``h`` ``[n, d_model]`` in the model's dtype (float32 on the tiny tier, bfloat16 at
-  scale), ``entropy`` ``[n]`` float32 (the next-token entropy, nats), ``positions`` ``[n]`` int64
+  scale), ``entropy`` ``[n]`` float32 (the next-token entropy, nats; a merged model's only when a
+  surgery variant reads it: :func:`darts_bench.rows.merged_entropy_needed`), ``positions`` ``[n]`` int64
   (absolute, from 0) and ``seq_index`` ``[n]`` int64 (index of the sequence in the whole artifact);
   tokens in sequence order;
 * ``index.json``: ``{"shards": [names], "n_sequences": N, "n_tokens": [per shard], "dtype": h's
@@ -122,9 +123,14 @@ def regroup(src: Path, batch_files: list[str], out: Path, prefix: str, n_sequenc
         ValueError: a sequence is missing, or is split across files.
     """
     where: dict[int, tuple[Path, int, int]] = {}  # sequence -> (file, first row, end row)
+    columns: tuple[str, ...] | None = None  # COLUMNS the batch files hold (every file the same)
     for name in batch_files:
         with safe_open(str(src / name), "pt") as st:
             seq = st.get_tensor("seq_index")
+            have = tuple(c for c in COLUMNS if c in st.keys())
+        if columns is not None and have != columns:
+            raise ValueError(f"{src / name} holds the columns {have}, an earlier feature file {columns}")
+        columns = have
         if not len(seq):
             continue
         cuts = (torch.nonzero(seq[1:] != seq[:-1])[:, 0] + 1).tolist()
@@ -140,12 +146,12 @@ def regroup(src: Path, batch_files: list[str], out: Path, prefix: str, n_sequenc
     with contextlib.ExitStack() as stack:
         handles: dict[Path, Any] = {}  # each batch file opened once (memory-mapped), closed at the end
         for k, start in enumerate(range(0, n_sequences, shard_size)):
-            parts: dict[str, list[torch.Tensor]] = {c: [] for c in COLUMNS}
+            parts: dict[str, list[torch.Tensor]] = {c: [] for c in columns or COLUMNS}
             for j in range(start, min(start + shard_size, n_sequences)):
                 path, a, b = where[j]
                 if path not in handles:
                     handles[path] = stack.enter_context(safe_open(str(path), "pt"))
-                for c in COLUMNS:
+                for c in parts:
                     parts[c].append(handles[path].get_slice(c)[a:b])
             write_shard(out, prefix, k, {c: torch.cat(v) for c, v in parts.items()})
             names.append(shard_name(prefix, k))
@@ -196,8 +202,23 @@ class ShardedFeatures:
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
+    def has(self, key: str) -> bool:
+        """Whether the artifact holds column ``key`` (a merged model's ``entropy`` is optional)."""
+        with safe_open(str(self.files[0]), "pt") as st:
+            return key in st.keys()
+
+    def _check_column(self, key: str) -> None:
+        if self.files and not self.has(key):
+            raise KeyError(f"feature artifact {self.root} has no {key!r} column: a merged model's next-token entropy "
+                           "is collected only when a surgery variant reads it (surgery.entropy_source: merged), and "
+                           "then under another cache key; collect again with that setting")
+
     def column(self, key: str) -> torch.Tensor:
-        """A 1-D column (``entropy``, ``positions``, ``seq_index``) for all tokens (small: ``[N]``)."""
+        """A 1-D column (``entropy``, ``positions``, ``seq_index``) for all tokens (small: ``[N]``).
+
+        Raises:
+            KeyError: the artifact has no such column (a merged model's ``entropy`` collected without it)."""
+        self._check_column(key)
         parts = []
         for p in self.files:
             with safe_open(str(p), "pt") as st:
@@ -213,8 +234,15 @@ class ShardedFeatures:
                 out[o:o + n] = st.get_tensor("h")
         return out
 
-    def shards(self, keys: tuple[str, ...] = COLUMNS) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        """Yield ``(offset, {key: tensor})`` per shard, one shard in memory at a time."""
+    def shards(self, keys: tuple[str, ...] | None = None) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Yield ``(offset, {key: tensor})`` per shard, one shard in memory at a time.
+
+        Raises:
+            KeyError: a key the artifact has no column of (:meth:`column`); None: every column it has."""
+        if keys is None:
+            keys = tuple(c for c in COLUMNS if not self.files or self.has(c))
+        for k in keys:
+            self._check_column(k)
         for p, o in zip(self.files, self.offsets):
             with safe_open(str(p), "pt") as st:
                 yield int(o), {k: st.get_tensor(k) for k in keys}

@@ -17,7 +17,8 @@ from darts_bench.surgery.losses import lm_head_entropy
 
 
 @torch.inference_mode()
-def hidden_state_features(model, sequences: list[list[int]], pad_id: int, batch_size: int = 8) -> dict[str, torch.Tensor]:
+def hidden_state_features(model, sequences: list[list[int]], pad_id: int, batch_size: int = 8,
+                          entropy: bool = True) -> dict[str, torch.Tensor]:
     """Final hidden states (after the last norm, input of ``lm_head``) and next-token entropy for
     every real token of every sequence.
 
@@ -25,6 +26,10 @@ def hidden_state_features(model, sequences: list[list[int]], pad_id: int, batch_
         sequences: token id lists (prompt + continuation), processed left-padded in batches with
             ``position_ids`` from the attention mask, so a sequence's features do not depend on what
             it is batched with (bitwise in bfloat16 too).
+        entropy: compute the next-token entropy (``lm_head`` and a softmax over the vocabulary per
+            token: ~22% of the work on SmolLM2-135M, whose vocabulary is a fifth of its weights);
+            False: no ``entropy`` column (a merged model's, read only by ``surgery.entropy_source:
+            merged``).
     Returns:
         ``h`` ``[N, d_model]`` in the model's dtype (float32 on the tiny tier, bf16 at scale), ``entropy`` ``[N]`` float32 (nats), ``positions`` ``[N]`` int64
         (absolute, from 0), ``seq_index`` ``[N]`` int64 (index into ``sequences``); N = total tokens,
@@ -42,14 +47,16 @@ def hidden_state_features(model, sequences: list[list[int]], pad_id: int, batch_
                           position_ids=positions_from_mask(mask).to(dev))
         h = out.last_hidden_state  # [batch, seq, d_model], after the final norm
         real = torch.cat([h[i, L - len(s):] for i, s in enumerate(chunk)])  # [tokens, d_model], no padding
-        ents.append(lm_head_entropy(model.lm_head, real).cpu())
+        if entropy:
+            ents.append(lm_head_entropy(model.lm_head, real).cpu())
         hs.append(real.cpu())
         for i, s in enumerate(chunk):
             n = len(s)
             poss.append(torch.arange(n, dtype=torch.long))
             sids.append(torch.full((n,), start + i, dtype=torch.long))
-    return {"h": torch.cat(hs), "entropy": torch.cat(ents), "positions": torch.cat(poss),
-            "seq_index": torch.cat(sids)}
+    out = {"h": torch.cat(hs), "entropy": torch.cat(ents) if entropy else None, "positions": torch.cat(poss),
+           "seq_index": torch.cat(sids)}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 
@@ -184,7 +191,8 @@ class ModelWorker:
         if op == "prompt_states":  # the plain model's (the routed rows' router reads them)
             return self._plain.prompt_states(payload["prompts"])
         if op == "features":
-            feats = hidden_state_features(tm.model, payload["sequences"], tm.tokenizer.pad_token_id, tm.batch_size)
+            feats = hidden_state_features(tm.model, payload["sequences"], tm.tokenizer.pad_token_id, tm.batch_size,
+                                          entropy=payload.get("entropy", True))
             return encode_features(feats)
         if op == "set_head":
             return self.head_dir

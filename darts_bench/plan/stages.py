@@ -35,7 +35,8 @@ from darts_bench.plan.resources import (ACTOR_START_S, DIAG_BATCH, DIAG_TEMPS, F
 from darts_bench.plan.units import gb, num
 from darts_bench.controls import CONTROL_METHOD, head_param_count, param_matched_rank
 from darts_bench.positions import clamp_warning, resolve_max_len
-from darts_bench.rows import RowSpec, head_seeds, needs_merges, row_selected, row_specs, surgery_variants
+from darts_bench.rows import (RowSpec, head_seeds, merged_entropy_needed, needs_merges, row_selected, row_specs,
+                               surgery_variants)
 
 STAGE_ORDER = ("pool", "merge", "collect", "train", "evaluate", "report")
 # Typical token lengths (Llama-style BPE) shared by all tasks; per-task ones are Task.typical_tokens.
@@ -449,8 +450,10 @@ def merge(x: PlanInputs) -> dict[str, Any]:
 def collect(x: PlanInputs) -> dict[str, Any]:
     """Calibration: each task expert's greedy continuations (HF, or a vLLM engine beside the HF
     model with ``calibration.backend: vllm``: in the driver, or with Ray one engine per actor of the
-    expert's engine group, beside its HF group), then the final hidden states and entropies of the
-    expert and every merge, stored in ``pool.dtype``. One load per task expert and per merge
+    expert's engine group, beside its HF group), then the final hidden states of the expert and every
+    merge, stored in ``pool.dtype``, with the expert's next-token entropies (the ``logits`` rate) and the
+    merges' only when a surgery variant reads them (:func:`~darts_bench.rows.merged_entropy_needed`;
+    else the ``forward`` rate). One load per task expert and per merge
     (model-major, the latest model kept loaded; with Ray one actor group each)."""
     cfg, cal, W, P, kind = x.cfg, x.cfg.calibration, x.weights, x.params, x.kind
     M, T = len(cfg.merges), len(x.head_tasks)
@@ -464,8 +467,9 @@ def collect(x: PlanInputs) -> dict[str, Any]:
     kv = kv_cache(x.arch, cal.batch_size, cal_seq, x.pool_bytes) if x.arch else None
     s: dict[str, Any] = {
         "what": (f"{T} tasks x {len(cal.splits)} splits ({', '.join(cal.splits)}) + reference answers: "
-                 f"expert greedy continuations ({cal.max_new_tokens} new tokens), then final hidden states and "
-                 f"entropies of the expert and {M} merges"),
+                 f"expert greedy continuations ({cal.max_new_tokens} new tokens), then final hidden states of the "
+                 f"expert (and its entropies) and of {M} merges"
+                 + (" (and theirs: surgery.entropy_source merged)" if merged_entropy_needed(cfg) else "")),
         "where": where_executor(cfg),
         "memory_bytes": None,
         "memory_note": (f"per worker: weights {gb(W)} + activations {gb(act)} "
@@ -505,8 +509,11 @@ def collect(x: PlanInputs) -> dict[str, Any]:
         s["load_seconds"] += s["engine_starts"] * e["start_s"] + s["engine_reloads"] * e["reload_s"]
     else:
         gen_s = forward_seconds(gen - new, P, kind) + decode_seconds(new, P, kind, cal.batch_size, W, L)
-    # the features: hidden states and the full-vocabulary entropy at every position
-    s["seconds"] = gen_s + forward_seconds(feature_forward_tokens, P, kind, rate="logits")
+    # the features: hidden states and the full-vocabulary entropy at every position; a merge's without the entropy
+    # (the lm_head and softmax skipped) unless a surgery variant reads it (entropy_source: merged)
+    merged_rate = "logits" if merged_entropy_needed(cfg) else "forward"
+    s["seconds"] = (gen_s + forward_seconds(seq_tokens, P, kind, rate="logits")
+                    + forward_seconds(seq_tokens * M, P, kind, rate=merged_rate))
     return _finish(s, kind, x.workers)
 
 

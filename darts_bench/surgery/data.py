@@ -90,11 +90,14 @@ def load_split(exp: ShardedFeatures, mer: ShardedFeatures, train_sequences: list
         sequence order.
     Raises:
         ValueError: the two feature sets do not cover the same tokens.
+        KeyError: ``entropy_source`` ``merged`` on merged features collected without their entropy.
     """
     _check_aligned(exp, mer)
     e = {"h": exp.read_h(), "entropy": exp.column("entropy"), "positions": exp.column("positions"),
          "seq_index": exp.column("seq_index")}
-    m = {"h": mer.read_h(), "entropy": mer.column("entropy"), "positions": mer.column("positions")}
+    m = {"h": mer.read_h(), "positions": mer.column("positions")}
+    if entropy_source == "merged":  # the only reader of the merged model's entropy (collected only then)
+        m["entropy"] = mer.column("entropy")
     if not torch.equal(e["positions"], m["positions"]):
         raise ValueError(f"expert features {exp.root} and merged features {mer.root} are not aligned (positions)")
     wsrc = weight_source(entropy_source, e, m, lm_head_expert, lm_head_merged)
@@ -214,14 +217,15 @@ def reference_answer_batches(exp: ShardedFeatures, mer: ShardedFeatures, meta: d
     _check_aligned(exp, mer)
 
     def stream() -> Iterator[TokenData]:
-        for (_, e), (_, m) in zip(exp.shards(), mer.shards(("h", "entropy", "positions"))):
+        merged_cols = ("h", "positions", "entropy") if entropy_source == "merged" else ("h", "positions")
+        for (_, e), (_, m) in zip(exp.shards(), mer.shards(merged_cols)):
             if not torch.equal(e["positions"], m["positions"]):
                 raise ValueError(f"reference features {exp.root} and {mer.root} are not aligned (positions)")
             keep = _answer_tokens(e["positions"], e["seq_index"], meta, template).nonzero()[:, 0]
             for s in range(0, keep.numel(), batch_tokens):
                 i = keep[s:s + batch_tokens]
                 ei = {"h": e["h"][i], "entropy": e["entropy"][i]}
-                mi = {"h": m["h"][i], "entropy": m["entropy"][i]}
+                mi = {k: m[k][i] for k in ("h", "entropy") if k in m}
                 w = weight_source(entropy_source, ei, mi, lm_head_expert, lm_head_merged)
                 yield TokenData(mi["h"].float(), ei["h"].float(), e["positions"][i], e["seq_index"][i], w)
 
