@@ -18,6 +18,9 @@ Paths (all under ``torch.inference_mode``, the same padded batches):
                      features computed and stored in bf16), same batches; compared with ``ours`` by time
                      and by how far its features and entropies are from the fp32 ones (relative to the
                      fp32 hidden states' largest magnitude; entropies in nats)
+  ours no entropy    ``hidden_state_features(..., entropy=False)``: a merge's features when no surgery variant reads
+                     its entropy (``darts_bench.rows.merged_entropy_needed``): no ``lm_head`` or softmax; compared
+                     with ``ours`` by time (``ours / ours no entropy``) and its hidden states bitwise
   ours by length     ``hidden_state_features`` on the same sequences grouped by length
                      (``darts_bench.collect.features.length_order``, as the collect stage batches
                      them): less padding. Its batches are other batches, so it is compared by the
@@ -81,12 +84,15 @@ def main() -> None:
     # the hidden-only path runs lm_head on the last position only: its FLOPs leave lm_head out
     P_path = {"ours": P, "ours bf16": P, "plain": P, "plain+entropy": P, "plain hidden-only": P - head_w.numel()}
 
-    sink: dict[str, dict] = {"ours": {}, "plain+entropy": {}, "ours bf16": {}}
+    sink: dict[str, dict] = {"ours": {}, "plain+entropy": {}, "ours bf16": {}, "ours no entropy": {}}
     bs = args.batch_size
     model_bf16 = copy.deepcopy(model).to(torch.bfloat16)
 
     def ours(u: int):
         sink["ours"][u] = hidden_state_features(model, seqs[u * bs:(u + 1) * bs], pad, bs)
+
+    def ours_no_entropy(u: int):
+        sink["ours no entropy"][u] = hidden_state_features(model, seqs[u * bs:(u + 1) * bs], pad, bs, entropy=False)
 
     def ours_bf16(u: int):
         sink["ours bf16"][u] = hidden_state_features(model_bf16, seqs[u * bs:(u + 1) * bs], pad, bs)
@@ -111,7 +117,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     A, B = torch.randn(1024, 1024, generator=g), torch.randn(1024, 1024, generator=g)
 
-    paths = {"ours": ours, "ours bf16": ours_bf16, "ours by length": ours_by_length, "plain": lambda u: plain(u), "plain+entropy": plain_ent,
+    paths = {"ours": ours, "ours no entropy": ours_no_entropy, "ours bf16": ours_bf16, "ours by length": ours_by_length, "plain": lambda u: plain(u), "plain+entropy": plain_ent,
              "plain hidden-only": lambda u: plain(u, hidden_only=True), "matmul 1024^3": lambda u: torch.matmul(A, B)}
     with torch.inference_mode():
         tm = common.interleave(paths, repeats=repeats, warmup=1, units=len(batches))
@@ -160,6 +166,11 @@ def main() -> None:
     print(f"ours by length / ours (stored order), total time of a pass: {r_len['cpu']:.3f} cpu, {r_len['wall']:.3f} wall "
           f"({n_padded_sorted} padded positions instead of {n_padded})")
 
+    r_ne = {k: tm.ratio("ours", "ours no entropy", k) for k in ("wall", "cpu")}
+    ne_same = sum(torch.equal(sink["ours"][u]["h"], sink["ours no entropy"][u]["h"])
+                  and "entropy" not in sink["ours no entropy"][u] for u in range(len(batches)))
+    print(f"ours / ours no entropy (a merge's features when no variant reads its entropy): {r_ne['cpu']:.3f} cpu, "
+          f"{r_ne['wall']:.3f} wall; hidden states bitwise equal in {ne_same}/{len(batches)} batches")
     r_bf = {k: tm.ratio("ours", "ours bf16", k) for k in ("wall", "cpu")}
     print(f"ours fp32 / ours bf16: {r_bf['cpu']:.3f} cpu, {r_bf['wall']:.3f} wall; bf16 features: max |dh| "
           f"{bf_dh:.2e} of the largest fp32 |h|, median per-token |dh|/|h| {bf_dh_med:.2e}; entropies max |d| "
@@ -176,13 +187,16 @@ def main() -> None:
         f"ours/(plain forward + lm_head entropy) {r['cpu']:.3f} cpu, {r['wall']:.3f} wall (target <=1.10: {ok}); "
         f"ours/plain hidden_states[-1] {r_plain:.3f}; ours/plain hidden-only {r_hidden:.3f}; "
         f"MFU {100 * mfu:.1f}% of {gf['cpu']:.0f} GFLOP/s matmul; grouped by length / stored order "
-        f"{r_len['cpu']:.3f} cpu; fp32/bf16 {r_bf['cpu']:.3f} cpu (bf16 |dh| median {bf_dh_med:.1e} relative)",
+        f"{r_len['cpu']:.3f} cpu; fp32/bf16 {r_bf['cpu']:.3f} cpu (bf16 |dh| median {bf_dh_med:.1e} relative); "
+        f"with / without the entropy (a merge's features) {r_ne['cpu']:.3f} cpu, h identical {ne_same}/{len(batches)}",
         ratio_vs_plain_entropy_cpu=r["cpu"], ratio_vs_plain_entropy_wall=r["wall"], ratio_total_cpu=r_tot,
         ratio_vs_plain_cpu=r_plain, ratio_vs_hidden_only_cpu=r_hidden, mfu_cpu=mfu, matmul_gflops_cpu=gf["cpu"],
         max_abs_dh=dh, max_abs_dent=de, target_met=r["cpu"] <= 1.10, by_length_over_stored_cpu=r_len["cpu"],
         padded_positions={"stored": n_padded, "by_length": n_padded_sorted},
         fp32_over_bf16_cpu=r_bf["cpu"], fp32_over_bf16_wall=r_bf["wall"], bf16_max_rel_dh=bf_dh,
-        bf16_median_token_rel_dh=bf_dh_med, bf16_max_abs_dent=bf_de, bf16_mean_abs_dent=bf_de_mean)
+        bf16_median_token_rel_dh=bf_dh_med, bf16_max_abs_dent=bf_de, bf16_mean_abs_dent=bf_de_mean,
+        with_over_without_entropy_cpu=r_ne["cpu"], with_over_without_entropy_wall=r_ne["wall"],
+        without_entropy_h_identical=ne_same, n_batches=len(batches))
 
 
 if __name__ == "__main__":

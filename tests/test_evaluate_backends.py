@@ -371,6 +371,7 @@ def test_pinned_judge_scored_on_the_copy_starts_no_engine(monkeypatch, tmp_path)
     with open_models(load_config("tiny", on), LocalExecutor(), engine_cls=Engine) as be:
         judge = be.get("judge", model_dir, pin=True)
         assert isinstance(judge, vb.CopyScoredModel) and started == []
+        assert not hasattr(judge, "prompt_states") and started == []  # a probe starts no engine
         got = judge.score(ctx, conts)
         assert judge.format_chat("hi") == vb.format_chat(tok, "hi")
         copy = be._copies[str(model_dir)]
@@ -383,6 +384,7 @@ def test_pinned_judge_scored_on_the_copy_starts_no_engine(monkeypatch, tmp_path)
         # a context with one continuation: the engine's score; the pinned engine started for it, once
         assert judge.score(prompts[:1], conts[:1])[0].nll == -1.0 and started == [str(model_dir)]
         assert judge.generate_ids is not None and started == [str(model_dir)]  # the same pinned engine
+        assert not hasattr(judge, "prompt_states")  # other attributes are not the engine's
         assert be.engine_for(str(model_dir), pin=True) is judge.engine_model().engine
         with pytest.raises(ValueError, match="2 contexts and 1 continuations"):
             judge.score(prompts, conts[:1])

@@ -885,9 +885,12 @@ class CopyScoredModel:
                 self.name, self.head_dir, batch_size=self.batch_size)
         return self._engine_model
 
-    def __getattr__(self, attr: str):  # generate, generate_ids, generate_finished, ...: on the engine
-        if attr.startswith("_"):
-            raise AttributeError(attr)
+    #: what is served by the pinned engine's text model (an attribute probe, hasattr, starts no engine)
+    ENGINE_CALLS = ("generate", "generate_ids", "generate_finished")
+
+    def __getattr__(self, attr: str):
+        if attr not in CopyScoredModel.ENGINE_CALLS:
+            raise AttributeError(f"{type(self).__name__} has no attribute {attr!r}")
         return getattr(self.engine_model(), attr)
 
     def close(self) -> None:
