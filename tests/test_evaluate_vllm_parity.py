@@ -261,6 +261,17 @@ def test_engine_processes_are_the_engines_own(setup):
     assert not any("multiprocessing.resource_tracker" in a for p in procs for a in p.cmdline())
 
 
+def _plain_and_darts_outputs(eng, heads, contexts, conts) -> dict:
+    """Per row (plain, DARTS head) of ``eng``: greedy ids with finish reasons on ``PROMPTS`` and the
+    ``(nll, token_nll, greedy)`` scores of ``conts`` given ``contexts``."""
+    got = {}
+    for h in (None, "darts"):
+        tm = eng.text_model("row", heads[h] if h else None)
+        got[h] = (tm.generate_finished(PROMPTS, max_new_tokens=NEW),
+                  [(s.nll, s.token_nll, s.greedy) for s in tm.score(contexts, conts)])
+    return got
+
+
 def _reload_equals_new_engine(setup, tmp_path):
     """``VLLMEngine.reload``: the running engine, having generated and scored the same prompts with the base
     (their KV blocks in its prefix cache) and held per-request heads, takes an expert's weights in place and
@@ -292,12 +303,7 @@ def _reload_equals_new_engine(setup, tmp_path):
     pids = set(eng._pids)
 
     def outputs(e):
-        got = {}
-        for h in (None, "darts"):
-            tm = e.text_model("expert", heads[h] if h else None)
-            got[h] = (tm.generate_finished(PROMPTS, max_new_tokens=NEW),
-                      [(s.nll, s.token_nll, s.greedy) for s in tm.score(PROMPTS, conts)])
-        return got
+        return _plain_and_darts_outputs(e, heads, PROMPTS, conts)
 
     took = eng.reload(expert)
     assert eng.model_dir == str(expert) and eng.reloads == 1 and eng._pids == pids and took < 30
@@ -366,12 +372,7 @@ def test_sharded_bf16_weights_loaded_in_place_with_the_scoring_copy(setup, tmp_p
     conts = [" 72 clips", " 48", " a + b", " a - b", " 5", " there"]
 
     def outputs(e):
-        got = {}
-        for h in (None, "darts"):
-            tm = e.text_model("m", heads[h] if h else None)
-            got[h] = (tm.generate_finished(PROMPTS, max_new_tokens=NEW),
-                      [(s.nll, s.token_nll, s.greedy) for s in tm.score(ctx, conts)])
-        return got
+        return _plain_and_darts_outputs(e, heads, ctx, conts)
 
     eng = VLLMEngine(base, vcfg, "float32", seed=0)
     try:
