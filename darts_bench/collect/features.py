@@ -40,10 +40,10 @@ from typing import Any
 import torch
 
 from darts_bench.api import Task
-from darts_bench.rows import merged_entropy_needed
 from darts_bench.artifacts import cached, stable_hash
 from darts_bench.collect import store
 from darts_bench.collect.store import ShardedFeatures, load_shards
+from darts_bench.rows import merged_entropy_needed
 
 log = logging.getLogger("darts_bench")
 

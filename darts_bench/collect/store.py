@@ -209,9 +209,10 @@ class ShardedFeatures:
 
     def _check_column(self, key: str) -> None:
         if self.files and not self.has(key):
-            raise KeyError(f"feature artifact {self.root} has no {key!r} column: a merged model's next-token entropy "
-                           "is collected only when a surgery variant reads it (surgery.entropy_source: merged), and "
-                           "then under another cache key; collect again with that setting")
+            why = (": a merged model's next-token entropy is collected only when a surgery variant reads it "
+                   "(surgery.entropy_source: merged), and then under another cache key; collect again with that "
+                   "setting") if key == "entropy" else ""
+            raise KeyError(f"feature artifact {self.root} has no {key!r} column{why}")
 
     def column(self, key: str) -> torch.Tensor:
         """A 1-D column (``entropy``, ``positions``, ``seq_index``) for all tokens (small: ``[N]``).
