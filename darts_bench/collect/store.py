@@ -186,11 +186,12 @@ class ShardedFeatures:
             raise FileNotFoundError(f"feature index missing: {f}")
         index = json.loads(f.read_text())
         self.files = [self.root / s for s in index["shards"]]
-        lengths, dtype, d = [], None, None
+        lengths, dtype, d, keys = [], None, None, None
         for p in self.files:
             if not p.is_file():
                 raise FileNotFoundError(f"feature shard missing: {p} (listed in {f})")
             with safe_open(str(p), "pt") as st:
+                keys = set(st.keys()) if keys is None else keys
                 sl = st.get_slice("h")
                 shape = sl.get_shape()
                 lengths.append(int(shape[0]))
@@ -198,17 +199,18 @@ class ShardedFeatures:
         self.lengths = lengths
         self.offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         self.dtype, self.d = index.get("dtype") or dtype, d
+        # the columns it holds (the first shard's; a merged model's entropy is optional): COLUMNS order
+        self.columns = tuple(c for c in COLUMNS if keys is None or c in keys)
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
 
     def has(self, key: str) -> bool:
         """Whether the artifact holds column ``key`` (a merged model's ``entropy`` is optional)."""
-        with safe_open(str(self.files[0]), "pt") as st:
-            return key in st.keys()
+        return key in self.columns
 
     def _check_column(self, key: str) -> None:
-        if self.files and not self.has(key):
+        if not self.has(key):
             why = (": a merged model's next-token entropy is collected only when a surgery variant reads it "
                    "(surgery.entropy_source: merged), and then under another cache key; collect again with that "
                    "setting") if key == "entropy" else ""
@@ -241,7 +243,7 @@ class ShardedFeatures:
         Raises:
             KeyError: a key the artifact has no column of (:meth:`column`); None: every column it has."""
         if keys is None:
-            keys = tuple(c for c in COLUMNS if not self.files or self.has(c))
+            keys = self.columns
         for k in keys:
             self._check_column(k)
         for p, o in zip(self.files, self.offsets):

@@ -230,6 +230,23 @@ def on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
+def engine_tokenizer(model_dir: str | Path):
+    """The HF tokenizer an engine's text models tokenize with: truncating from the left, padding with eos when
+    the checkpoint names no pad token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok.truncation_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def max_position(hf_cfg) -> int:
+    """The context window a checkpoint's ``config.json`` names (``max_position_embeddings``; 1024 when absent)."""
+    return getattr(hf_cfg, "max_position_embeddings", None) or 1024
+
+
 def scoring_copy(model_dir: str | Path, vcfg, dtype: str, cpu: bool) -> HFScorer | None:
     """The HF copy of ``model_dir`` that computes teacher-forced scores beside a vLLM engine under
     ``vcfg.scoring`` (None for ``engine``): in ``dtype`` (the engine's), on the CPU or the GPU, sharing
@@ -267,7 +284,7 @@ class VLLMEngine:
                  distributed_executor_backend: str | None = None):
         require_vllm("evaluate.backend=vllm")
         import psutil
-        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+        from transformers import AutoConfig, GenerationConfig
 
         check_checkpoint(model_dir)
         self.model_dir, self.vcfg = str(model_dir), vcfg
@@ -276,16 +293,13 @@ class VLLMEngine:
         self.dtype = vcfg.engine_dtype(dtype)
         hf_cfg = AutoConfig.from_pretrained(self.model_dir)
         self.arch = vllm_architecture(self.model_dir, hf_cfg.architectures)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.tokenizer.truncation_side = "left"
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer = engine_tokenizer(self.model_dir)
         try:
             eos = GenerationConfig.from_pretrained(self.model_dir).eos_token_id
         except OSError:
             eos = hf_cfg.eos_token_id
         self.eos_ids = sorted(set(eos if isinstance(eos, list) else [eos])) if eos is not None else []
-        self.max_position = getattr(hf_cfg, "max_position_embeddings", None) or 1024
+        self.max_position = max_position(hf_cfg)
         # vLLM's rotary tables end at max_position_embeddings (HF extrapolates past it): a request
         # holds at most max_position tokens plus the last sampled one, which is never fed back, so
         # a full-length context can be scored (max_tokens=1) and generation stops at the window
@@ -662,14 +676,11 @@ class VLLMTextModel:
             raise ValueError(f"{len(heads) if heads is not None else 'no'} heads for {len(contexts)} contexts and "
                              f"{len(continuations)} continuations")
         mode = getattr(eng, "scoring", "hf")
-        shared = shared_contexts(contexts, continuations) if mode == "shared" else set()
         if heads is None:
-            if mode == "hf" or self.head_dir:
-                return scorer.score(contexts, continuations, self.head_dir, batch_size=self.batch_size,
-                                    max_length=self.max_length, name=self.name)
-            on_hf = [c in shared for c in contexts]
+            on_hf = pairs_on_copy(mode, self.head_dir, contexts, continuations)
         else:
             dirs = eng.head_dirs or []
+            shared = shared_contexts(contexts, continuations) if mode == "shared" else set()
             on_hf = [mode == "hf" or (h >= 0 and bool(dirs[h])) or c in shared for h, c in zip(heads, contexts)]
         out: list[ScoreContinuation | None] = [None] * len(contexts)
         for flag in (True, False):
@@ -677,7 +688,7 @@ class VLLMTextModel:
             if not idx:
                 continue
             if flag and heads is None:
-                got = scorer.score([contexts[i] for i in idx], [continuations[i] for i in idx], None,
+                got = scorer.score([contexts[i] for i in idx], [continuations[i] for i in idx], self.head_dir,
                                    batch_size=self.batch_size, max_length=self.max_length, name=self.name)
             elif flag:
                 got = scorer.score_requests([(heads[i] if heads[i] >= 0 else None, contexts[i], continuations[i])
@@ -715,6 +726,16 @@ class VLLMTextModel:
             results.append(ScoreContinuation(nll=float(sum(tok_nll)), n_tokens=n,
                                              greedy=all(lp.rank == 1 for lp in lps), token_nll=tok_nll))
         return results
+
+
+def pairs_on_copy(mode: str, head_dir: str | None, contexts: Sequence[str], continuations: Sequence[str]) -> list[bool]:
+    """Per pair of a score call without per-request heads, whether an engine's text model takes its score from the
+    HF copy under ``evaluate.vllm.scoring`` ``mode``: every pair with ``hf`` or under a head (``head_dir``), with
+    ``shared`` the pairs of :func:`shared_contexts`, else none (the engine's ``prompt_logprobs``)."""
+    if mode == "hf" or head_dir:
+        return [True] * len(contexts)
+    shared = shared_contexts(contexts, continuations) if mode == "shared" else set()
+    return [c in shared for c in contexts]
 
 
 def shared_contexts(contexts: Sequence[str], continuations: Sequence[str]) -> set[str]:
@@ -838,29 +859,18 @@ class CopyScoredModel:
     """
 
     def __init__(self, name: str, backend: "VLLMBackend", model_dir: str, head_dir: str | None, copy: HFScorer):
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig
 
         self.name, self.backend, self.model_dir, self.head_dir, self.copy = name, backend, model_dir, head_dir, copy
         self.scoring = backend.vcfg.scoring
         self.batch_size = backend.batch_size
         # what VLLMEngine reads at start and VLLMTextModel takes from it: tokenizer, max_length
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.tokenizer.truncation_side = "left"
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        max_position = getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None) or 1024
-        self.max_length = min(1024, max_position)
+        self.tokenizer = engine_tokenizer(model_dir)
+        self.max_length = min(1024, max_position(AutoConfig.from_pretrained(model_dir)))
         self._engine_model: VLLMTextModel | None = None
 
     def format_chat(self, user_message: str) -> str:
         return format_chat(self.tokenizer, user_message)
-
-    def on_copy(self, contexts: Sequence[str], continuations: Sequence[str]) -> bool:
-        """Whether an engine's text model would send every pair of this call to the copy."""
-        if self.scoring == "hf" or self.head_dir:
-            return True
-        shared = shared_contexts(contexts, continuations)
-        return all(c in shared for c in contexts)
 
     def score(self, contexts: Sequence[str], continuations: Sequence[str],
               heads: Sequence[int] | None = None) -> list[ScoreContinuation]:
@@ -872,7 +882,7 @@ class CopyScoredModel:
         """
         if len(contexts) != len(continuations):
             raise ValueError(f"{len(contexts)} contexts and {len(continuations)} continuations")
-        if heads is None and self.on_copy(contexts, continuations):
+        if heads is None and all(pairs_on_copy(self.scoring, self.head_dir, contexts, continuations)):
             return self.copy.score(list(contexts), list(continuations), self.head_dir, batch_size=self.batch_size,
                                    max_length=self.max_length, name=self.name)
         return self.engine_model().score(contexts, continuations, heads)
