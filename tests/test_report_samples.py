@@ -26,19 +26,20 @@ LM_EVAL_FIELDS = ("doc_id", "doc", "target", "arguments", "resps", "filtered_res
 
 @needs_data
 def test_gsm8k_records_match_lm_evals_own_samples(tmp_path, monkeypatch):
-    """The same evaluation's samples as lm-eval logs them (``simple_evaluate(log_samples=True)``,
-    strict-match filter): doc, target, prompt and the three hashes are equal, field by field."""
+    """The same evaluation's samples as lm-eval logs them (``lm_eval.evaluate(log_samples=True)``, which
+    ``simple_evaluate`` runs too; strict-match filter): doc, target, prompt and the three hashes are equal, field
+    by field."""
     import lm_eval
 
     seen = {}
-    real = lm_eval.simple_evaluate
+    real = lm_eval.evaluate
 
     def capture(*a, **kw):
         out = real(*a, **kw)
         seen.update(out["samples"])
         return out
 
-    monkeypatch.setattr(lm_eval, "simple_evaluate", capture)
+    monkeypatch.setattr(lm_eval, "evaluate", capture)
     task = get_task("gsm8k")
     model = StandIn()
     ex = task.examples(DATA_DIR, model, 5)

@@ -345,3 +345,38 @@ def test_score_bad_ids_and_encoding_name_the_line(tmp_path):
     f.write_bytes(b'{"doc_id": 0, "response": "#### 1"}\n{"doc_id": 1, "response": "caf\xe9 #### 2"}\n')
     with pytest.raises(DataError, match=r":2: not valid UTF-8 \(byte 0xe9 at column 31\)"):
         gsm8k_score(f, data_dir=DATA)
+
+
+@needs_data
+@pytest.mark.parametrize("chat", [False, True])
+def test_evaluate_task_is_simple_evaluates_set_up(tmp_path, chat):
+    """``evaluate_task`` (lm_eval.evaluate after simple_evaluate's set-up, without its environment report) gives
+    simple_evaluate's samples and metrics, few-shot exemplars included (drawn with the seed: another seed draws
+    others, so the few-shot seed is what makes them equal)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from darts_bench.evaluate.lm_eval_adapter import DartsBenchLM, evaluate_task
+
+    ex = gsm8k.examples(DATA, StandIn(), 4)
+    task_dir = tmp_path / "task"
+    gsm8k.write_lm_eval_task(ex, task_dir, data_dir=DATA, num_fewshot=3, max_new_tokens=40)
+    name = mod.get_protocol("lm-eval").lm_eval_task
+
+    def ours(seed):
+        return evaluate_task(DartsBenchLM(StandIn(), max_gen_toks=40), name,
+                             TaskManager(include_path=str(task_dir), include_defaults=False), limit=4, seed=seed,
+                             apply_chat_template=chat, fewshot_as_multiturn=chat)
+
+    ref = lm_eval.simple_evaluate(
+        model=DartsBenchLM(StandIn(), max_gen_toks=40), tasks=[name],
+        task_manager=TaskManager(include_path=str(task_dir), include_defaults=False), num_fewshot=3, limit=4,
+        apply_chat_template=chat, fewshot_as_multiturn=chat, log_samples=True, bootstrap_iters=0,
+        random_seed=7, numpy_random_seed=7, torch_random_seed=7, fewshot_random_seed=7)
+    got = ours(7)
+    assert got["samples"] == ref["samples"] and len(got["samples"][name]) == 8  # 4 docs x 2 filters
+    assert got["results"] == ref["results"]
+    prompts = [s["arguments"][0][0] for s in got["samples"][name]]
+    assert all(p.count("Question: ") == 4 for p in prompts)  # three exemplars and the question
+    assert [s["arguments"][0][0] for s in ours(8)["samples"][name]] != prompts
+    assert "pretty_env_info" not in got and "pretty_env_info" in ref  # the environment report is what is left out

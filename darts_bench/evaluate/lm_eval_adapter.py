@@ -327,3 +327,41 @@ class DartsBenchLM(LM):
         """Recorded by ``simple_evaluate`` in ``results["config"]``."""
         return {"darts_bench_model": getattr(self.model, "name", type(self.model).__name__),
                 "darts_bench_backend": type(self.model).__name__}
+
+
+def evaluate_task(lm: LM, task: str, task_manager, *, limit: int, seed: int, apply_chat_template: bool = False,
+                  fewshot_as_multiturn: bool = False) -> dict[str, Any]:
+    """``task`` (one task whose YAML sets its ``num_fewshot`` and generation settings) on ``lm`` through
+    ``lm_eval.evaluate`` (lm-eval's documented entry point for a loaded model and task dict, docs/interface.md
+    "External Library Usage"), set up as ``lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=...,
+    limit=limit, log_samples=True, bootstrap_iters=0, random_seed=seed, numpy_random_seed=seed,
+    torch_random_seed=seed, fewshot_random_seed=seed, ...)`` sets it up: the three generators seeded, the task
+    loaded by ``task_manager.load``, its few-shot sampler seeded (``Task.set_fewshot_seed``). The same samples
+    and metrics; what ``simple_evaluate`` adds after ``evaluate`` is left out: the run's config record and
+    lm-eval's environment report (torch's ``collect_env``: ``pip list`` and other subprocesses, 0.6-2.5 s a call
+    on 2 cores, every GSM8K cell of a run; nothing of it is read).
+
+    Returns:
+        ``lm_eval.evaluate``'s output: ``results`` (metrics by task), ``samples`` (per document and filter), ...
+
+    Raises:
+        ValueError: ``task`` is not a single task of ``task_manager`` (a group or an unknown name).
+    """
+    import random
+
+    import lm_eval
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    loaded = task_manager.load([task])
+    if list(loaded["tasks"]) != [task]:
+        raise ValueError(f"lm-eval task {task!r} loaded as {sorted(loaded['tasks'])} (expected the one task)")
+    for t in loaded["tasks"].values():
+        if t.get_config("num_fewshot") is None:
+            t.set_config(key="num_fewshot", value=0)  # as simple_evaluate does for a task that leaves it unset
+        t.set_fewshot_seed(seed=seed)
+    return lm_eval.evaluate(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=0, log_samples=True,
+                            apply_chat_template=apply_chat_template, fewshot_as_multiturn=fewshot_as_multiturn)

@@ -296,13 +296,13 @@ class GSM8KTask(Task):
         return yaml_path
 
     def evaluate(self, model: TextModel, examples: list[Example], ctx: EvalContext) -> TaskResult:
-        """lm-eval ``simple_evaluate`` on exactly ``examples`` with the :class:`DartsBenchLM` adapter
-        (greedy), plus the reference NLL, under ``self.protocol`` (:meth:`Task.check_protocol`: the examples
-        must be built under it). ``ctx.config``: a ``GSM8KConfig`` (defaults if None) for the other settings."""
-        import lm_eval
+        """lm-eval on exactly ``examples`` with the :class:`DartsBenchLM` adapter (greedy), set up as
+        ``simple_evaluate`` with ``ctx.seed`` (:func:`~darts_bench.evaluate.lm_eval_adapter.evaluate_task`),
+        plus the reference NLL, under ``self.protocol`` (:meth:`Task.check_protocol`: the examples must be
+        built under it). ``ctx.config``: a ``GSM8KConfig`` (defaults if None) for the other settings."""
         from lm_eval.tasks import TaskManager
 
-        from darts_bench.evaluate.lm_eval_adapter import DartsBenchLM
+        from darts_bench.evaluate.lm_eval_adapter import DartsBenchLM, evaluate_task
 
         if not examples:
             raise ValueError("gsm8k.evaluate: no examples")
@@ -323,13 +323,10 @@ class GSM8KTask(Task):
                                 max_new_tokens=cfg.max_new_tokens, protocol=proto.name)
         lm = DartsBenchLM(model, max_gen_toks=cfg.max_new_tokens)
         tm = TaskManager(include_path=str(task_dir), include_defaults=False)
-        out = lm_eval.simple_evaluate(
-            model=lm, tasks=[proto.lm_eval_task], task_manager=tm, num_fewshot=cfg.num_fewshot,
-            limit=len(examples), apply_chat_template=cfg.apply_chat_template,
-            fewshot_as_multiturn=bool(cfg.apply_chat_template), log_samples=True,
-            device=str(getattr(model, "device", "cpu")), bootstrap_iters=0,
-            random_seed=ctx.seed, numpy_random_seed=ctx.seed, torch_random_seed=ctx.seed,
-            fewshot_random_seed=ctx.seed)
+        # simple_evaluate's set-up without its environment report (evaluate_task): the same samples and metrics
+        out = evaluate_task(lm, proto.lm_eval_task, tm, limit=len(examples), seed=ctx.seed,
+                            apply_chat_template=cfg.apply_chat_template,
+                            fewshot_as_multiturn=bool(cfg.apply_chat_template))
         # one lm-eval task per call: its requests' finish reasons by doc id
         res = self._to_result(model, examples, out, cfg, proto,
                               finish={doc: r for (_, doc), r in lm.finish_reasons.items()})
