@@ -393,3 +393,63 @@ def test_pinned_judge_scored_on_the_copy_starts_no_engine(monkeypatch, tmp_path)
     with open_models(load_config("tiny", [*on[:1], "evaluate.vllm.scoring=heads"]), LocalExecutor(),
                      engine_cls=Engine) as be:
         assert isinstance(be.get("judge", model_dir, pin=True), vb.VLLMTextModel) and started == [str(model_dir)]
+
+
+def test_merge_dirs_reach_the_engines_where_scoring_reads_them(monkeypatch, tmp_path):
+    """The evaluate stage's merges (``open_models(..., merge_dirs=...)``) reach the in-process engines under
+    ``scoring: heads`` / ``shared`` (their text models then score a merge's plain row on the copy), and no engine
+    otherwise (an engine class without the keyword still serves); a merge as the pinned judge scores on its copy.
+    The evaluate key of a merge's plain row records it, and only there."""
+    import darts_bench.evaluate.engines.vllm as vb
+    from darts_bench.executors.local import LocalExecutor
+    from darts_bench.rows import Row
+    from darts_bench.stages.evaluate import eval_key
+
+    seen = []
+
+    class Engine:
+        def __init__(self, model_dir, vcfg, dtype, seed=0, **kw):
+            self.model_dir, self.llm = str(model_dir), object()
+            seen.append((self.model_dir, kw))
+
+        def shutdown(self):
+            self.llm = None
+
+    monkeypatch.setattr(vb, "on_cpu", lambda: True)
+    for scoring, want in (("shared", {"merge_dirs": ("M",)}), ("heads", {"merge_dirs": ("M",)}), ("engine", {}),
+                          ("hf", {})):
+        seen.clear()
+        cfg = load_config("tiny", ["evaluate.backend=vllm", f"evaluate.vllm.scoring={scoring}",
+                                   "evaluate.vllm.reload_weights=false"])
+        with open_models(cfg, LocalExecutor(), engine_cls=Engine, merge_dirs={"M"}) as be:
+            assert be.merge_dirs == {"M"}
+            be.engine_for("M")
+            be.engine_for("B")
+        assert seen == [("M", want), ("B", want)], scoring
+    with open_models(cfg, LocalExecutor(), engine_cls=Engine) as be:
+        assert be.merge_dirs == frozenset() and be._engine_merges() == {}
+    monkeypatch.setattr(vb, "check_checkpoint", lambda d: None)
+    monkeypatch.setattr(vb, "scoring_copy", lambda *a: type("Copy", (), {"close": lambda self: None})())
+    monkeypatch.setattr(vb, "engine_tokenizer", lambda d: None)
+    monkeypatch.setattr("transformers.AutoConfig.from_pretrained", lambda d: None)
+    monkeypatch.setattr(vb, "max_position", lambda c: 64)
+    shared = load_config("tiny", ["evaluate.backend=vllm", "evaluate.vllm.scoring=shared"])
+    with open_models(shared, LocalExecutor(), engine_cls=Engine, merge_dirs={"M"}) as be:
+        assert be.get("judge", "M", pin=True).scoring == "hf" and be.get("judge", "J", pin=True).scoring == "shared"
+
+    from darts_bench.api import get_task
+
+    task, ex = get_task("gsm8k"), []
+    merge = Row("ties", merge="ties", model_dir=tmp_path, model_key="k")
+    headed = Row("ties+darts", merge="ties", correction="darts", model_dir=tmp_path, model_key="h")
+    base = Row("base", expert="base", model_dir=tmp_path, model_key="b")
+    plain_cfg = load_config("tiny", ["evaluate.backend=vllm", "evaluate.vllm.scoring=engine"])
+    for cfg in (shared, plain_cfg, load_config("tiny")):
+        copy = cfg is shared
+        # a merge's plain row: keyed apart only where it scores on the copy; a corrected row on a task without its
+        # head (plain_merge=True, the merge's model key) likewise; other rows never
+        assert (eval_key(cfg, merge, task, ex) != eval_key(cfg, merge, task, ex, plain_merge=False)) is copy
+        assert (eval_key(cfg, headed, task, ex, model_key="k", plain_merge=True)
+                == eval_key(cfg, merge, task, ex)) and eval_key(cfg, headed, task, ex) == eval_key(
+                    cfg, headed, task, ex, plain_merge=False)
+        assert eval_key(cfg, base, task, ex) == eval_key(cfg, base, task, ex, plain_merge=False)

@@ -140,3 +140,37 @@ def test_heads_mode_scores_headed_requests_on_the_copy_and_the_rest_on_the_engin
     for (k, c, x), g in zip(reqs, res):
         w = plain[(c, x)] if k == 1 else want[heads[1] if k == 0 else heads[0]][PROMPTS.index(c)]
         assert g.token_nll == w.token_nll, (k, c)
+
+
+@pytest.mark.parametrize("mode", ["heads", "shared"])
+def test_a_merges_plain_row_scores_on_the_copy(ckpt, monkeypatch, mode):
+    """``scoring: heads`` / ``shared`` on a merge's checkpoint (the engine's ``merge_dirs``, from the evaluate
+    stage): the plain row's scores come from the HF copy too, row by row and as the one pass's plain slot, bitwise
+    the copy's plain scores, so both paths agree; nothing reaches the engine. The base's and experts' engines
+    (not among the merges) keep their plain scores on the engine."""
+    from darts_bench.evaluate.engines.vllm import VLLMMultiHeadModel, VLLMTextModel, scoring_mode
+
+    model_dir, heads = ckpt
+    _, tok = load_causal_lm(model_dir)
+    calls = []
+
+    def engine_score(self, contexts, continuations, hs):
+        calls.append(len(contexts))
+        return [None] * len(contexts)
+
+    monkeypatch.setattr(VLLMTextModel, "_engine_score", engine_score)
+    eng = StandInEngine(tok, HFScorer(model_dir, share_prefix=mode == "shared"), mode)
+    eng.model_dir, eng.merge_dirs = str(model_dir), frozenset({str(model_dir)})
+    want = {d: _reference(model_dir, d, batch_size=3) for d in (None, *heads)}
+    got = VLLMTextModel("ties", eng, None, batch_size=3).score(PROMPTS, CONTS)
+    assert [g.token_nll for g in got] == [w.token_nll for w in want[None]] and calls == []
+    mh = VLLMMultiHeadModel("ties", eng, [heads[1], None, heads[0]], batch_size=3)
+    reqs = [(k, c, x) for c, x in zip(PROMPTS, CONTS) for k in (1, 0, 2)]
+    for (k, c, _), g in zip(reqs, mh.score(reqs)):
+        assert g.token_nll == want[[heads[1], None, heads[0]][k]][PROMPTS.index(c)].token_nll, (k, c)
+    assert calls == []
+    base = StandInEngine(tok, HFScorer(model_dir, share_prefix=mode == "shared"), mode)
+    base.model_dir, base.merge_dirs = "pool/base", frozenset({str(model_dir)})
+    assert VLLMTextModel("base", base, None, batch_size=3).score(PROMPTS, CONTS) == [None] * 5 and calls == [5]
+    assert [scoring_mode(s, "m", {"m"}) for s in ("engine", "hf", "heads", "shared")] == ["engine", "hf", "hf", "hf"]
+    assert scoring_mode("shared", "b", {"m"}) == "shared" and scoring_mode("heads", "b", ()) == "heads"

@@ -568,13 +568,13 @@ def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
     assert h["seconds"] < 0.75 * e["seconds"]
     assert make_plan(load_config("tiny", sets))["stages"]["evaluate"] == \
         make_plan(load_config("tiny", [*sets, "evaluate.vllm.scoring=engine"]))["stages"]["evaluate"]
-    # heads: the 6 plain rows (base, 3 experts, 2 merges) on the engine, the 2 merges' heads from one HF forward
-    # each (8 model dirs' worth of reference tokens), one copy beside the rows' engine (never the judge's),
-    # loaded once per merge; the judge on the engine
+    # heads: the 4 plain rows of the pool (base, 3 experts) on the engine, each merge's rows (its plain row with its
+    # heads) from one HF forward (6 model dirs' worth of reference tokens, as hf), one copy beside the rows' engine
+    # (never the judge's), loaded once per merge; the judge on the engine
     k = make_plan(load_config("smollm2-135m", [*sets, "evaluate.vllm.scoring=heads"]))["stages"]["evaluate"]
     # per row 11,400 reference tokens (291,600 = 24 rows x 11,400 + 18,000 routed prompt states); hf: 6 model dirs
     assert (e["nll_tokens"] - h["nll_tokens"]) == (24 - 6) * 11_400
-    assert k["nll_tokens"] == (6 + 2) * 11_400 + 18_000 == 109_200
+    assert k["nll_tokens"] == (4 + 2) * 11_400 + 18_000 == 86_400
     assert k["memory_bytes"] == e["memory_bytes"] + W
     assert k["load_seconds"] == pytest.approx(e["load_seconds"] + 2 * hf["load_seconds"] / hf["model_loads"])
     assert h["seconds"] < k["seconds"] < e["seconds"]

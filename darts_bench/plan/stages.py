@@ -729,9 +729,9 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     (``prompt_logprobs`` requests recompute their prompts, with the full-vocabulary logits at every
     position: the ``logits`` rate), unless ``evaluate.vllm.scoring`` is ``hf`` (every score from an HF copy
     beside each engine: the HF one pass's scores, one forward per model dir, a further head its
-    ``lm_head``, the ``forward`` rate; the copy's weights and load counted per engine) or ``heads`` (the
-    corrected rows' scores from the copy: one forward per model dir with heads; the plain rows and the judge
-    on the engine; the copy counted once, beside the rows' engine) or ``shared`` (as ``heads``, and a judge's
+    ``lm_head``, the ``forward`` rate; the copy's weights and load counted per engine) or ``heads`` (a merge's
+    rows' scores from the copy, its plain row's too: one forward per merge, each further row its ``lm_head``; the
+    base, the experts and the judge on the engine; the copy counted once, beside the rows' engine) or ``shared`` (as ``heads``, and a judge's
     scored sequences on a copy beside its engine, the ``forward`` rate, each prompt forwarded once for its
     ``scored_per_prompt`` verdicts; the hf backend's judges likewise with ``evaluate.share_prefix``). In-process
     on the CPU a judge that only scores, with ``hf``, or with ``shared`` and two or more verdicts per prompt, starts
@@ -778,9 +778,11 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     T = len(x.tasks)
     passes, per_merge = (n_groups * T, T if merge_rows else 0) if native else (rows * T, merge_rows * T)
     nll_once = layout == "hf" or (layout == "vllm" and hf_scores)  # one forward per model dir for every head
-    # scoring heads: the corrected rows' model dirs run the copy once; the plain rows run the engine, one each
-    headed_dirs = len({s.merge or s.model for s in x.evaluated if s.correction != "none"})
-    plain_rows = sum(s.correction == "none" for s in x.evaluated)
+    # scoring heads / shared: a merge's rows (its plain row too: vllm.scoring_mode) and any corrected rows' model dir
+    # run the copy once; the other plain rows (base, experts) run the engine, one each
+    copy_merges = {s.merge for s in x.evaluated if s.merge} if scoring in ("heads", "shared") else set()
+    headed_dirs = len({s.merge or s.model for s in x.evaluated if s.correction != "none"} | copy_merges)
+    plain_rows = sum(s.correction == "none" and s.merge not in copy_merges for s in x.evaluated)
     eval_gen = eval_nll = judge_tokens = 0
     for t, ti in x.tasks.items():
         per_row_gen = ti["n_examples"] * ti["n_samples"] * (ti["prompt_tokens_est"] + ti["max_new_tokens"])
@@ -895,7 +897,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
             if hf_scores:  # the HF one pass's scores (below)
                 secs += n_groups * forward_seconds(nll_tokens, P, kind) + (rows - n_groups) * forward_seconds(
                     ti["n_examples"] * ti["reference_tokens_est"], lm_head, kind)
-            elif head_scores:  # the plain rows on the engine; a model dir's heads from one HF forward
+            elif head_scores:  # the base's and experts' rows on the engine; a merge's rows from one HF forward
                 secs += plain_rows * forward_seconds(nll_tokens, P, kind, rate="logits")
                 secs += headed_dirs * forward_seconds(nll_tokens, P, kind) + (
                     rows - plain_rows - headed_dirs) * forward_seconds(

@@ -34,8 +34,16 @@ from darts_bench.stages import derive_seed
 log = logging.getLogger("darts_bench")
 
 
+def plain_merge_on_copy(cfg) -> bool:
+    """Whether a merge's plain row (and a corrected row on a task without its head, which is its merge there)
+    takes its scores from the HF copy: the vLLM backend with ``evaluate.vllm.scoring`` ``heads`` or ``shared``
+    (:func:`~darts_bench.evaluate.engines.vllm.scoring_mode`). Such rows' keys say so (:func:`eval_key`): their
+    scores differ from the engine's ``prompt_logprobs`` at rounding level."""
+    return cfg.evaluate.backend == "vllm" and cfg.evaluate.vllm.scoring in ("heads", "shared")
+
+
 def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str = "",
-             model_key: str | None = None) -> str:
+             model_key: str | None = None, plain_merge: bool | None = None) -> str:
     """Cache key of one (row, task) evaluation: the row's model key (``model_key`` overrides it, e.g.
     a corrected row on a task without heads is its merge), task name/version/config, examples, seed,
     judge, and the device and ``tasks.batch_size`` (both change generations: left padding and
@@ -56,15 +64,22 @@ def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str 
     ``numerics`` names the path (:func:`one_pass_numerics`). A one-pass result there also depends
     on which rows shared its batches (rows selected, rows already cached, ``one_pass_max_batch``):
     a valid greedy output of the merge's head, reproducible bit for bit only in float32 or row by
-    row (README "One pass per merge")."""
+    row (README "One pass per merge").
+
+    ``plain_merge``: the row runs its merge without a head on this task (None: a merge's plain row); where such
+    rows score on the HF copy (:func:`plain_merge_on_copy`) the key records ``"plain_scores": "copy"`` (other
+    rows' keys are unchanged)."""
     tcfg = getattr(cfg.tasks, task.name)
+    if plain_merge is None:
+        plain_merge = bool(row.merge) and row.correction == "none"
+    copy = {"plain_scores": "copy"} if plain_merge and plain_merge_on_copy(cfg) else {}
     return stable_hash({"model": model_key if model_key is not None else row.model_key, "task": task.name,
                         "version": task.version, "cfg": tcfg.model_dump(mode="json"), "n": len(examples),
                         "seed": cfg.seed, "judge": judge_key,
                         "ex": stable_hash([(e.id, e.prompt, e.reference) for e in examples]),
                         "numerics": {"device": cfg.device, "batch_size": cfg.tasks.batch_size,
                                      **one_pass_numerics(cfg)},
-                        **backend_key(cfg, "evaluate")})
+                        **backend_key(cfg, "evaluate"), **copy})
 
 
 def engine_dtype(cfg) -> str:
@@ -146,7 +161,9 @@ def evaluate(cfg, rows: list[Row], all_rows: list[Row], tasks: dict, executor, w
 def _evaluate_rows(cfg, rows, tasks, executor, work_dir, results, by_name, memos) -> None:
     """The body of :func:`evaluate`: fills ``results``."""
     # each checkpoint loaded once (rows of one model dir share it; the judge stays loaded)
-    with open_models(cfg, executor) as models, \
+    # a merge's checkpoint: with vLLM scoring heads / shared its plain rows score on the HF copy too (scoring_mode)
+    merge_dirs = {str(r.model_dir) for r in by_name.values() if r.merge and r.model_dir is not None}
+    with open_models(cfg, executor, merge_dirs=merge_dirs) as models, \
             overall_bar(len(rows) * len(tasks), "evaluate", unit="row x task") as bar:
         if not cfg.evaluate.one_pass:
             for row in rows:
@@ -176,11 +193,16 @@ def _target(cfg, row: Row, task: Task, examples: list[Example], by_name: dict[st
     """The artifact dir of one (row, task) evaluation: ``eval/<row>-<task>-<key>``."""
     tcfg = getattr(cfg.tasks, task.name)
     # other models the protocol uses (e.g. a judge): their identity is part of the cache key
-    judge_key = "|".join(by_name[d].model_key if d in by_name else d for d in task.models_used(tcfg))
+    # (a merge as the judge scores on the HF copy where plain_merge_on_copy: named, as a plain merge row's key does)
+    judge_key = "|".join((by_name[d].model_key + ("+copy" if by_name[d].merge and by_name[d].correction == "none"
+                                                   and plain_merge_on_copy(cfg) else ""))
+                         if d in by_name else d for d in task.models_used(tcfg))
     model_key = row.model_key
+    plain = bool(row.merge) and row.correction == "none"
     if row.correction != "none" and row.routing != "routed" and task.name not in row.heads:
         model_key = by_name[row.merge].model_key  # no head for this task: the row is its merge here
-    key = eval_key(cfg, row, task, examples, judge_key, model_key=model_key)
+        plain = True
+    key = eval_key(cfg, row, task, examples, judge_key, model_key=model_key, plain_merge=plain)
     # row names of seeds / sweeps carry [ ] # , (glob and URL characters in data-file paths): not in paths
     safe = re.sub(r"[^A-Za-z0-9_.+@=-]", "_", row.model)
     return work_dir / "eval" / f"{safe}-{task.name}-{key}"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterable
 
 
 class Backend(ABC):
@@ -33,6 +33,9 @@ class Backend(ABC):
             (default ``cfg.tasks.batch_size``).
         role: what the session serves, ``evaluate`` | ``calibration`` (:meth:`key` is this role's
             :meth:`cache_key`).
+        merge_dirs: the checkpoints among the rows' that are merges (the evaluate stage's): on the vLLM
+            backend with ``evaluate.vllm.scoring`` ``heads`` or ``shared`` every score of their rows, the plain
+            merge's too, comes from the HF copy (:func:`~darts_bench.evaluate.engines.vllm.scoring_mode`).
 
     Attributes:
         name: the registry name (``hf`` | ``vllm``).
@@ -46,8 +49,10 @@ class Backend(ABC):
     name: ClassVar[str] = ""
     hold_groups: ClassVar[bool] = True
 
-    def __init__(self, cfg, executor, batch_size: int | None = None, role: str = "evaluate"):
+    def __init__(self, cfg, executor, batch_size: int | None = None, role: str = "evaluate",
+                 merge_dirs: Iterable[str | Path] = ()):
         self.cfg, self.executor, self.role = cfg, executor, role
+        self.merge_dirs = frozenset(str(d) for d in merge_dirs)
         self.batch_size = batch_size or cfg.tasks.batch_size
         self._loads = 0
         self._held = HeldProxies(self._open_proxy)

@@ -24,7 +24,7 @@ of ``ray.shard_size`` prompts (the in-process worker or the Ray actors).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterable
 
 import torch
 
@@ -80,8 +80,9 @@ class HFBackend(Backend):
     name = "hf"
     share_weights: ClassVar[bool] = True
 
-    def __init__(self, cfg, executor, batch_size: int | None = None, role: str = "evaluate"):
-        super().__init__(cfg, executor, batch_size, role)
+    def __init__(self, cfg, executor, batch_size: int | None = None, role: str = "evaluate",
+                 merge_dirs: Iterable[str | Path] = ()):
+        super().__init__(cfg, executor, batch_size, role, merge_dirs)
         self._base: dict[str, HFTextModel] = {}
         self._pinned: set[str] = set()
         self._open: dict[str, list[_Shared]] = {}

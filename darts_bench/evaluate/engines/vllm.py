@@ -272,6 +272,9 @@ class VLLMEngine:
         distributed_executor_backend: vLLM's ``distributed_executor_backend`` (None: vLLM's
             choice); a Ray actor passes ``"mp"`` for ``tensor_parallel_size > 1`` so the engine's
             workers are its own processes on the GPUs Ray gave the actor.
+        merge_dirs: checkpoints that are merges: this engine's text models score them as
+            :func:`scoring_mode` says (``evaluate.vllm.scoring`` ``heads`` / ``shared``: on the HF copy, plain
+            rows too); kept across :meth:`reload`.
 
     Raises:
         ImportError: vllm is not installed (message with the install command);
@@ -281,7 +284,7 @@ class VLLMEngine:
     """
 
     def __init__(self, model_dir: str | Path, vcfg, dtype: str = "float32", seed: int = 0,
-                 distributed_executor_backend: str | None = None):
+                 distributed_executor_backend: str | None = None, merge_dirs: Sequence[str] = ()):
         require_vllm("evaluate.backend=vllm")
         import psutil
         from transformers import AutoConfig, GenerationConfig
@@ -342,6 +345,7 @@ class VLLMEngine:
         # evaluate.vllm.scoring hf | heads | shared: teacher-forced scores (all, a head's, a head's and those
         # sharing a context) from a transformers copy
         self.scoring = getattr(vcfg, "scoring", "engine")
+        self.merge_dirs = frozenset(str(d) for d in merge_dirs)
         self.scorer = self._scorer()
         log.info("vLLM engine for %s up in %.1f s (dtype %s, processes %s)", self.model_dir, self.startup_s,
                  self.dtype, sorted(self._pids))
@@ -675,7 +679,7 @@ class VLLMTextModel:
         if len(contexts) != len(continuations) or (heads is not None and len(heads) != len(contexts)):
             raise ValueError(f"{len(heads) if heads is not None else 'no'} heads for {len(contexts)} contexts and "
                              f"{len(continuations)} continuations")
-        mode = getattr(eng, "scoring", "hf")
+        mode = scoring_mode(getattr(eng, "scoring", "hf"), getattr(eng, "model_dir", ""), getattr(eng, "merge_dirs", ()))
         if heads is None:
             on_hf = pairs_on_copy(mode, self.head_dir, contexts, continuations)
         else:
@@ -726,6 +730,20 @@ class VLLMTextModel:
             results.append(ScoreContinuation(nll=float(sum(tok_nll)), n_tokens=n,
                                              greedy=all(lp.rank == 1 for lp in lps), token_nll=tok_nll))
         return results
+
+
+def scoring_mode(scoring: str, model_dir: str, merge_dirs) -> str:
+    """How an engine's text models of ``model_dir`` split their scores between the engine and the HF copy, given
+    ``evaluate.vllm.scoring``: ``hf`` (every score on the copy) for a merge's checkpoint (one of ``merge_dirs``)
+    under ``heads`` or ``shared``, else ``scoring`` itself. A merge's corrected rows score on the copy under
+    those modes, one forward serving every head of the pairs (``HFMultiHeadModel.score``); its plain row joins
+    that forward for one more ``lm_head`` at the continuation positions rather than recomputing the transformer
+    on the engine with the full-vocabulary logits at every prompt position (``prompt_logprobs``). Row by row the
+    plain row scores on the copy too, so both paths give the same bits; the base, the experts and the judges
+    stay on the engine (for one model alone the engine is the faster, README "Scores")."""
+    if scoring in ("heads", "shared") and str(model_dir) in merge_dirs:
+        return "hf"
+    return scoring
 
 
 def pairs_on_copy(mode: str, head_dir: str | None, contexts: Sequence[str], continuations: Sequence[str]) -> list[bool]:
@@ -862,7 +880,7 @@ class CopyScoredModel:
         from transformers import AutoConfig
 
         self.name, self.backend, self.model_dir, self.head_dir, self.copy = name, backend, model_dir, head_dir, copy
-        self.scoring = backend.vcfg.scoring
+        self.scoring = scoring_mode(backend.vcfg.scoring, model_dir, backend.merge_dirs)
         self.batch_size = backend.batch_size
         # what VLLMEngine reads at start and VLLMTextModel takes from it: tokenizer, max_length
         self.tokenizer = engine_tokenizer(model_dir)
@@ -928,8 +946,8 @@ class VLLMBackend(Backend):
     name = "vllm"
 
     def __init__(self, cfg, executor, batch_size: int | None = None, engine_cls: type | None = None,
-                 role: str = "evaluate"):
-        super().__init__(cfg, executor, batch_size, role)
+                 role: str = "evaluate", merge_dirs: Sequence[str | Path] = ()):
+        super().__init__(cfg, executor, batch_size, role, merge_dirs)
         self.engine_cls = engine_cls or VLLMEngine
         self.vcfg, self.dtype, self.seed = cfg.evaluate.vllm, cfg.pool.dtype, cfg.seed
         self._engine: VLLMEngine | None = None
@@ -973,8 +991,16 @@ class VLLMBackend(Backend):
     def _serves(self, eng: "VLLMEngine | None", model_dir: str) -> bool:
         return eng is not None and eng.llm is not None and eng.model_dir == model_dir
 
+    def _engine_merges(self) -> dict[str, Any]:
+        """The engine's ``merge_dirs`` keyword where :func:`scoring_mode` reads them (``heads`` / ``shared`` scoring
+        and merges among the rows), else nothing (an engine class without the keyword, e.g. a test's stand-in,
+        still serves)."""
+        if self.merge_dirs and self.vcfg.scoring in ("heads", "shared"):
+            return {"merge_dirs": tuple(sorted(self.merge_dirs))}
+        return {}
+
     def _start(self, model_dir: str) -> "VLLMEngine":
-        return self.engine_cls(model_dir, self.vcfg, self.dtype, seed=self.seed)
+        return self.engine_cls(model_dir, self.vcfg, self.dtype, seed=self.seed, **self._engine_merges())
 
     def engine_for(self, model_dir: str | Path, pin: bool = False) -> "VLLMEngine":
         """The live in-process engine when one serves ``model_dir``, else a new one.
@@ -1038,6 +1064,8 @@ class VLLMBackend(Backend):
     def _open_proxy(self, name: str, model_dir: str, head_dir: str | None):
         check_ray_vllm(self.cfg)
         kw: dict[str, Any] = dict(vcfg=self.vcfg, dtype=self.dtype, seed=self.seed)
+        if model_dir in self.merge_dirs:  # the group's key names it: one model dir per group
+            kw.update(self._engine_merges())
         if self.vcfg.tensor_parallel_size > 1 and self.engine_cls is VLLMEngine:
             kw["distributed_executor_backend"] = "mp"  # the engine's workers on the actor's GPUs
         return self.executor.vllm_text_model(name, model_dir, head_dir, batch_size=self.batch_size,
