@@ -731,9 +731,9 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     beside each engine: the HF one pass's scores, one forward per model dir, a further head its
     ``lm_head``, the ``forward`` rate; the copy's weights and load counted per engine) or ``heads`` (a merge's
     rows' scores from the copy, its plain row's too: one forward per merge, each further row its ``lm_head``; the
-    base, the experts and the judge on the engine; the copy counted once, beside the rows' engine) or ``shared`` (as ``heads``, and a judge's
-    scored sequences on a copy beside its engine, the ``forward`` rate, each prompt forwarded once for its
-    ``scored_per_prompt`` verdicts; the hf backend's judges likewise with ``evaluate.share_prefix``). In-process
+    base, the experts and the judge on the engine; the copy counted once, beside the rows' engine) or ``shared``
+    (as ``heads``, and a judge's scored sequences on a copy beside its engine, the ``forward`` rate, each prompt
+    forwarded once for its ``scored_per_prompt`` verdicts; the hf backend's judges likewise with ``evaluate.share_prefix``). In-process
     on the CPU a judge that only scores, with ``hf``, or with ``shared`` and two or more verdicts per prompt, starts
     no engine (the backend's copy scores it: ``CopyScoredModel``; its own row runs on the rows' engine); with
     ``evaluate.vllm.enable_prefix_caching`` (the default) a prompt's

@@ -679,7 +679,8 @@ class VLLMTextModel:
         if len(contexts) != len(continuations) or (heads is not None and len(heads) != len(contexts)):
             raise ValueError(f"{len(heads) if heads is not None else 'no'} heads for {len(contexts)} contexts and "
                              f"{len(continuations)} continuations")
-        mode = scoring_mode(getattr(eng, "scoring", "hf"), getattr(eng, "model_dir", ""), getattr(eng, "merge_dirs", ()))
+        mode = scoring_mode(getattr(eng, "scoring", "hf"), getattr(eng, "model_dir", ""),
+                            getattr(eng, "merge_dirs", ()))
         if heads is None:
             on_hf = pairs_on_copy(mode, self.head_dir, contexts, continuations)
         else:
