@@ -14,7 +14,10 @@ shape, scaled small as trained heads are), float32. One unit is ``--batch-size``
             ``prompt_logprobs`` requests skip the prefix cache, so the transformer runs per head
   hf        the same call with the engine's ``HFScorer`` (``HFMultiHeadModel.score``: one transformer
             forward per pair, each head + ``lm_head`` at the continuation positions; pairs chunked
-            longest first)
+            longest first) for the 6 heads, the plain slot's requests on the engine (``scoring: heads`` /
+            ``shared`` on a model dir that is not a merge)
+  hf all    the same call with all 7 slots on the HF scorer, the plain slot one more ``lm_head`` on the same
+            forward (``scoring: heads`` / ``shared`` on a merge's checkpoint: ``vllm.scoring_mode``)
   engine 1  one row's requests (the last DARTS head) on the engine: a model dir without heads (base,
             experts, the AlpacaEval judge) scores like this
   hf 1      the same on the HF scorer
@@ -28,7 +31,9 @@ shape, scaled small as trained heads are), float32. One unit is ``--batch-size``
 Figures: ``vllm_scoring_hf`` = {ratio: engine / hf for the 7 heads (median per-unit wall),
 single_ratio: engine 1 / hf 1, max_rel_diff: largest relative difference of a request's NLL
 between engine and hf, greedy_equal: requests whose greedy flag agrees, n}; ``vllm_scoring_judge`` =
-{ratio: engine judge / hf judge, verdicts_equal: prompts whose verdict agrees, max_rel_diff, n}. ``--threads N``: HF gets N torch threads, vLLM's worker is bound to N cores.
+{ratio: engine judge / hf judge, verdicts_equal: prompts whose verdict agrees, max_rel_diff, n};
+``vllm_scoring_merge_plain`` = {ratio: hf / hf all (a merge's plain row on the engine beside its heads on the copy /
+all of them on the copy), plain_max_rel_diff: the plain slot's largest relative NLL difference between the two, n}. ``--threads N``: HF gets N torch threads, vLLM's worker is bound to N cores.
 
     .venv-vllm/bin/python benchmarks/bench_vllm_scoring.py [--prompts 32] [--batch-size 8]
     .venv-vllm/bin/python benchmarks/bench_vllm_scoring.py --tier smollm2-135m --model-dir DIR
@@ -93,16 +98,18 @@ def main() -> None:
     engine = VLLMEngine(mdir, vcfg, "float32", seed=0)
     scorer = HFScorer(mdir, "float32")
     shared = HFScorer(mdir, "float32", share_prefix=True)
-    out: dict[str, dict[int, list]] = {"engine": {}, "hf": {}, "engine 1": {}, "hf 1": {}}
+    out: dict[str, dict[int, list]] = {"engine": {}, "hf": {}, "hf all": {}, "engine 1": {}, "hf 1": {}}
     judged: dict[str, dict[int, list]] = {"engine judge": {}, "hf judge": {}}
     try:
         mh = engine.multi_head_model("merge", dirs, batch_size=bs)
 
         def run(name):
-            heads = range(K) if name in ("engine", "hf") else [K - 1]
+            heads = range(K) if name in ("engine", "hf", "hf all") else [K - 1]
 
             def f(u):
                 engine.scorer = scorer if name.startswith("hf") else None
+                # hf: heads on the copy, the plain slot on the engine; hf all: the model dir a merge (scoring_mode)
+                engine.scoring, engine.merge_dirs = "heads", frozenset({str(mdir)} if name == "hf all" else ())
                 out[name][u] = mh.score([(k, ctxs[i], conts[i]) for k in heads for i in units[u]])
             return f
 
@@ -113,6 +120,7 @@ def main() -> None:
         def run_judge(name):
             def f(u):
                 engine.scorer, engine.scoring = (shared, "shared") if name == "hf judge" else (None, "engine")
+                engine.merge_dirs = frozenset()
                 idx = [j for i in judge_units[u] for j in (2 * i, 2 * i + 1)]
                 judged[name][u] = judge.score([judge_ctx[j] for j in idx], [VERDICT_TEXT[1 + j % 2] for j in idx])
             return f
@@ -129,6 +137,11 @@ def main() -> None:
     greedy_eq = sum(a.greedy == b.greedy for a, b in pairs)
     tokens = sum(b.n_tokens for _, b in pairs)
     ratio, single = tm.ratio("engine", "hf"), tm.ratio("engine 1", "hf 1")
+    merge_plain = tm.ratio("hf", "hf all")
+    plain = [(a, b) for u in range(len(units)) for a, b in zip(out["hf"][u][:len(units[u])], out["hf all"][u])]
+    plain_rel = max(abs(a.nll - b.nll) / max(abs(b.nll), 1e-12) for a, b in plain)
+    heads_equal = all(a.token_nll == b.token_nll for u in range(len(units))
+                      for a, b in zip(out["hf"][u][len(units[u]):], out["hf all"][u][len(units[u]):]))
     print(f"\nworkload: {n_prompts} GSM8K questions + reference answers x {K} heads (plain + 3 Surgery + 3 DARTS random), "
           f"{tokens:,} scored tokens a round, fp32, units of {bs} pairs x {K} heads; {threads} thread(s)/core(s); "
           f"{repeats} rounds x {len(units)} units, rotating order; model {mdir}")
@@ -136,6 +149,8 @@ def main() -> None:
                        + tj.round_rows()))
     print(f"engine / hf: 7 heads {ratio:.2f}x, 1 row {single:.2f}x wall (median of unit pairs); NLL max relative "
           f"difference {max_rel:.2e}; greedy flags equal {greedy_eq}/{n}")
+    print(f"a merge's plain row beside its 6 heads: on the engine / on the copy's forward {merge_plain:.2f}x wall; "
+          f"plain NLL max relative difference {plain_rel:.2e}; the heads' NLLs bitwise equal: {heads_equal}")
     jp = [(a, b) for u in range(len(judge_units)) for a, b in zip(judged["engine judge"][u], judged["hf judge"][u])]
     j_rel = max(abs(a.nll - b.nll) / max(abs(b.nll), 1e-12) for a, b in jp)
     verdict = [(jp[2 * i][0].nll < jp[2 * i + 1][0].nll) == (jp[2 * i][1].nll < jp[2 * i + 1][1].nll)
@@ -152,6 +167,9 @@ def main() -> None:
                    f"prompt forwarded once {j_ratio:.2f}x (verdicts equal {sum(verdict)}/{len(verdict)})",
                    vllm_scoring_judge={"ratio": round(j_ratio, 3), "verdicts_equal": sum(verdict),
                                        "max_rel_diff": float(f"{j_rel:.3g}"), "n": len(verdict)},
+                   vllm_scoring_merge_plain={"ratio": round(merge_plain, 3),
+                                             "plain_max_rel_diff": float(f"{plain_rel:.3g}"),
+                                             "heads_equal": heads_equal, "n": len(plain)},
                    vllm_scoring_hf={"ratio": round(ratio, 3), "single_ratio": round(single, 3),
                                     "max_rel_diff": float(f"{max_rel:.3g}"), "greedy_equal": greedy_eq, "n": n})
 

@@ -3,7 +3,8 @@ the plain model and two heads (swapped in the running engine), fp32 greedy ids i
 path with the head attached by hooks, per-token NLL equal bitwise (``evaluate.vllm.scoring: hf``:
 the actor's engine scores with its HF copy; the engine's own ``prompt_logprobs`` are tested within
 1e-4 in ``test_evaluate_vllm_parity.py``), the same from the one-pass multi-head call (every head's requests in one call on the engine), and the engine's processes gone
-after the actor's group is released; and the experts' calibration continuations
+after the actor's group is released; a merge's plain row scored on the actor's HF copy under ``scoring: shared``;
+and the experts' calibration continuations
 (``calibration.backend: vllm``) from the engine actor equal to the in-process engine's.
 
 Skipped without vllm or ray (``make test`` in the project venv); run in the venv made by
@@ -146,3 +147,43 @@ def test_calibration_continuations_on_the_ray_actors_match_the_in_process_engine
         want = local.continuations("expert", base, prompt_ids, NEW)
     assert got == want
     assert all(len(c) > 0 for c in got)
+
+
+def test_a_merges_plain_row_scores_on_the_actors_copy(pool, ray_instance):
+    """``scoring: shared`` with the model dir among the evaluate stage's merges (``open_models(merge_dirs=...)``):
+    the actor's engine is started with the merge dirs (they are in its group's key) and a merge's plain row takes
+    its scores from the actor's HF copy, the HF path's bitwise, row by row and as the one pass's plain slot
+    (the engine's ``prompt_logprobs`` agree only within 1e-4, ``test_evaluate_vllm_parity.py``)."""
+    from darts_bench.evaluate.engines import open_models
+    from darts_bench.executors.ray_executor import RayExecutor
+
+    torch.set_num_threads(1)
+    cfg = pool["cfg"]
+    cfg = cfg.model_copy(update={"evaluate": cfg.evaluate.model_copy(
+        update={"vllm": cfg.evaluate.vllm.model_copy(update={"scoring": "shared"})})})
+    base = str(pool["base"])
+    conts = [" 42 is the answer", " a + b", " 5", "Natalia sold 72 clips.", " quick brown fox"]
+    hf, tok = load_causal_lm(base)
+    ref = HFTextModel("ref", hf, tok, batch_size=4, score_by_length=True)  # as the HF scorer chunks
+    try:
+        want = [(w.token_nll, w.greedy) for w in ref.score(PROMPTS, conts)]
+    finally:
+        ref.close()
+    ex = RayExecutor(cfg)
+    try:
+        with open_models(cfg, ex, batch_size=4, merge_dirs=[base]) as cache:
+            tm = cache.get("ties", base, None)
+            try:
+                assert [(g.token_nll, g.greedy) for g in tm.score(PROMPTS, conts)] == want
+            finally:
+                tm.close()
+            mh = cache.multi_head_model("ties", base, [pool["heads"]["surgery"], None])
+            try:
+                got = mh.score([(1, p, c) for p, c in zip(PROMPTS, conts)])
+                assert [(g.token_nll, g.greedy) for g in got] == want
+            finally:
+                mh.close()
+            (g,) = ex._groups.values()
+            assert "merge_dirs" in g.key[-1] and dict(ex.actor_starts) == {base: 1}
+    finally:
+        ex.close()
