@@ -236,9 +236,10 @@ class Pipeline:
         return self._stage("train", lambda: train_stage.train(self.cfg, col, merges, pool, tasks, variants, seeds,
                                                               self.work_dir, release_executor=self.close))
 
-    def eval_key(self, row: Row, task, examples, judge_key: str = "", model_key: str | None = None) -> str:
+    def eval_key(self, row: Row, task, examples, judge_key: str = "", model_key: str | None = None,
+                 plain_merge: bool | None = None) -> str:
         """:func:`darts_bench.stages.evaluate.eval_key`."""
-        return evaluate_stage.eval_key(self.cfg, row, task, examples, judge_key, model_key)
+        return evaluate_stage.eval_key(self.cfg, row, task, examples, judge_key, model_key, plain_merge)
 
     def evaluate(self) -> dict:
         """``{row: {task: TaskResult}}`` (:func:`darts_bench.stages.evaluate.evaluate`)."""
