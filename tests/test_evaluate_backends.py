@@ -398,8 +398,10 @@ def test_pinned_judge_scored_on_the_copy_starts_no_engine(monkeypatch, tmp_path)
 def test_merge_dirs_reach_the_engines_where_scoring_reads_them(monkeypatch, tmp_path):
     """The evaluate stage's merges (``open_models(..., merge_dirs=...)``) reach the in-process engines under
     ``scoring: heads`` / ``shared`` (their text models then score a merge's plain row on the copy), and no engine
-    otherwise (an engine class without the keyword still serves); a merge as the pinned judge scores on its copy.
-    The evaluate key of a merge's plain row records it, and only there."""
+    otherwise (an engine class without the keyword serves those configurations); a merge as the pinned judge takes
+    the copy's mode. The evaluate key of a merge's plain row records it, and only there: a corrected row on a task
+    without its head is keyed as the plain merge, and a judge running a merge without a head (a row or a merge's
+    checkpoint path) is named apart where its scores are the copy's."""
     import darts_bench.evaluate.engines.vllm as vb
     from darts_bench.executors.local import LocalExecutor
     from darts_bench.rows import Row
@@ -441,7 +443,8 @@ def test_merge_dirs_reach_the_engines_where_scoring_reads_them(monkeypatch, tmp_
 
     task, ex = get_task("gsm8k"), []
     merge = Row("ties", merge="ties", model_dir=tmp_path, model_key="k")
-    headed = Row("ties+darts", merge="ties", correction="darts", model_dir=tmp_path, model_key="h")
+    headed = Row("ties+darts", merge="ties", correction="darts", model_dir=tmp_path, model_key="h",
+                 heads={"gsm8k": tmp_path / "h"})
     base = Row("base", expert="base", model_dir=tmp_path, model_key="b")
     plain_cfg = load_config("tiny", ["evaluate.backend=vllm", "evaluate.vllm.scoring=engine"])
     for cfg in (shared, plain_cfg, load_config("tiny")):
@@ -453,3 +456,24 @@ def test_merge_dirs_reach_the_engines_where_scoring_reads_them(monkeypatch, tmp_
                 == eval_key(cfg, merge, task, ex)) and eval_key(cfg, headed, task, ex) == eval_key(
                     cfg, headed, task, ex, plain_merge=False)
         assert eval_key(cfg, base, task, ex) == eval_key(cfg, base, task, ex, plain_merge=False)
+    # the stage's rule (_target): a corrected row on a task without its head is keyed as its plain merge; a judge
+    # that runs a merge without a head (a row, or a merge's checkpoint path) is named "+copy" where that is the copy's
+    from darts_bench.stages.evaluate import _target
+
+    alpaca = get_task("alpacaeval")
+
+    def key(cfg, row, task, by_name):
+        return _target(cfg, row, task, ex, by_name, tmp_path).name.rsplit("-", 1)[1]
+
+    with_head = Row("ties+darts", merge="ties", correction="darts", model_dir=tmp_path, model_key="h",
+                    heads={"alpacaeval": tmp_path / "h"})
+    without = Row("ties+darts", merge="ties", correction="darts", model_dir=tmp_path, model_key="h")
+    for scoring, copy in (("shared", True), ("heads", True), ("engine", False)):
+        sets = ["evaluate.backend=vllm", f"evaluate.vllm.scoring={scoring}"]
+        cfg = load_config("tiny", sets)
+        assert key(cfg, without, task, {"ties": merge}) == key(cfg, merge, task, {"ties": merge})
+        judged = load_config("tiny", [*sets, "tasks.alpacaeval.judge.model=ties+darts"])
+        assert (key(judged, base, alpaca, {"ties+darts": with_head, "ties": merge})
+                != key(judged, base, alpaca, {"ties+darts": without, "ties": merge})) is copy
+        by_path = load_config("tiny", [*sets, f"tasks.alpacaeval.judge.model={tmp_path}"])
+        assert (key(by_path, base, alpaca, {"ties": merge}) != key(by_path, base, alpaca, {})) is copy

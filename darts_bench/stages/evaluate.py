@@ -66,12 +66,12 @@ def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str 
     a valid greedy output of the merge's head, reproducible bit for bit only in float32 or row by
     row (README "One pass per merge").
 
-    ``plain_merge``: the row runs its merge without a head on this task (None: a merge's plain row); where such
+    ``plain_merge``: the row runs its merge without a head on this task (None: :func:`runs_plain_merge`); where such
     rows score on the HF copy (:func:`plain_merge_on_copy`) the key records ``"plain_scores": "copy"`` (other
     rows' keys are unchanged)."""
     tcfg = getattr(cfg.tasks, task.name)
     if plain_merge is None:
-        plain_merge = bool(row.merge) and row.correction == "none"
+        plain_merge = runs_plain_merge(row, task.name)
     copy = {"plain_scores": "copy"} if plain_merge and plain_merge_on_copy(cfg) else {}
     return stable_hash({"model": model_key if model_key is not None else row.model_key, "task": task.name,
                         "version": task.version, "cfg": tcfg.model_dump(mode="json"), "n": len(examples),
@@ -189,20 +189,31 @@ def model_groups(rows: list[Row]) -> list[list[Row]]:
     return list(groups.values())
 
 
+def runs_plain_merge(row: Row, task: str) -> bool:
+    """Whether ``row`` runs its merge without a head on ``task``: a merge's plain row, or a corrected row (not routed)
+    without a head for the task (it is its merge there: its evaluation is keyed by the merge's model key)."""
+    return bool(row.merge) and (row.correction == "none" or (row.routing != "routed" and task not in row.heads))
+
+
 def _target(cfg, row: Row, task: Task, examples: list[Example], by_name: dict[str, Row], work_dir: Path) -> Path:
     """The artifact dir of one (row, task) evaluation: ``eval/<row>-<task>-<key>``."""
     tcfg = getattr(cfg.tasks, task.name)
-    # other models the protocol uses (e.g. a judge): their identity is part of the cache key
-    # (a merge as the judge scores on the HF copy where plain_merge_on_copy: named, as a plain merge row's key does)
-    judge_key = "|".join((by_name[d].model_key + ("+copy" if by_name[d].merge and by_name[d].correction == "none"
-                                                   and plain_merge_on_copy(cfg) else ""))
-                         if d in by_name else d for d in task.models_used(tcfg))
+    # other models the protocol uses (e.g. a judge): their identity is part of the cache key; a merge scored without
+    # a head (a row, or a checkpoint path that is a merge's) says so where that is on the HF copy (plain_merge_on_copy)
+    copy = plain_merge_on_copy(cfg)
+    merge_dirs = {str(r.model_dir) for r in by_name.values() if r.merge and r.model_dir is not None}
+
+    def judge_part(d: str) -> str:
+        if d in by_name:
+            return by_name[d].model_key + ("+copy" if copy and runs_plain_merge(by_name[d], task.name) else "")
+        return d + ("+copy" if copy and d in merge_dirs else "")
+
+    judge_key = "|".join(judge_part(d) for d in task.models_used(tcfg))
     model_key = row.model_key
-    plain = bool(row.merge) and row.correction == "none"
     if row.correction != "none" and row.routing != "routed" and task.name not in row.heads:
         model_key = by_name[row.merge].model_key  # no head for this task: the row is its merge here
-        plain = True
-    key = eval_key(cfg, row, task, examples, judge_key, model_key=model_key, plain_merge=plain)
+    key = eval_key(cfg, row, task, examples, judge_key, model_key=model_key,
+                   plain_merge=runs_plain_merge(row, task.name))
     # row names of seeds / sweeps carry [ ] # , (glob and URL characters in data-file paths): not in paths
     safe = re.sub(r"[^A-Za-z0-9_.+@=-]", "_", row.model)
     return work_dir / "eval" / f"{safe}-{task.name}-{key}"

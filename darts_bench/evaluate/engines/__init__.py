@@ -92,7 +92,8 @@ def open_models(cfg, executor, role: str = "evaluate", **options) -> Backend:
         executor: the run's executor (``LocalExecutor`` | ``RayExecutor``).
         role: ``evaluate`` (``.get`` hands out the rows' text models) or ``calibration``
             (``.continuations`` makes the experts' continuations).
-        **options: backend options (``batch_size``; ``engine_cls`` for ``vllm``).
+        **options: backend options (``batch_size``; ``merge_dirs``: the rows' merges, which the ``vllm`` backend
+            scores on its HF copy under ``scoring: heads`` / ``shared``; ``engine_cls`` for ``vllm``).
     """
     return backend_class(cfg, role)(cfg, executor, role=role, **options)
 

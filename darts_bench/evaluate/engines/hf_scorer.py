@@ -1,6 +1,7 @@
 """Teacher-forced scores for the vLLM backend from a transformers copy of the engine's checkpoint
 (``evaluate.vllm.scoring: hf`` every score, ``heads`` the scores under a correction head, ``shared``
-those and the pairs that share a context with another pair of the call).
+those and the pairs that share a context with another pair of the call; under both, every score of a merge's
+checkpoint, its plain row's too: ``vllm.scoring_mode``).
 
 vLLM scores a sequence through ``prompt_logprobs``: such requests skip the prefix cache (vLLM 0.32
 sets ``skip_reading_prefix_cache`` for them), the head is applied to each token's hidden state

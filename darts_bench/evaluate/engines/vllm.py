@@ -666,7 +666,8 @@ class VLLMTextModel:
         correction head (``HFTextModel.score`` with the head, or ``HFMultiHeadModel.score`` for
         per-request heads: one forward for all of them; pairs chunked longest first), and with
         ``shared`` those and the requests whose context another distinct pair of the call shares
-        (:func:`shared_contexts`; the copy forwards the shared prefix once).
+        (:func:`shared_contexts`; the copy forwards the shared prefix once); under ``heads`` / ``shared``
+        a merge's checkpoint (the engine's ``merge_dirs``) sends every request there (:func:`scoring_mode`).
 
         Raises:
             ValueError: different numbers of contexts and continuations (or heads), an empty continuation.
@@ -740,8 +741,9 @@ def scoring_mode(scoring: str, model_dir: str, merge_dirs) -> str:
     those modes, one forward serving every head of the pairs (``HFMultiHeadModel.score``); its plain row joins
     that forward for one more ``lm_head`` at the continuation positions rather than recomputing the transformer
     on the engine with the full-vocabulary logits at every prompt position (``prompt_logprobs``). Row by row the
-    plain row scores on the copy too, so both paths give the same bits; the base, the experts and the judges
-    stay on the engine (for one model alone the engine is the faster, README "Scores")."""
+    plain row scores on the copy too, so both paths give the same bits (a merge used as the judge, pinned, likewise:
+    :class:`CopyScoredModel` reads this rule); the base's, the experts' and a non-merge judge's plain scores stay on
+    the engine (for one model alone the engine is the faster, README "Scores")."""
     if scoring in ("heads", "shared") and str(model_dir) in merge_dirs:
         return "hf"
     return scoring
@@ -841,7 +843,8 @@ class VLLMMultiHeadModel:
     def score(self, requests: Sequence[tuple[int, str, str]]) -> list[ScoreContinuation]:
         """``requests``: ``(head index, context, continuation)``; NLL per request as
         :meth:`VLLMTextModel.score`. With ``evaluate.vllm.scoring: hf`` (every request), ``heads``
-        (the requests under a head) or ``shared`` (those and the pairs sharing a context): the engine's
+        (the requests under a head) or ``shared`` (those and the pairs sharing a context), and for a merge's
+        checkpoint under ``heads`` / ``shared`` every request (:func:`scoring_mode`): the engine's
         :class:`~darts_bench.evaluate.engines.hf_scorer.HFScorer`, one transformer forward per
         distinct pair for every head (``HFMultiHeadModel.score``), equal bitwise to the row-by-row
         scores (the plain slot's other requests on the engine, as the plain row's).
@@ -994,8 +997,8 @@ class VLLMBackend(Backend):
 
     def _engine_merges(self) -> dict[str, Any]:
         """The engine's ``merge_dirs`` keyword where :func:`scoring_mode` reads them (``heads`` / ``shared`` scoring
-        and merges among the rows), else nothing (an engine class without the keyword, e.g. a test's stand-in,
-        still serves)."""
+        and merges among the rows), else nothing (so an engine class without the keyword, e.g. a test's stand-in,
+        serves every other configuration; with merges under those modes it must take the keyword)."""
         if self.merge_dirs and self.vcfg.scoring in ("heads", "shared"):
             return {"merge_dirs": tuple(sorted(self.merge_dirs))}
         return {}
