@@ -533,6 +533,11 @@ class DeepSpeedConfig(_Strict):
     extra: dict[str, Any] = Field(default_factory=dict, description="merged into the DeepSpeed JSON")
 
 
+#: ``evaluate.vllm.scoring`` modes under which a merge's rows, its plain row's included, score on the HF copy
+#: (``darts_bench.evaluate.engines.vllm.scoring_mode``)
+MERGE_COPY_MODES = ("heads", "shared")
+
+
 class VLLMConfig(_Strict):
     """vLLM engine settings (``evaluate.backend: vllm`` or ``calibration.backend: vllm``; needs the
     ``darts-bench[vllm]`` extra, see README "vLLM backend")."""
@@ -563,13 +568,14 @@ class VLLMConfig(_Strict):
         "lm_head at the continuation positions only, pairs chunked longest first; values equal the hf "
         "backend's at rounding level). 'heads': a merge's rows' scores from the copy (its heads' and its plain "
         "row's: one forward serves them all, the plain row one more lm_head), the rest (base, experts, a judge "
-        "that is no merge) on the engine: on CPU the copy is slower than the engine for one model and pays off where one forward "
-        "serves a merge's rows. 'shared': as 'heads', "
+        "that is no merge) on the engine: on CPU the copy is slower than the engine for one model and pays off "
+        "where one forward serves a merge's rows. 'shared': as 'heads', "
         "and the copy also scores the pairs whose context another distinct pair of the same call shares (the "
         "AlpacaEval judge's two verdicts, a multiple-choice question's options), forwarding the shared prefix "
         "once with its KV cache and then each pair's remaining tokens (HFTextModel share_prefix); values equal "
-        "the full forward's at rounding level; with 'hf' or 'shared', in-process on the CPU, a judge that only scores starts "
-        "no engine (its verdicts from a copy of its own, the same values). One pass and row by row agree in every mode. The copy is a "
+        "the full forward's at rounding level; with 'hf' or 'shared', in-process on the CPU, a judge that only "
+        "scores starts no engine (its verdicts from a copy of its own, the same values). One pass and row by row "
+        "agree in every mode. The copy is a "
         "second set of weights: on a GPU leave room for it below gpu_memory_utilization. Generation stays on "
         "the engine; collect never scores")
     reload_weights: bool = Field(

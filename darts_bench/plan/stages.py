@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from darts_bench.api import get_task, resolve_suite
-from darts_bench.config import Config
+from darts_bench.config import MERGE_COPY_MODES, Config
 from darts_bench.plan.architecture import (DTYPE_BYTES, activations, architecture, kv_cache, kv_dim, out_shard_bytes,
                                           param_count)
 from darts_bench.plan.resources import (ACTOR_START_S, DIAG_BATCH, DIAG_TEMPS, FEATURE_COLUMNS_BYTES,
@@ -733,7 +733,8 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     rows' scores from the copy, its plain row's too: one forward per merge, each further row its ``lm_head``; the
     base, the experts and the judge on the engine; the copy counted once, beside the rows' engine) or ``shared``
     (as ``heads``, and a judge's scored sequences on a copy beside its engine, the ``forward`` rate, each prompt
-    forwarded once for its ``scored_per_prompt`` verdicts; the hf backend's judges likewise with ``evaluate.share_prefix``). In-process
+    forwarded once for its ``scored_per_prompt`` verdicts; the hf backend's judges likewise with
+    ``evaluate.share_prefix``). In-process
     on the CPU a judge that only scores, with ``hf``, or with ``shared`` and two or more verdicts per prompt, starts
     no engine (the backend's copy scores it: ``CopyScoredModel``; its own row runs on the rows' engine); with
     ``evaluate.vllm.enable_prefix_caching`` (the default) a prompt's
@@ -780,7 +781,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     nll_once = layout == "hf" or (layout == "vllm" and hf_scores)  # one forward per model dir for every head
     # scoring heads / shared: a merge's rows (its plain row too: vllm.scoring_mode) and any corrected rows' model dir
     # run the copy once; the other plain rows (base, experts) run the engine, one each
-    copy_merges = {s.merge for s in x.evaluated if s.merge} if scoring in ("heads", "shared") else set()
+    copy_merges = {s.merge for s in x.evaluated if s.merge} if scoring in MERGE_COPY_MODES else set()
     headed_dirs = len({s.merge or s.model for s in x.evaluated if s.correction != "none"} | copy_merges)
     plain_rows = sum(s.correction == "none" and s.merge not in copy_merges for s in x.evaluated)
     eval_gen = eval_nll = judge_tokens = 0

@@ -25,6 +25,7 @@ from typing import Sequence
 
 from darts_bench.api import EvalContext, Example, ScoreContinuation, Task, TaskResult
 from darts_bench.artifacts import cached, stable_hash
+from darts_bench.config import MERGE_COPY_MODES
 from darts_bench.evaluate.engines import backend_key, open_models
 from darts_bench.evaluate.memo import CallMemo, MemoModel
 from darts_bench.progress import overall_bar
@@ -39,7 +40,14 @@ def plain_merge_on_copy(cfg) -> bool:
     takes its scores from the HF copy: the vLLM backend with ``evaluate.vllm.scoring`` ``heads`` or ``shared``
     (:func:`~darts_bench.evaluate.engines.vllm.scoring_mode`). Such rows' keys say so (:func:`eval_key`): their
     scores differ from the engine's ``prompt_logprobs`` at rounding level."""
-    return cfg.evaluate.backend == "vllm" and cfg.evaluate.vllm.scoring in ("heads", "shared")
+    return cfg.evaluate.backend == "vllm" and cfg.evaluate.vllm.scoring in MERGE_COPY_MODES
+
+
+def merge_dirs_of(rows) -> set[str]:
+    """The checkpoints of ``rows`` that are merges (their rows' ``model_dir``), as strings: what the vLLM backend
+    scores on its HF copy under :func:`plain_merge_on_copy` (``open_models(merge_dirs=...)``), and what a judge given
+    as a checkpoint path is checked against in the key."""
+    return {str(r.model_dir) for r in rows if r.merge and r.model_dir is not None}
 
 
 def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str = "",
@@ -162,8 +170,7 @@ def _evaluate_rows(cfg, rows, tasks, executor, work_dir, results, by_name, memos
     """The body of :func:`evaluate`: fills ``results``."""
     # each checkpoint loaded once (rows of one model dir share it; the judge stays loaded)
     # a merge's checkpoint: with vLLM scoring heads / shared its plain rows score on the HF copy too (scoring_mode)
-    merge_dirs = {str(r.model_dir) for r in by_name.values() if r.merge and r.model_dir is not None}
-    with open_models(cfg, executor, merge_dirs=merge_dirs) as models, \
+    with open_models(cfg, executor, merge_dirs=merge_dirs_of(by_name.values())) as models, \
             overall_bar(len(rows) * len(tasks), "evaluate", unit="row x task") as bar:
         if not cfg.evaluate.one_pass:
             for row in rows:
@@ -201,12 +208,11 @@ def _target(cfg, row: Row, task: Task, examples: list[Example], by_name: dict[st
     # other models the protocol uses (e.g. a judge): their identity is part of the cache key; a merge scored without
     # a head (a row, or a checkpoint path that is a merge's) says so where that is on the HF copy (plain_merge_on_copy)
     copy = plain_merge_on_copy(cfg)
-    merge_dirs = {str(r.model_dir) for r in by_name.values() if r.merge and r.model_dir is not None}
 
     def judge_part(d: str) -> str:
         if d in by_name:
             return by_name[d].model_key + ("+copy" if copy and runs_plain_merge(by_name[d], task.name) else "")
-        return d + ("+copy" if copy and d in merge_dirs else "")
+        return d + ("+copy" if copy and d in merge_dirs_of(by_name.values()) else "")
 
     judge_key = "|".join(judge_part(d) for d in task.models_used(tcfg))
     model_key = row.model_key

@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from darts_bench.api import Completion, ScoreContinuation
+from darts_bench.config import MERGE_COPY_MODES
 from darts_bench.evaluate.engines.base import Backend
 from darts_bench.evaluate.engines.hf_scorer import HFScorer
 from darts_bench.evaluate.engines.vllm_plugin import darts_arch
@@ -683,11 +684,11 @@ class VLLMTextModel:
         mode = scoring_mode(getattr(eng, "scoring", "hf"), getattr(eng, "model_dir", ""),
                             getattr(eng, "merge_dirs", ()))
         if heads is None:
-            on_hf = pairs_on_copy(mode, self.head_dir, contexts, continuations)
+            under_head = [bool(self.head_dir)] * len(contexts)
         else:
             dirs = eng.head_dirs or []
-            shared = shared_contexts(contexts, continuations) if mode == "shared" else set()
-            on_hf = [mode == "hf" or (h >= 0 and bool(dirs[h])) or c in shared for h, c in zip(heads, contexts)]
+            under_head = [h >= 0 and bool(dirs[h]) for h in heads]
+        on_hf = pairs_on_copy(mode, under_head, contexts, continuations)
         out: list[ScoreContinuation | None] = [None] * len(contexts)
         for flag in (True, False):
             idx = [i for i, f in enumerate(on_hf) if f is flag]
@@ -744,19 +745,20 @@ def scoring_mode(scoring: str, model_dir: str, merge_dirs) -> str:
     plain row scores on the copy too, so both paths give the same bits (a merge used as the judge, pinned, likewise:
     :class:`CopyScoredModel` reads this rule); the base's, the experts' and a non-merge judge's plain scores stay on
     the engine (for one model alone the engine is the faster, README "Scores")."""
-    if scoring in ("heads", "shared") and str(model_dir) in merge_dirs:
+    if scoring in MERGE_COPY_MODES and str(model_dir) in merge_dirs:
         return "hf"
     return scoring
 
 
-def pairs_on_copy(mode: str, head_dir: str | None, contexts: Sequence[str], continuations: Sequence[str]) -> list[bool]:
-    """Per pair of a score call without per-request heads, whether an engine's text model takes its score from the
-    HF copy under ``evaluate.vllm.scoring`` ``mode``: every pair with ``hf`` or under a head (``head_dir``), with
-    ``shared`` the pairs of :func:`shared_contexts`, else none (the engine's ``prompt_logprobs``)."""
-    if mode == "hf" or head_dir:
-        return [True] * len(contexts)
+def pairs_on_copy(mode: str, under_head: Sequence[bool], contexts: Sequence[str],
+                  continuations: Sequence[str]) -> list[bool]:
+    """Per pair of a score call, whether an engine's text model takes its score from the HF copy under
+    ``evaluate.vllm.scoring`` ``mode`` (:func:`scoring_mode`'s): every pair with ``hf``, every pair under a
+    correction head (``under_head``, per pair), and with ``shared`` also the pairs of :func:`shared_contexts`; the
+    rest on the engine (``prompt_logprobs``). One rule for a row's calls, a one pass's per-request heads and
+    :class:`CopyScoredModel`."""
     shared = shared_contexts(contexts, continuations) if mode == "shared" else set()
-    return [c in shared for c in contexts]
+    return [mode == "hf" or h or c in shared for h, c in zip(under_head, contexts)]
 
 
 def shared_contexts(contexts: Sequence[str], continuations: Sequence[str]) -> set[str]:
@@ -904,7 +906,8 @@ class CopyScoredModel:
         """
         if len(contexts) != len(continuations):
             raise ValueError(f"{len(contexts)} contexts and {len(continuations)} continuations")
-        if heads is None and all(pairs_on_copy(self.scoring, self.head_dir, contexts, continuations)):
+        if heads is None and all(pairs_on_copy(self.scoring, [bool(self.head_dir)] * len(contexts), contexts,
+                                               continuations)):
             return self.copy.score(list(contexts), list(continuations), self.head_dir, batch_size=self.batch_size,
                                    max_length=self.max_length, name=self.name)
         return self.engine_model().score(contexts, continuations, heads)
@@ -999,7 +1002,7 @@ class VLLMBackend(Backend):
         """The engine's ``merge_dirs`` keyword where :func:`scoring_mode` reads them (``heads`` / ``shared`` scoring
         and merges among the rows), else nothing (so an engine class without the keyword, e.g. a test's stand-in,
         serves every other configuration; with merges under those modes it must take the keyword)."""
-        if self.merge_dirs and self.vcfg.scoring in ("heads", "shared"):
+        if self.merge_dirs and self.vcfg.scoring in MERGE_COPY_MODES:
             return {"merge_dirs": tuple(sorted(self.merge_dirs))}
         return {}
 
