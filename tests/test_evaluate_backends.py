@@ -335,7 +335,8 @@ def test_pinned_judge_scored_on_the_copy_starts_no_engine(monkeypatch, tmp_path)
     engine's text model gives through its own copy, and starts no engine: the rows' engine stays the only one.
     Generation, or a score the engine would compute (a context with one continuation), starts the pinned engine
     on first need, as before; with ``scoring: heads`` (the judge's plain scores on the engine) the judge gets its
-    pinned engine at once. Closing the backend closes the copy."""
+    pinned engine at once, unless it is a merge or runs under a correction head (every pair then the copy's:
+    engine-less, the copy's values). Closing the backend closes the copy."""
     from conftest import StandInEngine, tiny_checkpoint_with_heads
 
     import darts_bench.evaluate.engines.vllm as vb
@@ -345,7 +346,7 @@ def test_pinned_judge_scored_on_the_copy_starts_no_engine(monkeypatch, tmp_path)
 
     prompts = ["Which output is better? (a) 7 (b) 8", "Compare: (a) def f(): pass (b) return 1"]
     conts = [" Output (a)", " Output (b)"] * len(prompts)
-    model_dir, _ = tiny_checkpoint_with_heads(tmp_path, prompts + conts, seed=5)
+    model_dir, head_dirs = tiny_checkpoint_with_heads(tmp_path, prompts + conts, seed=5)
     _, tok = load_causal_lm(model_dir)
     started = []
 
@@ -393,6 +394,22 @@ def test_pinned_judge_scored_on_the_copy_starts_no_engine(monkeypatch, tmp_path)
     with open_models(load_config("tiny", [*on[:1], "evaluate.vllm.scoring=heads"]), LocalExecutor(),
                      engine_cls=Engine) as be:
         assert isinstance(be.get("judge", model_dir, pin=True), vb.VLLMTextModel) and started == [str(model_dir)]
+    # heads: a merge as the judge (its checkpoint among the stage's merges) or a judge under a correction head scores
+    # every pair on the copy (vllm.judge_on_copy): engine-less, the copy's values, a one-continuation context too
+    heads_on = [*on[:1], "evaluate.vllm.scoring=heads"]
+    for merges, head, label in (({str(model_dir)}, None, "merge"), (set(), head_dirs[1], "head")):
+        started.clear()
+        with open_models(load_config("tiny", heads_on), LocalExecutor(), engine_cls=Engine, merge_dirs=merges) as be:
+            judge = be.get("judge", model_dir, head, pin=True)
+            assert isinstance(judge, vb.CopyScoredModel), label
+            got = judge.score(ctx + prompts[:1], conts + conts[:1])
+            assert started == [], label
+            ref = HFScorer(model_dir)  # what scoring: heads' copy is (no shared prefix)
+            want = ref.score(ctx + prompts[:1], conts + conts[:1], head, batch_size=judge.batch_size,
+                             max_length=judge.max_length)
+            assert [(s.nll, s.token_nll) for s in got] == [(s.nll, s.token_nll) for s in want], label
+            assert all(s.nll > 0 for s in got), label
+            ref.close()
 
 
 def test_merge_dirs_reach_the_engines_where_scoring_reads_them(monkeypatch, tmp_path):

@@ -597,6 +597,42 @@ def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
     assert r["seconds"] < k["seconds"]
 
 
+def test_vllm_heads_scoring_plans_a_merge_judge_without_an_engine():
+    """``evaluate.vllm.scoring: heads`` with a merge (or a merge's row) as the AlpacaEval judge: every score it asks
+    for is the copy's (``vllm.scoring_mode``: ``hf`` for a merge), so on the CPU it starts no engine
+    (``vllm.judge_on_copy``: ``CopyScoredModel``): one engine's memory less and a copy of its own more, its load
+    counted once, its scored sequences at the forward rate, each verdict forwarded (no shared prefix under heads);
+    the rows, their reference NLL and every count but the judge's engine as with an expert as the judge."""
+    from darts_bench.plan.resources import forward_seconds
+
+    sets = ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32", "evaluate.vllm.reload_weights=false",
+            "evaluate.vllm.scoring=heads"]
+    plan_x = make_plan(load_config("smollm2-135m", sets))
+    x = plan_x["stages"]["evaluate"]
+    W, P = plan_x["model"]["weights_bytes"], plan_x["model"]["params"]
+    ram, load = x["vllm_engine"]["ram"], x["load_seconds"]
+    hf = make_plan(load_config("smollm2-135m"))["stages"]["evaluate"]
+    one_load = hf["load_seconds"] / hf["model_loads"]  # one checkpoint read
+    for judge in ("adamerging", "adamerging+darts"):
+        m = make_plan(load_config("smollm2-135m", [*sets, f"tasks.alpacaeval.judge.model={judge}"]))
+        m = m["stages"]["evaluate"]
+        assert "judge's engine" in x["memory_note"] and "judge's engine" not in m["memory_note"], judge
+        assert m["memory_bytes"] == x["memory_bytes"] - ram + W, judge
+        assert (m["nll_tokens"], m["judge_tokens"]) == (x["nll_tokens"], x["judge_tokens"]), judge
+        judged = x["judge_tokens"]  # all scored: the judge's default score mode generates nothing
+        # the judge's scored tokens at the forward rate (the copy) instead of the logits rate (the engine)
+        assert (m["seconds"] - m["load_seconds"]) - (x["seconds"] - x["load_seconds"]) == pytest.approx(
+            forward_seconds(judged, P, "cpu") - forward_seconds(judged, P, "cpu", rate="logits")), judge
+        # the same engine starts (expert:instruction's pinned engine served its own row; now the rows' engine does),
+        # and the judge's copy loaded once
+        assert m["engine_starts"] == x["engine_starts"] == 6, judge
+        assert m["load_seconds"] == pytest.approx(load + one_load), judge
+        assert m["seconds"] < x["seconds"], judge
+    # an expert as the judge (the preset's) is planned as before; Ray or a GPU keeps the judge's engine
+    assert make_plan(load_config("smollm2-135m", [*sets, "tasks.alpacaeval.judge.model=expert:instruction"])
+                     )["stages"]["evaluate"] == x
+
+
 def test_hf_share_prefix_counts_each_judge_prompt_once():
     """``evaluate.share_prefix`` on the hf backend: the AlpacaEval judge's scored sequences forwarded once per
     prompt for its two verdicts (``scored_per_prompt``), nothing else of the stage changes; the vLLM backend

@@ -731,12 +731,14 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     beside each engine: the HF one pass's scores, one forward per model dir, a further head its
     ``lm_head``, the ``forward`` rate; the copy's weights and load counted per engine) or ``heads`` (a merge's
     rows' scores from the copy, its plain row's too: one forward per merge, each further row its ``lm_head``; the
-    base, the experts and the judge on the engine; the copy counted once, beside the rows' engine) or ``shared``
+    base, the experts and a judge that is no merge on the engine; the copy counted once, beside the rows' engine;
+    a merge as the judge scores on a copy of its own) or ``shared``
     (as ``heads``, and a judge's scored sequences on a copy beside its engine, the ``forward`` rate, each prompt
     forwarded once for its ``scored_per_prompt`` verdicts; the hf backend's judges likewise with
     ``evaluate.share_prefix``). In-process
-    on the CPU a judge that only scores, with ``hf``, or with ``shared`` and two or more verdicts per prompt, starts
-    no engine (the backend's copy scores it: ``CopyScoredModel``; its own row runs on the rows' engine); with
+    on the CPU a judge that only scores, with ``hf``, with ``shared`` and two or more verdicts per prompt, or a merge
+    (named as a merge or its row) with ``heads``, starts no engine (the backend's copy scores it:
+    ``CopyScoredModel``; its own row runs on the rows' engine); with
     ``evaluate.vllm.enable_prefix_caching`` (the default) a prompt's
     prefill is counted once per model dir, shared by its rows' requests (the KV cache does not depend on
     the head), else once per row. A judge's ``scored_tokens_per_row`` (forced-choice verdicts) are
@@ -759,13 +761,20 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     # ... and with the prefix cache the prompts' shared tokens (template, instruction, reference) once for the stage
     cached_prefix = bool(cfg.evaluate.vllm.prefix_cache_mib if vllm else cfg.evaluate.prefix_cache_mib)
     judges = x.local_judges
+    merge_names = {m.name for m in cfg.merges}
+
+    def judge_mode(t: str) -> str:  # vllm.scoring_mode of task t's judge: hf for a merge (or a merge's row) under
+        # heads / shared, as far as its name tells (a merge given by its checkpoint path is not recognised here)
+        return "hf" if scoring in MERGE_COPY_MODES and judges[t].split("+", 1)[0] in merge_names else scoring
+
     # in-process on the CPU a judge that only scores, each prompt with two or more verdicts (all the copy's under
-    # shared; every score under hf), starts no engine: the backend's copy scores it (vllm.CopyScoredModel)
+    # shared; every score under hf, so a merge's under heads too), starts no engine: the backend's copy scores it
+    # (vllm.CopyScoredModel, vllm.judge_on_copy)
     copy_only = {t for t in scoring_judges
-                 if vllm and not ray and kind == "cpu" and scoring in ("hf", "shared")
+                 if vllm and not ray and kind == "cpu" and judge_mode(t) in ("hf", "shared")
                  and not x.needs[t]["judge"].get("prompt_tokens_per_row")
                  and not x.needs[t]["judge"].get("new_tokens_per_row")
-                 and (scoring == "hf" or x.needs[t]["judge"].get("scored_per_prompt", 1) >= 2)}
+                 and (judge_mode(t) == "hf" or x.needs[t]["judge"].get("scored_per_prompt", 1) >= 2)}
     engine_judges = {t: j for t, j in judges.items() if t not in copy_only}
     layout = one_pass_layout(cfg)
     native = layout is not None
@@ -851,15 +860,16 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         if head_scores:  # the HF scorer: a copy of the weights beside each engine that scores with it
             judge_copies = len({judges[t] for t in copy_judges})
             own = len({judges[t].split("+", 1)[0] for t in copy_only})  # the backend's copies of engine-less judges
-            # heads: never the judge's; shared: the judges' that score (beside their engine, or engine-less)
-            copies = 1 + (beside if hf_scores else min(beside, judge_copies - own)) + own
+            # heads: only an engine-less (merge) judge's own; shared: the judges' that score (beside their engine, or
+            # engine-less)
+            copies = 1 + (beside if hf_scores else max(0, min(beside, judge_copies - own))) + own
             s["memory_bytes"] += W * copies
             if e["gpu"] is not None:
                 s["gpu_bytes"] = e["gpu"] + W
             s["memory_note"] += (f" + the HF scorer's weights {gb(W)} x {copies} "
                                  f"(evaluate.vllm.scoring: {scoring})")
             s["load_seconds"] += ((s["model_loads"] + s["engine_reloads"] + own if hf_scores
-                                   else headed_dirs + judge_copies) * x.checkpoint_load_seconds)
+                                   else headed_dirs + max(judge_copies, own)) * x.checkpoint_load_seconds)
 
         def gen(prompt_tokens: float, new_tokens: float, requests: float | None = None) -> float:
             return vllm_generation_seconds(prompt_tokens, new_tokens, P, kind, cfg, e, requests=requests)
@@ -925,7 +935,8 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
                 shared = min(j.get("shared_tokens_per_row", 0), per_row) if cached_prefix else 0
                 secs += forward_seconds(rows * (per_row - shared) + shared, P, kind)
             else:
-                secs += forward_seconds(rows * j.get("scored_tokens_per_row", 0), P, kind, rate=score_rate)
+                secs += forward_seconds(rows * j.get("scored_tokens_per_row", 0), P, kind,
+                                        rate="forward" if t in copy_only else score_rate)
     s["seconds"] = secs
     return _finish(s, kind, workers)
 

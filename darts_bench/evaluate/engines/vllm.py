@@ -761,6 +761,16 @@ def pairs_on_copy(mode: str, under_head: Sequence[bool], contexts: Sequence[str]
     return [mode == "hf" or h or c in shared for h, c in zip(under_head, contexts)]
 
 
+def judge_on_copy(mode: str, head_dir: str | None) -> bool:
+    """Whether a pinned model (the AlpacaEval judge) whose text model scores under ``mode``
+    (:func:`scoring_mode`'s) sends the forced-choice calls it makes (each prompt with its two verdicts) to
+    the HF copy whole, by :func:`pairs_on_copy`: every pair with ``hf``, the shared contexts' with ``shared``,
+    and with ``heads`` the pairs under a correction head (``head_dir`` given). Such a judge is served on the
+    CPU by :class:`CopyScoredModel`, which starts no engine unless another call needs one. A merge without a
+    head is ``hf`` under ``heads`` (:func:`scoring_mode`), so it is engine-less too."""
+    return mode in ("hf", "shared") or (mode == "heads" and bool(head_dir))
+
+
 def shared_contexts(contexts: Sequence[str], continuations: Sequence[str]) -> set[str]:
     """The contexts that come with two or more distinct continuations in one score call (the
     AlpacaEval judge's prompt with its two verdicts): ``evaluate.vllm.scoring: shared`` sends their
@@ -866,7 +876,9 @@ class CopyScoredModel:
 
     With ``evaluate.vllm.scoring: hf`` every score of an engine's text model is the copy's, and with
     ``shared`` those whose context comes with another continuation in the same call: the local judge's
-    forced choice (``score`` mode) asks for exactly such pairs, a prompt with its two verdicts. So the
+    forced choice (``score`` mode) asks for exactly such pairs, a prompt with its two verdicts; with ``heads``
+    every pair under a correction head, and every pair of a merge's checkpoint (:func:`scoring_mode`), is the
+    copy's (:func:`judge_on_copy`, the rule :meth:`VLLMBackend.get` applies). So the
     judge's engine would compute nothing: this model gives its scores from a copy held by the backend
     (:func:`scoring_copy`: the engine's dtype and prefix settings, hence the values an engine's
     :meth:`VLLMTextModel.score` gives, bitwise), and the rows' engine, not a second one pinned beside
@@ -1086,7 +1098,7 @@ class VLLMBackend(Backend):
         key, head = str(model_dir), str(head_dir) if head_dir else None
         if not self.executor.in_process:
             return self._get_remote(name, key, head, pin)
-        if pin and on_cpu() and self.vcfg.scoring in ("hf", "shared"):
+        if pin and on_cpu() and judge_on_copy(scoring_mode(self.vcfg.scoring, key, self.merge_dirs), head):
             return CopyScoredModel(name, self, key, head, self._copy(key))
         return self.engine_for(key, pin=pin).text_model(name, head, batch_size=self.batch_size)
 
