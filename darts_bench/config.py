@@ -573,8 +573,9 @@ class VLLMConfig(_Strict):
         "and the copy also scores the pairs whose context another distinct pair of the same call shares (the "
         "AlpacaEval judge's two verdicts, a multiple-choice question's options), forwarding the shared prefix "
         "once with its KV cache and then each pair's remaining tokens (HFTextModel share_prefix); values equal "
-        "the full forward's at rounding level; with 'hf' or 'shared', in-process on the CPU, a judge that only "
-        "scores starts no engine (its verdicts from a copy of its own, the same values). One pass and row by row "
+        "the full forward's at rounding level; with 'hf' or 'shared' (or 'heads' and a merge as the judge), "
+        "in-process on the CPU, a judge that only scores starts no engine (its verdicts from a copy of its own, "
+        "the same values). One pass and row by row "
         "agree in every mode. The copy is a "
         "second set of weights: on a GPU leave room for it below gpu_memory_utilization. Generation stays on "
         "the engine; collect never scores")

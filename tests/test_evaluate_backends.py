@@ -404,12 +404,15 @@ def test_pinned_judge_scored_on_the_copy_starts_no_engine(monkeypatch, tmp_path)
             assert isinstance(judge, vb.CopyScoredModel), label
             got = judge.score(ctx + prompts[:1], conts + conts[:1])
             assert started == [], label
-            ref = HFScorer(model_dir)  # what scoring: heads' copy is (no shared prefix)
-            want = ref.score(ctx + prompts[:1], conts + conts[:1], head, batch_size=judge.batch_size,
-                             max_length=judge.max_length)
-            assert [(s.nll, s.token_nll) for s in got] == [(s.nll, s.token_nll) for s in want], label
+            # what an engine's text model under heads gives (its own copy, the engine's merge dirs): bitwise, and
+            # nothing of it reached the engine (engine_score's -1 marks)
+            eng = StandInEngine(tok, vb.scoring_copy(model_dir, be.vcfg, be.vcfg.engine_dtype(be.dtype), True), "heads")
+            eng.model_dir, eng.merge_dirs = str(model_dir), frozenset(merges)
+            want = vb.VLLMTextModel("ref", eng, head).score(ctx + prompts[:1], conts + conts[:1])
+            assert [(s.nll, s.token_nll, s.greedy) for s in got] == \
+                [(s.nll, s.token_nll, s.greedy) for s in want], label
             assert all(s.nll > 0 for s in got), label
-            ref.close()
+            eng.scorer.close()
 
 
 def test_merge_dirs_reach_the_engines_where_scoring_reads_them(monkeypatch, tmp_path):

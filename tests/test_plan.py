@@ -628,9 +628,17 @@ def test_vllm_heads_scoring_plans_a_merge_judge_without_an_engine():
         assert m["engine_starts"] == x["engine_starts"] == 6, judge
         assert m["load_seconds"] == pytest.approx(load + one_load), judge
         assert m["seconds"] < x["seconds"], judge
-    # an expert as the judge (the preset's) is planned as before; Ray or a GPU keeps the judge's engine
-    assert make_plan(load_config("smollm2-135m", [*sets, "tasks.alpacaeval.judge.model=expert:instruction"])
-                     )["stages"]["evaluate"] == x
+    # with Ray the judge keeps its engine group (the same starts, loads and memory), its verdicts still on the copy
+    # (its engine's): only their rate changes
+    ray = [*sets, "executor=ray"]
+    plan_r = make_plan(load_config("smollm2-135m", ray))
+    r = plan_r["stages"]["evaluate"]
+    mr = make_plan(load_config("smollm2-135m", [*ray, "tasks.alpacaeval.judge.model=adamerging"]))["stages"]["evaluate"]
+    assert (mr["engine_starts"], mr["load_seconds"], mr["memory_bytes"]) == \
+        (r["engine_starts"], r["load_seconds"], r["memory_bytes"])
+    judged = r["judge_tokens"]
+    assert (mr["seconds"] - mr["load_seconds"]) - (r["seconds"] - r["load_seconds"]) == pytest.approx(
+        forward_seconds(judged, P, "cpu") - forward_seconds(judged, P, "cpu", rate="logits"))
 
 
 def test_hf_share_prefix_counts_each_judge_prompt_once():

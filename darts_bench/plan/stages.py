@@ -732,12 +732,12 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     ``lm_head``, the ``forward`` rate; the copy's weights and load counted per engine) or ``heads`` (a merge's
     rows' scores from the copy, its plain row's too: one forward per merge, each further row its ``lm_head``; the
     base, the experts and a judge that is no merge on the engine; the copy counted once, beside the rows' engine;
-    a merge as the judge scores on a copy of its own) or ``shared``
+    a merge as the judge scores on a copy: its own in-process on the CPU, else its engine's) or ``shared``
     (as ``heads``, and a judge's scored sequences on a copy beside its engine, the ``forward`` rate, each prompt
     forwarded once for its ``scored_per_prompt`` verdicts; the hf backend's judges likewise with
     ``evaluate.share_prefix``). In-process
     on the CPU a judge that only scores, with ``hf``, with ``shared`` and two or more verdicts per prompt, or a merge
-    (named as a merge or its row) with ``heads``, starts no engine (the backend's copy scores it:
+    (named as a merge or its row) with ``heads`` or ``shared``, starts no engine (the backend's copy scores it:
     ``CopyScoredModel``; its own row runs on the rows' engine); with
     ``evaluate.vllm.enable_prefix_caching`` (the default) a prompt's
     prefill is counted once per model dir, shared by its rows' requests (the KV cache does not depend on
@@ -935,8 +935,9 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
                 shared = min(j.get("shared_tokens_per_row", 0), per_row) if cached_prefix else 0
                 secs += forward_seconds(rows * (per_row - shared) + shared, P, kind)
             else:
+                # a merge judge under heads scores on a copy (its own, or its engine's on a GPU / with Ray)
                 secs += forward_seconds(rows * j.get("scored_tokens_per_row", 0), P, kind,
-                                        rate="forward" if t in copy_only else score_rate)
+                                        rate="forward" if judge_mode(t) == "hf" else score_rate)
     s["seconds"] = secs
     return _finish(s, kind, workers)
 

@@ -1093,7 +1093,8 @@ class VLLMBackend(Backend):
     # ------------------------------------------------------------------ Backend API
     def get(self, name: str, model_dir: str | Path, head_dir: str | Path | None = None, pin: bool = False):
         """See :meth:`Backend.get`: a :class:`VLLMTextModel` on the in-process engine of
-        ``model_dir``, or a proxy on its engine actors (Ray)."""
+        ``model_dir``, or a proxy on its engine actors (Ray); a pinned model on the CPU whose forced-choice scores
+        are all the HF copy's (:func:`judge_on_copy`) a :class:`CopyScoredModel`, which starts no engine."""
         self._check_open()
         key, head = str(model_dir), str(head_dir) if head_dir else None
         if not self.executor.in_process:
