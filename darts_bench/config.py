@@ -538,6 +538,22 @@ class DeepSpeedConfig(_Strict):
 MERGE_COPY_MODES = ("heads", "shared")
 
 
+def scoring_mode(scoring: str, model_dir: str, merge_dirs) -> str:
+    """How an engine's text models of ``model_dir`` split their scores between the engine and the HF copy, given
+    ``evaluate.vllm.scoring``: ``hf`` (every score on the copy) for a merge's checkpoint (one of ``merge_dirs``)
+    under ``heads`` or ``shared``, else ``scoring`` itself. A merge's corrected rows score on the copy under
+    those modes, one forward serving every head of the pairs (``HFMultiHeadModel.score``); its plain row joins
+    that forward for one more ``lm_head`` at the continuation positions rather than recomputing the transformer
+    on the engine with the full-vocabulary logits at every prompt position (``prompt_logprobs``). Row by row the
+    plain row scores on the copy too, so both paths give the same bits (a merge used as the judge, pinned, likewise:
+    ``vllm.CopyScoredModel`` reads this rule); the base's, the experts' and a non-merge judge's plain scores stay on
+    the engine (for one model alone the engine is the faster, README "Scores"). It lives here, torch-free, so that
+    the planner applies the rule (to merge names) that ``darts_bench.evaluate.engines.vllm`` applies (to checkpoints)."""
+    if scoring in MERGE_COPY_MODES and str(model_dir) in merge_dirs:
+        return "hf"
+    return scoring
+
+
 class VLLMConfig(_Strict):
     """vLLM engine settings (``evaluate.backend: vllm`` or ``calibration.backend: vllm``; needs the
     ``darts-bench[vllm]`` extra, see README "vLLM backend")."""

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from darts_bench.api import get_task, resolve_suite
-from darts_bench.config import MERGE_COPY_MODES, Config
+from darts_bench.config import MERGE_COPY_MODES, Config, scoring_mode
 from darts_bench.plan.architecture import (DTYPE_BYTES, activations, architecture, kv_cache, kv_dim, out_shard_bytes,
                                           param_count)
 from darts_bench.plan.resources import (ACTOR_START_S, DIAG_BATCH, DIAG_TEMPS, FEATURE_COLUMNS_BYTES,
@@ -763,9 +763,9 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     judges = x.local_judges
     merge_names = {m.name for m in cfg.merges}
 
-    def judge_mode(t: str) -> str:  # vllm.scoring_mode of task t's judge: hf for a merge (or a merge's row) under
-        # heads / shared, as far as its name tells (a merge given by its checkpoint path is not recognised here)
-        return "hf" if scoring in MERGE_COPY_MODES and judges[t].split("+", 1)[0] in merge_names else scoring
+    def judge_mode(t: str) -> str:  # scoring_mode of task t's judge by its name: hf for a merge (or a merge's row)
+        # under heads / shared (a merge given by its checkpoint path is not recognised here)
+        return scoring_mode(scoring, judges[t].split("+", 1)[0], merge_names)
 
     # in-process on the CPU a judge that only scores, each prompt with two or more verdicts (all the copy's under
     # shared; every score under hf, so a merge's under heads too), starts no engine: the backend's copy scores it

@@ -216,10 +216,10 @@ def _target(cfg, row: Row, task: Task, examples: list[Example], by_name: dict[st
 
     judge_key = "|".join(judge_part(d) for d in task.models_used(tcfg))
     model_key = row.model_key
-    if row.correction != "none" and row.routing != "routed" and task.name not in row.heads:
+    plain = runs_plain_merge(row, task.name)
+    if plain and row.correction != "none":
         model_key = by_name[row.merge].model_key  # no head for this task: the row is its merge here
-    key = eval_key(cfg, row, task, examples, judge_key, model_key=model_key,
-                   plain_merge=runs_plain_merge(row, task.name))
+    key = eval_key(cfg, row, task, examples, judge_key, model_key=model_key, plain_merge=plain)
     # row names of seeds / sweeps carry [ ] # , (glob and URL characters in data-file paths): not in paths
     safe = re.sub(r"[^A-Za-z0-9_.+@=-]", "_", row.model)
     return work_dir / "eval" / f"{safe}-{task.name}-{key}"

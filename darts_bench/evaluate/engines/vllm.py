@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from darts_bench.api import Completion, ScoreContinuation
-from darts_bench.config import MERGE_COPY_MODES
+from darts_bench.config import MERGE_COPY_MODES, scoring_mode
 from darts_bench.evaluate.engines.base import Backend
 from darts_bench.evaluate.engines.hf_scorer import HFScorer
 from darts_bench.evaluate.engines.vllm_plugin import darts_arch
@@ -733,21 +733,6 @@ class VLLMTextModel:
             results.append(ScoreContinuation(nll=float(sum(tok_nll)), n_tokens=n,
                                              greedy=all(lp.rank == 1 for lp in lps), token_nll=tok_nll))
         return results
-
-
-def scoring_mode(scoring: str, model_dir: str, merge_dirs) -> str:
-    """How an engine's text models of ``model_dir`` split their scores between the engine and the HF copy, given
-    ``evaluate.vllm.scoring``: ``hf`` (every score on the copy) for a merge's checkpoint (one of ``merge_dirs``)
-    under ``heads`` or ``shared``, else ``scoring`` itself. A merge's corrected rows score on the copy under
-    those modes, one forward serving every head of the pairs (``HFMultiHeadModel.score``); its plain row joins
-    that forward for one more ``lm_head`` at the continuation positions rather than recomputing the transformer
-    on the engine with the full-vocabulary logits at every prompt position (``prompt_logprobs``). Row by row the
-    plain row scores on the copy too, so both paths give the same bits (a merge used as the judge, pinned, likewise:
-    :class:`CopyScoredModel` reads this rule); the base's, the experts' and a non-merge judge's plain scores stay on
-    the engine (for one model alone the engine is the faster, README "Scores")."""
-    if scoring in MERGE_COPY_MODES and str(model_dir) in merge_dirs:
-        return "hf"
-    return scoring
 
 
 def pairs_on_copy(mode: str, under_head: Sequence[bool], contexts: Sequence[str],
