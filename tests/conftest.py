@@ -139,6 +139,19 @@ class StandInEngine:
         self.head_dirs = [str(d) if d else "" for d in dirs]
 
 
+@pytest.fixture(autouse=True)
+def _root_logging_restored():
+    """The root logger's handlers and level as they were before each test: a test that runs the CLI
+    (``main([...])`` calls ``logging.basicConfig(force=True)``) leaves a handler on that test's
+    captured stderr, which pytest closes; a later test's log record would hit the closed stream."""
+    import logging
+
+    handlers, level = logging.root.handlers[:], logging.root.level
+    yield
+    logging.root.handlers[:] = handlers
+    logging.root.setLevel(level)
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     if not (DATA_DIR / "gsm8k" / "test.jsonl").is_file():

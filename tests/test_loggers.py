@@ -74,6 +74,28 @@ def test_wandb_offline_run_files(tmp_path):
         assert needle in data, needle
 
 
+def test_wandb_leaves_the_callers_open_run_alone(tmp_path):
+    """A script with its own W&B run open calls log_wandb: ours is a second run beside it (not a
+    reinit of theirs), theirs stays open and takes further logs, and both record logs hold their own
+    metrics once the caller ends the session."""
+    wandb = pytest.importorskip("wandb", reason="wandb not installed (pip install 'darts-bench[wandb]')")
+    out, manifest, df = _results(tmp_path)
+    cfg = Config(name="unit", work_dir=str(tmp_path / "work"), loggers=["wandb"])
+    theirs = wandb.init(project="theirs", mode="offline", dir=str(tmp_path))
+    try:
+        info = log_wandb(cfg, out, manifest, df)
+        assert info["run_id"] != theirs.id and wandb.run is theirs
+        theirs.log({"their/loss": 1.25})  # still open: a finished run would raise here
+        their_dir = Path(theirs.dir).parent
+    finally:
+        theirs.finish()
+        wandb.teardown()
+    (ours,) = Path(info["run_dir"]).glob("run-*.wandb")
+    (log,) = their_dir.glob("run-*.wandb")
+    assert b"ties_darts/gsm8k_em_strict" in ours.read_bytes() and b"their/loss" not in ours.read_bytes()
+    assert b"their/loss" in log.read_bytes()  # (their log also records the console, where our run's summary shows)
+
+
 @pytest.mark.micro
 def test_micro_run_logs_to_mlflow(micro_pipeline, micro_dir):
     """The done-when check: after a micro run with ``loggers: [mlflow]``, MLflow's local store holds
