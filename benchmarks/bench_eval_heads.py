@@ -13,15 +13,18 @@ trained heads are. One timed unit is one chunk of ``batch_size`` prompts:
   one-pass    ``HFMultiHeadModel(plain, heads).generate([(k, p) for k in 0..6 for p in chunk])``:
               one batched ``generate`` of 7 x chunk sequences, the head chosen per sequence
 Scoring (the reference answers' NLL given the prompts):
-  1 row       ``HFTextModel(model, head=DARTS).score(chunk)`` (one row's cost)
+  1 row       ``HFTextModel(model, head=DARTS).score(chunk)`` (one row's cost, as the evaluate stage runs it)
   7 rows      7 x that, one per head (row by row)
-  one-pass    ``HFMultiHeadModel.score`` of the 7 heads: one transformer forward per chunk, each
-              head + ``lm_head`` on the cached final hidden states at the continuation positions
+  one-pass    ``HFMultiHeadModel.score`` of the 7 heads: one transformer forward per chunk, ``lm_head`` once
+              per block of continuation positions, each low-rank head's logits from those in factored form
+              (``head_continuation_scores``: ``W h - (W U) relu(D h) + (W b)[p]``); both paths score a head
+              this way, so their NLLs are equal; untimed, each head applied before ``lm_head`` (the
+              unfactored arithmetic) is the reference for the 1e-6 check
 
 Figures: ``eval_heads_one_pass`` = {ratio: row-by-row / one-pass (median per-unit wall),
 identical: completions equal to row-by-row's, n}; ``ref_signals_one_forward`` = {ratio:
 one-pass (7 heads) / 1 row, row_by_row_over_one_pass, within_1e-6: NLLs within 1e-6 relative of
-row-by-row's, n}.
+row-by-row's, unfactored_within_1e-6: of the unfactored values, n}.
 
     .venv/bin/python benchmarks/bench_eval_heads.py [--prompts 32] [--max-new 64]
     python3 benchmarks/bench_eval_heads.py --device cuda --dtype bfloat16 --random-from CONFIG_DIR  # a GPU
@@ -111,13 +114,20 @@ def main() -> None:
     def ctx(u):
         return [prompts[i] for i in units[u]], [" " + refs[i] for i in units[u]]
 
+    def score_row(k, c, x):  # the evaluate stage's row: HFTextModel with its head (factored where it pays)
+        tm = HFTextModel(f"row{k}", model, tok, head=slots[k], batch_size=bs)
+        try:
+            return tm.score(c, x)
+        finally:
+            tm.close()
+
     def sc_one_row(u):
         c, x = ctx(u)
-        sc["1 row"][u] = with_head(K - 1, lambda tm: tm.score(c, x))
+        sc["1 row"][u] = score_row(K - 1, c, x)
 
     def sc_rbr(u):
         c, x = ctx(u)
-        sc["7 rows"][u] = [with_head(k, lambda tm: tm.score(c, x)) for k in range(K)]
+        sc["7 rows"][u] = [score_row(k, c, x) for k in range(K)]
 
     def sc_one(u):
         c, x = ctx(u)
@@ -129,6 +139,8 @@ def main() -> None:
     ts = common.interleave({"1 row": sc_one_row, "7 rows": sc_rbr, "one-pass": sc_one}, repeats=repeats,
                            warmup=1, units=len(units))
 
+    # untimed: each head applied before lm_head (a forward hook on the final norm, the path before factored logits)
+    unfactored = {u: [with_head(k, lambda tm: tm.score(*ctx(u))) for k in range(K)] for u in range(len(units))}
     n = K * n_prompts
     identical = sum(a == b for u in range(len(units)) for k in range(K)
                     for a, b in zip(out["row-by-row"][u][k], out["one-pass"][u][k]))
@@ -138,6 +150,11 @@ def main() -> None:
                  for a, b in zip(sc["7 rows"][u][k], sc["one-pass"][u][k]))
     max_rel = max(abs(a.nll - b.nll) / max(abs(a.nll), 1e-30) for u in range(len(units)) for k in range(K)
                   for a, b in zip(sc["7 rows"][u][k], sc["one-pass"][u][k]))
+    rel = [abs(a.nll - b.nll) / max(abs(b.nll), 1e-30) for u in range(len(units)) for k in range(K)
+           for a, b in zip(sc["one-pass"][u][k], unfactored[u][k])]
+    within_unf, max_unf = sum(r <= 1e-6 for r in rel), max(rel)
+    greedy_eq = sum(a.greedy == b.greedy for u in range(len(units)) for k in range(K)
+                    for a, b in zip(sc["one-pass"][u][k], unfactored[u][k]))
     print(f"model {mdir}{' (random init)' if args.random_from else ''}; {args.device} {args.dtype}; {K} rows (plain + 3 Surgery + 3 DARTS random heads); {n_prompts} GSM8K "
           f"prompts in chunks of {bs}; greedy, {max_new} new tokens; {threads} thread(s); {repeats} rounds x "
           f"{len(units)} chunks, rotating order")
@@ -150,7 +167,9 @@ def main() -> None:
           f"{identical}/{n}; corrected chunks whose completions differ from the plain row's: "
           f"{differs_from_plain}/{(K - 1) * len(units)}")
     print(f"scoring: one-pass 7 heads / 1 row {sc_ratio:.2f}x wall ({sc_cpu:.2f}x cpu); 7 rows row-by-row / one-pass "
-          f"{sc_rbr_ratio:.2f}x; NLLs within 1e-6 relative {within}/{n} (max relative difference {max_rel:.2e})")
+          f"{sc_rbr_ratio:.2f}x; NLLs within 1e-6 relative {within}/{n} (max relative difference {max_rel:.2e}); "
+          f"vs each head applied before lm_head (unfactored): within 1e-6 {within_unf}/{n} (max {max_unf:.2e}), "
+          f"greedy flags equal {greedy_eq}/{n}")
     if cuda:
         print(f"peak CUDA memory {torch.cuda.max_memory_allocated(model.device) / 2**30:.2f} GiB")
     common.summary("eval_heads",
@@ -163,7 +182,8 @@ def main() -> None:
                    ref_signals_one_forward={"ratio": round(sc_ratio, 3), "cpu_ratio": round(sc_cpu, 3),
                                             "row_by_row_over_one_pass": round(sc_rbr_ratio, 3),
                                             "within_1e-6": within, "max_rel_diff": float(f"{max_rel:.3g}"),
-                                            "n": n})
+                                            "unfactored_within_1e-6": within_unf,
+                                            "unfactored_max_rel_diff": float(f"{max_unf:.3g}"), "n": n})
 
 
 if __name__ == "__main__":

@@ -470,8 +470,17 @@ def test_merge_dirs_reach_the_engines_where_scoring_reads_them(monkeypatch, tmp_
     for cfg in (shared, plain_cfg, load_config("tiny")):
         copy = cfg is shared
         # a merge's plain row: keyed apart only where it scores on the copy; a corrected row on a task without its
-        # head (plain_merge=True, the merge's model key) likewise; other rows never
-        assert (eval_key(cfg, merge, task, ex) != eval_key(cfg, merge, task, ex, plain_merge=False)) is copy
+        # head (plain_merge=True, the merge's model key) likewise; other rows never. A row under a head records the
+        # version of the heads' scores (HEAD_SCORES); the plain merge's rows do not
+        keys = lambda: [eval_key(cfg, r, task, ex) for r in (merge, headed, base)]  # noqa: E731
+        before = keys()
+        with monkeypatch.context() as m:
+            m.setattr("darts_bench.stages.evaluate.plain_merge_on_copy", lambda c: False)
+            off = keys()
+            m.setattr("darts_bench.stages.evaluate.HEAD_SCORES", "other")
+            other = keys()
+        assert (before[0] != off[0]) is copy and before[1:] == off[1:]
+        assert other[0] == off[0] and other[1] != off[1] and other[2] == off[2]
         assert (eval_key(cfg, headed, task, ex, model_key="k", plain_merge=True)
                 == eval_key(cfg, merge, task, ex)) and eval_key(cfg, headed, task, ex) == eval_key(
                     cfg, headed, task, ex, plain_merge=False)
@@ -493,7 +502,15 @@ def test_merge_dirs_reach_the_engines_where_scoring_reads_them(monkeypatch, tmp_
         cfg = load_config("tiny", sets)
         assert key(cfg, without, task, {"ties": merge}) == key(cfg, merge, task, {"ties": merge})
         judged = load_config("tiny", [*sets, "tasks.alpacaeval.judge.model=ties+darts"])
-        assert (key(judged, base, alpaca, {"ties+darts": with_head, "ties": merge})
-                != key(judged, base, alpaca, {"ties+darts": without, "ties": merge})) is copy
+        # a judge under its head records the version of the heads' scores (HEAD_SCORES), one without it "+copy" where
+        # it runs on the copy
+        heads_judge, plain_judge = ({"ties+darts": r, "ties": merge} for r in (with_head, without))
+        with monkeypatch.context() as m:
+            m.setattr("darts_bench.stages.evaluate.plain_merge_on_copy", lambda c: False)
+            bare = key(judged, base, alpaca, heads_judge), key(judged, base, alpaca, plain_judge)
+            m.setattr("darts_bench.stages.evaluate.HEAD_SCORES", "other")
+            other = key(judged, base, alpaca, heads_judge)
+        assert (key(judged, base, alpaca, plain_judge) != bare[1]) is copy
+        assert key(judged, base, alpaca, heads_judge) == bare[0] != other
         by_path = load_config("tiny", [*sets, f"tasks.alpacaeval.judge.model={tmp_path}"])
         assert (key(by_path, base, alpaca, {"ties": merge}) != key(by_path, base, alpaca, {})) is copy

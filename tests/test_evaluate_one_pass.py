@@ -187,6 +187,59 @@ def test_multi_head_score_one_forward_per_chunk(model_and_tok, heads):
     assert got[0].nll != got[len(ctx)].nll  # the heads change the scores
 
 
+def test_factored_head_scores_within_1e6_of_head_then_lm_head(model_and_tok, heads, monkeypatch):
+    """A rank-4 head on the 32-wide model is scored in factored form (the plain logits, once per block
+    for every head, minus ``(W U) relu(D h)``, plus ``(W b)[p]``): NLLs within 1e-6 relative of the head
+    applied to the hidden states before ``lm_head`` (the path with the factored form off), greedy
+    flags and token counts equal, the plain row bitwise equal; the same through the prefix-sharing chunks
+    (``share_prefix``: positions of the prefix and suffix forwards). A head of rank ``d / 4`` (8) does not
+    pay and is scored as before, bitwise."""
+    import darts_bench.evaluate.hf_model as hf_model
+    import darts_bench.evaluate.multi_head as multi_head
+
+    model, tok = model_and_tok
+    assert all(hf_model.factored_head_logits(model, h) for h in heads)
+    wide8 = build_head("surgery", 32, rank=8, seed=5)
+    with torch.no_grad():
+        wide8.up.weight.copy_(torch.randn(wide8.up.weight.shape, generator=torch.Generator().manual_seed(6)))
+    assert not hf_model.factored_head_logits(model, wide8)
+    slots = [None, *heads, wide8]
+    ctx = PROMPTS + [PROMPTS[1]] * 2
+    cont = [" yes", " 5", " there", " once upon a time", " jumps", " four", " x * y", " 7", " 5 apples"]
+    req = [(k, c, x) for k in range(len(slots)) for c, x in zip(ctx, cont)]
+
+    def both(share):
+        got = {}
+        for factored in (True, False):
+            with monkeypatch.context() as m:
+                if not factored:
+                    m.setattr(hf_model, "factored_head_logits", lambda *a: False)
+                    m.setattr(multi_head, "factored_head_logits", lambda *a: False)
+                mh = HFMultiHeadModel(HFTextModel("plain", model, tok, batch_size=3, share_prefix=share), slots)
+                one = mh.score(req)
+                rows = []
+                for h in slots:
+                    tm = HFTextModel("r", model, tok, head=h, batch_size=3, share_prefix=share)
+                    rows += tm.score(ctx, cont)
+                    tm.close()
+                assert one == rows  # one pass = row by row, bitwise, either way
+                got[factored] = one
+        return got
+
+    for share in (False, True):
+        got = both(share)
+        n = len(ctx)
+        for k in range(len(slots)):
+            for f, u in zip(got[True][k * n:(k + 1) * n], got[False][k * n:(k + 1) * n]):
+                assert (f.n_tokens, f.greedy) == (u.n_tokens, u.greedy)
+                if k in (0, len(slots) - 1):  # the plain merge and the head that does not pay: unchanged
+                    assert f == u
+                else:
+                    assert abs(f.nll - u.nll) <= 1e-6 * abs(u.nll)
+                    assert f.token_nll == pytest.approx(u.token_nll, rel=1e-5, abs=1e-6)
+        assert sum(f != u for f, u in zip(got[True][n:4 * n], got[False][n:4 * n])) > 0  # rounding differs somewhere
+
+
 def test_multi_head_rejects_a_bad_slot(model_and_tok, heads):
     model, tok = model_and_tok
     mh = HFMultiHeadModel(HFTextModel("plain", model, tok), [heads[0]], name="m")

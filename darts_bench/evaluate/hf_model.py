@@ -22,6 +22,7 @@ from darts_bench.evaluate.prefix_cache import blocks_supported
 from darts_bench.evaluate.sampling import SeededSampler, sample_seed
 from darts_bench.surgery.corrected import attach_head, final_norm
 from darts_bench.surgery.heads import CorrectionHead, positions_from_mask
+from darts_bench.surgery.diagnostics import HeadLogits
 from darts_bench.surgery.losses import first_argmax
 
 DEFAULT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -373,7 +374,10 @@ class HFTextModel:
         from the attention mask, so a pair's NLL depends on the pairs batched with it only at rounding level.
         The final hidden states are read at the final norm (after the head's hook, if any);
         ``lm_head`` runs only at the positions that predict continuation tokens
-        (:func:`continuation_scores`, shared with the one-pass ``HFMultiHeadModel.score``). Chunks
+        (:func:`head_continuation_scores`, shared with the one-pass ``HFMultiHeadModel.score``); a
+        low-rank float32 head (:func:`factored_head_logits`) is read before its hook and its logits
+        taken in factored form from the plain ones (rounding-level apart from the head-then-``lm_head``
+        values: :func:`factored_head_logits`; bitwise the one pass's). Chunks
         take the pairs in :func:`score_order` (``score_by_length``); with ``share_prefix`` the pairs
         that share a context run as :func:`score_plan`'s prefix chunks (:func:`prefix_chunk`: the
         shared prefix once, with its KV cache, then each pair's remaining tokens). Results are in the
@@ -389,12 +393,16 @@ class HFTextModel:
             norm = None  # not Llama-style: the full forward's logits
         hidden = norm is not None and lm_head is not None
         grab: dict[str, torch.Tensor] = {}
+        # a low-rank head's logits in factored form (head_continuation_scores): the final norm's output is
+        # read before the head's hook (prepended), and the head applied to the logits; else after the hook
+        factored = hidden and factored_head_logits(self.model, self.head)
+        heads = [HeadLogits(self.head, lm_head.weight)] if factored else [None]
 
-        def keep(module, args, output):  # after any head hook: the corrected final hidden state
+        def keep(module, args, output):  # the final hidden state: corrected by any head hook unless factored
             grab["h"] = output[0] if isinstance(output, tuple) else output
 
         def final_states(**kw):  # [batch, seq, d_model] and the forward's KV cache (with use_cache)
-            hd = norm.register_forward_hook(keep)
+            hd = norm.register_forward_hook(keep, prepend=factored)
             try:
                 out = self.model(**kw, logits_to_keep=1)  # the head's hooks see this forward's mask
             finally:
@@ -425,8 +433,10 @@ class HFTextModel:
                     kv = with_kv_cache(self.model, cache)
                 h_s, _ = final_states(input_ids=x.suffix_ids, attention_mask=x.mask, position_ids=x.suffix_pos,
                                       use_cache=True, **kv)
-                got = continuation_scores(h_s if h_p is None else torch.cat([h_p[x.group_of], h_s], 1), x.input_ids,
-                                          x.n_cont, lm_head, cap, ends=x.ends)
+                pos = torch.cat([x.prefix_pos[x.group_of], x.suffix_pos], 1) if factored else None  # (a head: no blocks)
+                got = head_continuation_scores(h_s if h_p is None else torch.cat([h_p[x.group_of], h_s], 1),
+                                               x.input_ids, x.n_cont, lm_head, heads, positions=pos, softcap=cap,
+                                               ends=x.ends)[0]
                 idx = [i for g in part for i in g[1]]
                 for i, sc in zip(idx, got):
                     for j in x.same[i]:
@@ -438,8 +448,8 @@ class HFTextModel:
             kw = {"input_ids": input_ids.to(self.device), "attention_mask": mask.to(self.device),
                   "position_ids": positions_from_mask(mask).to(self.device)}
             if hidden:
-                got = continuation_scores(final_states(**kw)[0], kw["input_ids"],
-                                          [n for _, n in chunk], lm_head, cap)
+                got = head_continuation_scores(final_states(**kw)[0], kw["input_ids"], [n for _, n in chunk], lm_head,
+                                               heads, positions=kw["position_ids"], softcap=cap)[0]
             else:
                 logits = self.model(**kw).logits
                 got = _scores_from_logits(logits, kw["input_ids"], [n for _, n in chunk])
@@ -614,30 +624,94 @@ def continuation_scores(h: torch.Tensor, input_ids: torch.Tensor, n_cont: Sequen
         One :class:`ScoreContinuation` per row: NLL in nats (float32 log-softmax), ``greedy`` when
         every continuation token is the argmax.
     """
+    return head_continuation_scores(h, input_ids, n_cont, lm_head, [None], softcap=softcap, ends=ends, block=block)[0]
+
+
+def factored_head_logits(model, head) -> bool:
+    """Whether :func:`head_continuation_scores` takes ``head``'s logits in factored form on ``model``
+    (:class:`~darts_bench.surgery.diagnostics.HeadLogits`: the plain merge's logits, once per block for
+    every head, minus a ``[positions, rank] x [rank, vocab]`` product, plus the position bias's rows):
+    a plain :class:`~darts_bench.surgery.heads.CorrectionHead` of rank below ``d_model / 4`` in float32
+    (``HeadLogits.pays``) on a model whose ``lm_head`` is a bias-free float32 ``nn.Linear``. Its
+    scores then differ from the head-then-``lm_head`` product's at float32 rounding level (the test model:
+    within 1e-6 relative, greedy flags equal; SmolLM2-135M, 7 heads x 16 GSM8K reference answers: 109 of 112
+    NLLs within 1e-6 relative, at most 1.24e-6, greedy flags 112/112 equal,
+    ``results/bench-2026-12-05/eval_heads_factored_smollm2.log``), and equal bitwise between the row-by-row ``HFTextModel.score`` and the one-pass
+    ``HFMultiHeadModel.score``, which both score it this way."""
+    lm_head = model.get_output_embeddings()
+    return (head is not None and not getattr(head, "per_sequence", False)
+            and HeadLogits.pays(head, model.config.hidden_size) and isinstance(lm_head, torch.nn.Linear)
+            and lm_head.bias is None and lm_head.weight.dtype == torch.float32)
+
+
+def head_continuation_scores(h: torch.Tensor, input_ids: torch.Tensor, n_cont: Sequence[int], lm_head,
+                             heads: Sequence[object | None], positions: torch.Tensor | None = None,
+                             softcap: float | None = None, ends: Sequence[int] | None = None,
+                             block: int | None = None) -> list[list[ScoreContinuation]]:
+    """Scores of one chunk under several heads from its plain final hidden states: ``lm_head`` runs
+    once per block of continuation positions, and each head's logits come from those (factored;
+    :class:`~darts_bench.surgery.diagnostics.HeadLogits`: ``W (h - U relu(D h) + b[p]) =
+    W h - (W U) relu(D h) + (W b)[p]``), so a head costs a rank-``r`` product and its
+    log-softmax, not a ``[positions, d_model] x [d_model, vocab]`` product of its own.
+
+    Args:
+        h: ``[batch, seq, d_model]`` final hidden states after the final norm, without any head
+            (float32 when a head is given).
+        input_ids, n_cont, lm_head, softcap, ends, block: as :func:`continuation_scores` (``lm_head``
+            a bias-free ``nn.Linear`` when a head is given: :func:`factored_head_logits`).
+        heads: per entry a :class:`~darts_bench.surgery.diagnostics.HeadLogits` (one per head and
+            call, so its position-bias rows are computed once for all chunks) or None (the plain
+            merge: the values of :func:`continuation_scores` on ``h``, bitwise).
+        positions: ``[batch, seq]`` int64, the positions the heads' position biases read (those the
+            head's hook reads in a forward: the chunk's ``position_ids``); needed when a head is given.
+    Returns:
+        Per entry of ``heads``, one :class:`ScoreContinuation` per row.
+
+    Raises:
+        ValueError: a head without ``positions``.
+    """
+    if positions is None and any(hl is not None for hl in heads):
+        raise ValueError("head_continuation_scores: a head's logits need the chunk's positions")
     ends = [input_ids.shape[1]] * len(n_cont) if ends is None else ends
     bi = torch.tensor([i for i, n in enumerate(n_cont) for _ in range(n)], device=h.device, dtype=torch.long)
     ti = torch.tensor([t for n, e in zip(n_cont, ends) for t in range(e - n - 1, e - 1)], device=h.device,
                       dtype=torch.long)
     sel = h[bi, ti]  # [n_sel, d_model]
     tgt = input_ids[bi, ti + 1]  # [n_sel]
-    nll_parts, hit_parts = [], []
-    for s, e in position_blocks(len(tgt), block):
-        logits = lm_head(sel[s:e])  # [e - s, vocab]
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        del logits
-        nll_parts.append(-logp.gather(-1, tgt[s:e, None])[:, 0])
-        hit_parts.append(first_argmax(logp) == tgt[s:e])
-        del logp
-    tok_nll = torch.cat(nll_parts) if nll_parts else torch.zeros(0, device=h.device)
-    hit = torch.cat(hit_parts) if hit_parts else torch.zeros(0, dtype=torch.bool, device=h.device)
-    out, o = [], 0
-    for n in n_cont:
-        out.append(ScoreContinuation(nll=float(tok_nll[o:o + n].sum()), n_tokens=n, greedy=bool(hit[o:o + n].all()),
-                                     token_nll=tok_nll[o:o + n].tolist()))
-        o += n
-    return out
+    psel = positions[bi, ti] if positions is not None else None  # [n_sel]
+    nll_parts: list[list[torch.Tensor]] = [[] for _ in heads]
+    hit_parts: list[list[torch.Tensor]] = [[] for _ in heads]
+    blocks = position_blocks(len(tgt), block)
+    rows = max((e - s for s, e in blocks), default=0)
+    buf = None  # one head's logits [largest block, vocab], reused by every head and block
+    for s, e in blocks:
+        plain = lm_head(sel[s:e])  # [e - s, vocab]
+        for j, hl in enumerate(heads):
+            if hl is None:
+                logits = plain
+            else:
+                if buf is None:
+                    buf = plain.new_empty(rows, plain.shape[1])
+                logits = hl.logits(plain, sel[s:e], psel[s:e], out=buf[:e - s])
+            if softcap:
+                logits = torch.tanh(logits / softcap) * softcap
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            del logits
+            nll_parts[j].append(-logp.gather(-1, tgt[s:e, None])[:, 0])
+            hit_parts[j].append(first_argmax(logp) == tgt[s:e])
+            del logp
+        del plain
+    results = []
+    for j in range(len(heads)):
+        tok_nll = torch.cat(nll_parts[j]) if nll_parts[j] else torch.zeros(0, device=h.device)
+        hit = torch.cat(hit_parts[j]) if hit_parts[j] else torch.zeros(0, dtype=torch.bool, device=h.device)
+        out, o = [], 0
+        for n in n_cont:
+            out.append(ScoreContinuation(nll=float(tok_nll[o:o + n].sum()), n_tokens=n,
+                                         greedy=bool(hit[o:o + n].all()), token_nll=tok_nll[o:o + n].tolist()))
+            o += n
+        results.append(out)
+    return results
 
 
 def _scores_from_logits(logits: torch.Tensor, input_ids: torch.Tensor,

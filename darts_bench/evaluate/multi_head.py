@@ -14,8 +14,10 @@ may be None: the plain merge) and serves requests ``(head index, ...)``:
   (``batch_size`` per chunk, the same left padding), and chunks of one padded length are stacked
   over the heads, so every sequence sees the batch rows it would see alone;
 * :meth:`~HFMultiHeadModel.score`: teacher-forced NLL; the transformer runs once per distinct
-  (context, continuation) pair and every requested head is applied to the cached final hidden
-  states (``[batch, seq, d_model]``, a rank-``r`` matmul) before ``lm_head``.
+  (context, continuation) pair, ``lm_head`` once per block of continuation positions, and each requested
+  low-rank head's logits come from those in factored form (a rank-``r`` product,
+  :func:`~darts_bench.evaluate.hf_model.head_continuation_scores`), as ``HFTextModel.score`` scores
+  a head row by row.
 
 The shared checkpoint is only modified (hooked) for the duration of a call, so a plain wrapper
 over the same weights (e.g. a judge) is never affected between calls.
@@ -31,9 +33,11 @@ from torch import nn
 
 from darts_bench.api import Completion, ScoreContinuation
 from darts_bench.evaluate.memory import heap_trimmed
-from darts_bench.evaluate.hf_model import (HFTextModel, completion_of, continuation_scores, finish_generated, left_pad,
-                                           kv_cache_of, prefix_chunk, score_pairs, score_plan, with_kv_cache)
+from darts_bench.evaluate.hf_model import (HFTextModel, completion_of, continuation_scores, factored_head_logits,
+                                           finish_generated, head_continuation_scores, left_pad, kv_cache_of,
+                                           prefix_chunk, score_pairs, score_plan, with_kv_cache)
 from darts_bench.surgery.corrected import MultiHeadAttachment, final_norm
+from darts_bench.surgery.diagnostics import HeadLogits
 from darts_bench.surgery.heads import CorrectionHead, positions_from_mask
 
 #: a request's prompt: text (tokenized like ``HFTextModel.generate``) or token ids (used as they are)
@@ -243,12 +247,19 @@ class HFMultiHeadModel:
         ``batch_size`` pairs, left-padded with ``position_ids`` from the mask as
         ``HFTextModel.score`` (the same :func:`~darts_bench.evaluate.hf_model.score_plan`; with the base
         model's ``share_prefix``, pairs sharing a context as its prefix chunks: the prefix once with its
-        KV cache, then each pair's remaining tokens, a head applied to both forwards' outputs); each head requested for a pair of the chunk is then applied to the
-        cached final hidden states ``[batch, seq, d_model]`` of the whole chunk (as its hook does
-        in the row-by-row forward), and ``lm_head`` with a float32 log-softmax runs at the positions
-        that predict continuation tokens (:func:`~darts_bench.evaluate.hf_model.continuation_scores`,
-        the function ``HFTextModel.score`` uses): values equal the row-by-row path's bitwise when a
-        row scores the same pairs (tested).
+        KV cache, then each pair's remaining tokens). ``lm_head`` then runs once per block of the positions
+        that predict continuation tokens, on the cached final hidden states ``[batch, seq, d_model]``,
+        and every head requested for a pair of the chunk gets its logits from those: a low-rank float32
+        head (:func:`~darts_bench.evaluate.hf_model.factored_head_logits`) in factored form, ``W h -
+        (W U) relu(D h) + (W b)[p]`` (:class:`~darts_bench.surgery.diagnostics.HeadLogits`, one per head
+        and call), so a further head costs a rank-``r`` product and its float32 log-softmax, not a
+        ``[positions, d_model] x [d_model, vocab]`` product
+        (:func:`~darts_bench.evaluate.hf_model.head_continuation_scores`); any other head is applied to the
+        whole chunk's hidden states (as its hook does in the row-by-row forward) before ``lm_head``
+        (:func:`~darts_bench.evaluate.hf_model.continuation_scores`). ``HFTextModel.score`` scores a head the
+        same way, so values equal the row-by-row path's bitwise when a row scores the same pairs (tested);
+        the factored values are rounding-level apart from the head-then-``lm_head`` ones
+        (:func:`~darts_bench.evaluate.hf_model.factored_head_logits` says how far).
 
         Raises:
             ValueError: a head index out of range, an empty continuation.
@@ -266,6 +277,26 @@ class HFMultiHeadModel:
         cap = getattr(self.model.config, "final_logit_softcapping", None)
         per: dict[tuple[int, int | None], ScoreContinuation] = {}
         pad = self.tokenizer.pad_token_id
+        # heads scored in factored form (as HFTextModel.score scores them row by row), one HeadLogits per call
+        factored = {k: HeadLogits(hd, lm_head.weight) for k, hd in enumerate(self._heads)
+                    if any(k in w for w in wanted.values()) and factored_head_logits(self.model, hd)}
+
+        def apply(asked, h, pos, input_ids, n_cont, ends, idx, unfactored):
+            """Every asked head's scores of one chunk: the plain merge and the factored heads from one
+            ``lm_head`` per block (head_continuation_scores), the others as ``unfactored(head)``."""
+            order = sorted(asked, key=lambda k: -1 if k is None else k)  # plain first, then head order
+            fk = [k for k in order if k is None or k in factored]
+            if fk:
+                got = head_continuation_scores(h, input_ids, n_cont, lm_head, [factored.get(k) for k in fk],
+                                               positions=pos, softcap=cap, ends=ends)
+                for k, scores in zip(fk, got):
+                    for i, sc in zip(idx, scores):
+                        per[(i, k)] = sc
+            for k in order:
+                if k not in fk:
+                    for i, sc in zip(idx, unfactored(k)):
+                        per[(i, k)] = sc
+
         # the row-by-row HFTextModel.score's chunks (score_by_length, share_prefix)
         for kind, part in score_plan(pairs, self.batch_size, self.base.score_by_length, self.base.share_prefix):
             if kind == "prefix":  # a shared prefix once with its KV cache, then each pair's remaining tokens
@@ -277,15 +308,16 @@ class HFMultiHeadModel:
                 h_s = body(input_ids=x.suffix_ids, attention_mask=x.mask, position_ids=x.suffix_pos, use_cache=True,
                            **with_kv_cache(body, cache)).last_hidden_state  # [pairs, suffix, d_model]
                 idx = [i for g in part for i in g[1]]
-                asked = {k for i in idx for k in wanted[i]}
-                for hd in sorted(asked, key=lambda k: -1 if k is None else k):
+
+                def unfactored(hd, h_p=h_p, h_s=h_s, x=x):
                     # the head on each forward's whole output, as its hook does in the row-by-row forwards
-                    hp = h_p if hd is None else self._heads[hd](h_p, x.prefix_pos)
-                    hs = h_s if hd is None else self._heads[hd](h_s, x.suffix_pos)
-                    got = continuation_scores(torch.cat([hp[x.group_of], hs], 1), x.input_ids, x.n_cont, lm_head,
-                                              cap, ends=x.ends)
-                    for i, sc in zip(idx, got):
-                        per[(i, hd)] = sc
+                    hp, hs = self._heads[hd](h_p, x.prefix_pos), self._heads[hd](h_s, x.suffix_pos)
+                    return continuation_scores(torch.cat([hp[x.group_of], hs], 1), x.input_ids, x.n_cont, lm_head,
+                                               cap, ends=x.ends)
+
+                apply({k for i in idx for k in wanted[i]}, torch.cat([h_p[x.group_of], h_s], 1),
+                      torch.cat([x.prefix_pos[x.group_of], x.suffix_pos], 1), x.input_ids, x.n_cont, x.ends, idx,
+                      unfactored)
                 continue
             idx = part
             chunk = [pairs[i] for i in idx]
@@ -294,12 +326,13 @@ class HFMultiHeadModel:
             pos = positions_from_mask(mask).to(self.device)
             h = body(input_ids=input_ids, attention_mask=mask.to(self.device),
                      position_ids=pos).last_hidden_state  # [batch, seq, d_model], after the final norm: once
-            asked = {k for i in idx for k in wanted[i]}
-            for hd in sorted(asked, key=lambda k: -1 if k is None else k):  # plain first, then head order
+            n_cont = [n for _, n in chunk]
+
+            def unfactored(hd, h=h, pos=pos, input_ids=input_ids, n_cont=n_cont):
                 # the head on the whole chunk, as its hook does in the row-by-row forward
-                h2 = h if hd is None else self._heads[hd](h, pos)
-                for i, sc in zip(idx, continuation_scores(h2, input_ids, [n for _, n in chunk], lm_head, cap)):
-                    per[(i, hd)] = sc
+                return continuation_scores(self._heads[hd](h, pos), input_ids, n_cont, lm_head, cap)
+
+            apply({k for i in idx for k in wanted[i]}, h, pos, input_ids, n_cont, None, idx, unfactored)
         return [per[(distinct[(c, x)], self._head_of(idx))] for idx, c, x in requests]
 
     # ------------------------------------------------------------------ hooks

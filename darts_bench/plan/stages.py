@@ -723,14 +723,15 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     (row, task) passes; ``engine_passes_per_merge`` those of one merge's rows. HF one pass: a merge's
     rows share one batched ``generate`` per task, greedy decoding at ``batch_size`` x its rows
     sequences a step, and one transformer forward over the reference answers with each further head
-    costing only its ``lm_head``; sampled generation still runs per row. vLLM one pass: one
+    costing only its logits (a low-rank head's in factored form from the plain ``lm_head``'s: a rank-``r``
+    product and its log-softmax; counted as free); sampled generation still runs per row. vLLM one pass: one
     ``generate`` call per (model dir, task) whose requests name their heads, so decoding fills
     ``max_num_seqs`` from all rows' requests; the reference NLL still runs the transformer per row
     (``prompt_logprobs`` requests recompute their prompts, with the full-vocabulary logits at every
     position: the ``logits`` rate), unless ``evaluate.vllm.scoring`` is ``hf`` (every score from an HF copy
     beside each engine: the HF one pass's scores, one forward per model dir, a further head its
-    ``lm_head``, the ``forward`` rate; the copy's weights and load counted per engine) or ``heads`` (a merge's
-    rows' scores from the copy, its plain row's too: one forward per merge, each further row its ``lm_head``; the
+    logits, the ``forward`` rate; the copy's weights and load counted per engine) or ``heads`` (a merge's
+    rows' scores from the copy, its plain row's too: one forward per merge, each further row its logits; the
     base, the experts and a judge that is no merge on the engine; the copy counted once, beside the rows' engine;
     a merge as the judge scores on a copy: its own in-process on the CPU, else its engine's) or ``shared``
     (as ``heads``, and a judge's scored sequences on a copy beside its engine, the ``forward`` rate, each prompt

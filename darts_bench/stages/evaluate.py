@@ -50,6 +50,13 @@ def merge_dirs_of(rows) -> set[str]:
     return {str(r.model_dir) for r in rows if r.merge and r.model_dir is not None}
 
 
+#: how the HF paths (``HFTextModel.score``, the one-pass ``HFMultiHeadModel.score``, the vLLM backend's HF copy) compute
+#: a head's teacher-forced scores, in the key of every (row, task) that runs a head (:func:`eval_key`). "factored": a
+#: low-rank float32 head's logits from the plain merge's (``head_continuation_scores``), float32-rounding apart
+#: from the head-then-``lm_head`` values that earlier keys hold (what the plain merge's rows score is unchanged)
+HEAD_SCORES = "factored"
+
+
 def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str = "",
              model_key: str | None = None, plain_merge: bool | None = None) -> str:
     """Cache key of one (row, task) evaluation: the row's model key (``model_key`` overrides it, e.g.
@@ -62,8 +69,7 @@ def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str 
     float32 engine, not vLLM on a GPU): there it gives the row-by-row path's greedy and sampled
     completions token for token (each head's prompts in the same ``batch_size`` chunks, the same
     left padding, samples drawn one head at a time with the same seeds) and the same scores bitwise
-    (one body forward, the head on the whole chunk, ``lm_head`` through the same
-    ``continuation_scores``), tested in ``tests/test_evaluate_one_pass.py`` on the CPU and measured
+    (one body forward, ``lm_head`` and each head's logits through the same ``head_continuation_scores``), tested in ``tests/test_evaluate_one_pass.py`` on the CPU and measured
     with the HF engine on an H200 (224/224 completions, ``results/device/eval-heads-h200``), so a
     result cached by either path serves the other. Elsewhere (bfloat16 or float16; vLLM on a GPU,
     whose steps batch the rows' requests differently, unmeasured) the batches the one pass forms
@@ -76,11 +82,14 @@ def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str 
 
     ``plain_merge``: the row runs its merge without a head on this task (None: :func:`runs_plain_merge`); where such
     rows score on the HF copy (:func:`plain_merge_on_copy`) the key records ``"plain_scores": "copy"`` (other
-    rows' keys are unchanged)."""
+    rows' keys are unchanged). A row that runs a head records :data:`HEAD_SCORES`, the version of how the HF paths
+    compute a head's teacher-forced scores."""
     tcfg = getattr(cfg.tasks, task.name)
     if plain_merge is None:
         plain_merge = runs_plain_merge(row, task.name)
     copy = {"plain_scores": "copy"} if plain_merge and plain_merge_on_copy(cfg) else {}
+    if row.merge and not plain_merge:  # a head's scores: the HF paths' current arithmetic (HEAD_SCORES)
+        copy["head_scores"] = HEAD_SCORES
     return stable_hash({"model": model_key if model_key is not None else row.model_key, "task": task.name,
                         "version": task.version, "cfg": tcfg.model_dump(mode="json"), "n": len(examples),
                         "seed": cfg.seed, "judge": judge_key,
@@ -211,7 +220,10 @@ def _target(cfg, row: Row, task: Task, examples: list[Example], by_name: dict[st
 
     def judge_part(d: str) -> str:
         if d in by_name:
-            return by_name[d].model_key + ("+copy" if copy and runs_plain_merge(by_name[d], task.name) else "")
+            j = by_name[d]
+            if j.merge and not runs_plain_merge(j, task.name):  # a judge under a head: its scores' version
+                return j.model_key + f"+head_scores={HEAD_SCORES}"
+            return j.model_key + ("+copy" if copy and runs_plain_merge(j, task.name) else "")
         return d + ("+copy" if copy and d in merge_dirs_of(by_name.values()) else "")
 
     judge_key = "|".join(judge_part(d) for d in task.models_used(tcfg))
