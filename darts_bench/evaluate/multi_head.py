@@ -281,21 +281,19 @@ class HFMultiHeadModel:
         factored = {k: HeadLogits(hd, lm_head.weight) for k, hd in enumerate(self._heads)
                     if any(k in w for w in wanted.values()) and factored_head_logits(self.model, hd)}
 
-        def apply(asked, h, pos, input_ids, n_cont, ends, idx, unfactored):
-            """Every asked head's scores of one chunk: the plain merge and the factored heads from one
-            ``lm_head`` per block (head_continuation_scores), the others as ``unfactored(head)``."""
-            order = sorted(asked, key=lambda k: -1 if k is None else k)  # plain first, then head order
+        def apply(idx, h, pos, input_ids, n_cont, ends, head_states):
+            """Every head asked for the chunk's pairs ``idx``: the plain merge and the factored heads from one
+            ``lm_head`` per block (head_continuation_scores) on the plain states ``h``, any other head on
+            ``head_states(head)``, its hidden states as its hook gives them row by row, before ``lm_head``."""
+            order = sorted({k for i in idx for k in wanted[i]}, key=lambda k: -1 if k is None else k)  # plain first
             fk = [k for k in order if k is None or k in factored]
-            if fk:
-                got = head_continuation_scores(h, input_ids, n_cont, lm_head, [factored.get(k) for k in fk],
-                                               positions=pos, softcap=cap, ends=ends)
-                for k, scores in zip(fk, got):
-                    for i, sc in zip(idx, scores):
-                        per[(i, k)] = sc
+            got = dict(zip(fk, head_continuation_scores(h, input_ids, n_cont, lm_head, [factored.get(k) for k in fk],
+                                                        positions=pos, softcap=cap, ends=ends) if fk else []))
             for k in order:
-                if k not in fk:
-                    for i, sc in zip(idx, unfactored(k)):
-                        per[(i, k)] = sc
+                scores = got[k] if k in got else continuation_scores(head_states(k), input_ids, n_cont, lm_head, cap,
+                                                                     ends=ends)
+                for i, sc in zip(idx, scores):
+                    per[(i, k)] = sc
 
         # the row-by-row HFTextModel.score's chunks (score_by_length, share_prefix)
         for kind, part in score_plan(pairs, self.batch_size, self.base.score_by_length, self.base.share_prefix):
@@ -307,32 +305,20 @@ class HFMultiHeadModel:
                 cache.reorder_cache(x.group_of)
                 h_s = body(input_ids=x.suffix_ids, attention_mask=x.mask, position_ids=x.suffix_pos, use_cache=True,
                            **with_kv_cache(body, cache)).last_hidden_state  # [pairs, suffix, d_model]
-                idx = [i for g in part for i in g[1]]
-
-                def unfactored(hd, h_p=h_p, h_s=h_s, x=x):
-                    # the head on each forward's whole output, as its hook does in the row-by-row forwards
-                    hp, hs = self._heads[hd](h_p, x.prefix_pos), self._heads[hd](h_s, x.suffix_pos)
-                    return continuation_scores(torch.cat([hp[x.group_of], hs], 1), x.input_ids, x.n_cont, lm_head,
-                                               cap, ends=x.ends)
-
-                apply({k for i in idx for k in wanted[i]}, torch.cat([h_p[x.group_of], h_s], 1),
-                      torch.cat([x.prefix_pos[x.group_of], x.suffix_pos], 1), x.input_ids, x.n_cont, x.ends, idx,
-                      unfactored)
+                # an unfactored head on each forward's whole output, as its hook does in the row-by-row forwards
+                apply([i for g in part for i in g[1]], torch.cat([h_p[x.group_of], h_s], 1),
+                      torch.cat([x.prefix_pos[x.group_of], x.suffix_pos], 1), x.input_ids, x.n_cont, x.ends,
+                      lambda hd: torch.cat([self._heads[hd](h_p, x.prefix_pos)[x.group_of],
+                                            self._heads[hd](h_s, x.suffix_pos)], 1))
                 continue
-            idx = part
-            chunk = [pairs[i] for i in idx]
+            chunk = [pairs[i] for i in part]
             input_ids, mask = left_pad([ids for ids, _ in chunk], pad)
             input_ids = input_ids.to(self.device)
             pos = positions_from_mask(mask).to(self.device)
             h = body(input_ids=input_ids, attention_mask=mask.to(self.device),
                      position_ids=pos).last_hidden_state  # [batch, seq, d_model], after the final norm: once
-            n_cont = [n for _, n in chunk]
-
-            def unfactored(hd, h=h, pos=pos, input_ids=input_ids, n_cont=n_cont):
-                # the head on the whole chunk, as its hook does in the row-by-row forward
-                return continuation_scores(self._heads[hd](h, pos), input_ids, n_cont, lm_head, cap)
-
-            apply({k for i in idx for k in wanted[i]}, h, pos, input_ids, n_cont, None, idx, unfactored)
+            # an unfactored head on the whole chunk, as its hook does in the row-by-row forward
+            apply(part, h, pos, input_ids, [n for _, n in chunk], None, lambda hd: self._heads[hd](h, pos))
         return [per[(distinct[(c, x)], self._head_of(idx))] for idx, c, x in requests]
 
     # ------------------------------------------------------------------ hooks

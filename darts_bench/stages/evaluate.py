@@ -87,16 +87,16 @@ def eval_key(cfg, row: Row, task: Task, examples: list[Example], judge_key: str 
     tcfg = getattr(cfg.tasks, task.name)
     if plain_merge is None:
         plain_merge = runs_plain_merge(row, task.name)
-    copy = {"plain_scores": "copy"} if plain_merge and plain_merge_on_copy(cfg) else {}
+    scores = {"plain_scores": "copy"} if plain_merge and plain_merge_on_copy(cfg) else {}
     if row.merge and not plain_merge:  # a head's scores: the HF paths' current arithmetic (HEAD_SCORES)
-        copy["head_scores"] = HEAD_SCORES
+        scores["head_scores"] = HEAD_SCORES
     return stable_hash({"model": model_key if model_key is not None else row.model_key, "task": task.name,
                         "version": task.version, "cfg": tcfg.model_dump(mode="json"), "n": len(examples),
                         "seed": cfg.seed, "judge": judge_key,
                         "ex": stable_hash([(e.id, e.prompt, e.reference) for e in examples]),
                         "numerics": {"device": cfg.device, "batch_size": cfg.tasks.batch_size,
                                      **one_pass_numerics(cfg)},
-                        **backend_key(cfg, "evaluate"), **copy})
+                        **backend_key(cfg, "evaluate"), **scores})
 
 
 def engine_dtype(cfg) -> str:
@@ -221,9 +221,10 @@ def _target(cfg, row: Row, task: Task, examples: list[Example], by_name: dict[st
     def judge_part(d: str) -> str:
         if d in by_name:
             j = by_name[d]
-            if j.merge and not runs_plain_merge(j, task.name):  # a judge under a head: its scores' version
-                return j.model_key + f"+head_scores={HEAD_SCORES}"
-            return j.model_key + ("+copy" if copy and runs_plain_merge(j, task.name) else "")
+            if not runs_plain_merge(j, task.name):
+                # a judge under a head records its scores' version; any other row than a merge's is keyed by itself
+                return j.model_key + (f"+head_scores={HEAD_SCORES}" if j.merge else "")
+            return j.model_key + ("+copy" if copy else "")
         return d + ("+copy" if copy and d in merge_dirs_of(by_name.values()) else "")
 
     judge_key = "|".join(judge_part(d) for d in task.models_used(tcfg))
