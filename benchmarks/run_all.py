@@ -31,6 +31,7 @@ import common  # noqa: E402
 BENCHES = {
     "collect": "bench_collect.py",
     "train": "bench_train.py",
+    "train_heads": "bench_train_heads.py",
     "generate": "bench_generate.py",
     "eval_heads": "bench_eval_heads.py",
     "judge_memo": "bench_judge_memo.py",

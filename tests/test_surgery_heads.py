@@ -163,6 +163,78 @@ def test_darts_head_trained_with_one_or_two_threads_is_bitwise_the_same():
             assert torch.equal(heads[0][k], other[k]), k
 
 
+@pytest.mark.parametrize("overflow", ["clamp", "zero", "bucket"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("L", [96, 160])
+def test_training_only_the_bias_rows_in_use_gives_the_whole_table_head_bitwise(two_threads, overflow, weight_decay, L,
+                                                                               monkeypatch):
+    """``train_head`` optimises only the first rows of a DARTS position table that its training and held-out
+    tokens index (``bias_rows_in_use``): the trained head, its history and the rows left at zero are bitwise
+    those of Adam over the whole table, with and without weight decay, under every overflow policy. Training
+    positions 0..63, held-out 0..127: with ``max_len`` 160 the first 128 rows are trained (the held-out tokens'
+    rows past the training ones' are zero but inside the trained block); with 96 the held-out tokens pass
+    ``max_len`` (``clamp`` / ``zero``: its last row, the whole table; ``bucket``: a bucket row, 6 of 16)."""
+    import contextlib
+
+    import darts_bench.surgery.train as train_mod
+    from darts_bench.config import SurgeryConfig
+
+    g = torch.Generator().manual_seed(11)
+    n, d = 1536, 64
+    hm = torch.randn(n, d, generator=g)
+    # training sequences of 64 tokens (positions 0..63); held-out ones of 128 (clamp / zero: past max_len 96)
+    pos = torch.cat([torch.arange(1024) % 64, torch.arange(512) % 128])
+    data = TokenData(hm, hm + 0.1 * torch.randn(n, d, generator=g), pos, torch.arange(n) // 64,
+                     torch.rand(n, generator=g) * 3)
+    tr, va = data.select(torch.arange(0, 1024)), data.select(torch.arange(1024, n))
+    cfg = SurgeryConfig(epochs=3, batch_size=128, rank=4, max_len=L, overflow=overflow, weight_decay=weight_decay)
+    used: list = []
+    real = train_mod.bias_rows_in_use
+
+    @contextlib.contextmanager
+    def spy(head, *positions):
+        with real(head, *positions) as rows:
+            used.append((rows, None if head.pos_bias is None else tuple(head.pos_bias.shape)))
+            yield rows
+
+    monkeypatch.setattr(train_mod, "bias_rows_in_use", spy)
+    fast = train_head("darts", tr, va, cfg, seed=3)
+    monkeypatch.setattr(train_mod, "bias_rows_in_use", lambda head, *p: contextlib.nullcontext(None))
+    whole = train_head("darts", tr, va, cfg, seed=3)
+    # bucket at 96: position 127 -> row 96 + floor(log2(127 - 96 + 1)) = 101, so 102 rows
+    rows = 128 if L == 160 else {"clamp": L, "zero": L, "bucket": L + 6}[overflow]
+    assert used == [(rows, (rows, d))]
+    assert fast.head.pos_bias.shape == whole.head.pos_bias.shape
+    assert fast.history == whole.history
+    for k, v in whole.head.state_dict().items():
+        assert torch.equal(fast.head.state_dict()[k], v), k
+    assert not fast.head.pos_bias[rows:].any() and fast.head.pos_bias[:64].abs().sum(1).gt(0).all()
+    # a Surgery head has no table: nothing changes
+    monkeypatch.setattr(train_mod, "bias_rows_in_use", spy)
+    used.clear()
+    train_head("surgery", tr, va, cfg.model_copy(update={"epochs": 1}), seed=3)
+    assert used == [(None, None)]
+
+
+def test_bias_rows_in_use_refuses_a_table_whose_untrained_rows_are_not_zero():
+    """The rows the optimiser does not see must be zero (what ``build_head`` makes), else the shortcut would leave
+    rows Adam's weight decay moves: a clear error, and the head keeps its whole table."""
+    from darts_bench.surgery.train import bias_rows_in_use
+
+    head = build_head("darts", 8, rank=2, max_len=16, seed=0)
+    with torch.no_grad():
+        head.pos_bias[10].fill_(1.0)
+    with pytest.raises(ValueError, match="rows 4.. of the position-bias table are not zero"):
+        with bias_rows_in_use(head, torch.arange(4)):
+            pass
+    assert head.pos_bias.shape == (16, 8) and head.pos_bias[10].eq(1).all()
+    with bias_rows_in_use(head, torch.arange(12), torch.arange(3)) as rows:
+        assert rows == 12 and head.pos_bias.shape == (12, 8)
+        with torch.no_grad():
+            head.pos_bias[0].fill_(2.0)
+    assert head.pos_bias.shape == (16, 8) and head.pos_bias[0].eq(2).all() and head.pos_bias[10].eq(1).all()
+
+
 @pytest.mark.parametrize("method", ["surgery", "darts", "darts_ew_only", "darts_pos_only"])
 @pytest.mark.parametrize("overflow", ["clamp", "zero", "bucket"])
 def test_head_param_count_equals_built_heads(method, overflow):

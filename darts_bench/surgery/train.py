@@ -7,9 +7,11 @@ small matmuls per token instead of a forward pass through the model.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -152,17 +154,60 @@ def train_head(method: str, train: TokenData, val: TokenData, scfg, seed: int) -
     mean_h = float(train.weight_source.float().mean())
     if not math.isfinite(mean_h) or mean_h <= 0:
         raise FloatingPointError(f"mean entropy of the calibration set is {mean_h}; cannot weight tokens")
-    opt = torch.optim.Adam(head.parameters(), lr=scfg.lr, weight_decay=scfg.weight_decay)
     batches = batch_order(len(train), scfg.batch_size, scfg.epochs, seed)
     per_epoch = math.ceil(len(train) / scfg.batch_size)
     hist = {"mean_entropy": mean_h, "train_loss": [], "val": [evaluate_losses(None, val, mean_h, scfg.w_max)]}
     head.train()
     running = 0.0
-    for i, idx in enumerate(batches):
-        running += train_step(head, opt, train.select(idx), mean_h, scfg.w_max)
-        if (i + 1) % per_epoch == 0:
-            hist["train_loss"].append(running / per_epoch)
-            running = 0.0
-            hist["val"].append(evaluate_losses(head, val, mean_h, scfg.w_max))
+    with bias_rows_in_use(head, train.positions, val.positions):
+        opt = torch.optim.Adam(head.parameters(), lr=scfg.lr, weight_decay=scfg.weight_decay)
+        for i, idx in enumerate(batches):
+            running += train_step(head, opt, train.select(idx), mean_h, scfg.w_max)
+            if (i + 1) % per_epoch == 0:
+                hist["train_loss"].append(running / per_epoch)
+                running = 0.0
+                hist["val"].append(evaluate_losses(head, val, mean_h, scfg.w_max))
     head.eval()
     return TrainResult(head=head, history=hist)
+
+
+@contextlib.contextmanager
+def bias_rows_in_use(head: CorrectionHead, *positions: torch.Tensor) -> Iterator[int | None]:
+    """Train only the rows of a zero-initialised position-bias table that ``positions`` reach.
+
+    Inside, ``head.pos_bias`` is a ``[L, d]`` parameter holding the table's first ``L`` rows, ``L`` = the largest
+    row :meth:`~darts_bench.surgery.heads.CorrectionHead.bias_index` gives any of ``positions`` (``[n]`` int64
+    each: the training and held-out tokens) + 1; on exit the whole ``[max_len(+buckets), d]`` table is back, its
+    first ``L`` rows the trained ones. Build the optimizer inside. The head ends bitwise as if the whole table were
+    trained: a row no token indexes gets a zero gradient, and Adam leaves a zero entry with a zero gradient and
+    zero moments unchanged (update ``0 / (sqrt(0) + eps) = 0``, also under weight decay), so those rows stay at
+    their zero initialisation either way; the other rows see the same elementwise operations (tested bitwise in
+    ``tests/test_surgery_heads.py``). What it saves is Adam's work on rows that never move: a calibration set's
+    sequences are much shorter than the table, whose length covers evaluation (SmolLM2 tier: ~470 of 1,184 rows
+    reached), and torch's CPU ``sqrt`` of a zero is ~17x slower than of a normal float (Intel Xeon, torch 2.13),
+    so ``exp_avg_sq.sqrt()`` over the untouched rows was most of a DARTS head's step
+    (``benchmarks/bench_train_heads.py``).
+
+    Yields:
+        ``L``, or None for a head without a position bias (nothing changes).
+    Raises:
+        ValueError: the table is not zero where the optimizer will not see it (a head not made by
+            :func:`~darts_bench.surgery.heads.build_head`).
+    """
+    full = head.pos_bias
+    if full is None:
+        yield None
+        return
+    rows = max(int(head.bias_index(p)[0].max()) + 1 for p in positions if p.numel()) if any(
+        p.numel() for p in positions) else 0
+    rows = max(rows, 1)
+    if bool(full.detach()[rows:].any()):
+        raise ValueError(f"bias_rows_in_use: rows {rows}.. of the position-bias table are not zero")
+    head.pos_bias = torch.nn.Parameter(full.detach()[:rows].clone())
+    try:
+        yield rows
+    finally:
+        trained = head.pos_bias
+        with torch.no_grad():
+            full[:rows].copy_(trained)
+        head.pos_bias = full
