@@ -42,6 +42,17 @@ the diagnostics' agreement and the scoring's ``greedy`` take it, ``argmax(-1)`` 
 ``top1_max_indices`` = {ratio: argmax / first_argmax (median wall per block), identical: blocks whose
 indices are equal, n: blocks}.
 
+Fourth workload (``--no-kl`` skips it): one ``[LOGIT_ROWS, V]`` block of the expert's logits against three
+models' (a merge's plain row and two heads'), per token the KL and the top-1 agreement:
+
+  kl_divergence   the plain expressions, per model: ``losses.kl_divergence(expert, model)`` (log-softmax of
+                  both, ``(p * (logp - lq)).sum(-1)`` on the whole block) and ``argmax`` of both
+  ExpertDistribution  the diagnostics' way: the expert's log-softmax, exp and argmax once per block, each model
+                  compared in ``ENTROPY_ROWS``-row pieces through one scratch tensor, its argmax taken per piece
+
+Figure ``expert_distribution`` = {ratio: kl_divergence / ExpertDistribution (median wall per block),
+identical: blocks whose per-token KL and agreement are bitwise equal, n: blocks}.
+
     .venv/bin/python benchmarks/bench_diagnostics.py [--tier smollm2-135m] [--tokens 2048]
 """
 
@@ -64,6 +75,7 @@ def main() -> None:
     ap.add_argument("--matched", action="store_true", help="also diagnose the rank d + 32 Surgery control")
     ap.add_argument("--no-stage", action="store_true", help="skip the train stage's three-call workload")
     ap.add_argument("--no-top1", action="store_true", help="skip the argmax / first_argmax workload")
+    ap.add_argument("--no-kl", action="store_true", help="skip the kl_divergence / ExpertDistribution workload")
     args = ap.parse_args()
     threads = common.set_threads(args.threads)
     repeats = args.repeats or 3
@@ -122,7 +134,48 @@ def main() -> None:
         fig = top1_blocks(data, W_m, repeats)
         figures["top1_max_indices"] = fig
         text += f"; top-1 index argmax / first_argmax {fig['ratio']:.2f}x ({fig['identical']}/{fig['n']} equal)"
+    if not args.no_kl:
+        fig = kl_blocks(data, W_e, W_m, heads[1:3], repeats)
+        figures["expert_distribution"] = fig
+        text += (f"; KL and agreement of 3 models against the expert, kl_divergence / ExpertDistribution "
+                 f"{fig['ratio']:.2f}x ({fig['identical']}/{fig['n']} blocks bitwise equal)")
     common.summary("diagnostics", text, **figures)
+
+
+def kl_blocks(data, W_e, W_m, heads, repeats: int) -> dict:
+    """Per-token KL and top-1 agreement of three models' logits (plain merge, two heads) against the expert's
+    on one ``[LOGIT_ROWS, V]`` block per unit: the plain ``kl_divergence`` + ``argmax`` per model vs
+    :class:`ExpertDistribution` (the expert once, each model through its scratch)."""
+    from darts_bench.surgery.diagnostics import ExpertDistribution
+    from darts_bench.surgery.losses import LOGIT_ROWS, kl_divergence, row_blocks
+
+    blocks = []
+    with torch.no_grad():
+        for r, e in row_blocks(len(data), LOGIT_ROWS):
+            hm, pos = data.h_merged[r:e], data.positions[r:e]
+            models = [hm @ W_m.T] + [h(hm, pos) @ W_m.T for h in heads]
+            blocks.append((data.h_expert[r:e] @ W_e.T, models))
+    res: dict[str, dict] = {"kl_divergence": {}, "ExpertDistribution": {}}
+
+    def plain(u):
+        le, models = blocks[u]
+        res["kl_divergence"][u] = [(kl_divergence(le, lm), (le.argmax(-1) == lm.argmax(-1)).float()) for lm in models]
+
+    def ours(u):
+        le, models = blocks[u]
+        ed = ExpertDistribution(le)
+        res["ExpertDistribution"][u] = [ed.compare(lm) for lm in models]
+
+    tm = common.interleave({"kl_divergence": plain, "ExpertDistribution": ours}, repeats=repeats, warmup=1,
+                           units=len(blocks))
+    same = sum(all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+                   for a, b in zip(res["kl_divergence"][u], res["ExpertDistribution"][u])) for u in range(len(blocks)))
+    ratio = tm.ratio("kl_divergence", "ExpertDistribution")
+    print(f"\nKL + top-1 agreement of 3 models against the expert, {len(blocks)} blocks of "
+          f"[{blocks[0][0].shape[0]}, {blocks[0][0].shape[1]}] logits:")
+    print(common.table(["path", "wall s per round", "cpu s per round"], tm.round_rows()))
+    print(f"kl_divergence / ExpertDistribution: {ratio:.2f}x wall; bitwise equal {same}/{len(blocks)} blocks")
+    return {"ratio": round(ratio, 3), "identical": same, "n": len(blocks)}
 
 
 def top1_blocks(data, W_m, repeats: int) -> dict:

@@ -54,46 +54,65 @@ class ExpertDistribution:
     expert's logits are what :func:`agreement` / :func:`~darts_bench.surgery.losses.kl_divergence`
     recompute on every call, so several heads of one merge pay for the expert once. The work runs
     in blocks of ``rows`` tokens (``[rows, V]`` float32 stays in the CPU cache; on 2 cores a
-    ``[2048, V]`` KL in one piece was ~10x slower than in blocks of 64). Values are bitwise
-    :func:`~darts_bench.surgery.losses.kl_divergence`'s and the argmax agreement's: the same row-wise
-    operations in the same order (``tests/test_surgery_diagnostics.py``).
+    ``[2048, V]`` KL in one piece was ~10x slower than in blocks of 64), each block's log-softmax, difference,
+    product and sum written into one ``[rows, V]`` scratch tensor and its argmax taken while the block is in the
+    cache (2026-12-05: 1.3x per compared block, ``benchmarks/bench_diagnostics.py`` ``expert_distribution``).
+    Values are bitwise :func:`~darts_bench.surgery.losses.kl_divergence`'s and the argmax agreement's: the same
+    row-wise operations in the same order (``tests/test_surgery_diagnostics.py``).
 
     Args:
         logits_expert: ``[n, V]`` (any float dtype; the work is in float32).
         rows: tokens per block (:data:`~darts_bench.surgery.losses.ENTROPY_ROWS`).
-        buffers: optional two float32 tensors of at least ``[n, V]`` (on the logits' device) to hold
-            the log-probabilities and probabilities, reused across blocks by the caller: a fresh
-            ``[512, 49152]`` tensor costs its page faults on every block.
+        buffers: optional float32 tensors on the logits' device, reused across blocks by the caller (a fresh
+            ``[512, 49152]`` tensor costs its page faults on every block): two of at least ``[n, V]`` elements
+            for the log-probabilities and probabilities, and optionally a third of at least ``[rows, V]`` for
+            the scratch of :meth:`kl`.
     """
 
     def __init__(self, logits_expert: torch.Tensor, rows: int = ENTROPY_ROWS,
-                 buffers: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 buffers: tuple[torch.Tensor, ...] | None = None):
         self.rows = rows
-        n = logits_expert.shape[0]
+        n, V = logits_expert.shape
+        dev = logits_expert.device
         if buffers is not None:
-            self.logp, self.p = (b.view(-1)[:logits_expert.numel()].view(logits_expert.shape) for b in buffers)
+            self.logp, self.p = (b.view(-1)[:logits_expert.numel()].view(n, V) for b in buffers[:2])
         else:
-            self.logp = torch.empty(logits_expert.shape, dtype=torch.float32, device=logits_expert.device)  # nats
+            self.logp = torch.empty((n, V), dtype=torch.float32, device=dev)  # nats
             self.p = torch.empty_like(self.logp)
+        scratch = buffers[2] if buffers is not None and len(buffers) > 2 else None
+        self._scratch = (scratch.view(-1)[:rows * V].view(rows, V) if scratch is not None
+                         else torch.empty((min(rows, n), V), dtype=torch.float32, device=dev))
+        self.top1 = torch.empty(n, dtype=torch.int64, device=dev)  # argmax of each row
         for r in range(0, n, rows):
-            self.logp[r:r + rows] = torch.log_softmax(logits_expert[r:r + rows].float(), dim=-1)
-            self.p[r:r + rows] = self.logp[r:r + rows].exp()
-        self.top1 = first_argmax(logits_expert)  # [n] int64 (argmax)
+            x = logits_expert[r:r + rows]
+            torch.log_softmax(x.float(), dim=-1, out=self.logp[r:r + rows])
+            torch.exp(self.logp[r:r + rows], out=self.p[r:r + rows])
+            self.top1[r:r + rows] = first_argmax(x)
 
     @torch.no_grad()
-    def kl(self, logits_model: torch.Tensor) -> torch.Tensor:
-        """``KL(p_expert || p_model)`` per token, ``[n]`` float32 nats."""
-        out = torch.empty(logits_model.shape[0], dtype=torch.float32, device=logits_model.device)
-        for r in range(0, logits_model.shape[0], self.rows):
-            lq = torch.log_softmax(logits_model[r:r + self.rows].float(), dim=-1)
-            out[r:r + self.rows] = (self.p[r:r + self.rows] * (self.logp[r:r + self.rows] - lq)).sum(-1)
+    def kl(self, logits_model: torch.Tensor, top1: torch.Tensor | None = None) -> torch.Tensor:
+        """``KL(p_expert || p_model)`` per token, ``[n]`` float32 nats; with ``top1`` (``[n]`` int64) also
+        writes each row's :func:`~darts_bench.surgery.losses.first_argmax` of ``logits_model`` into it."""
+        n = logits_model.shape[0]
+        out = torch.empty(n, dtype=torch.float32, device=logits_model.device)
+        for r in range(0, n, self.rows):
+            e = min(r + self.rows, n)
+            x, lq = logits_model[r:e], self._scratch[:e - r]
+            torch.log_softmax(x.float(), dim=-1, out=lq)
+            torch.sub(self.logp[r:e], lq, out=lq)  # logp - lq
+            lq.mul_(self.p[r:e])  # p * (logp - lq)
+            torch.sum(lq, dim=-1, out=out[r:e])
+            if top1 is not None:
+                top1[r:e] = first_argmax(x)
         return out
 
     @torch.no_grad()
     def compare(self, logits_model: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kl, agree)`` of ``logits_model`` ``[n, V]``: per-token KL (nats, fp32) and top-1
         agreement (0/1 float), both ``[n]``."""
-        return self.kl(logits_model), (self.top1 == first_argmax(logits_model)).float()
+        top1 = torch.empty(logits_model.shape[0], dtype=torch.int64, device=logits_model.device)
+        kl = self.kl(logits_model, top1)
+        return kl, (self.top1 == top1).float()
 
 
 #: rows of ``W b`` computed in one product at least (:meth:`HeadLogits._bias_rows`)
@@ -144,6 +163,7 @@ class HeadLogits:
         # the last row stays zero (overflow "zero": positions without a bias)
         self._bias: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.bias_rows_computed = 0  # rows of W b computed so far (each at most once per head)
+        self._gather: torch.Tensor | None = None  # [ENTROPY_ROWS, V] scratch of the bias rows' gather (_one)
 
     @staticmethod
     def pays(head, d_model: int) -> bool:
@@ -176,7 +196,13 @@ class HeadLogits:
                 self.bias_rows_computed += len(rows)
             if head.cfg.overflow == "zero":
                 idx = torch.where(keep > 0, idx, last)  # the zero row: positions without bias
-            out.add_(table[idx])
+            # the rows added ENTROPY_ROWS at a time through one small scratch tensor: a fresh [tokens, V] gather
+            # per block cost its page faults (same sums)
+            if self._gather is None:
+                self._gather = torch.empty(ENTROPY_ROWS, table.shape[1], dtype=table.dtype, device=table.device)
+            for a in range(0, len(idx), ENTROPY_ROWS):
+                b = min(a + ENTROPY_ROWS, len(idx))
+                out[a:b].add_(torch.index_select(table, 0, idx[a:b], out=self._gather[:b - a]))
         return out
 
     def _product(self, head, rows: torch.Tensor) -> torch.Tensor:
@@ -341,12 +367,14 @@ class Diagnostics:
 
     def _buffers(self, n: int) -> list[torch.Tensor]:
         """Five ``[n, V]`` float32 views of buffers kept across blocks and calls (expert logits,
-        a head's logits, the expert's log-probabilities and probabilities, the plain merge's logits):
-        fresh ``[LOGIT_ROWS, V]`` tensors per block cost their page faults every time."""
+        a head's logits, the expert's log-probabilities and probabilities, the plain merge's logits)
+        and a ``[ENTROPY_ROWS, V]`` one (:class:`ExpertDistribution`'s scratch): fresh ``[LOGIT_ROWS, V]``
+        tensors per block cost their page faults every time."""
         V = self.W_m.shape[0]
         if self._bufs is None or self._bufs[0].shape[0] < n:
             self._bufs = [torch.empty(n, V, dtype=torch.float32, device=self.device) for _ in range(5)]
-        return [b[:n] for b in self._bufs]
+            self._bufs.append(torch.empty(ENTROPY_ROWS, V, dtype=torch.float32, device=self.device))
+        return [b[:n] for b in self._bufs[:5]] + self._bufs[5:]
 
     @property
     def n_tokens(self) -> int:
@@ -418,7 +446,7 @@ class Diagnostics:
                 dev_pos = pos.to(self.device)
                 for r, e in row_blocks(len(hm), LOGIT_ROWS):
                     bufs = self._buffers(e - r)
-                    expert = ExpertDistribution(torch.mm(he[r:e], self.W_e.T, out=bufs[0]), buffers=bufs[2:4])
+                    expert = ExpertDistribution(torch.mm(he[r:e], self.W_e.T, out=bufs[0]), buffers=(*bufs[2:4], bufs[5]))
                     plain = None
                     for head, out, acc, f, t in zip(heads, outs, per, fac, todo):
                         if not t:
