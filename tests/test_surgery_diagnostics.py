@@ -501,3 +501,63 @@ def test_known_plain_row_and_floor_are_reused_bitwise():
     assert set(known) == {"val", "reference"}
     control = {"none": None, "surgery": heads["surgery2"]}
     assert json.dumps(diagnose_rows(control, *args, **kw, known=known)) == json.dumps(diagnose_rows(control, *args, **kw))
+
+
+def test_seeds_share_one_reference_pass_and_give_their_own_calls_bitwise(monkeypatch):
+    """``diagnose_seeds`` (the train stage's call per (merge, task, split)): three head seeds, each with its own
+    held-out sequences, heads (factored rank 1 and unfactored rank 4, a DARTS table), entropy normaliser,
+    bootstrap seed and ``groups``, over one reference-answer stream. The reference answers get one pass (the
+    plain row and the KL floor once), each seed's held-out tokens their own, and each seed's result is the JSON
+    of its own ``diagnose_rows`` call; every seed's ``known`` gets the reference stream's entry."""
+    import json
+
+    from darts_bench.stages.train import diagnose_rows, diagnose_seeds
+    from darts_bench.surgery.data import TokenView, answer_prediction_mask, shared_template
+    from darts_bench.surgery.diagnostics import Diagnostics, HeadLogits
+    from darts_bench.surgery.heads import build_head
+
+    meta, val, _, W_e, W_m = _prefix_case(seed=5)
+    base = val.base
+    base.h_merged[base.positions >= 6] += 0.2 * torch.randn(int((base.positions >= 6).sum()), val.dim)
+    template = shared_template(meta)
+    ref_meta = {"sequences": meta["sequences"][:4], "prompt_len": meta["prompt_len"][:4]}
+    part = base.select(torch.nonzero(base.seq_index < 4)[:, 0])
+    ref = part.select(answer_prediction_mask(part.positions, part.seq_index, ref_meta).nonzero()[:, 0])
+    runs = []
+    for s in range(3):
+        held = torch.randperm(24, generator=torch.Generator().manual_seed(s))[:6]
+        view = TokenView(base, torch.isin(base.seq_index, held).nonzero()[:, 0])
+        heads = {"none": None}
+        for k, (method, rank) in enumerate((("surgery", 1), ("darts", 1), ("surgery", 4))):
+            h = build_head(method, val.dim, rank=rank, max_len=32, seed=10 * s + k)
+            with torch.no_grad():
+                h.up.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(10 * s + k))
+                if h.pos_bias is not None:
+                    h.pos_bias.normal_(0, 0.05, generator=torch.Generator().manual_seed(s))
+            heads[f"{method}{rank}"] = h
+        assert HeadLogits.pays(heads["surgery1"], val.dim) and not HeadLogits.pays(heads["surgery4"], val.dim)
+        groups = {"heads": {"none": "none", "surgery": "surgery1", "darts": "darts1"},
+                  "control": {"none": "none", "surgery": "surgery4"}} if s != 1 else None
+        runs.append({"heads": heads, "val": view, "mean_h": 0.5 + 0.1 * s, "seed": 7 + s, "groups": groups})
+    shared = (meta, template, lambda: iter([ref]), ref.seq_index.numpy(), 0)
+    want = [json.dumps(diagnose_rows(r["heads"], r["val"], *shared, mean_h=r["mean_h"], w_max=5.0, W_e=W_e, W_m=W_m,
+                                     seed=r["seed"], groups=r["groups"])) for r in runs]
+    passes: list[tuple[int, int, int]] = []
+    real = Diagnostics.per_token
+
+    def counting(self, heads):
+        out = real(self, heads)
+        passes.append((len(heads), self.plain_computations, self.floor_computations))
+        return out
+
+    monkeypatch.setattr(Diagnostics, "per_token", counting)
+    knowns = [{}, {}, {}]
+    got = diagnose_seeds([{**r, "known": k} for r, k in zip(runs, knowns)], meta, template, lambda: iter([ref]),
+                         ref.seq_index.numpy(), 0, 5.0, W_e, W_m)
+    assert [json.dumps(g) for g in got] == want
+    assert passes == [(10, 1, 1), (4, 1, 1), (4, 1, 1), (4, 1, 1)]  # reference: plain + 3 x 3 heads; held-out x 3
+    assert all(k["reference"]["floor"] is knowns[0]["reference"]["floor"] for k in knowns)
+    assert all("val" in k for k in knowns)
+    again = diagnose_seeds([{**r, "known": k} for r, k in zip(runs, knowns)], meta, template, lambda: iter([ref]),
+                           ref.seq_index.numpy(), 0, 5.0, W_e, W_m)
+    assert [json.dumps(g) for g in again] == want and passes[4:] == [(10, 0, 0)] + [(4, 0, 0)] * 3

@@ -334,14 +334,14 @@ def test_micro_one_diagnostics_pass_per_stream_writes_the_per_artifact_bytes(agn
     heads_dir = Path(agnostic_pipeline.cfg.work_dir) / "heads"
     mine = lambda: sorted(p for p in heads_dir.glob("ties-*") if not p.name.startswith("ties-shared-"))  # noqa: E731
     counts: list[tuple[int, int]] = []
-    many = Diagnostics.many
+    per_token = Diagnostics.per_token
 
-    def counting(self, *a, **k):
-        out = many(self, *a, **k)
+    def counting(self, *a, **k):  # every pass over a stream (Diagnostics.many's and the reference answers')
+        out = per_token(self, *a, **k)
         counts.append((self.plain_computations, self.floor_computations))
         return out
 
-    monkeypatch.setattr(Diagnostics, "many", counting)
+    monkeypatch.setattr(Diagnostics, "per_token", counting)
 
     def rebuild(which: str, max_known: int, clear: bool = True) -> dict[str, bytes]:
         for p in mine():
@@ -376,18 +376,19 @@ def test_micro_one_diagnostics_pass_per_stream_writes_the_per_artifact_bytes(agn
     tasks = list(dict.fromkeys(t for t, split in calib if split != "reference"))
     same = [shared_template(calib[(t, "transductive")].meta) == shared_template(calib[(t, "inductive")].meta)
             for t in tasks]
-    assert counts == [c for eq in same for c in [(1, 1), (1, 1), (1, 1), (0, 0) if eq else (1, 1)]]
+    # passes per (merge, task, split): the reference answers first (diagnose_seeds), then the held-out tokens
+    assert counts == [c for eq in same for c in [(1, 1), (1, 1), (0, 0) if eq else (1, 1), (1, 1)]]
     assert rebuild("agnostic", default, clear=False) == one_pass  # plain row and floor of the pass above
     assert counts == [(0, 0)] * 12
     # splits whose prompts share one template (the smollm2 preset's GSM8K and AlpacaEval sets; here every template
     # made empty) read one reference-answer stream per (merge, task): the second split's pass reuses the first's
-    # plain row and floor (passes: held-out, then reference, per split), and writes the bytes of a pass without
+    # plain row and floor (passes: reference, then held-out, per split), and writes the bytes of a pass without
     import darts_bench.surgery.data as data_mod
 
     real = data_mod.shared_template
     monkeypatch.setattr(data_mod, "shared_template", lambda meta: {})
     alone = rebuild("all", 0)
     assert alone != one_pass and rebuild("all", default) == alone
-    assert counts == [(1, 1), (1, 1), (1, 1), (0, 0)] * 3
+    assert counts == [(1, 1), (1, 1), (0, 0), (1, 1)] * 3
     monkeypatch.setattr(data_mod, "shared_template", real)
     assert rebuild("all", default) == one_pass  # the module's artifacts as they were

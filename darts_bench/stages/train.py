@@ -124,10 +124,11 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
           seeds: list[int], work_dir: Path, release_executor: Callable[[], None] = lambda: None) -> dict:
     """Train (or reuse) every head of the run, in three steps: the heads of every (merge, task, split,
     variant, seed) artifact that is not cached (:func:`train_heads`, held in memory); the routers and
-    shared heads of the task-agnostic rows; then per (merge, task, split, seed) one diagnostics pass for
-    all its missing rows, after which each artifact is written (:func:`diagnose_streams`). An artifact's
-    files are those one pass per artifact would write, byte for byte; a run killed before step 3 retrains
-    the heads it held.
+    shared heads of the task-agnostic rows; then per (merge, task, split, seed) one diagnostics pass over
+    its held-out tokens for all its missing rows, and per (merge, task, split) one over the reference answers
+    for the rows of every seed, after which each artifact is written (:func:`diagnose_streams`). An
+    artifact's files are those one pass per artifact would write, byte for byte; a run killed before step 3
+    retrains the heads it held.
 
     Args:
         collected: the collect stage's ``{"calibration", "features"}``.
@@ -187,7 +188,7 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
         run_heads.update(train_shared(cfg, feats, merges, pool, tasks, method_variants, seeds, work_dir))
     # 3. per (merge, task, split, seed): one diagnostics pass over its token streams for every row whose
     #    artifact is missing (the methods' heads of each variant, the matched controls, the task-agnostic
-    #    rows), then each artifact written
+    #    rows; the reference answers once for every seed's rows), then each artifact written
     agnostic_runs = diagnose_streams(cfg, feats, merges, pool, tasks, variants, method_variants, seeds,
                                      out.get("routers", {}), run_heads, pending, finals, work_dir)
     for (m, name, split, tag, seed), (final, _) in finals.items():
@@ -261,12 +262,14 @@ def diagnose_streams(cfg, feats: dict, merges: dict[str, Path], pool, tasks: dic
     """Write the train stage's diagnostics: per (merge, task, split, head seed), the heads artifacts of
     ``pending`` (their heads and ``diagnostics.json``: :func:`heads_diagnostics`) and, for each of
     ``method_variants`` with ``surgery.task_agnostic``, the task-agnostic rows' artifact
-    (:func:`agnostic_artifact`), whichever are not cached, from one :func:`diagnose_rows` pass over the
-    (merge, task, split, seed)'s held-out and reference-answer tokens with all their rows (``groups``: each
-    artifact's rows; the same values as one pass per artifact, ``tests/test_surgery_routing.py``). The
-    tokens, the expert's distribution, the plain merge's logits and row and the KL floor are computed once
-    for all of them (three passes per stream before: the methods' heads, the matched control, the
-    task-agnostic rows). Variants whose entropy weights differ (:func:`_signature`) get a pass each.
+    (:func:`agnostic_artifact`), whichever are not cached, from one :func:`diagnose_seeds` call per (merge,
+    task, split): a pass over each head seed's held-out tokens with all that seed's rows (``groups``: each
+    artifact's rows) and one pass over the reference answers with the rows of every seed; the same values
+    as one pass per artifact, bitwise (``tests/test_surgery_routing.py``). The tokens, the expert's
+    distribution, the plain merge's logits and row and the KL floor are computed once per stream for all of
+    them (three passes per stream before 2026-12-04: the methods' heads, the matched control, the
+    task-agnostic rows; the reference answers once per seed before 2026-12-05). Variants whose entropy weights
+    differ (:func:`_signature`) get a pass each.
 
     Returns:
         ``{(merge, task, split, variant, seed): {"routed"?, "shared"?: diagnostics}}`` of the task-agnostic rows.
@@ -290,28 +293,32 @@ def diagnose_streams(cfg, feats: dict, merges: dict[str, Path], pool, tasks: dic
             continue
         ref_fs = feats[(m, name, "reference")]
         expert_dir = pool.path(tasks[name][0].expert)
+        # what this (merge, task, split) needs: [(signature, scfg, kind, tag, final, what, seed)]
+        todo = []
         for seed in seeds:
-            # what this (merge, task, split, seed) needs: [(signature, scfg, kind, tag, final, what)]
-            todo = []
             for tag, scfg in variants:
                 if (m, name, split, tag, seed) in pending:
                     final, what = finals[(m, name, split, tag, seed)]
-                    todo.append((_signature(scfg), scfg, "heads", tag, final, what))
+                    todo.append((_signature(scfg), scfg, "heads", tag, final, what, seed))
             for tag, scfg in method_variants:
                 final = agnostic_artifact(cfg, fs, ref_fs, m, split, tag, scfg, seed, kinds, routers, run_heads,
                                           work_dir / "heads", name)
                 what = f"diagnose task-agnostic rows {m}/{name}/{split}{tag}{seed_tag(cfg, seed)}"
                 if not reused(final, what):
-                    todo.append((_signature(scfg), scfg, "agnostic", tag, final, what))
+                    todo.append((_signature(scfg), scfg, "agnostic", tag, final, what, seed))
                 out[(m, name, split, tag, seed)] = final
-            for sig in dict.fromkeys(t[0] for t in todo):
-                items = [t for t in todo if t[0] == sig]
-                t0 = time.perf_counter()
-                x = diagnosis_inputs(cfg, fs, merges[m], expert_dir, ref_fs, name, split, items[0][1], seed)
+        # one pass per entropy-weight signature: every seed's held-out tokens their own, the reference answers one
+        for sig in dict.fromkeys(t[0] for t in todo):
+            items = [t for t in todo if t[0] == sig]
+            t0 = time.perf_counter()
+            runs, xs = [], []
+            ref_stream = None
+            for seed in dict.fromkeys(t[6] for t in items):
+                mine = [t for t in items if t[6] == seed]
+                x = diagnosis_inputs(cfg, fs, merges[m], expert_dir, ref_fs, name, split, mine[0][1], seed)
                 heads: dict[str, Any] = {"none": None}
                 groups: dict[str, dict[str, str]] = {}
-                ref_stream = x["ref_stream"]
-                for _, scfg, kind, tag, final, _ in items:
+                for _, scfg, kind, tag, final, _, _ in mine:
                     if kind == "heads":
                         trained = pending[(m, name, split, tag, seed)]["trained"]
                         heads.update({f"{tag}|{meth}": h for meth, (h, _) in trained.items()})
@@ -324,7 +331,8 @@ def diagnose_streams(cfg, feats: dict, merges: dict[str, Path], pool, tasks: dic
                             held = json.loads((rdir / "routing.json").read_text())["tasks"][name]
                             seq_task = dict(zip(held["held_out_sequences"], held["held_out_routed"]))
                             # reference sequences are looked up past the calibration set's indices (only the
-                            # routed heads read sequence indices; the other rows ignore them)
+                            # routed heads read sequence indices; the other rows ignore them, so every seed's
+                            # rows share this stream)
                             off = len(fs.calib.meta["sequences"])
                             ref_routed = router.predict(calibration_prompt_features(ref_fs))
                             seq_task.update({off + i: t for i, t in enumerate(ref_routed)})
@@ -346,19 +354,24 @@ def diagnose_streams(cfg, feats: dict, merges: dict[str, Path], pool, tasks: dic
                         heads.update({f"{tag}|{kind_}/{meth}": h for meth, h in kind_heads.items()})
                         groups[f"agnostic{tag}|{kind_}"] = {"none": "none",
                                                             **{meth: f"{tag}|{kind_}/{meth}" for meth in kind_heads}}
-                try:
-                    res = diagnose_rows(heads, x["val"], fs.calib.meta, x["template"], ref_stream, x["ref_groups"],
-                                        x["n_ref_excluded"], x["mean_h"], items[0][1].w_max, x["W_e"], x["W_m"],
-                                        x["seed"], device=cfg.device, groups=groups,
-                                        known=known_streams(fs, ref_fs, merges[m], expert_dir, x["va_seq"],
-                                                            x["template"], cfg.device))
-                except RuntimeError as e:
-                    raise RuntimeError(f"{m}/{name}: {e}") from e
-                log.info("diagnose %s/%s/%s%s: %d rows of %d artifacts in one pass over %d held-out and %d "
-                         "reference tokens in %.1f s (%s)", m, name, split, seed_tag(cfg, seed), len(heads),
-                         len(items), len(x["val"]), len(x["ref_groups"]), time.perf_counter() - t0,
-                         ", ".join(str(t[4]) for t in items))
-                for _, scfg, kind, tag, final, what in items:
+                runs.append({"heads": heads, "val": x["val"], "mean_h": x["mean_h"], "seed": x["seed"],
+                             "groups": groups, "known": known_streams(fs, ref_fs, merges[m], expert_dir, x["va_seq"],
+                                                                      x["template"], cfg.device)})
+                xs.append((seed, mine, x))
+            ref_stream = ref_stream or x["ref_stream"]
+            try:
+                results = diagnose_seeds(runs, fs.calib.meta, x["template"], ref_stream, x["ref_groups"],
+                                         x["n_ref_excluded"], items[0][1].w_max, x["W_e"], x["W_m"],
+                                         device=cfg.device)
+            except RuntimeError as e:
+                raise RuntimeError(f"{m}/{name}: {e}") from e
+            log.info("diagnose %s/%s/%s%s: %d rows of %d artifacts, held-out passes over %s tokens and one "
+                     "reference-answer pass over %d tokens, in %.1f s (%s)", m, name, split,
+                     "".join(seed_tag(cfg, seed) for seed, _, _ in xs) or "",
+                     sum(len(r["heads"]) for r in runs), len(items), "/".join(str(len(x_["val"])) for _, _, x_ in xs),
+                     len(x["ref_groups"]), time.perf_counter() - t0, ", ".join(str(t[4]) for t in items))
+            for (seed, mine, x), res in zip(xs, results):
+                for _, scfg, kind, tag, final, what, _ in mine:
                     if kind == "heads":
                         p = pending[(m, name, split, tag, seed)]
                         d = heads_diagnostics(res[f"heads{tag}"], list(p["trained"]), p["x"])
@@ -669,48 +682,96 @@ def diagnose_rows(heads: dict[str, Any], val, meta: dict, template: dict[int, in
     Raises:
         RuntimeError: ``ref_groups`` and the reference stream disagree in length.
     """
+    return diagnose_seeds([{"heads": heads, "val": val, "mean_h": mean_h, "seed": seed, "groups": groups,
+                            "known": known}], meta, template, ref_stream, ref_groups, n_ref_excluded, w_max, W_e, W_m,
+                          device=device)[0]
+
+
+def diagnose_seeds(runs: list[dict], meta: dict, template: dict[int, int], ref_stream, ref_groups: np.ndarray,
+                   n_ref_excluded: int, w_max: float, W_e, W_m, device: str = "cpu") -> list[dict]:
+    """:func:`diagnose_rows` of several head seeds of one (merge, task, split): each run's held-out tokens get
+    their own pass, the reference answers (the same tokens for every head seed) one pass with the heads of
+    every run, so the expert's distribution, the plain merge's logits and row and the KL floor on them are
+    computed once, not once per seed. Each run's result holds the values its own :func:`diagnose_rows` call
+    gives, bitwise: a head's per-token values do not depend on the other heads of a pass
+    (:meth:`~darts_bench.surgery.diagnostics.Diagnostics.per_token`), and each run's summaries use its own
+    ``mean_h`` and bootstrap ``seed``.
+
+    Args:
+        runs: per head seed ``{"heads", "val", "mean_h", "seed", "groups"?, "known"?}`` as :func:`diagnose_rows`'
+            arguments of those names (``known``: that seed's :func:`known_streams`; its ``reference`` entry is
+            read from the first run that has one and written to every run's).
+        meta, template, ref_stream, ref_groups, n_ref_excluded, w_max, W_e, W_m, device: as :func:`diagnose_rows`
+            (one reference-answer stream for all runs; a routed head's stream, whose sequence indices are
+            offset, serves the other heads alike: they ignore them).
+    Returns:
+        per run, :func:`diagnose_rows`' result.
+    Raises:
+        RuntimeError: ``ref_groups`` and the reference stream disagree in length.
+    """
     from darts_bench.surgery.data import POSITION_SETS, position_sets
     from darts_bench.surgery.diagnostics import Diagnostics
 
-    val_pos, val_seq = val.positions, val.seq_index
-    masks = position_sets(val_pos, val_seq, meta, template)  # [N] bool per set over the held-out tokens
-    pos_np, seq_np, ent_np = val_pos.numpy(), val_seq.numpy(), val.weight_source.float().numpy()
-    known = {} if known is None else known
-    diag_val = Diagnostics(lambda: val.batches(8192), mean_h, w_max, W_e, W_m, device=device, known=known.get("val"))
-    diag_ref = Diagnostics(ref_stream, mean_h, w_max, W_e, W_m, device=device, known=known.get("reference"))
     keys = ("l1", "kl", "agree", "floor")
-    per_token: dict[str, dict] = {}  # row -> per-token L1 / KL / agreement / floor on the held-out tokens
-    per_token_ref: dict[str, dict] = {}  # the same on the reference-answer tokens
-    rows: dict[str, dict] = {}
-    heads_ = list(heads.values())
-    for row, d, r in zip(heads, diag_val.many(heads_, masks), diag_ref.many(heads_)):
-        per_token[row] = {k: np.asarray(d.pop(f"per_token_{k}")) for k in keys}
-        d.update(_trends(pos_np, per_token[row]["l1"], ent_np, seq_np, seed))
-        for s_name in POSITION_SETS:
-            mk = masks[s_name].numpy()
-            d[s_name].update(_trends(pos_np[mk], per_token[row]["l1"][mk], ent_np[mk], seq_np[mk], seed))
-        for k in ("l1_by_position", "kl_by_position"):  # per-position curves: all positions and gen only (size)
-            d["prompt"].pop(k)
-        d["reference"] = {k: r[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor", "n_tokens")}
-        per_token_ref[row] = {k: np.asarray(r[f"per_token_{k}"]) for k in keys}
-        rows[row] = d
-    for name, diag in (("val", diag_val), ("reference", diag_ref)):
-        if diag.known is not None:
-            known[name] = diag.known
-    if len(ref_groups) != len(per_token_ref["none"]["kl"]):
+    knowns = [{} if r.get("known") is None else r["known"] for r in runs]
+    # the reference answers: one pass with every run's heads, the plain merge's row (None) once
+    ref_known = next((k.get("reference") for k in knowns if k.get("reference") is not None), None)
+    diag_ref = Diagnostics(ref_stream, runs[0]["mean_h"], w_max, W_e, W_m, device=device, known=ref_known)
+    ref_heads: list = [None]
+    where: list[list[int]] = []  # per run, the index in ref_heads of each of its rows
+    for r in runs:
+        where.append([])
+        for h in r["heads"].values():
+            if h is not None:
+                ref_heads.append(h)
+            where[-1].append(0 if h is None else len(ref_heads) - 1)
+    ref_rows = diag_ref.per_token(ref_heads)
+    if diag_ref.known is not None:
+        for k in knowns:
+            k["reference"] = diag_ref.known
+    if len(ref_groups) != diag_ref.n_tokens:
         raise RuntimeError(f"{len(ref_groups)} reference-answer tokens in the features, "
-                           f"{len(per_token_ref['none']['kl'])} in the diagnostics stream")
-    finish = functools.partial(_finish_rows, masks=masks, seq_np=seq_np, ref_groups=ref_groups, val=val, meta=meta,
-                               template=template, n_ref_excluded=n_ref_excluded, n_ref_tokens=diag_ref.n_tokens,
-                               seed=seed)
-    if groups is None:
-        return finish(rows, per_token, per_token_ref)
-    out = {}
-    for group, sel in groups.items():
-        if sel.get("none") != "none":
-            raise ValueError(f"diagnostics group {group!r} needs the row 'none': 'none', got {sel}")
-        out[group] = finish({r: copy.deepcopy(rows[k]) for r, k in sel.items()},
-                            {r: per_token[k] for r, k in sel.items()}, {r: per_token_ref[k] for r, k in sel.items()})
+                           f"{diag_ref.n_tokens} in the diagnostics stream")
+    out = []
+    for r, idx, known in zip(runs, where, knowns):
+        heads, val, seed, groups = r["heads"], r["val"], r["seed"], r.get("groups")
+        val_pos, val_seq = val.positions, val.seq_index
+        masks = position_sets(val_pos, val_seq, meta, template)  # [N] bool per set over the held-out tokens
+        pos_np, seq_np, ent_np = val_pos.numpy(), val_seq.numpy(), val.weight_source.float().numpy()
+        diag_val = Diagnostics(lambda val=val: val.batches(8192), r["mean_h"], w_max, W_e, W_m, device=device,
+                               known=known.get("val"))
+        per_token: dict[str, dict] = {}  # row -> per-token L1 / KL / agreement / floor on the held-out tokens
+        per_token_ref: dict[str, dict] = {}  # the same on the reference-answer tokens
+        rows: dict[str, dict] = {}
+        refs = diag_ref.summaries([ref_rows[i] for i in idx], mean_h=r["mean_h"])
+        for row, d, rr in zip(heads, diag_val.many(list(heads.values()), masks), refs):
+            per_token[row] = {k: np.asarray(d.pop(f"per_token_{k}")) for k in keys}
+            d.update(_trends(pos_np, per_token[row]["l1"], ent_np, seq_np, seed))
+            for s_name in POSITION_SETS:
+                mk = masks[s_name].numpy()
+                d[s_name].update(_trends(pos_np[mk], per_token[row]["l1"][mk], ent_np[mk], seq_np[mk], seed))
+            for k in ("l1_by_position", "kl_by_position"):  # per-position curves: all positions and gen only (size)
+                d["prompt"].pop(k)
+            d["reference"] = {k: rr[k] for k in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_floor",
+                                                 "n_tokens")}
+            per_token_ref[row] = {k: np.asarray(rr[f"per_token_{k}"]) for k in keys}
+            rows[row] = d
+        if diag_val.known is not None:
+            known["val"] = diag_val.known
+        finish = functools.partial(_finish_rows, masks=masks, seq_np=seq_np, ref_groups=ref_groups, val=val,
+                                   meta=meta, template=template, n_ref_excluded=n_ref_excluded,
+                                   n_ref_tokens=diag_ref.n_tokens, seed=seed)
+        if groups is None:
+            out.append(finish(rows, per_token, per_token_ref))
+            continue
+        res = {}
+        for group, sel in groups.items():
+            if sel.get("none") != "none":
+                raise ValueError(f"diagnostics group {group!r} needs the row 'none': 'none', got {sel}")
+            res[group] = finish({rw: copy.deepcopy(rows[k]) for rw, k in sel.items()},
+                                {rw: per_token[k] for rw, k in sel.items()},
+                                {rw: per_token_ref[k] for rw, k in sel.items()})
+        out.append(res)
     return out
 
 

@@ -353,6 +353,8 @@ class Diagnostics:
         if known is not None:
             self._floor, self._plain = known["floor"], known["plain"]
         self._bufs: list[torch.Tensor] | None = None  # see _buffers
+        self._positions: torch.Tensor | None = None  # [N] int64 and [N] float32 weight source of the last pass
+        self._entropy: torch.Tensor | None = None
         self.floor_computations = 0  # how often the floor was computed (1 after any number of calls)
         self.plain_computations = 0  # how often the plain merge's row was computed
 
@@ -403,11 +405,24 @@ class Diagnostics:
         holds ``d[name]``, the :func:`summarize` of those tokens only (no further pass). Each dict also holds the per-token
         lists ``per_token_l1`` / ``per_token_kl`` (nats) / ``per_token_agree`` (0/1) /
         ``per_token_floor`` (nats), in stream order, for slopes, entropy contrasts and
-        sequence-level intervals.
+        sequence-level intervals. :meth:`per_token` then :meth:`summaries`.
 
         Raises:
             ValueError: the stream's length differs from an earlier call's (or from ``known``'s), or a
                 mask's length from the stream's.
+        """
+        return self.summaries(self.per_token(heads), masks)
+
+    @torch.no_grad()
+    def per_token(self, heads: list[CorrectionHead | None]) -> list[dict[str, torch.Tensor]]:
+        """The pass of :meth:`many`: per head ``{"l1", "kl", "agree"}``, each ``[N]`` float32 on the CPU in stream
+        order (L1 to the expert's hidden state, KL in nats, top-1 agreement 0/1); the stream's positions, weight
+        source and KL floor are kept on the object for :meth:`summaries`. A head's values do not depend on the other
+        heads of the call (the same operations on the same blocks), so heads of several callers (the head seeds of
+        one (merge, task, split) over its reference answers) can share one pass.
+
+        Raises:
+            ValueError: the stream's length differs from an earlier call's (or from ``known``'s).
         """
         heads = [self._on_device(h) for h in heads]
         d_model = self.W_m.shape[1]
@@ -470,6 +485,7 @@ class Diagnostics:
             self.floor_computations += 1
         if self._floor.shape != positions.shape:
             raise ValueError(f"token stream changed between calls: {positions.numel()} tokens vs {self._floor.numel()}")
+        self._positions, self._entropy = positions, entropy
         rows = []
         for head, acc, t in zip(heads, per, todo):
             row = {k: torch.cat(v) for k, v in acc.items()} if t else self._plain
@@ -477,7 +493,18 @@ class Diagnostics:
                 self._plain = row
                 self.plain_computations += 1
             rows.append(row)
-        w = entropy_weights(entropy, self.mean_h, self.w_max)
+        return rows
+
+    def summaries(self, rows: list[dict[str, torch.Tensor]], masks: dict[str, torch.Tensor] | None = None,
+                  mean_h: float | None = None) -> list[dict]:
+        """:meth:`many`'s dicts of rows from :meth:`per_token` (of this object's last pass), the entropy weights
+        normalised by ``mean_h`` (nats; default the object's).
+
+        Raises:
+            ValueError: a mask's length differs from the stream's.
+        """
+        positions, entropy = self._positions, self._entropy
+        w = entropy_weights(entropy, self.mean_h if mean_h is None else mean_h, self.w_max)
         out = []
         for row in rows:
             l1, kl, agree = row["l1"], row["kl"], row["agree"]
