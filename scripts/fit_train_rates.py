@@ -14,6 +14,9 @@ name, the tokens each trained on and its heads; the surgery settings come from t
   matmuls (expert, plain merge, KL floor) and 3 passes over the vocabulary, and per head one pass and, unless
   its logits are factored (``2 r V`` FLOPs), one matmul; the heads are each heads artifact's (its
   ``head_config.json`` ranks) and a task-agnostic artifact's ``kinds x methods``;
+* ``diagnose <merge>/<task>/<split>#s0#s1..: ... held-out passes over A/B/.. tokens and one reference-answer pass
+  over NR tokens, in S s (<dirs>)`` (since 2026-12-05: :func:`darts_bench.stages.train.diagnose_seeds`): each
+  seed's held-out pass with its artifacts' heads (their ``_manifest.json`` seed) and one reference pass with all;
 * ``train shared heads <merge>/<split>: built in S s (<dir>)``: the shared heads' steps (no vocabulary work);
 
 and, in a log from before the one-pass diagnostics (no ``heads trained in`` line), the per-artifact ``built
@@ -42,6 +45,11 @@ LINE = re.compile(r"INFO (?P<what>train heads|train shared heads|diagnose task-a
 TRAINED = re.compile(r"INFO (?P<what>train heads) (?P<name>\S+): heads trained in (?P<s>[0-9.]+) s \((?P<dir>[^;)]+)")
 ONE_PASS = re.compile(r"INFO (?P<what>diagnose) (?P<name>\S+): \d+ rows of \d+ artifacts in one pass over "
                       r"(?P<nv>\d+) held-out and (?P<nr>\d+) reference tokens in (?P<s>[0-9.]+) s \((?P<dir>[^)]+)\)")
+# since 2026-12-05 (twenty-fifth session): one line per (merge, task, split), every head seed's held-out pass and
+# one reference-answer pass with the rows of every seed (darts_bench.stages.train.diagnose_seeds)
+SEEDS_PASS = re.compile(r"INFO (?P<what>diagnose) (?P<name>\S+): \d+ rows of \d+ artifacts, held-out passes over "
+                        r"(?P<nv>[0-9/]+) tokens and one reference-answer pass over (?P<nr>\d+) tokens, in "
+                        r"(?P<s>[0-9.]+) s \((?P<dir>[^)]+)\)")
 
 
 def line_inputs(what: str, name: str, art: Path, cfg) -> dict:
@@ -110,6 +118,22 @@ def one_pass_inputs(n: int, arts: list[Path], cfg) -> dict:
             "head_flops": 0}
 
 
+def seeds_pass_inputs(held: list[int], n_ref: int, arts: list[Path], cfg) -> dict:
+    """The counted work of one ``diagnose ... held-out passes over A/B/C tokens and one reference-answer pass``
+    line: per head seed (its artifacts' ``_manifest.json`` ``meta.seed``, in the line's order) a pass over its
+    ``held`` tokens with its artifacts' heads, and one pass over the ``n_ref`` reference tokens with every
+    seed's heads (:func:`one_pass_inputs`' counts of each)."""
+    by_seed: dict = {}
+    for art in arts:
+        seed = json.loads((art / "_manifest.json").read_text())["meta"].get("seed")
+        by_seed.setdefault(seed, []).append(art)
+    if len(by_seed) != len(held):
+        raise ValueError(f"{len(held)} held-out passes but artifacts of {len(by_seed)} seeds: {arts}")
+    parts = [one_pass_inputs(n, a, cfg) for n, a in zip(held, by_seed.values())] + [one_pass_inputs(n_ref, arts, cfg)]
+    return {"kind": "diagnostics", **{k: sum(p[k] for p in parts)
+                                      for k in ("tokens", "matmuls", "passes", "factored", "steps", "head_flops")}}
+
+
 def fit(lines: list[dict], d: int, V: int, r: int, train_rate: float, vocab: float | None = None) -> dict:
     """Least-squares ``vocab`` (FLOP/s), ``vocab_pass`` (elements/s) and ``head_step_s`` over ``lines``;
     with ``vocab`` given (e.g. a measured matmul rate: the matmul and pass counts of the train stage's
@@ -147,7 +171,7 @@ def fit_log(log: Path, conf, vocab: float | None = None) -> tuple[list[dict], di
     text = log.read_text().splitlines()
     one_pass = any(TRAINED.search(t) for t in text)
     if one_pass:  # the one-pass diagnostics: training, diagnostics and shared heads lines
-        found = [m for t in text for m in (TRAINED.search(t), ONE_PASS.search(t), LINE.search(t))
+        found = [m for t in text for m in (TRAINED.search(t), ONE_PASS.search(t), SEEDS_PASS.search(t), LINE.search(t))
                  if m and (m.re is not LINE or m["what"] == "train shared heads")]
     else:
         found = [m for m in map(LINE.search, text) if m]
@@ -168,6 +192,9 @@ def fit_log(log: Path, conf, vocab: float | None = None) -> tuple[list[dict], di
         if m.re is ONE_PASS:
             arts = [where(a) for a in m["dir"].split(", ")]
             got = one_pass_inputs(int(m["nv"]) + int(m["nr"]), arts, cfg)
+        elif m.re is SEEDS_PASS:
+            arts = [where(a) for a in m["dir"].split(", ")]
+            got = seeds_pass_inputs([int(v) for v in m["nv"].split("/")], int(m["nr"]), arts, cfg)
         else:
             art = where(m["dir"])
             if cfg["surgery"]["max_len"] is None and m["what"] == "train heads":  # the resolved table length

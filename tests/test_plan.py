@@ -781,7 +781,8 @@ def test_merge_line_counts_regmean_forwards_and_fp64_work():
 def test_train_line_counts_the_diagnostics():
     """The train stage's time counts the diagnostics as lm_head matmuls ([d] x [d, V], 2 d V FLOPs per token)
     at the vocabulary rate and passes over the vocabulary (V elements per token) at the pass rate, one
-    diagnose_rows pass per (merge, task, split, seed) over held-out + reference-answer tokens with every row:
+    pass per (merge, task, split, seed) over its held-out tokens and one per (merge, task, split) over the
+    reference-answer tokens with every seed's rows (diagnose_seeds), each with every row:
     the expert's logits, the plain merge's (also the base of the factored rank-16 heads) and the KL floor (3
     matmuls, 3 passes), the methods' factored heads (a pass each), the matched control (its own rank-608
     logits: a matmul and a pass), and each task-agnostic kind's factored heads (a pass each); a rank that is
@@ -822,6 +823,15 @@ def test_train_line_counts_the_diagnostics():
     wide = train("surgery.rank=200")
     assert wide["diagnostics_matmuls"] - both["diagnostics_matmuls"] == M * n * 3 * meth
     assert train("surgery.entropy_source=kl")["diagnostics_flops"] > both["diagnostics_flops"]
+    # head seeds: each seed's held-out tokens get their own pass, the reference answers one pass with every seed's
+    # rows (diagnose_seeds): 3 seeds cost 3 x the held-out work but the references' expert, plain and floor once
+    held = sum(round(c["tokens"] * cfg.calibration.held_out_fraction)
+               for k, c in plan["stages"]["collect"]["calibration"].items() if not k.endswith("/reference"))
+    ref = n - held
+    three = train("surgery.task_agnostic=[]", "seeds=[0,1,2]")
+    assert three["diagnostics_tokens"] == M * (3 * held + ref)
+    assert three["diagnostics_matmuls"] == M * (3 * held * (3 + 1) + ref * (3 + 3 * 1))
+    assert three["diagnostics_passes"] == M * (3 * held * (3 + meth + 1) + ref * (3 + 3 * (meth + 1)))
 
 
 def test_the_judge_prefix_cache_forwards_the_shared_prompt_tokens_once():

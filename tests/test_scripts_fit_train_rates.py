@@ -134,3 +134,59 @@ def test_fit_reads_the_one_pass_diagnostics_log(tmp_path):
     assert res["total_fitted"] == pytest.approx(res["total_measured"], rel=1e-6)
     for k, v in rates.items():
         assert res[k] == pytest.approx(v, rel=1e-6), k
+
+
+def test_fit_reads_the_seeds_diagnostics_log(tmp_path):
+    """A log of the train stage since the reference answers are diagnosed once per (merge, task, split): one
+    ``diagnose ...#s0#s1#s2: ... held-out passes over A/B/C tokens and one reference-answer pass over NR tokens``
+    line naming every seed's artifacts. Each seed's held-out pass counts its own artifacts' heads (the seed from
+    their ``_manifest.json``), the reference pass every seed's: line times made from known rates come back from
+    the fit (the matmul rate fixed), and a line whose passes and artifacts' seeds disagree is refused."""
+    from darts_bench.config import load_config
+    from darts_bench.plan.resources import THROUGHPUT
+
+    fit = _script()
+    cfg = load_config("smollm2-135m", ["surgery.controls=[]", "surgery.task_agnostic=[]", "seeds=[0,1,2]"])
+    d, V, r, sc = 576, 49152, cfg.surgery.rank, cfg.surgery
+    meth = len(sc.methods)
+    rates = {"vocab": 250e9, "vocab_pass": 5e8, "head_step_s": 1.3e-3}
+    train = THROUGHPUT["cpu"]["train"]
+
+    def seconds(matmuls, passes, factored, steps, head_flops):
+        return ((matmuls * 2 * d + factored * 2 * r) * V / rates["vocab"] + passes * V / rates["vocab_pass"]
+                + steps * rates["head_step_s"] + head_flops / train)
+
+    log = []
+    for i, (held, n_ref, n_train) in enumerate([((2100, 2300, 1900), 900, 4000), ((3300, 3100, 3000), 1500, 6100),
+                                               ((1800, 1700, 2000), 2600, 3500), ((2500, 2600, 2400), 3700, 5000)]):
+        name, steps = f"m/t{i}/transductive", sc.epochs * math.ceil(n_train / sc.batch_size)
+        arts = []
+        for seed in range(3):
+            art = tmp_path / f"{i}-s{seed}"
+            art.mkdir()
+            (art / "diagnostics.json").write_text(json.dumps({"n_train_tokens": n_train}))
+            (art / "_manifest.json").write_text(json.dumps({"files": {}, "meta": {"kind": "heads", "seed": seed}}))
+            for m in sc.methods:
+                (art / m).mkdir()
+                (art / m / "head_config.json").write_text(json.dumps({"rank": r, "max_len": 1184}))
+            t = seconds(0, 0, 0, meth * steps, meth * steps * sc.batch_size * 12 * d * r)
+            log.append(f"12:00:00 INFO train heads {name}#s{seed}: heads trained in {t:.6f} s ({art}; diagnosed in "
+                       "one pass with the other rows of its token streams below)")
+            arts.append(art)
+        # held-out: 3 matmuls + 3 passes + a pass per factored head, per seed; reference: the same with 3 x meth heads
+        t = seconds(3 * sum(held) + 3 * n_ref, (3 + meth) * sum(held) + (3 + 3 * meth) * n_ref,
+                    meth * sum(held) + 3 * meth * n_ref, 0, 0)
+        log.append(f"12:00:00 INFO diagnose {name}#s0#s1#s2: {3 * (1 + meth)} rows of 3 artifacts, held-out passes "
+                   f"over {'/'.join(map(str, held))} tokens and one reference-answer pass over {n_ref} tokens, in "
+                   f"{t:.6f} s ({', '.join(map(str, arts))})")
+    (tmp_path / "run.log").write_text("\n".join(["12:00:00 INFO stage train: start", *log]) + "\n")
+    lines, res = fit.fit_log(tmp_path / "run.log", cfg, vocab=250e9)
+    assert len(lines) == 16 and sorted({x["kind"] for x in lines}) == ["diagnostics", "methods"]
+    diag = [x for x in lines if x["kind"] == "diagnostics"]
+    assert diag[0]["tokens"] == 2100 + 2300 + 1900 + 900 and diag[0]["passes"] == (3 + meth) * 6300 + (3 + 3 * meth) * 900
+    assert res["total_fitted"] == pytest.approx(res["total_measured"], rel=1e-6)
+    for k, v in rates.items():
+        assert res[k] == pytest.approx(v, rel=1e-6), k
+    (tmp_path / "bad.log").write_text(log[0] + "\n" + log[3].replace("2100/2300/1900", "2100/2300") + "\n")
+    with pytest.raises(ValueError, match="2 held-out passes but artifacts of 3 seeds"):
+        fit.fit_log(tmp_path / "bad.log", cfg, vocab=250e9)

@@ -50,22 +50,26 @@ def test_plan_holds_the_smollm2_run_16_merge_and_train_and_run_4_collect_stages(
     """The planner's data-merge constants (fitted to the committed smollm2-135m reference run) with this code's
     counts (AdaMerging's entropy passes recombine once per lambda, RegMean's Grams per distinct input) are
     within 25% of run 16a's merge stage (results/smollm2-135m-2026-12-04-run16/TIMINGS.md: AdaMerging + RegMean,
-    236.5 s); the train-stage constants are fitted to run 16's (344.7 s, one diagnostics pass per stream;
-    `scripts/fit_train_rates.py`), and the collect stage's engine start and full-logits forward rate to run 4's
-    collection (results/smollm2-135m/TIMINGS.md, 704.1 s): the plan of that configuration is within 25% of each."""
+    236.5 s), and the collect stage's engine start and full-logits forward rate to run 4's collection
+    (results/smollm2-135m/TIMINGS.md, 704.1 s): the plan of that configuration is within 25% of each. The
+    train-stage constants are fitted to the issue's reference settings run of 2026-12-05
+    (results/smollm2-135m-2026-12-05-train: 166.8 s, the reference answers diagnosed once per (merge, task, split),
+    DARTS tables trained over the rows in use; `scripts/fit_train_rates.py`): within 25% of it. (Run 16's 344.7 s
+    train stage ran the code before those, which the plan no longer describes.)"""
     from darts_bench.config import load_config
     from darts_bench.plan import make_plan
 
     run16 = REPO / "results" / "smollm2-135m-2026-12-04-run16"
     recs = {r["stage"]: r for r in _script().plan_check(run16)}
     assert recs["merge"]["verdict"] == "cached"  # built by run 16a, whose log has it
-    assert recs["train"]["measured_s"] == pytest.approx(344.7, abs=0.1) and recs["train"]["verdict"] == "within"
+    assert recs["train"]["measured_s"] == pytest.approx(344.7, abs=0.1)
+    ref = {r["stage"]: r for r in _script().plan_check(REPO / "results" / "smollm2-135m-2026-12-05-train")}
+    assert ref["train"]["measured_s"] == pytest.approx(166.8, abs=0.1) and ref["train"]["verdict"] == "within"
     timings = (run16 / "TIMINGS.md").read_text()
     assert "| merge | 236.5 s (16a: AdaMerging 159.5 s, RegMean 77.0 s) |" in timings
     plan = make_plan(load_config("smollm2-135m", ["evaluate.backend=vllm", "calibration.backend=vllm",
                                                   "evaluate.vllm.reload_weights=false"]))  # run 4: an engine per expert
     assert plan["stages"]["merge"]["wall_seconds"] == pytest.approx(236.5, rel=0.25)
-    assert plan["stages"]["train"]["wall_seconds"] == pytest.approx(344.7, rel=0.25)
     # collect: run 4's 704.1 s (3 vLLM engine starts at 45 s, the features at the full-logits rate)
     timings = (REPO / "results" / "smollm2-135m" / "TIMINGS.md").read_text()
     assert "| collect | 1,018.4 s | 725.8 s | 655.0 s | 704.1 s |" in timings

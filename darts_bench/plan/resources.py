@@ -73,14 +73,16 @@ _SMOL = 134_515_008
 LOGITS_TOK_S = 405  # SmolLM2-135M tokens/s of a full-logits forward on the 2 cores (see "logits" below)
 THROUGHPUT = {
     "cpu": {"forward": 600 * 2 * _SMOL, "decode": 68 * 2 * _SMOL, "train": 180 * 6 * _SMOL,
-            # vocab: the fp32 matmul rate of these cores (~95 GFLOP/s, benchmarks/bench_collect.py); vocab_pass,
-            # head_step_s: least squares over the 40 train-stage lines of run 16 (an Intel Xeon, 2 cores;
-            # results/smollm2-135m-2026-12-04-run16/TIMINGS.md, 2026-12-04: one diagnostics pass per stream,
-            # first_argmax; `python scripts/fit_train_rates.py LOG --vocab 95e9`, the per-line table there): 937 M
-            # elements/s and 2.69 ms per step, 366 s fitted for 344 s measured. (Run 4's three calls per stream on an
-            # AMD EPYC: 250 M elements/s and 2.16 ms; the reference run's older code, one matmul per row, was
-            # fitted at 60 GFLOP/s of matmuls alone.)
-            "vocab": 95e9, "vocab_pass": 9.37e8, "head_step_s": 2.69e-3,
+            # vocab: the fp32 rate of the diagnostics' [512, 576] x [576, 49152] lm_head product on an Intel Xeon's 2
+            # cores, 212-279 GFLOP/s over 2026-12-05 (the machine's speed drifted; the constant before, 95, was
+            # benchmarks/bench_collect.py's matmul rate); vocab_pass, head_step_s: least squares over the 24
+            # train-stage lines of the reference settings' run with the reference answers diagnosed once per (merge,
+            # task, split) and DARTS tables trained over the rows in use (results/smollm2-135m-2026-12-05-train/
+            # TIMINGS.md, Intel Xeon; `python scripts/fit_train_rates.py LOG --vocab 250e9`, the per-line table
+            # there): 357 M elements/s and 1.67 ms per step (Surgery and DARTS steps together). (Run 16, the code
+            # before: 937 M at 95 GFLOP/s and 2.69 ms; run 4's three calls per stream on an AMD EPYC: 250 M
+            # elements/s and 2.16 ms.)
+            "vocab": 250e9, "vocab_pass": 3.57e8, "head_step_s": 1.67e-3,
             # logits: run 4's 18 merged feature sets, 125,570 tokens in 310.4 s (405 tok/s, with the stores), and the
             # AlpacaEval judge's prompt_logprobs scoring in runs 5-6 (TIMINGS.md); LOGITS_TOK_S tokens/s
             "logits": LOGITS_TOK_S * 2 * _SMOL,
@@ -95,10 +97,10 @@ THROUGHPUT = {
             # RECOMBINE_BACKWARD with the backward
             "recombine": 4.0e8,
             "source": "SmolLM2-135M on 2 CPU cores (LAB-NOTES): forward 600 tok/s, generation 68 tok/s at batch 8, "
-                      "training 180 tok/s; taken as FLOP/s; diagnostics 95 GFLOP/s of lm_head matmuls and 937 M "
+                      "training 180 tok/s; taken as FLOP/s; diagnostics 250 GFLOP/s of lm_head matmuls and 357 M "
                       "elements/s of passes over the vocabulary, RegMean fp64 55 GFLOP/s, AdaMerging recombination "
-                      "4e8 elements/s, 2.69 ms per head step (fitted to results/smollm2-135m/TIMINGS.md and, the "
-                      "train stage, to results/smollm2-135m-2026-12-04-run16/TIMINGS.md)"},
+                      "4e8 elements/s, 1.67 ms per head step (fitted to results/smollm2-135m/TIMINGS.md and, the "
+                      "train stage, to results/smollm2-135m-2026-12-05-train/TIMINGS.md)"},
     "cuda": {"forward": 0.4 * 312e12, "logits": 0.4 * 312e12, "decode_bw": 1.5e12, "step_s_per_layer": 0.025 / 32, "train": 0.4 * 312e12,
              # assumed: the passes over V are small beside the d x V matmul at 7B widths; fp64 Grams as fp32
              # diagnostics (A100 fp64 tensor cores: 19.5 TFLOP/s peak); recombination bound by reading and writing

@@ -534,17 +534,18 @@ def diagnostics_work(x: PlanInputs) -> dict[str, Any]:
     ``THROUGHPUT[kind]["vocab"]``) and passes over the vocabulary (the expert's log-softmax, each scored
     row's log-softmax, KL and argmax: V elements per token, at ``THROUGHPUT[kind]["vocab_pass"]``).
 
-    :func:`darts_bench.stages.train.diagnose_streams` runs one :func:`~darts_bench.stages.train.diagnose_rows`
-    pass (:meth:`darts_bench.surgery.diagnostics.Diagnostics.many`) over a (merge, task, split, head seed)'s
-    held-out tokens and again over its task's reference-answer tokens, with every row of every sweep variant:
-    the methods' heads, the matched controls' and, with ``surgery.task_agnostic``, each kind's (``routed``,
-    ``shared``) heads. Per token: the expert's logits, the plain merge's row and the KL floor (three matmuls,
+    :func:`darts_bench.stages.train.diagnose_streams` runs, per (merge, task, split), one
+    :func:`~darts_bench.stages.train.diagnose_seeds` call: a pass
+    (:meth:`darts_bench.surgery.diagnostics.Diagnostics.many`) over each head seed's held-out tokens with every
+    row of every sweep variant (the methods' heads, the matched controls' and, with ``surgery.task_agnostic``,
+    each kind's (``routed``, ``shared``) heads), and one over its task's reference-answer tokens with the rows of
+    every seed. Per token: the expert's logits, the plain merge's row and the KL floor (three matmuls,
     three passes) and each head's row (one pass; one matmul unless its logits are factored,
     :func:`darts_bench.controls.factored_logits_pay`: the methods' heads at rank below ``d / 4``, and the routed
     and shared heads of them; a factored head adds ``2 r V`` FLOPs; the matched controls are never factored).
-    With ``surgery.entropy_source: kl`` the pass adds two matmuls per token of its split and of its references
-    (the KL weight source). Held-out tokens are ``calibration.held_out_fraction`` of a set's tokens, reference
-    tokens ``n_examples x reference_tokens_est`` of the task.
+    With ``surgery.entropy_source: kl`` the pass adds two matmuls per token of its split (per seed) and of its
+    references (once: the KL weight source). Held-out tokens are ``calibration.held_out_fraction`` of a set's
+    tokens, reference tokens ``n_examples x reference_tokens_est`` of the task.
 
     Returns ``{"diagnostics_tokens"`` (tokens scored, summed over the passes), ``"diagnostics_matmuls"`` (token x
     matmul products), ``"diagnostics_flops"`` (FLOPs: 2 d V per token and matmul, plus the factored heads'
@@ -559,18 +560,21 @@ def diagnostics_work(x: PlanInputs) -> dict[str, Any]:
     kinds = sum(k in scfg.task_agnostic for k in ("routed", "shared"))
     fac = bool(d) and factored_logits_pay(scfg.rank, d)
     low_rank = n_var * n_meth * (1 + kinds)  # the methods' heads and the task-agnostic rows' heads made of them
-    mm, ps, fh = diagnostics_call(low_rank if fac else 0, (0 if fac else low_rank) + n_var * len(scfg.controls))
+    fac_n, full_n = low_rank if fac else 0, (0 if fac else low_rank) + n_var * len(scfg.controls)
+    held_call = diagnostics_call(fac_n, full_n)  # per seed over its held-out tokens
+    ref_call = diagnostics_call(seeds * fac_n, seeds * full_n)  # once over the references, every seed's rows
     tokens = matmuls = passes = fac_heads = 0
     for key, c in x.splits.items():
         task = key.split("/", 1)[0]
         ti = x.tasks[task]
-        n = round(c["tokens"] * cal.held_out_fraction) + ti["n_examples"] * ti["reference_tokens_est"]
-        tokens += M * seeds * n
-        matmuls += M * seeds * n * mm
-        passes += M * seeds * n * ps
-        fac_heads += M * seeds * n * fh
-        if scfg.entropy_source == "kl":  # the pass loads its split and streams the references with KL weights
-            matmuls += M * seeds * 2 * (c["tokens"] + ti["n_examples"] * ti["reference_tokens_est"])
+        held, ref = round(c["tokens"] * cal.held_out_fraction), ti["n_examples"] * ti["reference_tokens_est"]
+        tokens += M * (seeds * held + ref)
+        for n_tok, (mm, ps, fh) in ((seeds * held, held_call), (ref, ref_call)):
+            matmuls += M * n_tok * mm
+            passes += M * n_tok * ps
+            fac_heads += M * n_tok * fh
+        if scfg.entropy_source == "kl":  # each seed loads its split, the references are streamed once, with KL weights
+            matmuls += M * 2 * (seeds * c["tokens"] + ref)
     V = x.arch["vocab_size"] if x.arch else 0
     flops = (matmuls * 2 * d + fac_heads * 2 * scfg.rank) * V
     return {"diagnostics_tokens": tokens, "diagnostics_matmuls": matmuls, "diagnostics_flops": flops,
