@@ -13,6 +13,20 @@ def _script():
     return load_script("fit_train_rates")
 
 
+def _line_seconds(rates: dict, d: int, V: int, r: int):
+    """The time of a train-stage line under ``rates`` (the model ``fit_train_rates.fit`` fits): its lm_head matmuls
+    and factored heads' FLOPs at ``vocab``, its passes over the vocabulary at ``vocab_pass``, its optimiser steps at
+    ``head_step_s`` and its head FLOPs at the planner's ``train`` rate."""
+    from darts_bench.plan.resources import THROUGHPUT
+
+    train = THROUGHPUT["cpu"]["train"]
+
+    def seconds(matmuls, passes, factored, steps, head_flops):
+        return ((matmuls * 2 * d + factored * 2 * r) * V / rates["vocab"] + passes * V / rates["vocab_pass"]
+                + steps * rates["head_step_s"] + head_flops / train)
+    return seconds
+
+
 def test_fit_recovers_the_rates_a_log_was_made_with(tmp_path, capsys):
     """A log whose line times are made from known rates (vocab 70 GFLOP/s, vocab_pass 300 M elements/s,
     head_step_s 2.5 ms) over artifacts of every kind (methods' heads, matched control, shared heads,
@@ -20,18 +34,13 @@ def test_fit_recovers_the_rates_a_log_was_made_with(tmp_path, capsys):
     matmul rate fixed, the other two within 1e-6) and the markdown table one row per line."""
     from darts_bench.config import load_config
     from darts_bench.controls import param_matched_rank
-    from darts_bench.plan.resources import THROUGHPUT
 
     fit = _script()
     cfg = load_config("smollm2-135m")
     d, V, r, sc = 576, 49152, cfg.surgery.rank, cfg.surgery
     meth, kinds, max_len = len(sc.methods), len(sc.task_agnostic), 1184
     rates = {"vocab": 70e9, "vocab_pass": 3e8, "head_step_s": 2.5e-3}
-    train = THROUGHPUT["cpu"]["train"]
-
-    def seconds(matmuls, passes, factored, steps, head_flops):
-        return ((matmuls * 2 * d + factored * 2 * r) * V / rates["vocab"] + passes * V / rates["vocab_pass"]
-                + steps * rates["head_step_s"] + head_flops / train)
+    seconds = _line_seconds(rates, d, V, r)
 
     log = []
     for i, (n_val, n_ref, n_train) in enumerate([(2100, 900, 4000), (3300, 1500, 6100), (1800, 2600, 3500)]):
@@ -84,18 +93,13 @@ def test_fit_reads_the_one_pass_diagnostics_log(tmp_path):
     factored, the rank-608 control: a matmul) and the task-agnostic artifact's kinds x methods; the
     per-artifact ``built in`` lines of that log (the writes) are not fitted."""
     from darts_bench.config import load_config
-    from darts_bench.plan.resources import THROUGHPUT
 
     fit = _script()
     cfg = load_config("smollm2-135m")
     d, V, r, sc = 576, 49152, cfg.surgery.rank, cfg.surgery
     meth, kinds = len(sc.methods), len(sc.task_agnostic)
     rates = {"vocab": 80e9, "vocab_pass": 2.6e8, "head_step_s": 1.9e-3}
-    train = THROUGHPUT["cpu"]["train"]
-
-    def seconds(matmuls, passes, factored, steps, head_flops):
-        return ((matmuls * 2 * d + factored * 2 * r) * V / rates["vocab"] + passes * V / rates["vocab_pass"]
-                + steps * rates["head_step_s"] + head_flops / train)
+    seconds = _line_seconds(rates, d, V, r)
 
     def heads_artifact(path, ranks, n_train):
         path.mkdir()
@@ -143,18 +147,13 @@ def test_fit_reads_the_seeds_diagnostics_log(tmp_path):
     their ``_manifest.json``), the reference pass every seed's: line times made from known rates come back from
     the fit (the matmul rate fixed), and a line whose passes and artifacts' seeds disagree is refused."""
     from darts_bench.config import load_config
-    from darts_bench.plan.resources import THROUGHPUT
 
     fit = _script()
     cfg = load_config("smollm2-135m", ["surgery.controls=[]", "surgery.task_agnostic=[]", "seeds=[0,1,2]"])
     d, V, r, sc = 576, 49152, cfg.surgery.rank, cfg.surgery
     meth = len(sc.methods)
     rates = {"vocab": 250e9, "vocab_pass": 5e8, "head_step_s": 1.3e-3}
-    train = THROUGHPUT["cpu"]["train"]
-
-    def seconds(matmuls, passes, factored, steps, head_flops):
-        return ((matmuls * 2 * d + factored * 2 * r) * V / rates["vocab"] + passes * V / rates["vocab_pass"]
-                + steps * rates["head_step_s"] + head_flops / train)
+    seconds = _line_seconds(rates, d, V, r)
 
     log = []
     for i, (held, n_ref, n_train) in enumerate([((2100, 2300, 1900), 900, 4000), ((3300, 3100, 3000), 1500, 6100),

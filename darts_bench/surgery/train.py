@@ -198,9 +198,7 @@ def bias_rows_in_use(head: CorrectionHead, *positions: torch.Tensor) -> Iterator
     if full is None:
         yield None
         return
-    rows = max(int(head.bias_index(p)[0].max()) + 1 for p in positions if p.numel()) if any(
-        p.numel() for p in positions) else 0
-    rows = max(rows, 1)
+    rows = max((int(head.bias_index(p)[0].max()) + 1 for p in positions if p.numel()), default=1)
     if bool(full.detach()[rows:].any()):
         raise ValueError(f"bias_rows_in_use: rows {rows}.. of the position-bias table are not zero")
     head.pos_bias = torch.nn.Parameter(full.detach()[:rows].clone())
