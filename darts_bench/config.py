@@ -258,6 +258,13 @@ class MergeSpec(_Strict):
     batch_size: int | None = Field(None, ge=1, description="adamerging / regmean: prompts per forward")
     calibration_split: Literal["transductive", "inductive"] | None = Field(
         None, description="adamerging / regmean: the calibration split whose prompts (inputs only) are the data")
+    planted_drift: float | None = Field(
+        None, gt=0, description="positive control (darts_bench/collect/features.py plant_drift): add a planted, "
+        "position-dependent drift of this size (in units of the final hidden state's typical norm) to the merge's "
+        "cached final hidden states: a fixed random vector per absolute position, zero mean over positions, so a "
+        "position-agnostic low-rank head cannot remove it and a position table can. The merge's rows are "
+        "behaviour-only (the drift is not in its weights: no benchmark rows) and its cells form the claims' "
+        "positive-control line only. None: a normal merge")
 
     @model_validator(mode="before")
     @classmethod
@@ -294,7 +301,7 @@ class MergeSpec(_Strict):
     def _drop_unset_data_fields(self, handler):
         out = handler(self)
         if isinstance(out, dict):  # a mergekit merge serialises (and hashes) as before the data merges existed
-            for f in _DATA_FIELDS:
+            for f in (*_DATA_FIELDS, "planted_drift"):
                 if out.get(f, 0) is None:
                     del out[f]
         return out
@@ -393,6 +400,41 @@ class SurgeryConfig(_Strict):
         if "param_matched" in self.controls and "darts" not in self.methods:
             raise ValueError("controls: param_matched matches the darts head's parameter count, but methods "
                              f"{self.methods} has no darts")
+        return self
+
+
+#: the families a claim line can be decided on (darts_bench/report/decide.py): behaviour signals on the
+#: expert-continuation (``_gen``) or reference-answer (``_ref``) positions, the reference NLL, the task's headline
+ClaimFamily = Literal["kl_expert_gen", "kl_expert_ref", "agree_top1_gen", "agree_top1_ref", "ref_nll", "primary"]
+
+
+class ClaimsConfig(_Strict):
+    """Pre-registration of the claims (darts_bench/report/decide.py): recorded in the output dir's
+    ``preregistration.json`` and the manifest before any stage runs; ``report --from-results`` reads
+    them from the manifest, never from the current config."""
+
+    primary: ClaimFamily = Field(
+        "kl_expert_gen", description="the one primary family of the DARTS-vs-Surgery claim lines (claim 3, the "
+        "matched control, the ingredients, the positive control): its random-effects verdict over (merge, task) "
+        "cells is the line's verdict, at `alpha`, uncorrected. kl_* families on the log-ratio scale "
+        "(log KL_a / KL_b: -0.1 = 10% lower), the others as differences")
+    secondary: list[ClaimFamily] = Field(
+        default_factory=lambda: ["kl_expert_ref", "agree_top1_gen", "ref_nll", "primary"],
+        description="secondary (exploratory) families: the same analysis, Holm-adjusted among themselves per "
+        "line, never a verdict")
+    alpha: float = Field(0.05, gt=0, lt=1, description="level of every interval and test of the claim lines "
+                         "(two-sided), and the alpha of the minimum detectable effect")
+    null_replicates: int = Field(
+        400, ge=0, description="A/A null-control replicates per claim line (labels of the two rows swapped per "
+        "sequence at random inside each cell, so every cell's true difference is 0): the rate at which the "
+        "verdict rule flags a difference is stated with its Clopper-Pearson interval. 0: off")
+
+    @model_validator(mode="after")
+    def _families(self) -> "ClaimsConfig":
+        if self.primary in self.secondary:
+            raise ValueError(f"claims.secondary {self.secondary} repeats the primary family {self.primary!r}")
+        if len(set(self.secondary)) != len(self.secondary):
+            raise ValueError(f"claims.secondary: repeated families in {self.secondary}")
         return self
 
 
@@ -700,6 +742,8 @@ class Config(_Strict):
         None, description="head seeds (head init, batch order, held-out split); one set of corrected rows "
         "per seed, reported as mean and spread. None: the single run seed `seed` (rows not tagged)")
     sweep: SweepConfig = SweepConfig()
+    claims: ClaimsConfig = Field(default_factory=lambda: ClaimsConfig(),
+                                 description="pre-registered primary family per claim (recorded before any stage)")
     loggers: list[Literal["mlflow", "wandb"]] = Field(
         default_factory=list, description="experiment trackers the report logs to (extras darts-bench[mlflow], "
         "darts-bench[wandb]): manifest as parameters, table cells as metrics, results files as artifacts")

@@ -255,7 +255,7 @@ class Pipeline:
         return RunRecord(cfg=self.cfg, suite=self.suite, out_dir=self.out_dir, task_names=self.task_names,
                          tasks=self.tasks(), pool=self.pool(), merges=self.merge(), train=self.train(),
                          rows=self.rows(), results=results, timings=self.timings,
-                         peak_rss=self.peak_rss)
+                         peak_rss=self.peak_rss, preregistration=self._cache.get("preregistration"))
 
     def report(self):
         """Write ``results.json`` and the tables (:func:`darts_bench.report.tables.write_report`)."""
@@ -265,10 +265,33 @@ class Pipeline:
         return self._stage("report", lambda: write_report(record))
 
     def run_until(self, stage: str):
-        """Run ``stage`` and every stage before it; returns its result."""
+        """Run ``stage`` and every stage before it; returns its result. A run that ends in the report
+        pre-registers its claims first (:meth:`preregister`), before any stage."""
         if stage not in STAGES:
             raise ValueError(f"unknown stage {stage!r}; stages: {STAGES}")
+        if stage == "report":
+            self.preregister()
         return getattr(self, stage)()
+
+    def preregister(self) -> dict:
+        """Record the config's ``claims`` section (each claim line's primary family, alpha, the null control)
+        before any stage runs: ``<out>/preregistration.json`` (written atomically) and the manifest's
+        ``preregistration``; ``report --from-results`` decides from this record, never from a later config."""
+        import datetime
+        import json
+
+        from darts_bench.artifacts import atomic_write_text
+
+        if "preregistration" not in self._cache:
+            rec = {"claims": self.cfg.claims.model_dump(), "config": self.cfg.name, "suite": self.suite,
+                   "recorded_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   "stages_done_before": sorted(self.timings)}
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.out_dir / "preregistration.json", json.dumps(rec, indent=1) + "\n")
+            log.info("claims pre-registered before any stage: primary family %s (%s)", rec["claims"]["primary"],
+                     self.out_dir / "preregistration.json")
+            self._cache["preregistration"] = rec
+        return self._cache["preregistration"]
 
 
 def process_peak_rss() -> int | None:

@@ -189,9 +189,12 @@ def check_row_filter(cfg) -> None:
 
 
 def selected_specs(cfg) -> list[RowSpec]:
-    """The rows ``evaluate.rows`` selects, in table order (:func:`check_row_filter` first)."""
+    """The rows ``evaluate.rows`` selects, in table order (:func:`check_row_filter` first). The rows of a
+    merge with a planted drift (``merges[*].planted_drift``, the positive control) are never evaluated on the
+    benchmarks: the drift lives in their cached features, not in their weights; they are behaviour-only."""
     check_row_filter(cfg)
-    return [s for s in row_specs(cfg) if row_selected(cfg, s.model)]
+    planted = {m.name for m in cfg.merges if m.planted_drift}
+    return [s for s in row_specs(cfg) if row_selected(cfg, s.model) and s.merge not in planted]
 
 
 def needs_merges(cfg) -> bool:

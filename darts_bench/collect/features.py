@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from dataclasses import dataclass
 from functools import cached_property
@@ -239,12 +240,56 @@ def collect_merged(cfg, merge: str, merge_dir: Path, merge_key: str, calib: Cali
     key = merged_key(cfg, merge_key, calib.key)
     final = work_dir / "features" / f"{merge}-{calib.task}-{calib.split}-{key}"
 
+    spec = next((s for s in cfg.merges if s.name == merge), None)
+    drift = spec.planted_drift if spec is not None else None
+
     def build(tmp: Path) -> None:
         seqs = calib.meta["sequences"]
         _run_sharded(executor, merge_dir, seqs, cfg.ray.shard_size, tmp, final.with_name(final.name + ".partial"),
                      "merged", f"merged features {merge}/{calib.task}/{calib.split}",
                      entropy=merged_entropy_needed(cfg))
+        if drift:
+            plant_drift(tmp, merge_dir, drift, cfg.seed)
 
     cached(final, build, what=f"collect features {merge}/{calib.task}/{calib.split}",
            meta={"kind": "features", "merge": merge, "calib": calib.key})
     return FeatureSet(merge=merge, calib=calib, root=final, key=key)
+
+
+#: positions the planted drift covers (0 .. PLANTED_POSITIONS - 1; zero beyond): the calibration range of the
+#: tiers that run the positive control
+PLANTED_POSITIONS = 512
+
+
+def planted_drift_table(d_model: int, scale: float, seed: int, n_positions: int = PLANTED_POSITIONS) -> torch.Tensor:
+    """``[n_positions, d_model]`` float32: the positive control's drift, one fixed random direction per
+    absolute position (standard normal, seeded), each row scaled to norm ``scale``, then the mean over
+    positions subtracted (so the drift averages to zero over positions: a constant, position-agnostic
+    offset cannot remove it, and its rank is ~``n_positions``, beyond a rank-16 head)."""
+    g = torch.Generator().manual_seed(seed)
+    r = torch.randn(n_positions, d_model, generator=g, dtype=torch.float64)
+    r = r / r.norm(dim=1, keepdim=True) * scale
+    return (r - r.mean(dim=0, keepdim=True)).float()
+
+
+def plant_drift(folder: Path, merge_dir: Path, amount: float, seed: int) -> None:
+    """Add the planted drift to every ``h`` of the merged features in ``folder`` (shards rewritten
+    atomically), at each token's absolute position: ``h[t] += D[pos[t]]`` with ``D`` from
+    :func:`planted_drift_table`, scaled to ``amount`` times the final hidden state's typical norm
+    ``sqrt(d) * rms(model.norm.weight)`` (the final RMSNorm's output has unit RMS before its weight).
+
+    Raises:
+        KeyError: the checkpoint has no ``model.norm.weight`` (not a Llama-style decoder).
+    """
+    from darts_bench.pool.checkpoint import read_tensor
+
+    w = read_tensor(merge_dir, "model.norm.weight").float()
+    d = w.numel()
+    table = planted_drift_table(d, float(amount * math.sqrt(d) * w.pow(2).mean().sqrt()), seed)
+    for path in sorted(folder.glob("merged-*.safetensors")):
+        feats = store.load_file(str(path))
+        pos = feats["positions"].clamp(max=PLANTED_POSITIONS - 1)
+        inside = (feats["positions"] < PLANTED_POSITIONS).to(feats["h"].dtype).unsqueeze(-1)
+        feats["h"] = (feats["h"].float() + table[pos] * inside).to(feats["h"].dtype)
+        i = int(path.stem.rsplit("-", 1)[1])
+        store.write_shard(folder, "merged", i, feats)

@@ -1,47 +1,31 @@
-"""The claims table: one line per claim of the DARTS paper's abstract, each with a verdict computed
-from this run's diagnostics, paired results and evidence files, never written by hand.
+"""The claims table: one line per claim of the DARTS paper's abstract (and the lines beyond it), each with a
+verdict computed from this run's diagnostics and evidence files, never written by hand.
 
 Claims:
 1. *Representation bias grows with position under the causal mask*: the least-squares slope of the
-   merged model's per-token L1 to the expert against absolute position (held-out calibration
-   sequences, no head), with a sequence-bootstrap 95% CI, per (merge, task, split) cell.
+   merged model's per-token L1 to the expert against absolute position on the expert-continuation
+   positions of held-out calibration sequences (no head), sequence-bootstrap 95% CI, per (merge, task,
+   split) cell; per split, a random-effects meta-analysis over cells (:func:`_trend_line`).
 2. *High-entropy positions carry more of the error*: mean L1 in the top expert-entropy quartile
-   minus the bottom quartile, sequence-bootstrap 95% CI, per (merge, task, split) cell.
-3. *DARTS beats Surgery* on each task's headline metric and on behaviour (reference NLL, KL to the
-   expert, top-1 agreement, gap closed; :data:`darts_bench.report.seeds.COMPARED`). The unit is the
-   (merge, task) cell with its head seeds averaged (:mod:`darts_bench.report.seeds`): wins / ties /
-   losses over cells, the exact sign test, Holm-adjusted across the compared families. Per cell, a
-   test of the seed-mean DARTS - Surgery difference (:mod:`darts_bench.report.evidence`): exact
-   McNemar for pass/fail task metrics, else a crossed (seeds x units) bootstrap CI.
-4. *Contradicting signals*: heads that lower the surgery objective (held-out rep L1) but raise the
-   KL to the expert, which the objective is meant to lower.
-5. *Routing keeps the oracle's gain* (beyond the paper, with ``surgery.task_agnostic: [routed]``): per
-   method, the ``<merge>+<method>@routed`` row (head picked per prompt by a router) against the oracle
-   row ``<merge>+<method>`` (the benchmark's own head) on each task's headline metric and reference
-   NLL, over (merge, task) cells exactly as claim 3 (per-cell McNemar or crossed bootstrap of the
-   seed-mean routed - oracle difference, sign test over cells, Holm over the two families):
-   ``not supported`` = routing loses significantly, ``supported`` = it gains; the evidence gives
-   the mean gain of each row over the plain merge.
-6. *One shared head keeps the oracle's gain* (``surgery.task_agnostic: [shared]``): the same for the
-   ``@shared`` row (one head trained on every task's calibration set).
-7. *The heads still help on top of a strong merge* (beyond the paper, with an ``adamerging`` or
-   ``regmean`` merge, :data:`STRONG_MERGE_METHODS`): per method (and control), the corrected row of a
-   strong merge against that plain merge on each task's headline metric and reference NLL, over
-   (strong merge, task) cells exactly as claim 3 (``supported`` = the head gains significantly over
-   the merge); the evidence gives the mean gain of the head over its merge on the strong merges beside
-   the mean on the training-free (mergekit) merges of the run. The Surgery paper (Yang et al., ICML
-   2024) reports the head's gain shrinking as the merge improves (AdaMerging + Surgery vs task
-   arithmetic + Surgery on ViT-B/32); this line measures it for decoders.
+   minus the bottom quartile on the same positions, the same analysis.
+3. *DARTS beats Surgery*, and what the difference is made of (DARTS vs the parameter-matched Surgery,
+   each ingredient vs Surgery), and claim 7, *the heads still help on top of a strong merge*, and the
+   planted-drift positive control: decided lines (:mod:`darts_bench.report.decide`): one pre-registered
+   primary family, a random-effects verdict over (merge, task) cells with its interval, heterogeneity,
+   prediction interval and power.
+4. *Contradicting signals*: heads that lower the surgery objective (held-out continuation rep L1) but
+   raise the KL to the expert there, which the objective is meant to lower.
+5. *Routing keeps the oracle's gain* (``surgery.task_agnostic: [routed]``): per method, the
+   ``<merge>+<method>@routed`` row against the oracle row on each task's headline metric and reference
+   NLL, per cell (exact McNemar or a crossed bootstrap of the seed-mean difference), rolled up by the
+   exact sign test over cells with Holm over the two families.
+6. *One shared head keeps the oracle's gain* (``surgery.task_agnostic: [shared]``): the same for ``@shared``.
 
 Cell verdicts: ``supported`` / ``not supported`` (the CI, or the McNemar p < 0.05, on one side),
 ``inconclusive (...)`` and ``insufficient (...)``: an interval from fewer than :data:`MIN_SEQUENCES`
 units (held-out sequences or examples) is descriptive, never a verdict; a sign or McNemar test on
 fewer than :data:`MIN_SIGN_PAIRS` untied pairs cannot reach p < 0.05 and is not one either.
-
-Roll-up (:func:`rollup`, the one rule for claims.md, table.md and the README findings): when the
-informative cells are significant in both directions the claim is ``heterogeneous (k for, m
-against)``; otherwise its verdict is the sign test over cells (claim 3: its Holm-adjusted p), never a
-vote count of cells.
+The rule is stated once, by :func:`claims_header` (and :func:`darts_bench.report.decide.rule_text`).
 """
 
 from __future__ import annotations
@@ -53,9 +37,13 @@ import pandas as pd
 
 # MIN_SEQUENCES: fewer units (held-out sequences, or examples) than this give a descriptive interval,
 # never a verdict; one threshold for the train stage, the tables and the claims
-from darts_bench.config import DATA_MERGE_METHODS
 from darts_bench.evidence import MIN_SEQUENCES
 from darts_bench.report.seeds import sign_test
+#: the position set claims 1, 2 and 4 read (darts_bench/surgery/data.py position_sets): the expert-continuation
+#: positions of held-out calibration sequences, the shared template left out
+POSITIONS = "gen"
+SLOPE_WHAT = "slope of L1 vs position on continuation positions (L1 units / position), no head"
+CONTRAST_WHAT = "L1 top minus bottom entropy quartile on continuation positions, no head"
 #: the fewest untied pairs for which the two-sided sign test can give p < 0.05 (2 / 2**6 = 0.031)
 MIN_SIGN_PAIRS = 6
 ALPHA = 0.05
@@ -197,19 +185,26 @@ def claim_evidence(runs: dict[tuple, dict], comparison: pd.DataFrame | None, met
         if cell in seen:
             continue
         seen.add(cell)
-        n_seq = d.get("none", {}).get("slope", {}).get("n_sequences", len(d.get("held_out_sequences", [])) or None)
-        sl = d["none"]["slope"]
-        recs.append({"claim": 1, **_cell(key), "what": "slope of L1 vs position (L1 units / position), no head",
-                     "estimate": sl["slope"], "ci_low": sl["ci_low"], "ci_high": sl["ci_high"],
-                     "n_sequences": n_seq,
-                     "verdict": interval_verdict(sl["ci_low"], sl["ci_high"], n_seq, min_sequences)})
-        ec = d["none"].get("entropy_contrast")
-        if ec is None:
-            recs.append({"claim": 2, **_cell(key), "what": "L1 top minus bottom entropy quartile, no head",
-                         "estimate": None, "ci_low": None, "ci_high": None, "n_sequences": n_seq,
-                         "verdict": "insufficient (not recorded: heads cached before entropy_contrast)"})
+        # claims 1-2 read the expert-continuation positions (``gen``): never a template every prompt shares
+        gen = d.get("none", {}).get(POSITIONS)
+        sl = (gen or {}).get("slope")
+        if not sl:
+            recs.append({"claim": 1, **_cell(key), "what": SLOPE_WHAT, "estimate": None, "ci_low": None,
+                         "ci_high": None, "n_sequences": None,
+                         "verdict": "insufficient (no continuation-position slope recorded)"})
         else:
-            recs.append({"claim": 2, **_cell(key), "what": "L1 top minus bottom entropy quartile, no head",
+            n_seq = sl.get("n_sequences")
+            recs.append({"claim": 1, **_cell(key), "what": SLOPE_WHAT,
+                         "estimate": sl["slope"], "ci_low": sl["ci_low"], "ci_high": sl["ci_high"],
+                         "n_sequences": n_seq,
+                         "verdict": interval_verdict(sl["ci_low"], sl["ci_high"], n_seq, min_sequences)})
+        ec = (gen or {}).get("entropy_contrast")
+        if ec is None:
+            recs.append({"claim": 2, **_cell(key), "what": CONTRAST_WHAT,
+                         "estimate": None, "ci_low": None, "ci_high": None, "n_sequences": None,
+                         "verdict": "insufficient (no continuation-position entropy contrast recorded)"})
+        else:
+            recs.append({"claim": 2, **_cell(key), "what": CONTRAST_WHAT,
                          "estimate": ec["q4_minus_q1"], "ci_low": ec["ci_low"], "ci_high": ec["ci_high"],
                          "n_sequences": ec["n_sequences"],
                          "verdict": interval_verdict(ec["ci_low"], ec["ci_high"], ec["n_sequences"], min_sequences)})
@@ -239,16 +234,17 @@ def claim_evidence(runs: dict[tuple, dict], comparison: pd.DataFrame | None, met
                      "verdict": cell_test_verdict(t, min_sequences)})
     for key, d in runs.items():
         for method in methods:
-            h = d.get(method)
-            if h is None:
+            h = (d.get(method) or {}).get(POSITIONS)
+            none = d["none"].get(POSITIONS)
+            if h is None or none is None:
                 continue
-            lowers_l1 = h["rep_l1"] < d["none"]["rep_l1"]
-            raises_kl = h["kl_expert"] > d["none"]["kl_expert"]
+            lowers_l1 = h["rep_l1"] < none["rep_l1"]
+            raises_kl = h["kl_expert"] > none["kl_expert"]
             tag = "".join(str(k) for k in key[3:4] if k) + (f" seed {key[4]}" if len(key) > 4 else "")
-            recs.append({"claim": 4, **_cell(key), "what": f"{method}{tag}: rep L1 {d['none']['rep_l1']:.4g} -> "
-                                                           f"{h['rep_l1']:.4g}, KL {d['none']['kl_expert']:.4g} -> "
+            recs.append({"claim": 4, **_cell(key), "what": f"{method}{tag}: continuation rep L1 {none['rep_l1']:.4g} -> "
+                                                           f"{h['rep_l1']:.4g}, KL {none['kl_expert']:.4g} -> "
                                                            f"{h['kl_expert']:.4g} nats",
-                         "estimate": h["kl_expert"] - d["none"]["kl_expert"], "ci_low": None, "ci_high": None,
+                         "estimate": h["kl_expert"] - none["kl_expert"], "ci_low": None, "ci_high": None,
                          "n_sequences": None,
                          "verdict": "contradicts" if (lowers_l1 and raises_kl) else "consistent"})
     return pd.DataFrame(recs)
@@ -260,9 +256,8 @@ CLAIMS = {1: "representation bias grows with position under the causal mask",
           4: "lowering the surgery objective (rep L1) also lowers the KL to the expert",
           5: "routing keeps the oracle's gain (routed row vs the oracle row)",
           6: "one shared head keeps the oracle's gain (shared row vs the oracle row)",
-          7: "the heads still help on top of a strong merge (AdaMerging, RegMean: head row vs the plain merge)"}
-#: merge methods claim 7 counts as strong: the data merges (learned or solved on calibration prompts)
-STRONG_MERGE_METHODS = DATA_MERGE_METHODS
+          7: "the heads still help on top of a strong merge (AdaMerging, RegMean: head row vs the plain merge)",
+          0: "positive control: a planted position-dependent drift"}
 #: claim -> the task-agnostic row kind it compares with the oracle row (darts_bench/rows.py)
 AGNOSTIC_CLAIMS = {5: "routed", 6: "shared"}
 #: the families claims 5 and 6 compare (task metrics: a task-agnostic row has no held-out behaviour signals)
@@ -385,120 +380,70 @@ def agnostic_evidence(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]
     return pd.DataFrame(recs)
 
 
-def _head_gains(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]], column_of: dict[str, str],
-                method_variant: str, split: str, merges: set[str]) -> tuple[float | None, int]:
-    """Mean over the (merge, task) cells of ``merges`` (seeds averaged inside a cell) of the
-    direction-adjusted gain (> 0 better) of the ``method_variant`` head row over its plain merge, and
-    the cell count."""
-    import numpy as np
-
-    from darts_bench.report.seeds import direction
-
-    by = {r["model"]: r for r in rows}
-    plain = {m["merge"]: name for name, m in meta.items() if m.get("merge") and m["correction"] == "none"}
-    cells: dict[tuple, list[float]] = {}
-    for name, m in meta.items():
-        if (m.get("merge") not in merges or m.get("routing") or m["correction"] == "none"
-                or m["calibration"] != split or f"{m['correction']}{m['variant'] or ''}" != method_variant):
-            continue
-        for t, col in column_of.items():
-            a, b = by.get(name, {}).get(col), by.get(plain.get(m["merge"]), {}).get(col)
-            if isinstance(a, (int, float)) and isinstance(b, (int, float)) and math.isfinite(a) and math.isfinite(b):
-                cells.setdefault((m["merge"], t), []).append(direction(col, t) * (a - b))
-    if not cells:
-        return None, 0
-    return round(float(np.mean([np.mean(v) for v in cells.values()])), 12), len(cells)  # as _gains
-
-
-def strong_merge_evidence(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]], task_names: list[str],
-                          examples: list[dict], run_seed: int, merge_methods: dict[str, str] | None,
-                          primary: dict[str, str] | None = None,
-                          min_sequences: int = MIN_SEQUENCES) -> pd.DataFrame:
-    """Evidence rows of claim 7 (empty without a strong merge): per (split, method and variant,
-    family) the sign test over (strong merge, task) cells with Holm over :data:`AGNOSTIC_FAMILIES`
-    (``merge`` = ``all``), and per cell the test of the seed-mean head - plain merge difference, with
-    claim 3's rules and pairing code. The plain merge row is one side of every head of its merge, so
-    the pairing sees it under one alias per head row (``<merge> (plain, vs <head row>)``, its table
-    row and example records copied under that name).
-
-    Args:
-        merge_methods: merge name -> merge method (``merges[*].method`` of the config).
-    """
-    strong = {m for m, meth in (merge_methods or {}).items() if meth in STRONG_MERGE_METHODS}
-    if not strong:
-        return pd.DataFrame()
-    plain = {m["merge"]: name for name, m in meta.items() if m.get("merge") and m["correction"] == "none"}
-    by_row = {r["model"]: r for r in rows}
-    pm: dict[str, dict[str, Any]] = {}
-    extra_rows, alias_of = [], {}
-    for name, m in meta.items():
-        p = plain.get(m.get("merge"))
-        if m.get("merge") not in strong or m.get("routing") or m["correction"] == "none" or p not in by_row:
-            continue
-        v = f"{m['correction']}{m['variant'] or ''}"
-        alias = f"{p} (plain, vs {name})"
-        pm[name] = {**m, "correction": "darts", "variant": v}
-        pm[alias] = {**meta[p], "calibration": m["calibration"], "seed": m["seed"], "correction": "surgery",
-                     "variant": v}
-        extra_rows.append({**by_row[p], "model": alias})
-        alias_of[alias] = p
-    if not pm:
-        return pd.DataFrame()
-    plain_examples: dict[str, list[dict]] = {}
-    for e in examples:
-        if e["row"] in alias_of.values():
-            plain_examples.setdefault(e["row"], []).append(e)
-    ex = [e for e in examples if e["row"] in pm] + [
-        {**e, "row": alias} for alias, p in alias_of.items() for e in plain_examples.get(p, [])]
-    all_rows = [r for r in rows if r["model"] in pm] + extra_rows
-    free = {m["merge"] for m in meta.values() if m.get("merge") and m["merge"] not in strong}
-
-    def gains(fam, cols, split, variant):
-        g_s, n_s = _head_gains(rows, meta, cols, variant, split, strong)
-        g_f, n_f = _head_gains(rows, meta, cols, variant, split, free)
-        return "" if g_s is None else (f"; mean gain of the head over its merge ({fam}, > 0 better): strong merges "
-                                       f"{g_s:.4g} over {n_s} cells" + ("" if g_f is None else
-                                                                        f", training-free merges {g_f:.4g} over {n_f} cells"))
-
-    recs = _paired_claim_records(7, all_rows, pm, task_names, ex, run_seed, primary, min_sequences,
-                                 line_label="head - plain strong merge", cell_label="head - plain merge",
-                                 a_favoured="the head", a_name="head", b_name="merge", gains=gains)
-    return pd.DataFrame(recs)
-
-
 def _fmt_p(p: Any) -> str:
     return "n/a" if p is None or (isinstance(p, float) and math.isnan(p)) else f"{p:.3g}"
 
 
-def claims_table(evidence: pd.DataFrame) -> pd.DataFrame:
-    """One line per claim (claim 3: per compared family, split and variant): the verdict by
-    :func:`rollup` and its evidence (counts over cells, p-values, cells significant either way)."""
+def _trend_line(ev: pd.DataFrame, claim: int, split: str, alpha: float) -> dict[str, Any]:
+    """Claims 1-2 on one split: the random-effects meta-analysis (:func:`darts_bench.report.meta.random_effects`)
+    of the informative cells' no-head statistics, each cell's variance from its sequence-bootstrap 95% CI
+    (``((hi - lo) / (2 z_0.975))^2``); ``supported`` when the HKSJ interval lies above 0."""
+    from scipy import stats
+
+    from darts_bench.report.decide import verdict as re_verdict
+    from darts_bench.report.meta import MIN_CELLS, random_effects
+
+    vs = list(ev["verdict"])
+    ok = [(float(e), float(lo), float(hi)) for e, lo, hi, v in zip(ev["estimate"], ev["ci_low"], ev["ci_high"], vs)
+          if not v.startswith("insufficient") and all(x is not None and not pd.isna(x) for x in (e, lo, hi))
+          and hi > lo]
+    wins, losses = sum(e > 0 for e, _, _ in ok), sum(e < 0 for e, _, _ in ok)
+    sign = f"sign test {wins}/{losses}, p = {_fmt_p(sign_test(wins, losses))}"
+    z = stats.norm.isf(0.025)
+    res = (random_effects([e for e, _, _ in ok], [((hi - lo) / (2 * z)) ** 2 for _, lo, hi in ok], alpha)
+           if len(ok) >= MIN_CELLS else None)
+    verdict = re_verdict(res, 1, len(ok))
+    what = (f"{len(ok)} informative cells: n/a" if res is None else
+            f"{res.k} cells: {res.estimate:+.4g} [{res.ci_low:+.4g}, {res.ci_high:+.4g}] (HKSJ {1 - alpha:.0%}), "
+            f"p = {_fmt_p(res.p)}, I² = {res.i2:.2f}, tau = {res.tau:.3g}, 95% PI [{res.pi_low:+.4g}, "
+            f"{res.pi_high:+.4g}], MDE (80%) {res.mde:.3g}")
+    return {"claim": claim, "statement": f"{CLAIMS[claim]}: continuation positions ({split})", "verdict": verdict,
+            "evidence": f"{what}; per-cell CIs: {_counts(vs)}; {sign}"}
+
+
+def claims_table(evidence: pd.DataFrame, lines: list[dict[str, Any]] | None = None,
+                 alpha: float = ALPHA) -> pd.DataFrame:
+    """One line per claim: claims 1-2 per split (:func:`_trend_line`), the decided lines of claims 3 and 7
+    and the positive control (``lines``: :func:`darts_bench.report.decide.decide`; without them, the sign-test
+    roll-ups of claims 3 and 7 over the evidence), claim 4 (contradicting heads) and claims 5-6 (sign-test
+    roll-ups)."""
     out = []
-    if not len(evidence):
+    if not len(evidence) and not lines:
         return pd.DataFrame(columns=["claim", "statement", "verdict", "evidence"])
     for c in (1, 2):
-        ev = evidence[evidence["claim"] == c]
-        if len(ev):
-            vs = list(ev["verdict"])
-            # the test over cells counts informative cells only: a cell from fewer than MIN_SEQUENCES
-            # held-out sequences is descriptive
-            est = [float(e) for e, v in zip(ev["estimate"], vs)
-                   if e is not None and not pd.isna(e) and not v.startswith("insufficient")]
-            wins, losses = sum(e > 0 for e in est), sum(e < 0 for e in est)
-            p = sign_test(wins, losses)
-            out.append({"claim": c, "statement": CLAIMS[c], "verdict": rollup(vs, wins, losses, p),
-                        "evidence": f"{_counts(vs)}; estimate > 0 in {wins}, < 0 in {losses} informative cells, "
-                                    f"sign test p = {_fmt_p(p)}"})
-    for claim in (3, *AGNOSTIC_CLAIMS, 7):
+        ev = evidence[evidence["claim"] == c] if len(evidence) else evidence
+        for split in dict.fromkeys(ev["split"]) if len(ev) else []:
+            out.append(_trend_line(ev[ev["split"] == split], c, split, alpha))
+    paired = (*AGNOSTIC_CLAIMS,) if lines is not None else (3, *AGNOSTIC_CLAIMS, 7)
+    for claim in paired:
         out += _paired_lines(evidence, claim)
-    ev = evidence[evidence["claim"] == 4]
+    for ln in lines or []:
+        c, r = ln["contrast"], ln["meta"]
+        ev_ = ("n/a" if r is None else
+               f"{r.k} cells: {r.estimate:+.4g} [{r.ci_low:+.4g}, {r.ci_high:+.4g}] (HKSJ {1 - alpha:.0%}), p = "
+               f"{_fmt_p(r.p)}, I² = {r.i2:.2f}, tau = {r.tau:.3g}, 95% PI [{r.pi_low:+.4g}, {r.pi_high:+.4g}], "
+               f"MDE (80%) {r.mde:.3g}")
+        out.append({"claim": c.claim, "statement": f"{c.statement}: {ln['family']} ({ln['split']})",
+                    "verdict": ln["verdict"], "evidence": ev_})
+    ev = evidence[evidence["claim"] == 4] if len(evidence) else evidence
     if len(ev):
         k, n = int((ev["verdict"] == "contradicts").sum()), len(ev)
         verdict = SUPPORTED if k == 0 else (NOT_SUPPORTED if 2 * k > n else f"inconclusive ({k} of {n} heads contradict)")
         bad = "; ".join(f"{r['merge']}/{r['task']}/{r['split']} {r['what']}" for _, r in ev.iterrows()
                         if r["verdict"] == "contradicts")
         out.append({"claim": 4, "statement": CLAIMS[4], "verdict": verdict,
-                    "evidence": f"{k} of {n} heads lower held-out rep L1 but raise KL" + (f": {bad}" if bad else "")})
+                    "evidence": f"{k} of {n} heads lower held-out continuation rep L1 but raise its KL"
+                                + (f": {bad}" if bad else "")})
     if not out:
         return pd.DataFrame(columns=["claim", "statement", "verdict", "evidence"])
     return pd.DataFrame(out).sort_values("claim", kind="stable").reset_index(drop=True)
@@ -529,36 +474,53 @@ def _paired_lines(evidence: pd.DataFrame, claim: int) -> list[dict[str, Any]]:
     return out
 
 
-def claims_header(min_sequences: int = MIN_SEQUENCES) -> str:
-    """How claims.md reaches its verdicts (the one rule, also used by table.md and the README)."""
-    return ("Verdicts are computed from this run (darts_bench/report/claims.py), never written by hand, and "
-            "recomputed from `results.json` and `evidence/` by `darts-bench report --from-results DIR`. "
-            "**Units.** A claim-level test treats each (merge, task) cell as one unit (claims 1-2: each (merge, task, "
-            "split)), with the head seeds of a cell averaged inside it: seeds share the cell's merged model, "
-            "calibration set and examples, so they are not independent. **Cell tests.** Claims 1-2: the "
-            "sequence-bootstrap 95% CI of the no-head statistic. Claim 3: the seed-mean DARTS - Surgery difference, "
-            "tested by exact McNemar (pass/fail task metrics, per example: the sign test of the seed-mean outcome) "
-            "or a 95% expanded-percentile CI from a crossed bootstrap that resamples head seeds and units (held-out "
-            "sequences or examples) independently (a nested bootstrap, seeds then each seed's own held-out sequences, "
-            "where the head seeds drew different held-out splits). A cell is `supported` / `not supported` when its CI lies on one "
-            f"side of 0 (or McNemar p < {ALPHA}); an interval from fewer than {min_sequences} units is descriptive "
-            f"(`insufficient`), as is a test on fewer than {MIN_SIGN_PAIRS} untied pairs; a test over cells counts "
-            f"informative cells only, and a behaviour family is no verdict while a cell's signal rests on fewer than "
-            f"{min_sequences} sequences. **Roll-up.** When "
-            "informative cells are significant in both directions the claim is `heterogeneous (k for, m against)`; "
-            "otherwise the verdict is the exact two-sided sign test over cells (p < 0.05; claim 3: the p-value "
-            "Holm-adjusted across the metric families compared in the same split and variant), never a vote count "
-            "of cells. Claims 5-7 (when their rows exist) pair rows and test them exactly as claim 3: the task-agnostic "
-            "row - its oracle row (5, 6), a strong merge's head row - the plain merge (7). Claim 4 counts heads.\n\n")
+def claims_header(min_sequences: int = MIN_SEQUENCES, primary: str = "kl_expert_gen", alpha: float = ALPHA,
+                  preregistered: bool = True) -> str:
+    """How claims.md reaches its verdicts (the one rule, also used by table.md, the page and the README):
+    :func:`darts_bench.report.decide.rule_text` for the decided lines, then claims 1-2, 4 and 5-6."""
+    from darts_bench.report.decide import rule_text
+
+    return ("Verdicts are computed from this run (darts_bench/report/claims.py, decide.py), never written by hand, "
+            "and recomputed from `results.json` and `evidence/` by `darts-bench report --from-results DIR`. "
+            + ("The primary family was fixed in the config's `claims` section and recorded (`preregistration.json`, "
+               "manifest `preregistration`) before any stage ran. " if preregistered else
+               "This run predates pre-registration: its lines use the default primary family. ")
+            + rule_text(alpha, primary)
+            + "**Claims 1-2** read the expert-continuation positions of held-out calibration sequences (the template "
+            "every prompt shares left out): per (merge, task, split) the no-head statistic with its sequence-bootstrap "
+            "95% CI (an interval from fewer than "
+            f"{min_sequences} sequences is descriptive, `insufficient`), then per split the same random-effects rule "
+            "over cells, each cell's variance from its CI. **Claim 4** counts heads whose held-out continuation rep L1 "
+            "falls while their KL rises. **Claims 5-6** (task-agnostic rows, when the run has them) pair rows per cell "
+            "(exact McNemar or a crossed bootstrap CI) and roll up by the exact sign test over cells, Holm across "
+            "their two families; `heterogeneous (k for, m against)` when cells are significant both ways.\n\n")
 
 
-def claims_markdown(claims: pd.DataFrame, evidence: pd.DataFrame, to_markdown, min_sequences: int = MIN_SEQUENCES) -> str:
-    """``claims.md``: the claims table, how verdicts are reached, then the evidence per cell."""
-    head = claims_header(min_sequences)
+def claims_markdown(claims: pd.DataFrame, evidence: pd.DataFrame, to_markdown, min_sequences: int = MIN_SEQUENCES,
+                    lines: list[dict[str, Any]] | None = None, claims_cfg: dict[str, Any] | None = None,
+                    preregistered: bool = True) -> str:
+    """``claims.md``: the verdict sentences, how verdicts are reached, the claims table, the decided lines
+    (every column), their cells, then the evidence per cell of claims 1-2 and 4-6 (and claim 3's per-cell
+    tests, descriptive)."""
+    from darts_bench.report.decide import cell_records, lines_table
+
+    cfg = claims_cfg or {}
+    head = ""
+    if lines:
+        head = "## Verdicts\n\n" + "".join(f"- {ln['sentence']}\n" for ln in lines) + "\n"
+    head += claims_header(min_sequences, cfg.get("primary", "kl_expert_gen"), cfg.get("alpha", ALPHA), preregistered)
     if claims.empty:
         return head + ("No claim can be assessed: this run evaluated no merge or corrected row "
                        "(e.g. `evaluate.rows` selected base and experts only), so it has no heads and no "
                        "held-out diagnostics.\n")
-    ev = evidence.drop(columns=[c for c in ("p_sign", "p_holm", "metric", "variant", "wins", "losses", "descriptive")
-                                if c in evidence.columns])
-    return head + to_markdown(claims) + "\n### Evidence per cell\n\n" + to_markdown(ev)
+    body = head + to_markdown(claims)
+    if lines:
+        body += ("\n### Decided lines\n\n" + to_markdown(pd.DataFrame(lines_table(lines)))
+                 + "\n### Cells of the decided lines (primary family; `se`: within-cell standard error)\n\n"
+                 + to_markdown(pd.DataFrame(cell_records(lines))))
+    ev = evidence
+    if len(ev) and lines is not None:
+        ev = ev[~((ev["claim"].isin([3, 7])) & (ev["merge"] == "all"))]
+    ev = ev.drop(columns=[c for c in ("p_sign", "p_holm", "metric", "variant", "wins", "losses", "descriptive")
+                          if c in ev.columns])
+    return body + "\n### Evidence per cell\n\n" + to_markdown(ev)

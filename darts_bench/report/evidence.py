@@ -356,26 +356,38 @@ def run_intervals_from_sequences(lines: list[dict], n_boot: int = RUN_N_BOOT) ->
 # --------------------------------------------------------------------- claims and recomputation
 def claims_from(rows: list[dict], meta: dict[str, dict], runs: dict[tuple, dict], methods: list[str],
                 with_heads: list[str], examples: list[dict], sequences: list[dict], run_seed: int,
-                primary: dict[str, str] | None = None, merge_methods: dict[str, str] | None = None):
-    """``(comparison, evidence, claims)`` DataFrames of a run: the one computation behind claims.md,
+                primary: dict[str, str] | None = None, merge_methods: dict[str, str] | None = None,
+                claims_cfg: dict[str, Any] | None = None, splits: list[str] | None = None,
+                planted: Iterable[str] = ()):
+    """``(comparison, evidence, claims, lines)`` of a run: the one computation behind claims.md,
     used by :func:`darts_bench.report.tables.write_report` on the run's records and by
     :func:`recompute` on the files. ``rows``: the per-row table records; ``meta``: row name ->
     {merge, correction, calibration, variant, seed, group}; ``runs``: (merge, task, split, variant,
     seed) -> diagnostics; ``with_heads``: tasks with an expert; ``primary``: task -> its primary
     metric (``tasks.<task>.primary_metric``; default each task's first headline column);
-    ``merge_methods``: merge name -> method (claim 7 reads the strong merges from it)."""
-    from darts_bench.report.claims import agnostic_evidence, claim_evidence, claims_table, strong_merge_evidence
+    ``merge_methods``: merge name -> method (claim 7 reads the strong merges from it); ``claims_cfg``:
+    the pre-registered ``claims`` section (default :class:`darts_bench.config.ClaimsConfig`); ``splits``:
+    the calibration splits (default: those in ``meta``); ``planted``: merges with a planted drift (the
+    positive control). ``lines``: :func:`darts_bench.report.decide.decide`."""
+    from darts_bench.config import ClaimsConfig
+    from darts_bench.report.claims import agnostic_evidence, claim_evidence, claims_table
+    from darts_bench.report.decide import decide
     from darts_bench.report.seeds import comparison_table
 
-    comparison = comparison_table(rows, meta, with_heads, primary)
-    tests = cell_tests(examples, sequences, meta, with_heads, run_seed, primary=primary)
-    evidence = claim_evidence(runs, comparison, methods, tests)
-    agnostic = agnostic_evidence(rows, meta, with_heads, examples, run_seed, primary)  # claims 5-6 (routed, shared)
-    strong = strong_merge_evidence(rows, meta, with_heads, examples, run_seed, merge_methods, primary)  # claim 7
-    for extra in (agnostic, strong):
-        if len(extra):
-            evidence = pd.concat([evidence, extra], ignore_index=True)
-    return comparison, evidence, claims_table(evidence)
+    planted = set(planted)
+    keep = {n: m for n, m in meta.items() if m.get("merge") not in planted}  # the control is its own line
+    cfg = claims_cfg or ClaimsConfig().model_dump()
+    splits = splits or sorted({m["calibration"] for m in meta.values() if m.get("calibration")})
+    comparison = comparison_table(rows, keep, with_heads, primary)
+    tests = cell_tests(examples, [s for s in sequences if s["merge"] not in planted], keep, with_heads, run_seed,
+                       primary=primary)
+    evidence = claim_evidence({k: v for k, v in runs.items() if k[0] not in planted}, comparison, methods, tests)
+    agnostic = agnostic_evidence(rows, keep, with_heads, examples, run_seed, primary)  # claims 5-6 (routed, shared)
+    if len(agnostic):
+        evidence = pd.concat([evidence, agnostic], ignore_index=True)
+    prim = primary or {t: get_task(t).primary_metrics[0] for t in with_heads}
+    lines = decide(sequences, examples, meta, with_heads, prim, cfg, splits, run_seed, merge_methods, planted, runs)
+    return comparison, evidence, claims_table(evidence, lines, float(cfg["alpha"])), lines
 
 
 def runs_from_results(payload: dict) -> dict[tuple, dict]:
@@ -431,7 +443,12 @@ def load_run(results_dir: Path) -> dict[str, Any]:
             "sequences": read_jsonl(d / SEQUENCES_FILE, allow_empty=True),
             "run_seed": int(man["seed"]), "name": man["config"]["name"],
             "primary": man.get("primary_metrics"),
-            "merge_methods": {m["name"]: m["method"] for m in man["config"].get("merges", [])}}
+            "merge_methods": {m["name"]: m["method"] for m in man["config"].get("merges", [])},
+            # the pre-registered claims section (never the current config's): absent before pre-registration
+            "claims_cfg": (man.get("preregistration") or {}).get("claims"),
+            "preregistered": bool((man.get("preregistration") or {}).get("recorded_at")),
+            "splits": list(man["config"]["calibration"]["splits"]),
+            "planted": [m["name"] for m in man["config"].get("merges", []) if m.get("planted_drift")]}
 
 
 def _close(a: Any, b: Any, rel: float = 1e-9) -> bool:
@@ -456,10 +473,11 @@ def recompute(results_dir: Path) -> dict[str, Any]:
 
     d = Path(results_dir)
     run = load_run(d)
-    _, evidence, claims = claims_from(run["rows"], run["meta"], run["runs"], run["methods"], run["with_heads"],
-                                      run["examples"], run["sequences"], run["run_seed"], run["primary"],
-                                      run["merge_methods"])
-    text = f"# darts-bench claims: `{run['name']}`\n\n" + claims_markdown(claims, evidence, to_markdown)
+    _, evidence, claims, lines = claims_from(run["rows"], run["meta"], run["runs"], run["methods"], run["with_heads"],
+                                             run["examples"], run["sequences"], run["run_seed"], run["primary"],
+                                             run["merge_methods"], run["claims_cfg"], run["splits"], run["planted"])
+    text = f"# darts-bench claims: `{run['name']}`\n\n" + claims_markdown(
+        claims, evidence, to_markdown, lines=lines, claims_cfg=run["claims_cfg"], preregistered=run["preregistered"])
     mismatches = []
     committed = (d / "claims.md").read_text() if (d / "claims.md").is_file() else ""
     if text != committed:

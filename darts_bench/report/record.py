@@ -42,3 +42,5 @@ class RunRecord:
     results: dict[str, dict[str, TaskResult]]
     timings: dict[str, float] = field(default_factory=dict)
     peak_rss: dict[str, int] = field(default_factory=dict)
+    #: the claims pre-registered before any stage ran (:meth:`darts_bench.pipeline.Pipeline.preregister`)
+    preregistration: dict | None = None

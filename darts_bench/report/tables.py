@@ -422,10 +422,12 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     write_jsonl_gz(out / EXAMPLES_FILE, examples)
     write_jsonl_gz(out / SEQUENCES_FILE, sequences)
     primary = record.cfg.tasks.primary_metrics(record.task_names)  # tasks.<task>.primary_metric
-    comparison, evidence, claims = claims_from(rows, meta, runs or record.train["diagnostics"],
-                                               list(record.cfg.surgery.methods), with_heads, examples, sequences,
-                                               record.cfg.seed, primary,
-                                               {m.name: m.method for m in record.cfg.merges})
+    prereg = record.preregistration or {"claims": record.cfg.claims.model_dump(), "recorded_at": None,
+                                        "note": "report without a pre-registered run (the config's claims section)"}
+    comparison, evidence, claims, lines = claims_from(
+        rows, meta, runs or record.train["diagnostics"], list(record.cfg.surgery.methods), with_heads, examples,
+        sequences, record.cfg.seed, primary, {m.name: m.method for m in record.cfg.merges}, prereg["claims"],
+        list(record.cfg.calibration.splits), [m.name for m in record.cfg.merges if m.planted_drift])
     others = comparison_table(rows, meta, with_heads, primary, families=("other",))  # shown, not tested
     diags = record.train["diagnostics"]
     premise = {f"{m}/{t}/{s}": d["none"]["slope"] for (m, t, s), d in diags.items()}
@@ -475,6 +477,8 @@ def write_report(record: RunRecord) -> pd.DataFrame:
         # the driver's peak RSS per stage (GiB, 2^30 bytes; Linux), stages it triggered included
         "stage_peak_rss_gib": {k: round(v / 2**30, 3) for k, v in record.peak_rss.items()},
         "primary_metrics": primary,
+        # the claims section as recorded before any stage ran (darts_bench/pipeline.py Pipeline.preregister)
+        "preregistration": prereg,
         "head_seeds": head_seeds(record.cfg),
         "sweep_variants": [tag for tag, _ in surgery_variants(record.cfg)],
         # row name -> merge, correction, calibration split, sweep variant, head seed (report --from-results)
@@ -534,7 +538,8 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     from darts_bench.report.claims import claims_markdown
 
     atomic_write_text(out / "claims.md", f"# darts-bench claims: `{record.cfg.name}`\n\n"
-                      + claims_markdown(claims, evidence, to_markdown))
+                      + claims_markdown(claims, evidence, to_markdown, lines=lines, claims_cfg=prereg["claims"],
+                                        preregistered=record.preregistration is not None))
     for t, tdf in task_tables.items():
         md.append(f"\n## {t} (95% bootstrap CI; `a - b` rows: paired bootstrap of DARTS minus surgery, "
                   "`favours_darts` gives the sign that favours DARTS)\n")

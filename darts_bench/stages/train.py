@@ -59,8 +59,8 @@ def resolve_surgery(cfg, surgery, base_dir: Path):
 
 #: version of what ``diagnostics.json`` holds (in the head key: the heads artifact contains it).
 #: 2: ``gen`` / ``prompt`` position sets, shared-template exclusion, ``per_sequence`` evidence,
-#: ``kl_by_position``.
-DIAGNOSTICS_VERSION = 2
+#: ``kl_by_position``. 3: ``table_coverage`` of each position-table head (:func:`table_coverage`).
+DIAGNOSTICS_VERSION = 3
 #: how a position-bias head's gradient is summed, in the key of heads whose methods have a bias table:
 #: 2: in token order (``nn.functional.embedding``'s backward, :class:`darts_bench.surgery.heads.CorrectionHead`),
 #: the same bits at any thread count; before, a thread race at ``torch_threads`` > 1 (the 1-thread
@@ -169,9 +169,9 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
             if not reused(final, what):
                 t0 = time.perf_counter()
                 x = diagnosis_inputs(cfg, fs, merges[m], pool.path(task.expert), ref_fs, name, split, scfg, seed)
+                trained = train_heads(cfg, x, m, name, split, scfg, seed, work_dir, release_executor)
                 pending[(m, name, split, tag, seed)] = {
-                    "scfg": scfg, "x": _training_record(x),
-                    "trained": train_heads(cfg, x, m, name, split, scfg, seed, work_dir, release_executor)}
+                    "scfg": scfg, "x": _training_record(x, trained, fs.calib.meta), "trained": trained}
                 log.info("%s: heads trained in %.1f s (%s; diagnosed in one pass with the other rows of its "
                          "token streams below)", what, time.perf_counter() - t0, final)
             for method in scfg.methods:
@@ -211,9 +211,55 @@ def reused(final: Path, what: str) -> bool:
     return False
 
 
-def _training_record(x: dict) -> dict:
-    """What a pending heads artifact keeps of :func:`diagnosis_inputs` for its ``diagnostics.json``."""
-    return {"n_train_tokens": len(x["train"]), "tr_seq": x["tr_seq"], "va_seq": x["va_seq"]}
+def _training_record(x: dict, trained: dict[str, tuple[Any, dict]], meta: dict) -> dict:
+    """What a pending heads artifact keeps of :func:`diagnosis_inputs` (and of its ``trained`` heads:
+    :func:`table_coverage` per method with a position table) for its ``diagnostics.json``."""
+    from darts_bench.surgery.data import position_sets
+
+    gen = position_sets(x["val"].positions, x["val"].seq_index, meta, x["template"])["gen"]
+    sets = {"gen": x["val"].positions[gen], "reference": x["ref_positions"]}
+    coverage = {method: table_coverage(head, x["train"].positions, sets) for method, (head, _) in trained.items()
+                if head.pos_bias is not None}
+    return {"n_train_tokens": len(x["train"]), "tr_seq": x["tr_seq"], "va_seq": x["va_seq"],
+            "table_coverage": coverage}
+
+
+#: below this share of its evaluated positions on trained rows, a DARTS head is flagged (table, claims, page):
+#: the rest of its position table is the zero initialisation, so there the row is a rank-r head
+COVERAGE_WARN = 0.5
+
+
+def table_coverage(head, train_positions: torch.Tensor, sets: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """How much of a position-bias head's table is trained where it is evaluated. A table row is
+    *trained* when a training token indexes it (:meth:`~darts_bench.surgery.heads.CorrectionHead.bias_index`,
+    overflow policy included); the rows no training token reaches stay at their zero initialisation.
+
+    Args:
+        head: a head with a position table (``pos_bias`` not None).
+        train_positions: ``[N]`` int64 absolute positions of the training tokens.
+        sets: evaluated token sets, name -> ``[n]`` int64 positions (the train stage: ``gen``, the held-out
+            continuation tokens; ``reference``, the reference-answer tokens).
+    Returns:
+        ``{"trained_rows": int, "max_trained_position": int, <set>: {"share": float in [0, 1] or None (empty
+        set), "n_tokens": int, "max_position": int or None}}``: ``share`` is the fraction of the set's tokens
+        whose row is trained (and not switched off by ``overflow: zero``).
+    """
+    import torch
+
+    rows = head.pos_bias.shape[0]
+    idx, keep = head.bias_index(train_positions)
+    trained = torch.zeros(rows, dtype=torch.bool)
+    trained[idx[keep > 0]] = True
+    out: dict[str, Any] = {"trained_rows": int(trained.sum()),
+                           "max_trained_position": int(train_positions.max()) if len(train_positions) else -1}
+    for name, pos in sets.items():
+        if not len(pos):
+            out[name] = {"share": None, "n_tokens": 0, "max_position": None}
+            continue
+        i, k = head.bias_index(pos)
+        out[name] = {"share": float((trained[i] & (k > 0)).double().mean()), "n_tokens": int(len(pos)),
+                     "max_position": int(pos.max())}
+    return out
 
 
 def train_heads(cfg, x: dict, m: str, name: str, split: str, scfg, run_seed: int, work_dir: Path,
@@ -246,6 +292,8 @@ def heads_diagnostics(d: dict, methods: list[str], record: dict) -> dict:
              "held_out_sequences": record["va_seq"], "n_heldout": len(record["va_seq"])}
     for method in methods:
         diags[method] = d.pop(method)
+        if method in record.get("table_coverage", {}):
+            diags[method]["table_coverage"] = record["table_coverage"][method]
     diags.update(d)
     return diags
 
@@ -833,7 +881,8 @@ def diagnosis_inputs(cfg, fs: FeatureSet, merge_dir: Path, expert_dir: Path, ref
     ref_stream = reference_answer_batches(ref_exp, ref_fs.merged_shards(), ref_fs.calib.meta, scfg.entropy_source,
                                           W_e, W_m, template=template)
     ref_groups = reference_answer_groups(ref_exp, ref_fs.calib.meta, template).numpy()
+    ref_positions = reference_answer_groups(ref_exp, ref_fs.calib.meta, template, column="positions")
     n_ref_excluded = len(reference_answer_groups(ref_exp, ref_fs.calib.meta)) - len(ref_groups)
     return {"W_e": W_e, "W_m": W_m, "seed": seed, "tr_seq": tr_seq, "va_seq": va_seq, "train": train_, "val": val,
             "mean_h": float(train_.weight_source.mean()), "template": template, "ref_stream": ref_stream,
-            "ref_groups": ref_groups, "n_ref_excluded": n_ref_excluded}
+            "ref_groups": ref_groups, "ref_positions": ref_positions, "n_ref_excluded": n_ref_excluded}

@@ -186,13 +186,15 @@ def position_sets(positions: torch.Tensor, seq_index: torch.Tensor, meta: dict,
             "prompt": keep & (positions < plen - 1)}
 
 
-def reference_answer_groups(exp: ShardedFeatures, meta: dict, template: dict[int, int] | None = None) -> torch.Tensor:
-    """``[N]`` int64: the sequence index of each reference-answer token, in the order
-    :func:`reference_answer_batches` streams them (for sequence-level intervals; the same
-    ``template``); only the ``positions`` / ``seq_index`` columns of each shard are read."""
+def reference_answer_groups(exp: ShardedFeatures, meta: dict, template: dict[int, int] | None = None,
+                            column: str = "seq_index") -> torch.Tensor:
+    """``[N]`` int64: the sequence index (``column="positions"``: the absolute position) of each
+    reference-answer token, in the order :func:`reference_answer_batches` streams them (for
+    sequence-level intervals; the same ``template``); only the ``positions`` / ``seq_index`` columns
+    of each shard are read."""
     out = []
     for _, e in exp.shards(("positions", "seq_index")):
-        out.append(e["seq_index"][_answer_tokens(e["positions"], e["seq_index"], meta, template)])
+        out.append(e[column][_answer_tokens(e["positions"], e["seq_index"], meta, template)])
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
