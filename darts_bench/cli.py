@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
         _common(p, tasks)
         if name == "run":
             p.add_argument("--dry-run", action="store_true", help="print the plan and estimates; run nothing")
+            p.add_argument("--power-from", metavar="DIR", default=None,
+                           help="with --dry-run: a previous run's results dir whose within-cell variances and "
+                                "tau^2 size the claims' minimum detectable effects (default: stated defaults)")
         if name == "report":
             p.add_argument("--from-results", default=None, metavar="DIR",
                            help="run no stage: recompute every claims.md verdict and every interval of DIR from its "
@@ -393,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run" and args.dry_run:
             from darts_bench.plan import print_plan
 
-            print_plan(cfg, suite=args.suite, limit=args.limit, out_dir=args.out)
+            print_plan(cfg, suite=args.suite, limit=args.limit, out_dir=args.out, power_from=args.power_from)
             return 0
         from darts_bench.pipeline import Pipeline
 

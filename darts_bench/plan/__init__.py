@@ -114,9 +114,11 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
 
 
 def print_plan(cfg: Config, suite: str = "all", limit: int | None = None, file: TextIO | None = None,
-               out_dir: str | None = None) -> dict[str, Any]:
+               out_dir: str | None = None, power_from: str | None = None) -> dict[str, Any]:
     """Print the plan of ``cfg`` (``darts-bench run --dry-run``) and return it as a dict, after the
-    checks a real run makes first (:mod:`darts_bench.checks`; nothing is created).
+    checks a real run makes first (:mod:`darts_bench.checks`; nothing is created): the stages' costs,
+    then the claims' cells per line and the effect they can detect (:mod:`darts_bench.plan.power`;
+    ``power_from``: a previous run's results dir to take the variances from).
 
     Raises:
         DataError: a given data dir, or a selected task's folder in it, is missing.
@@ -134,7 +136,10 @@ def print_plan(cfg: Config, suite: str = "all", limit: int | None = None, file: 
     check_output_dir(Path(out_dir) if out_dir else cfg.resolved_out_dir(), "output dir", create=False)
     check_output_dir(Path(cfg.work_dir), "work dir", create=False)
     plan = make_plan(cfg, suite, limit)
-    print(format_plan(plan), file=file or sys.stdout)
+    from darts_bench.plan.power import claims_plan, format_claims_plan
+
+    plan["claims"] = claims_plan(cfg, names, Path(power_from) if power_from else None)
+    print(format_plan(plan) + "\n" + format_claims_plan(plan["claims"]), file=file or sys.stdout)
     return plan
 
 

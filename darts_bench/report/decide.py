@@ -412,7 +412,7 @@ def sentence(line: dict[str, Any]) -> str:
         return f"{a} vs {b} ({where}): {line['verdict']}: too few cells to decide."
     sure = {"supported": f"{a} is better", "not supported": f"{b} is better",
             "inconclusive": "no difference can be claimed"}[line["verdict"]]
-    return (f"{c.statement.capitalize()}? **{line['verdict']}** ({sure}): {effect_words(line['family'], res, a, b)}, "
+    return (f"{c.statement[0].upper() + c.statement[1:]}? **{line['verdict']}** ({sure}): {effect_words(line['family'], res, a, b)}, "
             f"{where}; HKSJ p = {_fmt(res.p, 2)}, I² = {res.i2:.2f}; detectable at 80% power: "
             f"{mde_words(line['family'], res)}.")
 
@@ -580,3 +580,19 @@ def cell_records(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"line": ln["contrast"].key, "split": ln["split"], "merge": c.merge, "task": c.task,
              "family": ln["family"], "estimate": c.y, "se": math.sqrt(c.v) if c.v > 0 else 0.0,
              "seeds": c.n_seeds, "units": c.n_units} for ln in lines for c in ln["cells"]]
+
+
+def lines_json(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The decided lines as plain data (``results.json`` ``decisions``): the numbers behind claims.md's table."""
+    out = []
+    for ln in lines:
+        c = ln["contrast"]
+        out.append({"claim": c.claim, "line": c.key, "statement": c.statement, "split": ln["split"],
+                    "family": ln["family"], "cells": ln["n_cells"], "verdict": ln["verdict"],
+                    "sentence": ln["sentence"], "meta": None if ln["meta"] is None else ln["meta"].as_dict(),
+                    "sign": ln["sign"], "stratified": ln["stratified"], "null": ln.get("null"),
+                    "null_hetero": ln.get("null_hetero"), "coverage": ln.get("coverage"),
+                    "secondary": {f: {"meta": None if v["meta"] is None else v["meta"].as_dict(),
+                                      "cells": v["n_cells"], "p_holm": v.get("p_holm")}
+                                  for f, v in ln["secondary"].items()}})
+    return out

@@ -409,6 +409,7 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     df = df[cols]
     from darts_bench.report.evidence import (EXAMPLES_FILE, SEQUENCES_FILE, claims_from, example_records,
                                              sequence_records, write_jsonl_gz)
+    from darts_bench.report.decide import lines_json
     from darts_bench.report.seeds import add_seed_means, comparison_table
     from darts_bench.rows import head_seeds, row_meta, surgery_variants
 
@@ -500,7 +501,9 @@ def write_report(record: RunRecord) -> pd.DataFrame:
                         for (m, t, s, tag, seed), d in (record.train.get("runs") or {}).items()}
                if len(record.train.get("runs") or {}) > len(diags) else {},
                "comparison": json.loads(comparison.to_json(orient="records")),
-               "claims": json.loads(claims.to_json(orient="records"))}
+               "claims": json.loads(claims.to_json(orient="records")),
+               # the decided lines (darts_bench/report/decide.py) with every number behind claims.md's table
+               "decisions": lines_json(lines)}
     atomic_write_text(out / "results.json", json.dumps(payload, indent=1, default=str))
     atomic_write_text(out / "table.csv", df.to_csv(index=False))
     from darts_bench.report.readable import (annotate_task_table, behaviour_table, ci_display, compact_table,
