@@ -489,14 +489,17 @@ class TasksConfig(_Strict):
         return {n: self.primary_metric(n) for n in names}
 
     def expert(self, name: str) -> str | None:
-        """The pool expert task ``name``'s heads are trained toward: ``tasks.<name>.expert``, else the
-        task class's ``Task.expert`` (None: no heads).
+        """The pool expert task ``name``'s heads are trained toward: ``tasks.<name>.expert`` when the
+        section sets it (``expert: null`` in YAML, or ``--set tasks.<name>.expert=null``: None, no heads),
+        else the task class's ``Task.expert`` (None: no heads).
 
         Raises:
             KeyError: no installed task of that name.
         """
         section = (self.__pydantic_extra__ or {}).get(name)
-        return getattr(section, "expert", None) or task_class(name).expert
+        if section is not None and "expert" in section.model_fields_set:
+            return section.expert
+        return task_class(name).expert
 
     def section(self, name: str) -> TaskConfig:
         """The config section of task ``name``.

@@ -146,7 +146,7 @@ def _task_entries(cfg: Config, names: list[str], limit: int | None
     needs: dict[str, dict[str, Any]] = {}
     for t in names:
         tc = getattr(cfg.tasks, t)
-        task = get_task(t)
+        task = get_task(t, tc)  # the protocol and expert of the section (e.g. the judge is expert:<expert>)
         size = task.official_size
         lim = limit if limit is not None else tc.limit
         if size is None and lim is None:
