@@ -237,22 +237,60 @@ def cmd_validate(args) -> int:
     from darts_bench.rows import row_names, selected_specs
 
     cfg = _load(args)
+    errors = preflight_errors(args, cfg)
+    if errors:
+        print_errors(errors, f"validate {cfg.name}")
+        return 2
+    names = resolve_suite(args.suite, cfg.tasks)
+    print(f"OK: config {cfg.name}: tasks {','.join(names)}; {len(selected_specs(cfg))} of {len(row_names(cfg))} "
+          f"rows evaluated; data dir {cfg.resolved_data_dir() or '(hub)'}; nothing was run")
+    return 0
+
+
+def preflight_errors(args, cfg: Config, sandbox: bool = True) -> list[str]:
+    """Every problem the run would meet (:func:`darts_bench.listing.validate`), then (``sandbox``) the
+    sandbox isolation check: ``darts-bench validate`` prints them, ``run`` and each stage stop on them."""
+    from darts_bench.listing import validate
+
     errors = validate(cfg, args.suite, args.out)
+    if not sandbox:
+        return errors
     try:
         _check_isolation(args, cfg, resolve_suite(args.suite, cfg.tasks))
     except SandboxError as e:
         errors.append(f"sandbox: {type(e).__name__}: {e}")
     except ValueError:
         pass  # a bad suite: already in errors
-    if errors:
-        for e in errors:
-            print(f"error: {e}", file=sys.stderr)
-        print(f"validate {cfg.name}: {len(errors)} check(s) failed", file=sys.stderr)
-        return 2
-    names = resolve_suite(args.suite, cfg.tasks)
-    print(f"OK: config {cfg.name}: tasks {','.join(names)}; {len(selected_specs(cfg))} of {len(row_names(cfg))} "
-          f"rows evaluated; data dir {cfg.resolved_data_dir() or '(hub)'}; nothing was run")
-    return 0
+    return errors
+
+
+def print_errors(errors: list[str], what: str) -> None:
+    """One ``error: ...`` line per problem (its ``where:`` / ``fix:`` lines indented below), then the count."""
+    for e in errors:
+        print(f"error: {e}", file=sys.stderr)
+    print(f"{what}: {len(errors)} check(s) failed; nothing was run", file=sys.stderr)
+
+
+def _offline_default(argv: list[str]) -> None:
+    """``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` = 1 for this process when a data dir is given
+    (``--data-dir`` or ``DARTS_BENCH_DATA``) and the user set neither (before huggingface_hub and
+    datasets are imported: they read them once): the data dir serves the tasks, and no evaluation
+    retries the hub. Logged once."""
+    from darts_bench.preflight import env_offline_default
+
+    given = None
+    for i, a in enumerate(argv):
+        if a == "--data-dir" and i + 1 < len(argv):
+            given = argv[i + 1]
+        elif a.startswith("--data-dir="):
+            given = a.split("=", 1)[1]
+    set_now = env_offline_default(given)
+    if set_now:
+        _OFFLINE_NOTE.append(f"data dir given: hub access off for this run ({'=1, '.join(set_now)}=1; set "
+                             "HF_HUB_OFFLINE=0 to allow it)")
+
+
+_OFFLINE_NOTE: list[str] = []
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -364,12 +402,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"]:  # everything after it is lm-eval's (its own -v, --help, ...)
         return cmd_lm_eval(argv[1:])
+    if argv[:1] in (["run"], ["pool"], ["merge"], ["collect"], ["train"], ["evaluate"], ["report"], ["validate"],
+                    ["score"], ["export"]):
+        _offline_default(argv)
     if not {"-v", "--verbose"} & set(argv):
         from darts_bench.progress import quiet_third_party
 
         quiet_third_party()  # before the parser imports the task folders (and with them tqdm, lm-eval)
     args = build_parser().parse_args(argv)
     _setup_logging(getattr(args, "verbose", False))
+    for note in _OFFLINE_NOTE:
+        log.info("%s", note)
     try:
         if args.command == "score":
             return cmd_score(args)
@@ -388,8 +431,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = _load(args)
         if args.command == "report" and args.rescore:
             return cmd_rescore(args, cfg)
-        if args.command == "evaluate" or (args.command == "run" and not args.dry_run):
-            _check_isolation(args, cfg, resolve_suite(args.suite, cfg.tasks))
+        if not (args.command == "run" and args.dry_run):
+            # the checks `validate` makes, all of them, before any stage (the sandbox's where code is run)
+            errors = preflight_errors(args, cfg, sandbox=args.command in ("run", "evaluate", "report"))
+            if errors:
+                print_errors(errors, f"{args.command} {cfg.name}")
+                return 2
         if args.command == "run" and args.dry_run:
             from darts_bench.plan import print_plan
 
@@ -411,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
                      time.perf_counter() - t0)
         return 0
     except (ConfigError, OSError, ValueError, KeyError, FloatingPointError, SandboxError, ImportError) as e:
-        log.error("%s: %s", type(e).__name__, e)
+        # a user's error: what and why, no traceback (-v shows it)
+        log.error("%s: %s", type(e).__name__, e, exc_info=getattr(args, "verbose", False))
         return 2
 
 

@@ -181,11 +181,16 @@ def row_selected(cfg, name: str) -> bool:
 
 def check_row_filter(cfg) -> None:
     """Raises ValueError when an ``evaluate.rows`` pattern matches no row of ``cfg`` (a typo would
-    otherwise silently evaluate nothing); the message lists the row names."""
+    otherwise silently evaluate nothing); the message names the nearest row names (difflib), not all."""
+    import difflib
+
     names = row_names(cfg)
     for p in cfg.evaluate.rows or []:
         if not any(fnmatchcase(n, p) for n in names):
-            raise ValueError(f"evaluate.rows: pattern {p!r} matches no row; rows of this config: {names}")
+            near = difflib.get_close_matches(p, names, n=3, cutoff=0.4)
+            hint = f"did you mean {', '.join(near)}? " if near else ""
+            raise ValueError(f"evaluate.rows: pattern {p!r} matches no row; {hint}(`darts-bench ls rows` lists the "
+                             f"{len(names)} rows of this config; patterns are fnmatch globs, e.g. 'ties+*')")
 
 
 def selected_specs(cfg) -> list[RowSpec]:

@@ -36,6 +36,22 @@ def merge_details(merge_dir: Path) -> dict | None:
     return None
 
 
+class MergeError(ValueError):
+    """mergekit failed on a merge: restated with the merge's name and the likely fix (``-v``: mergekit's traceback)."""
+
+
+def _mergekit(name: str, cd: dict, tmp: Path, seed: int, base: Path) -> None:
+    """:func:`run_one_merge`, its failures (mergekit's, transformers', safetensors') restated as :class:`MergeError`."""
+    try:
+        run_one_merge(cd, tmp, seed, base)
+    except Exception as e:  # noqa: BLE001 - the boundary: whatever mergekit raises, said once in our words
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        models = [m.get("model") for m in cd.get("models", [])]
+        raise MergeError(f"merge {name!r} ({cd.get('merge_method')}): mergekit failed: {type(e).__name__}: {first}; "
+                         f"inputs: base {cd.get('base_model')}, experts {models}. Check them with `darts-bench "
+                         "validate` (shard index, shapes, vocabulary, NaN weights); -v shows mergekit's traceback") from e
+
+
 def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None) -> dict[str, Path]:
     """Every configured merge: name -> checkpoint dir. mergekit merges are cached by (pool key, merge
     spec, seed), each with its ``mergekit_config.yml`` (:func:`~darts_bench.merge.mergekit_merge.write_mergekit_config`);
@@ -69,7 +85,7 @@ def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None) -> dict[s
             cd = merge_config_dict(spec, pool, cfg.pool.vocab_alignment)
             key = stable_hash({"pool": pool.key, "spec": spec.model_dump(mode="json"), "seed": cfg.seed})
             final = work_dir / "merges" / f"{spec.name}-{key}"
-            cached(final, lambda tmp, cd=cd: run_one_merge(cd, tmp, cfg.seed, pool.base),
+            cached(final, lambda tmp, cd=cd, s=spec: _mergekit(s.name, cd, tmp, cfg.seed, pool.base),
                    what=f"merge {spec.name} ({spec.method})", meta={"kind": "merge", "mergekit": cd})
             write_mergekit_config(final, cd, cfg.seed)  # after the cached build: also for merges cached before it
         out[spec.name] = final
