@@ -199,6 +199,34 @@ def selected_specs(cfg) -> list[RowSpec]:
     return [s for s in row_specs(cfg) if row_selected(cfg, s.model)]
 
 
+def needed_specs(cfg, task_names: list[str] | None = None) -> list[RowSpec]:
+    """The rows a run must build, in table order: those ``evaluate.rows`` selects, the rows the selected
+    tasks call by name (``Task.models_used``: the AlpacaEval judge, a ``model:<row>`` reference), and the
+    plain merge row of each selected corrected row (a task without a head runs it as its merge). Every
+    row when ``evaluate.rows`` is unset. The merges, features and heads of the other rows are not built."""
+    specs = row_specs(cfg)
+    if cfg.evaluate.rows is None:
+        return specs
+    want = {s.model for s in specs if row_selected(cfg, s.model)}
+    if task_names:
+        from darts_bench.api import get_task
+
+        for t in task_names:
+            tcfg = getattr(cfg.tasks, t)
+            want |= set(get_task(t, tcfg).models_used(tcfg))
+            ref = getattr(tcfg, "reference", None)
+            if isinstance(ref, str) and ref.startswith("model:"):
+                want.add(ref[len("model:"):])
+    want |= {s.merge for s in specs if s.model in want and s.merge}
+    return [s for s in specs if s.model in want]
+
+
+def needed_merges(cfg, task_names: list[str] | None = None) -> list[str]:
+    """The merges the run builds (:func:`needed_specs`), in ``cfg.merges`` order."""
+    need = {s.merge for s in needed_specs(cfg, task_names) if s.merge}
+    return [m.name for m in cfg.merges if m.name in need]
+
+
 def needs_merges(cfg) -> bool:
     """False when ``evaluate.rows`` selects no merge or corrected row (merge, collect and train are
     then skipped: base and experts only)."""
@@ -261,6 +289,7 @@ def row_meta(cfg, rows: list[RowSpec]) -> dict[str, dict[str, Any]]:
     return out
 
 
-__all__ = ["ROUTING_KINDS", "Row", "RowSpec", "SHARED_TASK", "agnostic_suffix", "bind_rows", "check_row_filter", "control_tags", "corrected_suffix", "head_seeds", "needs_merges",
+__all__ = ["ROUTING_KINDS", "Row", "RowSpec", "SHARED_TASK", "agnostic_suffix", "bind_rows", "check_row_filter",
+           "control_tags", "corrected_suffix", "head_seeds", "needed_merges", "needed_specs", "needs_merges",
            "row_meta", "row_names", "row_selected", "row_specs", "seed_tag", "selected_specs",
            "surgery_variants"]

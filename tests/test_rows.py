@@ -332,3 +332,24 @@ def test_param_matched_control_trained_evaluated_and_reported(micro_dir, micro_p
     finally:
         plain.close()
         pipe.close()
+
+
+def test_rows_limit_the_merges_features_and_heads_built(micro_dir, micro_pipeline):
+    """`train --rows ties+darts` (issue 63) builds only ties: its merge, its features and its heads, not
+    task_arithmetic's; the rows a task calls by name (the judge) stay bound."""
+    from darts_bench.rows import needed_merges, needed_specs
+
+    cfg = load_config(str(micro_dir / "micro.yaml"), ["evaluate.rows=[ties+darts]"])
+    tasks = ["gsm8k", "alpacaeval"]
+    assert needed_merges(cfg, tasks) == ["ties"]
+    assert {s.model for s in needed_specs(cfg, tasks)} == {"ties+darts", "ties", "expert:instruction"}
+    pipe = Pipeline(cfg, suite="gsm8k,alpacaeval")
+    try:
+        assert set(pipe.merge()) == {"ties"}
+        assert {m for m, _, _ in pipe.collect()["features"]} == {"ties"}
+        tr = pipe.train()
+        assert {k[0] for k in tr["run_heads"]} == {"ties"}
+        assert {k[0] for k in tr["runs"]} == {"ties"}
+        assert {r.model for r in pipe.all_rows()} == {"ties+darts", "ties", "expert:instruction"}
+    finally:
+        pipe.close()

@@ -52,11 +52,13 @@ def _mergekit(name: str, cd: dict, tmp: Path, seed: int, base: Path) -> None:
                          "validate` (shard index, shapes, vocabulary, NaN weights); -v shows mergekit's traceback") from e
 
 
-def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None) -> dict[str, Path]:
+def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None, only: list[str] | None = None) -> dict[str, Path]:
     """Every configured merge: name -> checkpoint dir. mergekit merges are cached by (pool key, merge
     spec, seed), each with its ``mergekit_config.yml`` (:func:`~darts_bench.merge.mergekit_merge.write_mergekit_config`);
     data merges (``adamerging``, ``regmean``) by :func:`data_merge_key`, from the calibration prompts of
     ``loaded`` (the tasks stage's :class:`~darts_bench.stages.tasks.LoadedTasks`).
+
+    ``only``: build these merges only (the ones the selected rows need: :func:`darts_bench.rows.needed_merges`).
 
     Raises:
         ValueError: a data merge is configured but ``loaded`` is None."""
@@ -64,6 +66,8 @@ def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None) -> dict[s
 
     out: dict[str, Path] = {}
     for spec in cfg.merges:
+        if only is not None and spec.name not in only:
+            continue
         if spec.uses_data:
             if loaded is None:
                 raise ValueError(f"merge {spec.name!r} ({spec.method}) needs the run's calibration prompts: pass the "
