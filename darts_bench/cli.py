@@ -66,7 +66,8 @@ def _common(p: argparse.ArgumentParser, tasks: list[str]) -> None:
                    help=f"benchmarks to run: all (every enabled task), one of {{{','.join(tasks)}}}, or a "
                         "comma-separated list")
     p.add_argument("--limit", type=_positive_int, default=None, help="cap examples per benchmark (>= 1)")
-    p.add_argument("--out", default=None, help="results dir (default results/<config name>)")
+    p.add_argument("--out", default=None, help="results dir (default runs/<config name>, git-ignored; the committed "
+                   "references in results/<tier> change only when named here)")
     p.add_argument("--data-dir", default=None, help="offline data dir (default $DARTS_BENCH_DATA, else hub)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config entry by dotted key, e.g. --set surgery.rank=8 (repeatable)")
@@ -125,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "results.json, table.csv and evidence/ files alone, compare with the committed ones "
                                 "(exit 1 on a difference); with --out, also write the recomputed claims.md there")
             p.add_argument("--rescore", action="store_true",
-                           help="re-score the results dir (--out, default results/<config name>) from its samples/ "
+                           help="re-score the results dir (--out, default runs/<config name>) from its samples/ "
                                 "with the scorers installed now, without generating again; writes rescore.csv and "
                                 "rescore.md beside the run's files")
     s = sub.add_parser("score", help="score completions made elsewhere with the same protocol and sandbox")

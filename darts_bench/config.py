@@ -45,6 +45,11 @@ KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
 EXPERT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
 
+#: where a run writes by default (``runs/<config name>``, git-ignored); ``results/<tier>`` holds the committed
+#: references, written only when asked (``--out results/<tier>``, ``make reference``)
+RUNS_DIR = "runs"
+
+
 class ConfigError(ValueError):
     """A configuration file or override is invalid; the message names the key and the source."""
 
@@ -687,7 +692,8 @@ class Config(_Strict):
     seed: int = 0
     data_dir: str | None = Field(None, description="offline data dir; env DARTS_BENCH_DATA; else hub")
     work_dir: str = Field("work", description="artifact cache (relative to cwd)")
-    out_dir: str | None = Field(None, description="results dir; default results/<name>")
+    out_dir: str | None = Field(None, description="results dir; default runs/<name> (git-ignored: a run never "
+                                "overwrites the committed references in results/; --out results/<name> updates one)")
     device: str = "cpu"
     torch_threads: int | None = Field(None, ge=1)
     pool: PoolConfig = PoolConfig()
@@ -753,7 +759,7 @@ class Config(_Strict):
 
     # ------------------------------------------------------------------ helpers
     def resolved_out_dir(self) -> Path:
-        return Path(self.out_dir) if self.out_dir else Path("results") / self.name
+        return Path(self.out_dir) if self.out_dir else Path(RUNS_DIR) / self.name
 
     def resolved_data_dir(self) -> Path | None:
         d = self.data_dir or os.environ.get("DARTS_BENCH_DATA")
