@@ -69,3 +69,64 @@ def test_run_stops_on_the_same_problems_before_any_stage(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "expert 'mathy':" in err and "no model.safetensors.index.json" in err and "Traceback" not in err
     assert not (tmp_path / "work").exists()
+
+
+def _doc_config() -> dict:
+    """The example config of docs/own-models.md (its first YAML block)."""
+    from conftest import REPO
+
+    text = (REPO / "docs" / "own-models.md").read_text()
+    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    assert len(block.strip().splitlines()) <= 16  # the ~15-line example
+    return yaml.safe_load(block)
+
+
+def test_the_docs_config_runs_the_whole_suite_on_four_experts_of_other_names(tmp_path, capsys):
+    """docs/own-models.md's config on four tiny bfloat16 experts saved in shards (coder, mathy, chatty, extra):
+    `run` over the whole suite with no other setting than sizes (examples, epochs) and places; the judge is
+    expert:chatty, the task with `expert: null` gets no heads."""
+    from darts_bench.cli import main
+
+    dirs = build_own_pool(tmp_path / "pool")
+    assert len(list(dirs["coder"].glob("*.safetensors"))) >= 2
+    cfg = _doc_config()
+    cfg["pool"]["base"] = str(dirs["base"])
+    cfg["pool"]["experts"] = {n: str(dirs[n]) for n in cfg["pool"]["experts"]}
+    # sizes and places only: a test-sized run
+    cfg.update(work_dir=str(tmp_path / "work"), torch_threads=1,
+               merges=[{"name": "ties", "method": "ties", "density": 0.5}],
+               calibration={"splits": ["transductive"], "n_prompts": 4, "max_new_tokens": 4, "batch_size": 4},
+               surgery={"epochs": 2, "batch_size": 64})
+    for t in ("humaneval", "gsm8k", "alpacaeval"):
+        cfg["tasks"][t] = {**cfg["tasks"][t], "limit": 2, "max_new_tokens": 4}
+    cfg["tasks"]["bootstrap"] = 10
+    path = tmp_path / "my-pool.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = tmp_path / "out"
+    assert main(["validate", "--config", str(path), "--data-dir", str(DATA_DIR), "--out", str(out)]) == 0, \
+        capsys.readouterr().err
+    rc = main(["run", "--config", str(path), "--data-dir", str(DATA_DIR), "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads((out / "results.json").read_text())
+    rows = {r["model"]: r for r in res["rows"]}
+    assert {"base", "expert:coder", "expert:mathy", "expert:chatty", "expert:extra", "ties", "ties+darts"} <= set(rows)
+    assert res["manifest"]["task_experts"] == {"humaneval": "coder", "gsm8k": "mathy", "alpacaeval": "chatty"}
+    assert "alpacaeval_win_rate" in rows["ties+darts"] and "gsm8k_em_strict" in rows["expert:extra"]
+
+
+def test_expert_null_means_no_heads_and_the_judge_is_base(tmp_path):
+    from darts_bench.api import get_task
+    from darts_bench.config import load_config
+
+    dirs = build_own_pool(tmp_path / "pool", names=("coder", "mathy"))
+    cfg_path = _own_config(tmp_path, {"base": str(dirs["base"]), "experts": {"coder": str(dirs["coder"]),
+                                                                              "mathy": str(dirs["mathy"])}})
+    cfg = load_config(str(cfg_path), ["tasks.humaneval.expert=coder", "tasks.gsm8k.expert=null",
+                                      "tasks.alpacaeval.expert=null"])
+    assert cfg.tasks.expert("gsm8k") is None and get_task("gsm8k", cfg.tasks.gsm8k).expert is None
+    assert cfg.tasks.alpacaeval.judge.model == "base"
+    assert load_config(str(cfg_path), ["tasks.alpacaeval.expert=mathy"]).tasks.alpacaeval.judge.model == "expert:mathy"
+    yaml_null = yaml.safe_load(cfg_path.read_text())
+    yaml_null["tasks"]["gsm8k"]["expert"] = None
+    cfg_path.write_text(yaml.safe_dump(yaml_null))
+    assert load_config(str(cfg_path)).tasks.expert("gsm8k") is None
