@@ -160,13 +160,12 @@ def nonfinite_tensors(f: Path) -> list[str]:
                     bad.append(k)
     except Exception as e:  # noqa: BLE001 - any failure means the file is unusable
         raise ValueError(f"corrupt safetensors file ({type(e).__name__}: {e})") from None
-    size = f.stat().st_size
-    with open(f, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(n))
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end != size:
-        raise ValueError(f"truncated or padded: header says {8 + n + end} bytes, file has {size}")
+    from darts_bench.pool.checkpoint import check_safetensors_length
+
+    try:
+        check_safetensors_length(f)
+    except ValueError as e:
+        raise ValueError(f"corrupt safetensors file (truncated or padded: {e})") from None
     return bad
 
 
