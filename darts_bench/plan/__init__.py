@@ -81,13 +81,6 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
         ValueError: unknown suite, no enabled task in it, a task with neither ``official_size`` nor
             a limit, or a ``Task.plan()`` outside its contract (naming the task).
     """
-    if cfg.evaluate.rows is not None:  # `--rows`: the run builds only the merges the selected rows need
-        from darts_bench.api import resolve_suite
-        from darts_bench.rows import needed_merges
-
-        keep = needed_merges(cfg, resolve_suite(suite, cfg.tasks))
-        if keep and len(keep) < len(cfg.merges):
-            cfg = cfg.model_copy(update={"merges": [m for m in cfg.merges if m.name in keep]})
     x, notes = plan_inputs(cfg, suite, limit)
     st = {name: STAGES[name](x) for name in STAGE_ORDER}
     if x.arch is None:
