@@ -212,8 +212,8 @@ class TaskConfig(BaseModel):
     # manifest.task_experts
     expert: str | None = Field(
         None, exclude=True, description="the pool expert (a name in pool.experts, or of the built pools: code, "
-        "math, instruction) whose features the task's Surgery / DARTS heads are trained toward. None: the task's "
-        "own default (Task.expert)")
+        "math, instruction) whose features the task's Surgery / DARTS heads are trained toward. Unset: the task's "
+        "own default (Task.expert); set to null: no heads for this task")
 
 
 class Task(ABC):
@@ -576,7 +576,8 @@ def get_task(name: str, config: TaskConfig | None = None) -> Task:
     protocol = getattr(config, "protocol", None)
     if protocol is not None:
         task.protocol = protocol
-    expert = getattr(config, "expert", None)
-    if expert is not None:  # tasks.<name>.expert: the pool expert this run's heads are trained toward
-        task.expert = expert
+    # tasks.<name>.expert, when the section sets it: the pool expert this run's heads are trained toward
+    # (``expert: null``: none, the task gets no heads)
+    if config is not None and "expert" in getattr(config, "model_fields_set", ()):
+        task.expert = getattr(config, "expert", None)
     return task

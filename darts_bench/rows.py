@@ -181,11 +181,16 @@ def row_selected(cfg, name: str) -> bool:
 
 def check_row_filter(cfg) -> None:
     """Raises ValueError when an ``evaluate.rows`` pattern matches no row of ``cfg`` (a typo would
-    otherwise silently evaluate nothing); the message lists the row names."""
+    otherwise silently evaluate nothing); the message names the nearest row names (difflib), not all."""
+    import difflib
+
     names = row_names(cfg)
     for p in cfg.evaluate.rows or []:
         if not any(fnmatchcase(n, p) for n in names):
-            raise ValueError(f"evaluate.rows: pattern {p!r} matches no row; rows of this config: {names}")
+            near = difflib.get_close_matches(p, names, n=3, cutoff=0.4)
+            hint = f"did you mean {', '.join(near)}? " if near else ""
+            raise ValueError(f"evaluate.rows: pattern {p!r} matches no row; {hint}(`darts-bench ls rows` lists the "
+                             f"{len(names)} rows of this config; patterns are fnmatch globs, e.g. 'ties+*')")
 
 
 def selected_specs(cfg) -> list[RowSpec]:
@@ -195,6 +200,34 @@ def selected_specs(cfg) -> list[RowSpec]:
     check_row_filter(cfg)
     planted = {m.name for m in cfg.merges if m.planted_drift}
     return [s for s in row_specs(cfg) if row_selected(cfg, s.model) and s.merge not in planted]
+
+
+def needed_specs(cfg, task_names: list[str] | None = None) -> list[RowSpec]:
+    """The rows a run must build, in table order: those ``evaluate.rows`` selects, the rows the selected
+    tasks call by name (``Task.models_used``: the AlpacaEval judge, a ``model:<row>`` reference), and the
+    plain merge row of each selected corrected row (a task without a head runs it as its merge). Every
+    row when ``evaluate.rows`` is unset. The merges, features and heads of the other rows are not built."""
+    specs = row_specs(cfg)
+    if cfg.evaluate.rows is None:
+        return specs
+    want = {s.model for s in specs if row_selected(cfg, s.model)}
+    if task_names:
+        from darts_bench.api import get_task
+
+        for t in task_names:
+            tcfg = getattr(cfg.tasks, t)
+            want |= set(get_task(t, tcfg).models_used(tcfg))
+            ref = getattr(tcfg, "reference", None)
+            if isinstance(ref, str) and ref.startswith("model:"):
+                want.add(ref[len("model:"):])
+    want |= {s.merge for s in specs if s.model in want and s.merge}
+    return [s for s in specs if s.model in want]
+
+
+def needed_merges(cfg, task_names: list[str] | None = None) -> list[str]:
+    """The merges the run builds (:func:`needed_specs`), in ``cfg.merges`` order."""
+    need = {s.merge for s in needed_specs(cfg, task_names) if s.merge}
+    return [m.name for m in cfg.merges if m.name in need]
 
 
 def needs_merges(cfg) -> bool:
@@ -259,6 +292,7 @@ def row_meta(cfg, rows: list[RowSpec]) -> dict[str, dict[str, Any]]:
     return out
 
 
-__all__ = ["ROUTING_KINDS", "Row", "RowSpec", "SHARED_TASK", "agnostic_suffix", "bind_rows", "check_row_filter", "control_tags", "corrected_suffix", "head_seeds", "needs_merges",
+__all__ = ["ROUTING_KINDS", "Row", "RowSpec", "SHARED_TASK", "agnostic_suffix", "bind_rows", "check_row_filter",
+           "control_tags", "corrected_suffix", "head_seeds", "needed_merges", "needed_specs", "needs_merges",
            "row_meta", "row_names", "row_selected", "row_specs", "seed_tag", "selected_specs",
            "surgery_variants"]

@@ -217,5 +217,6 @@ def test_score_added_task_values_and_errors(extra_tasks, tmp_path, capsys):
     capsys.readouterr()
     assert main(["score", "tinycode", str(bad)]) == 2
     assert f"{bad}:2: unknown task_id 'tinycode/9'" in capsys.readouterr().err
-    assert main(["score", "tinyplain", str(good)]) == 2  # no offline scorer
-    assert "no offline scorer" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # no offline scorer: not a choice of `score` (issue 63)
+        main(["score", "tinyplain", str(good)])
+    assert e.value.code == 2 and "invalid choice: 'tinyplain'" in capsys.readouterr().err

@@ -204,7 +204,8 @@ def test_validate_names_a_task_mapped_to_an_expert_the_pool_lacks(tmp_path, monk
     assert main(["validate", "--config", "micro", "--suite", "lsbadexpert", "--out", str(tmp_path / "o"),
                  "--set", f"work_dir={tmp_path / 'w'}"]) == 2
     err = capsys.readouterr().err
-    assert "error: tasks: ValueError: task lsbadexpert maps to expert 'law', which the pool does not have" in err
+    assert "error: tasks: task lsbadexpert maps to expert 'law', which the pool does not have" in err
+    assert "  where: tasks.lsbadexpert.expert" in err and "  fix: set tasks.lsbadexpert.expert to one of" in err
 
 
 def test_a_stage_alone_makes_no_output_dir_and_an_unusable_one_fails_first(micro_pipeline, micro_cfg_path, tmp_path,

@@ -34,8 +34,9 @@ def test_row_names_and_patterns(tmp_path):
 
 def test_pattern_matching_no_row_fails_early(tmp_path):
     pipe = _pipe(tmp_path, evaluate={"rows": ["base", "expert:coder"]})
-    with pytest.raises(ValueError, match=r"'expert:coder' matches no row; rows of this config: \['base', 'expert:code'"):
+    with pytest.raises(ValueError, match=r"'expert:coder' matches no row; did you mean expert:code, ") as e:
         check_row_filter(pipe.cfg)
+    assert "ties+darts@inductive" not in str(e.value)  # the nearest names, not every row
     with pytest.raises(Exception, match="rows must be a non-empty list"):
         _pipe(tmp_path, evaluate={"rows": []})
 
@@ -330,4 +331,25 @@ def test_param_matched_control_trained_evaluated_and_reported(micro_dir, micro_p
         assert vs["estimate"].tolist() == pytest.approx([nll])
     finally:
         plain.close()
+        pipe.close()
+
+
+def test_rows_limit_the_merges_features_and_heads_built(micro_dir, micro_pipeline):
+    """`train --rows ties+darts` (issue 63) builds only ties: its merge, its features and its heads, not
+    task_arithmetic's; the rows a task calls by name (the judge) stay bound."""
+    from darts_bench.rows import needed_merges, needed_specs
+
+    cfg = load_config(str(micro_dir / "micro.yaml"), ["evaluate.rows=[ties+darts]"])
+    tasks = ["gsm8k", "alpacaeval"]
+    assert needed_merges(cfg, tasks) == ["ties"]
+    assert {s.model for s in needed_specs(cfg, tasks)} == {"ties+darts", "ties", "expert:instruction"}
+    pipe = Pipeline(cfg, suite="gsm8k,alpacaeval")
+    try:
+        assert set(pipe.merge()) == {"ties"}
+        assert {m for m, _, _ in pipe.collect()["features"]} == {"ties"}
+        tr = pipe.train()
+        assert {k[0] for k in tr["run_heads"]} == {"ties"}
+        assert {k[0] for k in tr["runs"]} == {"ties"}
+        assert {r.model for r in pipe.all_rows()} == {"ties+darts", "ties", "expert:instruction"}
+    finally:
         pipe.close()

@@ -41,6 +41,8 @@ def check_checkpoint(path: str | Path) -> None:
 
     from safetensors import safe_open
 
+    from darts_bench.pool.checkpoint import check_safetensors_length
+
     p = Path(path)
     if not p.exists():
         return  # a hub id: transformers resolves it
@@ -60,13 +62,7 @@ def check_checkpoint(path: str | Path) -> None:
             with safe_open(str(f), "pt") as st:
                 for k in st.keys():
                     st.get_slice(k)
-            size = f.stat().st_size
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                header = json.loads(fh.read(n))
-            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-            if 8 + n + end != size:
-                raise ValueError(f"expected {8 + n + end} bytes, found {size}")
+            check_safetensors_length(f)
         except Exception as e:  # noqa: BLE001 - any failure here means the file is unusable
             raise ValueError(f"corrupt safetensors file {f}: {e}; re-download or rebuild it "
                              "(darts-bench rebuilds artifacts in its work dir when their manifest check fails)") from None

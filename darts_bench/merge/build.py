@@ -36,11 +36,29 @@ def merge_details(merge_dir: Path) -> dict | None:
     return None
 
 
-def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None) -> dict[str, Path]:
+class MergeError(ValueError):
+    """mergekit failed on a merge: restated with the merge's name and the likely fix (``-v``: mergekit's traceback)."""
+
+
+def _mergekit(name: str, cd: dict, tmp: Path, seed: int, base: Path) -> None:
+    """:func:`run_one_merge`, its failures (mergekit's, transformers', safetensors') restated as :class:`MergeError`."""
+    try:
+        run_one_merge(cd, tmp, seed, base)
+    except Exception as e:  # noqa: BLE001 - the boundary: whatever mergekit raises, said once in our words
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        models = [m.get("model") for m in cd.get("models", [])]
+        raise MergeError(f"merge {name!r} ({cd.get('merge_method')}): mergekit failed: {type(e).__name__}: {first}; "
+                         f"inputs: base {cd.get('base_model')}, experts {models}. Check them with `darts-bench "
+                         "validate` (shard index, shapes, vocabulary, NaN weights); -v shows mergekit's traceback") from e
+
+
+def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None, only: list[str] | None = None) -> dict[str, Path]:
     """Every configured merge: name -> checkpoint dir. mergekit merges are cached by (pool key, merge
     spec, seed), each with its ``mergekit_config.yml`` (:func:`~darts_bench.merge.mergekit_merge.write_mergekit_config`);
     data merges (``adamerging``, ``regmean``) by :func:`data_merge_key`, from the calibration prompts of
     ``loaded`` (the tasks stage's :class:`~darts_bench.stages.tasks.LoadedTasks`).
+
+    ``only``: build these merges only (the ones the selected rows need: :func:`darts_bench.rows.needed_merges`).
 
     Raises:
         ValueError: a data merge is configured but ``loaded`` is None."""
@@ -48,6 +66,8 @@ def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None) -> dict[s
 
     out: dict[str, Path] = {}
     for spec in cfg.merges:
+        if only is not None and spec.name not in only:
+            continue
         if spec.uses_data:
             if loaded is None:
                 raise ValueError(f"merge {spec.name!r} ({spec.method}) needs the run's calibration prompts: pass the "
@@ -69,7 +89,7 @@ def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None) -> dict[s
             cd = merge_config_dict(spec, pool, cfg.pool.vocab_alignment)
             key = stable_hash({"pool": pool.key, "spec": spec.model_dump(mode="json"), "seed": cfg.seed})
             final = work_dir / "merges" / f"{spec.name}-{key}"
-            cached(final, lambda tmp, cd=cd: run_one_merge(cd, tmp, cfg.seed, pool.base),
+            cached(final, lambda tmp, cd=cd, s=spec: _mergekit(s.name, cd, tmp, cfg.seed, pool.base),
                    what=f"merge {spec.name} ({spec.method})", meta={"kind": "merge", "mergekit": cd})
             write_mergekit_config(final, cd, cfg.seed)  # after the cached build: also for merges cached before it
         out[spec.name] = final

@@ -35,7 +35,7 @@ from darts_bench.plan.resources import (ACTOR_START_S, DIAG_BATCH, DIAG_TEMPS, F
 from darts_bench.plan.units import gb, num
 from darts_bench.controls import CONTROL_METHOD, head_param_count, param_matched_rank
 from darts_bench.positions import clamp_warning, resolve_max_len
-from darts_bench.rows import (RowSpec, head_seeds, merged_entropy_needed, needs_merges, row_selected, row_specs,
+from darts_bench.rows import (RowSpec, head_seeds, merged_entropy_needed, needed_merges, needs_merges, row_selected, row_specs,
                                surgery_variants)
 
 STAGE_ORDER = ("pool", "merge", "collect", "train", "evaluate", "report")
@@ -146,7 +146,7 @@ def _task_entries(cfg: Config, names: list[str], limit: int | None
     needs: dict[str, dict[str, Any]] = {}
     for t in names:
         tc = getattr(cfg.tasks, t)
-        task = get_task(t)
+        task = get_task(t, tc)  # the protocol and expert of the section (e.g. the judge is expert:<expert>)
         size = task.official_size
         lim = limit if limit is not None else tc.limit
         if size is None and lim is None:
@@ -233,6 +233,9 @@ def plan_inputs(cfg: Config, suite: str = "all", limit: int | None = None) -> tu
                      "rows evaluated" + ("" if needs_merges(cfg) else
                                          "; no merge or corrected row, so merge, collect and train are skipped "
                                          "(their lines above do not apply)"))
+        keep = needed_merges(cfg, names)  # the run builds only the merges the selected rows need
+        if keep and len(keep) < len(cfg.merges):
+            cfg = cfg.model_copy(update={"merges": [m for m in cfg.merges if m.name in keep]})
     calib, cal_notes = calibration_sets(cfg, tasks)
     notes += cal_notes
     max_pos = arch.get("max_position_embeddings") if arch else None

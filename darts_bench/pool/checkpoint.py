@@ -50,6 +50,18 @@ def tensor_file(model_dir: Path | str, name: str) -> Path:
     return files[0]
 
 
+def check_safetensors_length(f: Path | str) -> None:
+    """Raises ValueError when safetensors file ``f`` is not exactly as long as its header says (truncated
+    by an interrupted copy, or padded)."""
+    size = Path(f).stat().st_size
+    with open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        raise ValueError(f"expected {8 + n + end} bytes, found {size}")
+
+
 def read_tensor(model_dir: Path | str, name: str) -> torch.Tensor:
     """Tensor ``name`` of the checkpoint in ``model_dir`` in its stored dtype (only that tensor is read)."""
     with safe_open(str(tensor_file(model_dir, name)), "pt") as st:

@@ -345,8 +345,9 @@ def manifest_rows(mb: dict, mn: dict) -> list[tuple[str, str, str, bool]]:
     add("limits", json.dumps(mb.get("limits"), sort_keys=True), json.dumps(mn.get("limits"), sort_keys=True))
     add("task versions", json.dumps(mb.get("task_versions"), sort_keys=True),
         json.dumps(mn.get("task_versions"), sort_keys=True))
-    cb, cn = mb.get("config") or {}, mn.get("config") or {}
-    diff_keys = sorted(k for k in set(cb) | set(cn) if k not in CONFIG_PLACES and cb.get(k) != cn.get(k))
+    # the sections whose values differ by the rule that refuses a comparison (config_changes: keys on one side
+    # only are a newer or older schema, not a change of the experiment)
+    diff_keys = sorted({c.split(":", 1)[0].split(".")[1] for c in config_changes(mb, mn) if c.startswith("config.")})
     add("config sections that differ", "", ", ".join(diff_keys) or "none")
     out[-1] = (out[-1][0], out[-1][1], out[-1][2], bool(diff_keys))
     return out
@@ -366,7 +367,7 @@ def render(cells: list[Cell], manifests: dict, baseline_dir: str, new_dir: str, 
         lines.append(f"**no regression** ({len(changed)} cells changed within tolerance, "
                      f"{n_cmp - len(changed)} identical)\n")
     mrows = manifest_rows(manifests["baseline"], manifests["new"])
-    if any(d for name, _, _, d in mrows if name in ("seed", "config sections that differ", "suite")):
+    if config_changes(manifests["baseline"], manifests["new"]):  # the refusal's rule: silent when nothing changed
         lines.append("\nWarning: the two runs differ in seed, suite or config (see the manifest table): "
                      "moved cells may be the configuration's doing.\n")
 

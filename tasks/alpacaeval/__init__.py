@@ -15,7 +15,7 @@ from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, r
 from darts_bench.data import DataError, alpaca_text, load_expert_records, read_json_list, require_file
 from darts_bench.evaluate.nll import reference_nll_detail
 
-from .config import AlpacaEvalConfig, JudgeConfig  # noqa: F401 - public: tasks.alpacaeval config section
+from .config import DEFAULT_EXPERT, AlpacaEvalConfig, JudgeConfig  # noqa: F401 - public: tasks.alpacaeval config section
 from .annotators import annotate_named, check_annotator
 from .judge import (ANNOTATOR_DIR, alpaca_eval_version, judge_consistency, judge_pairs, load_annotator_config,
                     win_rate)
@@ -125,7 +125,7 @@ class AlpacaEvalTask(Task):
     """AlpacaEval 805 instructions; win rate against ``tasks.alpacaeval.reference`` judged locally."""
 
     name = "alpacaeval"
-    expert = "instruction"
+    expert = DEFAULT_EXPERT
     version = "4"  # 4: alpacaeval_truncated_rate (outputs that hit max_new_tokens) in what an evaluation holds
     protocol = "chat_template"  # tasks.alpacaeval.protocol: get_task(name, config) sets it, examples() and evaluate() read it
     primary_metrics = ("alpacaeval_win_rate",)
@@ -147,8 +147,16 @@ class AlpacaEvalTask(Task):
     def report_columns(self, result: TaskResult) -> dict[str, Any]:
         return {"alpacaeval_win_rate_kind": result.meta.get("win_rate_kind")}
 
+    def judge_model(self, config: AlpacaEvalConfig) -> str:
+        """The local judge's row name or checkpoint dir: ``judge.model`` when given, else the row of the
+        expert this task names (:attr:`expert`, set from ``tasks.alpacaeval.expert``: ``expert:<name>``),
+        ``base`` for a task without an expert."""
+        if config.judge.model:
+            return config.judge.model
+        return f"expert:{self.expert}" if self.expert else "base"
+
     def models_used(self, config: AlpacaEvalConfig) -> list[str]:
-        return [config.judge.model]
+        return [self.judge_model(config)]
 
     def sample_fields(self, example: Example, sample: dict[str, Any]) -> dict[str, Any]:
         """The samples-file view of one instruction (:meth:`Task.sample_fields`): ``doc`` =
@@ -186,9 +194,10 @@ class AlpacaEvalTask(Task):
                       "shared_tokens_per_row": shared}
         else:
             tokens = {"prompt_tokens_per_row": calls * reads, "new_tokens_per_row": calls * j.max_new_tokens}
-        return {"judge": {"label": named or f"local judge {j.model}", "model": None if named else j.model,
+        judge = self.judge_model(config)
+        return {"judge": {"label": named or f"local judge {judge}", "model": None if named else judge,
                           **tokens},
-                "what": f"AlpacaEval judge {j.model}" if named is None else
+                "what": f"AlpacaEval judge {judge}" if named is None else
                         f"AlpacaEval annotator {named} (alpaca_eval, outside this process)"}
 
     # ------------------------------------------------------------------------------ data
@@ -270,7 +279,7 @@ class AlpacaEvalTask(Task):
         cfg_path, annotator_name, ann_cfg = load_annotator_config(self.annotators_config)
         if named is None and ctx.get_model is None:
             raise ValueError("alpacaeval needs ctx.get_model to load the judge "
-                             f"(tasks.alpacaeval.judge.model={jcfg.model!r})")
+                             f"(tasks.alpacaeval.judge.model={self.judge_model(cfg)!r})")
 
         # 2. the model's outputs (greedy)
         stop = protocol_stop(protocol)
@@ -280,7 +289,7 @@ class AlpacaEvalTask(Task):
 
         # 3. judge: reference as output_1 / model as output_2 ("ab"), and swapped ("ba")
         both_orders = jcfg.both_orders and named is None  # a named annotator: alpaca_eval's own single pass
-        judge = ctx.get_model(jcfg.model) if named is None else None
+        judge = ctx.get_model(self.judge_model(cfg)) if named is None else None
         pairs = [(i, r, o) for i, r, o in zip(instructions, refs, outputs)]
         if both_orders:
             pairs += [(i, o, r) for i, r, o in zip(instructions, refs, outputs)]
@@ -368,7 +377,7 @@ class AlpacaEvalTask(Task):
             "setup_departures": cfg.setup_departures(),
             "reference": cfg.reference, **ref_meta,
             **protocol_meta(protocol), "example_prompt": examples[0].prompt,
-            "judge": jcfg.model if named is None else f"alpaca_eval:{named}",
+            "judge": self.judge_model(cfg) if named is None else f"alpaca_eval:{named}",
             "judge_name": getattr(judge, "name", None) if named is None else named_meta["annotator_model"],
             "judge_model_note": None if named is None else annotator_model_note(named_meta["annotator_model"]),
             "judge_mode": (ann_cfg.get("completions_kwargs") or {}).get("mode", "score") if named is None

@@ -11,12 +11,21 @@ from darts_bench.api import TaskConfig
 from .setups import SETUPS
 
 
+#: the pool expert AlpacaEval's heads (and by default its judge) take (``AlpacaEvalTask.expert``)
+DEFAULT_EXPERT = "instruction"
+
+
 class JudgeConfig(BaseModel):
-    """AlpacaEval judge. ``model``: ``expert:instruction``, ``base``, or a checkpoint dir."""
+    """AlpacaEval judge. ``model``: a row name (``expert:<name>``, ``base``, a merge ...) or a checkpoint
+    dir; unset: the expert the task names (``tasks.alpacaeval.expert``, default ``instruction``:
+    ``expert:instruction``; ``base`` when the task has no expert)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: str = "expert:instruction"
+    model: str | None = Field(
+        None, description="the local judge: a row name (expert:<name>, base, a merge) or a checkpoint dir; unset: "
+        "expert:<the task's expert> (tasks.alpacaeval.expert, default instruction), base when it has none")
+
     annotator: str | None = Field(
         None, description="an alpaca_eval annotator config name or path (e.g. weighted_alpaca_eval_gpt4_turbo, "
         "chatgpt_fn) run by alpaca_eval itself instead of the local judge `model`")
@@ -37,6 +46,22 @@ class AlpacaEvalConfig(TaskConfig):
     reference: str = Field("gpt4_turbo", description="gpt4_turbo | text_davinci_003 | model:<row name>")
     max_new_tokens: int = Field(128, ge=1)
     judge: JudgeConfig = JudgeConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_judge(cls, data: Any) -> Any:
+        """An unset ``judge.model`` is the row of the section's expert (``expert:<expert>``; the task's
+        :data:`DEFAULT_EXPERT` when ``expert`` is not given; ``base`` for ``expert: null``), so a pool with
+        other expert names needs no judge setting and the default dumps (and keys) as ``expert:instruction``."""
+        if not isinstance(data, dict):
+            return data
+        judge = data.get("judge", {})
+        if isinstance(judge, BaseModel):
+            judge = judge.model_dump(exclude_unset=True)
+        if not isinstance(judge, dict) or judge.get("model") is not None:
+            return data
+        expert = data.get("expert", DEFAULT_EXPERT)
+        return {**data, "judge": {**judge, "model": f"expert:{expert}" if expert else "base"}}
 
     @model_validator(mode="before")
     @classmethod

