@@ -424,6 +424,22 @@ def cmd_rescore(args, cfg: Config) -> int:
     return 0
 
 
+def print_summary(out, seconds: float) -> None:
+    """The end of a run's output: the compact table (table.md's), then the verdicts in one sentence each
+    and the page's path, last, so they are what the terminal shows."""
+    lines = (out / "table.md").read_text().splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("| model |")), len(lines))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    print("\n".join(lines[start:end]))
+    payload = json.loads((out / "results.json").read_text())
+    print("Verdicts (claims.md has every line, its cells and the rule):")
+    for d in payload.get("decisions") or []:
+        print(f"- {d['sentence'].replace('**', '')}")
+    if not payload.get("decisions"):
+        print("- no claim line could be decided on this run (no corrected rows with held-out signals)")
+    print(f"Results in {out} ({seconds:.0f} s). Open the page: {(out / 'index.html').resolve()}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["lm-eval"]:  # everything after it is lm-eval's (its own -v, --help, ...)
@@ -478,10 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             pipe.close()
         if stage == "report":
-            # the compact table table.md opens with; every column is in table.csv
-            print((pipe.out_dir / "table.md").read_text().split("\n## ")[0])
-            log.info("results written to %s (%.0f s): table.md, table.csv, claims.md", pipe.out_dir,
-                     time.perf_counter() - t0)
+            print_summary(pipe.out_dir, time.perf_counter() - t0)
         return 0
     except (ConfigError, OSError, ValueError, KeyError, FloatingPointError, SandboxError, ImportError) as e:
         # a user's error: what and why, no traceback (-v shows it)

@@ -225,15 +225,18 @@ def needed_specs(cfg, task_names: list[str] | None = None) -> list[RowSpec]:
 
 
 def needed_merges(cfg, task_names: list[str] | None = None) -> list[str]:
-    """The merges the run builds (:func:`needed_specs`), in ``cfg.merges`` order."""
-    need = {s.merge for s in needed_specs(cfg, task_names) if s.merge}
+    """The merges the run builds (:func:`needed_specs`, and every merge with a planted drift: the positive
+    control is behaviour-only, no row of it is ever selected), in ``cfg.merges`` order."""
+    need = {s.merge for s in needed_specs(cfg, task_names) if s.merge} | {m.name for m in cfg.merges
+                                                                            if m.planted_drift}
     return [m.name for m in cfg.merges if m.name in need]
 
 
 def needs_merges(cfg) -> bool:
     """False when ``evaluate.rows`` selects no merge or corrected row (merge, collect and train are
-    then skipped: base and experts only)."""
-    return any(row_selected(cfg, s.model) for s in row_specs(cfg) if s.merge)
+    then skipped: base and experts only), unless a merge has a planted drift (the positive control)."""
+    return any(m.planted_drift for m in cfg.merges) or any(row_selected(cfg, s.model) for s in row_specs(cfg)
+                                                          if s.merge)
 
 
 def bind_rows(specs: list[RowSpec], pool, merges: dict[str, Path], run_heads: dict, task_names: list[str],

@@ -502,12 +502,10 @@ def claims_markdown(claims: pd.DataFrame, evidence: pd.DataFrame, to_markdown, m
     """``claims.md``: the verdict sentences, how verdicts are reached, the claims table, the decided lines
     (every column), their cells, then the evidence per cell of claims 1-2 and 4-6 (and claim 3's per-cell
     tests, descriptive)."""
-    from darts_bench.report.decide import cell_records, lines_table
+    from darts_bench.report.decide import cell_records, lines_table, verdict_block
 
     cfg = claims_cfg or {}
-    head = ""
-    if lines:
-        head = "## Verdicts\n\n" + "".join(f"- {ln['sentence']}\n" for ln in lines) + "\n"
+    head = verdict_block([ln["sentence"] for ln in lines]) + "\n" if lines else ""
     head += claims_header(min_sequences, cfg.get("primary", "kl_expert_gen"), cfg.get("alpha", ALPHA), preregistered)
     if claims.empty:
         return head + ("No claim can be assessed: this run evaluated no merge or corrected row "

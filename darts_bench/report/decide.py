@@ -596,3 +596,17 @@ def lines_json(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                       "cells": v["n_cells"], "p_holm": v.get("p_holm")}
                                   for f, v in ln["secondary"].items()}})
     return out
+
+
+#: the files a reader opens after the verdicts (table.md, the CLI's last lines, the page)
+NEXT_FILES = ("index.html (the page: verdicts, figures, every table)", "claims.md (every line, its cells, the rule)",
+              "table.md / table.csv (every row and column)")
+
+
+def verdict_block(sentences: list[str]) -> str:
+    """The verdicts first (markdown): one sentence per decided line, then the files to open next."""
+    if not sentences:
+        return ("## Verdicts\n\nNo claim line could be decided on this run (no corrected rows with held-out "
+                "signals). Open next: " + "; ".join(NEXT_FILES) + ".\n")
+    return ("## Verdicts\n\n" + "".join(f"- {s}\n" for s in sentences) + "\nOpen next: " + "; ".join(NEXT_FILES)
+            + ".\n")

@@ -142,7 +142,7 @@ def gap_closed_points(df: pd.DataFrame, with_heads: list[str], meta: dict[str, d
         if d_name not in recs or s_name not in recs:
             continue
         for t in with_heads:
-            col = f"{t}_gap_closed"
+            col = f"{t}_gap_closed_gen"  # continuation positions, never the shared template
             a, b = recs[d_name].get(col), recs[s_name].get(col)
             if _finite(a) and _finite(b):
                 p = {"merge": m["merge"], "task": t, "split": m["calibration"], "variant": m["variant"],

@@ -107,9 +107,14 @@ def _table(df: pd.DataFrame) -> dict[str, Any]:
 
 
 def render_page(*, name: str, protocol_line: str, compact: pd.DataFrame, legend: list[tuple[str, str]],
-                claims: pd.DataFrame, figures: list[tuple[str, bytes]], browser: dict[str, Any]) -> str:
-    """The page's HTML (str). ``compact`` / ``claims``: display tables; ``legend``: (marker, text)
-    pairs; ``figures``: (name, PNG bytes), inlined as base64; ``browser``: :func:`browser_data`."""
+                claims: pd.DataFrame, figures: list[tuple[str, bytes]], browser: dict[str, Any],
+                verdicts: list[str] | None = None) -> str:
+    """The page's HTML (str): the verdicts first (``verdicts``: one sentence per decided line, ``**``
+    marking the verdict), then ``compact`` / ``claims`` (display tables; ``compact.attrs["folded"]``: the
+    columns folded away); ``legend``: (marker, text) pairs; ``figures``: (name, PNG bytes), inlined as
+    base64; ``browser``: :func:`browser_data`."""
+    from darts_bench.report.decide import NEXT_FILES
+
     import jinja2
     from markupsafe import Markup
 
@@ -127,13 +132,14 @@ def render_page(*, name: str, protocol_line: str, compact: pd.DataFrame, legend:
         name=name, version=version,
         protocol_lines=[re.sub(r"[*`]", "", ln).lstrip("- ").strip() for ln in protocol_line.splitlines() if ln.strip()], compact=_table(compact), legend=[(m, t.replace("`", "")) for m, t in legend],
         claims=_table(claims), figures=[{"name": n, "data": base64.b64encode(b).decode("ascii")} for n, b in figures],
-        browser_json=Markup(js))
+        browser_json=Markup(js), verdicts=[v.split("**") for v in verdicts or []], next_files="; ".join(NEXT_FILES),
+        folded=", ".join(f"{c} = {v}" for c, v in (compact.attrs.get("folded") or {}).items()))
 
 
 def write_page(out_dir: Path, *, name: str, protocol_line: str, compact: pd.DataFrame,
                legend: list[tuple[str, str]], claims: pd.DataFrame, figure_files: list[str],
                tasks: dict[str, tuple[Task, list[Example]]], results: dict[str, dict[str, TaskResult]],
-               rows: list[Row], methods: list[str]) -> Path:
+               rows: list[Row], methods: list[str], verdicts: list[str] | None = None) -> Path:
     """Write ``<out_dir>/index.html`` atomically (:func:`render_page`; ``figure_files`` relative to
     ``out_dir``) and return its path.
 
@@ -142,7 +148,8 @@ def write_page(out_dir: Path, *, name: str, protocol_line: str, compact: pd.Data
     """
     figures = [(f, (Path(out_dir) / f).read_bytes()) for f in figure_files]
     html = render_page(name=name, protocol_line=protocol_line, compact=compact, legend=legend, claims=claims,
-                       figures=figures, browser=browser_data(tasks, results, comparison_groups(rows, methods)))
+                       figures=figures, browser=browser_data(tasks, results, comparison_groups(rows, methods)),
+                       verdicts=verdicts)
     path = Path(out_dir) / "index.html"
     atomic_write_text(path, html)
     return path

@@ -94,14 +94,15 @@ def cell(row: dict[str, Any], col: str, marks: str = "") -> str:
 
 def compact_columns(task_names: list[str], with_heads: list[str], primary: dict[str, str] | None = None) -> list[str]:
     """``model``, each task's headline columns (its primary metric first: ``primary[task]``, default
-    the first headline column; the others beside it), ``<task>_gap_closed`` for tasks with heads, and
-    ``params_added``."""
+    the first headline column; the others beside it), ``<task>_gap_closed_gen`` for tasks with heads (the
+    share of the KL gap closed on expert-continuation positions: never the template every prompt shares),
+    and ``params_added``."""
     cols = ["model"]
     for t in task_names:
         heads = list(get_task(t).primary_metrics)
         prim = (primary or {}).get(t) or (heads[0] if heads else None)
         cols += [c for c in heads if c == prim] + [c for c in heads if c != prim]
-    cols += [f"{t}_gap_closed" for t in with_heads]
+    cols += [f"{t}_gap_closed_gen" for t in with_heads]
     return cols + ["params_added"]
 
 

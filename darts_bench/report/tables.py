@@ -216,6 +216,11 @@ def build_rows(record: RunRecord) -> list[dict[str, Any]]:
                     if sig in iv:
                         rec[f"{tname}_{sig}_ref_lo"], rec[f"{tname}_{sig}_ref_hi"] = iv[sig]["ci_low"], iv[sig]["ci_high"]
                 _put_position_sets(rec, tname, d, dd, row.method)
+                # a position-table head: the share of its evaluated positions (held-out continuations, reference
+                # answers) on table rows it was trained on (darts_bench/stages/train.py table_coverage)
+                cov = dd.get("table_coverage") or {}
+                rec[f"{tname}_table_coverage_gen"] = (cov.get("gen") or {}).get("share")
+                rec[f"{tname}_table_coverage_ref"] = (cov.get("reference") or {}).get("share")
                 sl = dd["slope"]
                 rec[f"{tname}_pos_slope"] = sl["slope"]
                 rec[f"{tname}_pos_slope_lo"], rec[f"{tname}_pos_slope_hi"] = sl["ci_low"], sl["ci_high"]
@@ -257,9 +262,20 @@ def contract_columns(task_names: list[str], routed: bool = False) -> list[str]:
                  f"{t}_gap_closed", f"{t}_gap_closed_lo", f"{t}_gap_closed_hi", f"{t}_kl_expert_ref", f"{t}_kl_expert_ref_lo",
                  f"{t}_kl_expert_ref_hi", f"{t}_agree_top1_ref", f"{t}_agree_top1_ref_lo", f"{t}_agree_top1_ref_hi",
                  f"{t}_gap_closed_ref", f"{t}_gap_closed_ref_lo", f"{t}_gap_closed_ref_hi", f"{t}_pos_slope",
-                 f"{t}_pos_slope_lo", f"{t}_pos_slope_hi", f"{t}_bias_grows", *set_columns(t), f"n_{t}"]
+                 f"{t}_pos_slope_lo", f"{t}_pos_slope_hi", f"{t}_bias_grows", *set_columns(t),
+                 f"{t}_table_coverage_gen", f"{t}_table_coverage_ref", f"n_{t}"]
         cols += [f"{t}_{c}" for c in ROUTING_COLUMNS] if routed else []
     return cols + ["params_added", "params_added_pct"]
+
+
+def fold_constant(compact: pd.DataFrame) -> pd.DataFrame:
+    """``compact`` without the metric columns whose displayed value is the same in every row (a floored
+    metric: every row 0, or every row empty); ``attrs["folded"]``: column -> that value."""
+    folded = {c: (compact[c].iloc[0] if len(compact) else "") for c in compact.columns[1:]
+              if len(compact) > 1 and compact[c].astype(str).nunique() == 1}
+    out = compact.drop(columns=list(folded))
+    out.attrs["folded"] = {c: ("empty" if str(v) in ("", "nan", "None") else v) for c, v in folded.items()}
+    return out
 
 
 def _fmt(v: Any) -> str:
@@ -512,13 +528,20 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     seed_rows = {m for m, v in meta.items() if v.get("group")}
     task_tables = {t: annotate_task_table(tdf, t, rows) for t, tdf in per_benchmark_tables(record, results, rows).items()}
     marks = degenerate_marks(rows, task_tables)  # all-empty outputs, zero-width CIs: markers + legend
-    md = [f"# darts-bench results: `{record.cfg.name}`\n", "\n" + protocol_header(manifest["protocols"]) + "\n\n",
+    from darts_bench.report.decide import verdict_block
+
+    md = [f"# darts-bench results: `{record.cfg.name}`\n\n", verdict_block([ln["sentence"] for ln in lines]),
+          "\n" + protocol_header(manifest["protocols"]) + "\n\n",
           "Headline metrics per task (the primary metric first: "
           + ", ".join(f"{t} `{m}`" for t, m in primary.items()) + "; `tasks.<task>.primary_metric`), gap closed "
-          "per task (share of the closable KL gap to the expert on held-out "
-          "calibration tokens) and parameters added; flags in parentheses qualify the number before them"
+          "per task (`_gap_closed_gen`: share of the closable KL gap to the expert on the expert-continuation "
+          "positions of held-out calibration sequences) and parameters added; flags in parentheses qualify the number before them"
           + (", `mean ± sd` over head seeds" if seed_rows else "") + ". Every column: `table.csv`.\n\n",
-          to_markdown(compact := compact_table(df, record.task_names, with_heads, seed_rows, primary, marks))]
+          to_markdown(compact := fold_constant(compact_table(df, record.task_names, with_heads, seed_rows, primary,
+                                                             marks)))]
+    if compact.attrs.get("folded"):
+        md.append("\nFolded away (the same value in every row of this run, so they tell no row apart; in "
+                  "`table.csv`): " + ", ".join(f"`{c}` = {v}" for c, v in compact.attrs["folded"].items()) + ".\n")
     if legend(marks):
         md.append("\n" + legend(marks))
     tail = []
@@ -581,7 +604,7 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     write_page(out, name=record.cfg.name, protocol_line=protocol_header(manifest["protocols"]), compact=compact,
                legend=[(m, t) for m, t in MARK_LEGEND.items() if any(m in v for v in marks.values())],
                claims=claims, figure_files=[*figs, *diag_figs], tasks=tasks, results=results, rows=record.rows,
-               methods=list(record.cfg.surgery.methods))
+               methods=list(record.cfg.surgery.methods), verdicts=[ln["sentence"] for ln in lines])
     if record.cfg.loggers:  # experiment trackers (darts_bench/loggers.py), after every file is written
         from darts_bench.loggers import log_run
 
