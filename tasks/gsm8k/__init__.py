@@ -29,7 +29,8 @@ from .protocols import LMEVAL_STRICT_COLUMN, PROTOCOLS, get_protocol
 #: ``$``); ``lm-eval`` runs score exactly as in version 2 and keep reporting 2 (README, changelog).
 #: ``gsm8k-cot-8shot`` (lm-eval's ``gsm8k_cot``) is new in version 3.
 #: Next versions (lm-eval 3, the others 4) add ``gsm8k_truncated_rate`` (answers that hit the token cap).
-TASK_VERSIONS = {"lm-eval": "3", "alpaca-cot": "4", "chat-cot": "4", "gsm8k-cot-8shot": "4"}
+#: chat-cot 5: its strict filter also reads ``#### N`` (protocol version 3, issue 57).
+TASK_VERSIONS = {"lm-eval": "3", "alpaca-cot": "4", "chat-cot": "5", "gsm8k-cot-8shot": "4"}
 
 TEMPLATE_PATH = Path(__file__).resolve().parent / "gsm8k_local.yaml"
 TEMPLATE_TEXT = TEMPLATE_PATH.read_text(encoding="utf-8")

