@@ -119,7 +119,7 @@ def three(task):
 # ---------------------------------------------------------------------------------- tests
 def test_registered_and_examples(task, three):
     examples, model, refs, instr = three
-    assert (task.name, task.expert, task.version) == ("alpacaeval", "instruction", "4")
+    assert (task.name, task.expert, task.version) == ("alpacaeval", "instruction", "5")
     records = json.loads((DATA / GPT4).read_text())
     assert len(examples) == 3
     for i, e in enumerate(examples):

@@ -231,7 +231,7 @@ def test_evaluate_under_cot_protocol(tmp_path, name):
     assert res.metrics["gsm8k_no_answer_rate"] == pytest.approx(0.2)
     # alpaca-cot: MergeLM's rounded integer; chat-cot: lm-eval's filter (raw)
     assert [s["strict"] for s in res.samples] == ["18", "3" if name == "alpaca-cot" else "3.", None, "541", "20"]
-    tv, pv = ("5", "3") if name == "chat-cot" else ("4", "2")
+    tv, pv = ("6", "3") if name == "chat-cot" else ("5", "2")
     assert task.version == tv and res.meta["task_version"] == tv and res.meta["protocol_version"] == pv
     (call,) = model.calls
     assert sorted(call["prompts"]) == sorted(e.prompt for e in ex)  # lm-eval's prompt == examples()
@@ -360,7 +360,7 @@ def test_cot_8shot_is_lm_evals_gsm8k_cot_yaml():
     assert proto.stop == ["Q:", "</s>", "<|im_end|>"] and proto.fixed_fewshot == 8 == len(lm["fewshot_config"]["samples"])
     assert proto.config["filter_list"][0]["filter"][0]["regex_pattern"] == r"The answer is (\-?[0-9\.\,]+)."
     assert proto.config["dataset_path"] == "json" and proto.lm_eval_task == "darts_gsm8k_cot_8shot"
-    assert mod.TASK_VERSIONS["gsm8k-cot-8shot"] == "4"
+    assert mod.TASK_VERSIONS["gsm8k-cot-8shot"] == "5"
     first = proto.prompt("How many?", None).split("\n\n")
     assert len(first) == 9 and first[0].startswith("Q: There are 15 trees in the grove.")
     assert first[0].endswith("A: There are 15 trees originally. Then there were 21 trees after some more were "
@@ -425,7 +425,7 @@ def test_evaluate_under_cot_8shot(tmp_path):
     (call,) = model.calls
     assert sorted(call["prompts"]) == sorted(e.prompt for e in ex) and call["stop"] == ["Q:", "</s>", "<|im_end|>"]
     assert res.meta["num_fewshot"] == 8 and res.meta["protocol"] == "gsm8k-cot-8shot"
-    assert res.meta["task_version"] == "4" and res.meta["lm_eval_task"] == "darts_gsm8k_cot_8shot"
+    assert res.meta["task_version"] == "5" and res.meta["lm_eval_task"] == "darts_gsm8k_cot_8shot"
     assert res.meta["example_prompt"] in [e.prompt for e in ex]
     assert res.meta["task_yaml_sha256"] == protocols.get_protocol("gsm8k-cot-8shot").sha256
     with pytest.raises(ValueError, match="8 exemplars"):

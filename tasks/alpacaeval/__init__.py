@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task, truncated_rate
+from darts_bench.scoring.failure import failure_columns
 from darts_bench.data import DataError, alpaca_text, load_expert_records, read_json_list, require_file
 from darts_bench.evaluate.nll import reference_nll_detail
 
@@ -126,14 +127,17 @@ class AlpacaEvalTask(Task):
 
     name = "alpacaeval"
     expert = "instruction"
-    version = "4"  # 4: alpacaeval_truncated_rate (outputs that hit max_new_tokens) in what an evaluation holds
+    # 4: alpacaeval_truncated_rate (outputs that hit max_new_tokens) in what an evaluation holds;
+    # 5: the failure-mode columns (extract, repeat, length; issue 57)
+    version = "5"
     protocol = "chat_template"  # tasks.alpacaeval.protocol: get_task(name, config) sets it, examples() and evaluate() read it
     primary_metrics = ("alpacaeval_win_rate",)
     config_model = AlpacaEvalConfig
     per_example_keys = {"alpacaeval_win_rate": "win"}
     metric_scale = {"alpacaeval_win_rate": 100.0}  # per-example wins are 0 / 0.5 / 1, the win rate in %
     extra_columns = ("alpacaeval_unparsed", "alpacaeval_win_rate_kind", "alpacaeval_judge_consistency", "alpacaeval_win_rate_flag",
-                     "alpacaeval_truncated_rate")
+                     "alpacaeval_truncated_rate", "alpacaeval_extract_rate", "alpacaeval_repeat_rate",
+                     "alpacaeval_len_tokens")
     data_folders = ("alpaca_eval",)
     official_size = OFFICIAL_SIZE
     typical_tokens = {"prompt": 50, "reference": 350}
@@ -394,6 +398,10 @@ class AlpacaEvalTask(Task):
         per_example = {"win": wins, "ref_nll": per_nll, "ref_nll_sum": nll_sum, "ref_nll_tokens": nll_tokens}
         if metrics["alpacaeval_truncated_rate"] is not None:
             per_example["truncated"] = [float(g[0].truncated) for g in gens]
+        # issue 57: extract = a non-empty reply; loops and length from the raw generations
+        fm, fper = failure_columns(self.name, gens, [float(bool(o)) for o in outputs])
+        metrics.update(fm)
+        per_example.update(fper)
         return TaskResult(metrics=metrics, per_example=per_example, samples=samples, meta=meta)
 
 
