@@ -562,3 +562,13 @@ def claims_markdown(claims: pd.DataFrame, evidence: pd.DataFrame, to_markdown, m
     ev = evidence.drop(columns=[c for c in ("p_sign", "p_holm", "metric", "variant", "wins", "losses", "descriptive")
                                 if c in evidence.columns])
     return head + to_markdown(claims) + "\n### Evidence per cell\n\n" + to_markdown(ev)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 57 (branch h57), kept apart for the claims rework: a task whose local judge failed its
+# known-answer check (``<task>_judge_passed`` False on a row, ``manifest["judge_checks"]``) has no
+# judged win rate (the cell is None, flagged "uninformative"); claims must leave that metric out.
+def judge_failed_tasks(rows: list[dict[str, Any]], task_names: list[str]) -> set[str]:
+    """The tasks of ``task_names`` whose ``<task>_judge_passed`` is False on some row: their judged
+    primary metric (AlpacaEval's win rate) is left out of every claim (issue 57)."""
+    return {t for t in task_names if any(r.get(f"{t}_judge_passed") is False for r in rows)}
