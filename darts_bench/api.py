@@ -185,6 +185,11 @@ class EvalContext:
     get_model: Callable[[str], TextModel] | None = None
     get_outputs: Callable[[str], list[str]] | None = None
     out_dir: Path | None = None
+    #: a folder kept across the run's evaluations, for artifacts several rows share (e.g. the AlpacaEval
+    #: judge's known-answer check), each in a sub-folder keyed by a hash of its inputs (None: no cache)
+    shared_dir: Path | None = None
+    #: the cache identity of a model name ``get_model`` accepts (the evaluate stage's key of that row)
+    model_key: Callable[[str], str] | None = None
 
     def artifact_dir(self) -> Path | None:
         return self.out_dir if self.out_dir is not None else self.work_dir

@@ -119,7 +119,7 @@ def three(task):
 # ---------------------------------------------------------------------------------- tests
 def test_registered_and_examples(task, three):
     examples, model, refs, instr = three
-    assert (task.name, task.expert, task.version) == ("alpacaeval", "instruction", "4")
+    assert (task.name, task.expert, task.version) == ("alpacaeval", "instruction", "5")
     records = json.loads((DATA / GPT4).read_text())
     assert len(examples) == 3
     for i, e in enumerate(examples):
@@ -234,10 +234,47 @@ def test_length_judge_generate_mode(task, three, tmp_path):
     assert res.meta["judge_mode"] == "generate"
 
 
+def test_always_a_judge_fails_the_known_answer_check_and_is_excluded(task, three, tmp_path):
+    """Issue 57: a position-only judge scores 0.5 on the known-answer set (right in one order, wrong in
+    the other) with order consistency 0, fails the check (pass mark 0.75): the win rate is no number,
+    flagged "uninformative", and alpacaeval_judge_passed = False tells claims to leave it out."""
+    examples, model, refs, instr = three
+    judge = AlwaysAJudge()
+    ctx = _ctx(AlpacaEvalConfig(limit=3), judge)
+    ctx.shared_dir = tmp_path
+    res = task.evaluate(model, examples, ctx)
+    assert res.metrics["alpacaeval_judge_passed"] is False
+    assert res.metrics["alpacaeval_judge_check_accuracy"] == 0.5
+    assert res.metrics["alpacaeval_judge_check_consistency"] == 0.0
+    assert res.metrics["alpacaeval_win_rate"] is None and res.metrics["alpacaeval_win_rate_flag"] == "uninformative"
+    assert res.metrics["alpacaeval_win_rate_unchecked"] == pytest.approx(50.0)
+    assert all(math.isnan(w) for w in res.per_example["win"]) and res.per_example["win_unchecked"] == [0.5] * 3
+    check = res.meta["judge_check"]
+    assert check["n_pairs"] == 16 and check["n_verdicts"] == 32 and check["passed"] is False
+    assert sorted({p["damage"] for p in check["pairs"]}) == sorted(["truncated_third", "shuffled_sentences",
+                                                                    "unrelated_reference", "empty"])
+    assert [(p["verdict_reference_first"], p["verdict_reference_second"]) for p in check["pairs"]] == [(1.0, 1.0)] * 16
+    # cached under the shared dir, keyed by hash: a second row reuses it without asking the judge
+    (cache,) = (tmp_path / "judge_check").iterdir()
+    assert json.loads((cache / "judge_check.json").read_text())["accuracy"] == 0.5
+    calls = judge.calls
+    res2 = task.evaluate(model, examples, ctx)
+    cached_calls, calls = judge.calls - calls, judge.calls
+    ctx.shared_dir = tmp_path / "other"
+    task.evaluate(model, examples, ctx)
+    assert res2.meta["judge_check"] == check and cached_calls < judge.calls - calls
+    # a quality-reading judge (prefers the longer output, either order) passes
+    res3 = task.evaluate(model, examples, _ctx(AlpacaEvalConfig(limit=3), LengthJudge()))
+    assert res3.metrics["alpacaeval_judge_passed"] is True and res3.metrics["alpacaeval_win_rate"] is not None
+    assert res3.metrics["alpacaeval_judge_check_accuracy"] >= 0.75
+
+
 def test_always_a_judge_is_flagged(task, three):
     examples, model, refs, instr = three
     judge = AlwaysAJudge()
-    res = task.evaluate(model, examples, _ctx(AlpacaEvalConfig(limit=3), judge))
+    cfg = AlpacaEvalConfig(limit=3, judge=JudgeConfig(check_pairs=0))  # no known-answer check: consistency flag
+    res = task.evaluate(model, examples, _ctx(cfg, judge))
+    assert res.metrics["alpacaeval_judge_passed"] is None and res.meta["judge_check"] is None
     assert res.metrics["alpacaeval_judge_consistency"] == 0.0
     assert res.metrics["alpacaeval_win_rate_flag"] == "uninformative_judge"
     assert res.meta["judge_flag"] == "uninformative_judge"
@@ -322,7 +359,7 @@ def test_model_reference_via_get_outputs(task, three):
 
 def test_single_order(task, three):
     examples, model, refs, instr = three
-    cfg = AlpacaEvalConfig(limit=3, judge=JudgeConfig(both_orders=False))
+    cfg = AlpacaEvalConfig(limit=3, judge=JudgeConfig(both_orders=False, check_pairs=0))
     judge = AlwaysAJudge()
     res = task.evaluate(model, examples, _ctx(cfg, judge))
     assert res.metrics["alpacaeval_judge_consistency"] is None

@@ -74,8 +74,10 @@ COT_RESPONSES = [
     ("The answer is: -7", "-7", "-7", True),
     ("So the total is 18.", None, "18", False),   # no "The answer is:" -> no answer (strict)
     ("The answer is: 20", "20", "18", False),
-    ("#### 18", None, "18", False),
+    ("#### 18", None, "18", False),   # alpaca-cot; chat-cot version 3 reads it (CHAT_COT_READS)
 ]
+#: chat-cot's strict filter also reads GSM8K's training format (issue 57)
+CHAT_COT_READS = {"#### 18": ("18", True)}
 
 
 @pytest.mark.parametrize("name", ["alpaca-cot", "chat-cot"])
@@ -92,6 +94,8 @@ def test_cot_filters_are_lm_evals(name):
     got_strict = [r[0] for r in strict.apply([[r] for r in resps], [{}] * len(resps))]
     got_flex = [r[0] for r in flex.apply([[r] for r in resps], [{}] * len(resps))]
     for (resp, want, gold, verdict), ls, lf in zip(COT_RESPONSES, got_strict, got_flex):
+        if name == "chat-cot" and resp in CHAT_COT_READS:
+            want, verdict = CHAT_COT_READS[resp]
         assert proto.extract_strict(resp) == want and (want or "[invalid]") == ls
         assert (proto.extract_flexible(resp) or "[invalid]") == lf
         assert proto.is_correct(proto.extract_strict(resp), "x\n#### " + gold) is verdict
@@ -116,6 +120,10 @@ SOURCE_CASES = [
     ("The answer is: -7", "-7", True, True, True),
     ("The answer is: 18\nThe answer is: 20", "18", False, True, False),
     ("So the total is 18.", "18", False, False, False),
+    # issue 57: GSM8K's training format, which the math expert writes; chat-cot version 3 reads it
+    ("She sells 9 eggs, so 9 * 2 = 18.\n#### 18", "18", False, False, True),
+    ("The answer is: 5\n#### 18", "18", False, False, True),   # the last of either marker
+    ("#### 5\nThe answer is: 18", "18", True, True, True),
 ]
 
 
@@ -132,7 +140,7 @@ def test_each_protocol_scores_as_its_source(resp, gold, mergelm, lmeval_first, l
     # alpaca-cot's lm-eval column: the YAML's first-match strict-match filter
     assert alp.is_correct(alp.extract_strict(resp), sol) is lmeval_first
     # chat-cot: lm-eval's RegexFilter with gsm8k-cot-llama.yaml's number pattern and group_select -1
-    llama = RegexFilter(regex_pattern="The answer is: ((-?[$0-9.,]{2,})|(-?[0-9]+))", group_select=-1)
+    llama = RegexFilter(regex_pattern="(?:The answer is: |#### )((-?[$0-9.,]{2,})|(-?[0-9]+))", group_select=-1)
     got = llama.apply([[resp]], [{}])[0][0]
     assert (chat.extract_strict(resp) or "[invalid]") == got
     assert chat.score_strict(resp, sol)[1] is lmeval_chat is chat.is_correct(got, sol)
@@ -140,13 +148,13 @@ def test_each_protocol_scores_as_its_source(resp, gold, mergelm, lmeval_first, l
 
 def test_chat_cot_filter_is_lm_eval_chat_variants():
     """chat-cot's strict number pattern and group are those of lm-eval's gsm8k-cot-llama.yaml (its
-    marker 'The final answer is' replaced by the one chat-cot's prompt asks for)."""
+    marker 'The final answer is' replaced by the one chat-cot's prompt asks for, or GSM8K's own '#### ')."""
     import lm_eval
 
     path = Path(lm_eval.__file__).parent / "tasks" / "gsm8k" / "gsm8k-cot-llama.yaml"
     llama = {f["name"]: f["filter"][0] for f in yaml.safe_load(path.read_text())["filter_list"]}["strict-match"]
     ours = {f["name"]: f["filter"][0] for f in protocols.get_protocol("chat-cot").config["filter_list"]}["strict-match"]
-    assert ours["regex_pattern"] == llama["regex_pattern"].replace("The final answer is ", "The answer is: ")
+    assert ours["regex_pattern"] == llama["regex_pattern"].replace("The final answer is ", "(?:The answer is: |#### )")
     assert ours["group_select"] == llama["group_select"] == -1
 
 
@@ -223,7 +231,8 @@ def test_evaluate_under_cot_protocol(tmp_path, name):
     assert res.metrics["gsm8k_no_answer_rate"] == pytest.approx(0.2)
     # alpaca-cot: MergeLM's rounded integer; chat-cot: lm-eval's filter (raw)
     assert [s["strict"] for s in res.samples] == ["18", "3" if name == "alpaca-cot" else "3.", None, "541", "20"]
-    assert task.version == "4" and res.meta["task_version"] == "4" and res.meta["protocol_version"] == "2"
+    tv, pv = ("6", "3") if name == "chat-cot" else ("5", "2")
+    assert task.version == tv and res.meta["task_version"] == tv and res.meta["protocol_version"] == pv
     (call,) = model.calls
     assert sorted(call["prompts"]) == sorted(e.prompt for e in ex)  # lm-eval's prompt == examples()
     assert call["stop"] == protocols.get_protocol(name).stop
@@ -351,7 +360,7 @@ def test_cot_8shot_is_lm_evals_gsm8k_cot_yaml():
     assert proto.stop == ["Q:", "</s>", "<|im_end|>"] and proto.fixed_fewshot == 8 == len(lm["fewshot_config"]["samples"])
     assert proto.config["filter_list"][0]["filter"][0]["regex_pattern"] == r"The answer is (\-?[0-9\.\,]+)."
     assert proto.config["dataset_path"] == "json" and proto.lm_eval_task == "darts_gsm8k_cot_8shot"
-    assert mod.TASK_VERSIONS["gsm8k-cot-8shot"] == "4"
+    assert mod.TASK_VERSIONS["gsm8k-cot-8shot"] == "5"
     first = proto.prompt("How many?", None).split("\n\n")
     assert len(first) == 9 and first[0].startswith("Q: There are 15 trees in the grove.")
     assert first[0].endswith("A: There are 15 trees originally. Then there were 21 trees after some more were "
@@ -416,7 +425,7 @@ def test_evaluate_under_cot_8shot(tmp_path):
     (call,) = model.calls
     assert sorted(call["prompts"]) == sorted(e.prompt for e in ex) and call["stop"] == ["Q:", "</s>", "<|im_end|>"]
     assert res.meta["num_fewshot"] == 8 and res.meta["protocol"] == "gsm8k-cot-8shot"
-    assert res.meta["task_version"] == "4" and res.meta["lm_eval_task"] == "darts_gsm8k_cot_8shot"
+    assert res.meta["task_version"] == "5" and res.meta["lm_eval_task"] == "darts_gsm8k_cot_8shot"
     assert res.meta["example_prompt"] in [e.prompt for e in ex]
     assert res.meta["task_yaml_sha256"] == protocols.get_protocol("gsm8k-cot-8shot").sha256
     with pytest.raises(ValueError, match="8 exemplars"):

@@ -76,7 +76,7 @@ class StandInModel:
 def test_registry_and_examples(problems):
     task = get_task("humaneval")
     assert isinstance(task, he.HumanEvalTask)
-    assert (task.name, task.expert, task.version) == ("humaneval", "code", "3")
+    assert (task.name, task.expert, task.version) == ("humaneval", "code", "4")
     exs = task.examples(None, None, None)
     assert len(exs) == 164 and len(problems) == 164
     assert exs[0].id == "HumanEval/0" and exs[-1].id == "HumanEval/163"
@@ -197,7 +197,7 @@ def test_evaluate_standin_model_greedy(tmp_path, problems):
     assert all(s["status"] == "passed" and s["passed"] for s in res.samples)
     assert model.calls == [dict(n=3, max_new_tokens=cfg.max_new_tokens, stop=list(cfg.stop),
                                 num_samples=1, temperature=0.0, seed=7)]
-    assert res.meta["sandbox"].get("uid") is not None and res.meta["task_version"] == "3"
+    assert res.meta["sandbox"].get("uid") is not None and res.meta["task_version"] == "4"
     written = (tmp_path / "humaneval_samples.jsonl").read_text().splitlines()
     assert len(written) == 3 and json.loads(written[0])["task_id"] == "HumanEval/0"
 

@@ -122,6 +122,8 @@ class DartsBenchLM(LM):
         #: ``length`` from the model's :class:`~darts_bench.api.Completion`; None: the model gives none),
         #: so a task can report how many answers hit the token cap (lm-eval's results keep text only)
         self.finish_reasons: dict[tuple[str | None, int | None], str | None] = {}
+        #: generated tokens per (task, doc id) where the model gives them (``Completion.n_tokens``)
+        self.n_tokens: dict[tuple[str | None, int | None], int | None] = {}
 
     # ----------------------------------------------------------------- tokenizer-related hooks
     @property
@@ -248,6 +250,8 @@ class DartsBenchLM(LM):
                 text = cut_at_stop(row[0], until)
                 self.finish_reasons[(getattr(requests[i], "task_name", None), getattr(requests[i], "doc_id", None))] = \
                     getattr(row[0], "finish_reason", None)
+                self.n_tokens[(getattr(requests[i], "task_name", None), getattr(requests[i], "doc_id", None))] = \
+                    getattr(row[0], "n_tokens", None)
                 out[i] = text
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return out  # type: ignore[return-value]

@@ -11,7 +11,8 @@ __all__ = ["protocol_summary", "protocol_header"]
 _KEYS = ("protocol", "protocol_version", "protocol_source", "template", "stop", "example_prompt",
          "task_version", "num_fewshot", "apply_chat_template", "lm_eval_task",
          "judge", "judge_name", "judge_mode", "annotator", "annotators_config", "judge_both_orders",
-         "reference", "reference_source", "reference_generator", "alpaca_eval_version", "win_rate_kind")
+         "reference", "reference_source", "reference_generator", "alpaca_eval_version", "win_rate_kind",
+         "judge_check", "judge_passed")
 
 
 def protocol_summary(meta_by_task: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -36,5 +37,11 @@ def protocol_header(summary: dict[str, dict[str, Any]]) -> str:
             parts.append(f"reference `{s.get('reference')}` ({s.get('reference_generator')})")
             if s.get("alpaca_eval_version"):
                 parts.append(f"alpaca_eval {s['alpaca_eval_version']}")
+            chk = s.get("judge_check")
+            if chk:  # issue 57: the judge's known-answer check (tasks/alpacaeval/judge_check.py)
+                cons = chk.get("order_consistency")
+                parts.append(f"judge check {'passed' if chk['passed'] else 'FAILED (win rate uninformative, left out of claims)'}:"
+                             f" accuracy {chk['accuracy']:.2f} (pass mark {chk['min_accuracy']:.2f}), order consistency "
+                             + ("n/a" if cons is None else f"{cons:.2f}") + f" on {chk['n_pairs']} pairs x 2 orders")
         lines.append(f"- **{t}**: " + ", ".join(parts))
     return "\n".join(lines) + "\n" if lines else ""

@@ -305,6 +305,76 @@ def _fields(res) -> tuple[dict, list]:
     return per, ([{"id": i} for i in ids] if ids else samples)
 
 
+# ------------------------------------------------------------------------------------------------
+# exact / score intervals where the bootstrap degenerates (issue 57): a share of 0 or 1 at n = 20
+def _binary(values: Sequence[float]) -> bool:
+    v = np.asarray([np.nan if x is None else float(x) for x in values], dtype=float)
+    v = v[np.isfinite(v)]
+    return len(v) > 0 and bool(np.isin(v, (0.0, 1.0)).all())
+
+
+def wilson_ci(values: Sequence[float], scale: float = 1.0, confidence: float = 0.95) -> Interval:
+    """Share of 1s among per-example 0/1 ``values`` (times ``scale``) with the Wilson score interval
+    (statsmodels ``proportion_confint(method="wilson")``; Wilson 1927), which never has zero width and
+    covers near its nominal level at n = 20 even at a share of 0 or 1, where the percentile bootstrap
+    gives ``[0, 0]``. NaN/None values dropped and counted.
+
+    Raises:
+        ValueError: a finite value other than 0 or 1.
+    """
+    from statsmodels.stats.proportion import proportion_confint
+
+    v = _as_float(values, "wilson_ci")
+    keep = np.isfinite(v)
+    v, dropped = v[keep], int((~keep).sum())
+    if not len(v):
+        return _empty(dropped)
+    if not np.isin(v, (0.0, 1.0)).all():
+        raise ValueError("wilson_ci: values must be 0 or 1")
+    lo, hi = proportion_confint(int(v.sum()), len(v), alpha=1 - confidence, method="wilson")
+    return Interval(float(v.mean() * scale), float(lo) * scale, float(hi) * scale, len(v), dropped)
+
+
+def newcombe_paired_ci(a: Sequence[float], b: Sequence[float], scale: float = 1.0,
+                       confidence: float = 0.95) -> Interval:
+    """``mean(a) - mean(b)`` of paired 0/1 outcomes (the same examples, in the same order; a pair with
+    a NaN on either side dropped) with Newcombe's hybrid score interval for paired proportions
+    (Newcombe, Statistics in Medicine 17, 1998, "Improved confidence intervals for the difference
+    between binomial proportions based on paired data", method 10: Wilson intervals of each margin
+    from statsmodels, combined with the phi correlation of the 2x2 table; phi = 0 when a margin is
+    empty). The interval has positive width whenever ``n > 0``.
+
+    Raises:
+        ValueError: lengths differ, or a finite value other than 0 or 1.
+    """
+    from statsmodels.stats.proportion import proportion_confint
+
+    va, vb = _as_float(a, "newcombe_paired_ci"), _as_float(b, "newcombe_paired_ci")
+    if len(va) != len(vb):
+        raise ValueError(f"newcombe_paired_ci: {len(va)} and {len(vb)} values")
+    keep = np.isfinite(va) & np.isfinite(vb)
+    va, vb, dropped = va[keep], vb[keep], int((~keep).sum())
+    n = len(va)
+    if not n:
+        return _empty(dropped)
+    if not (np.isin(va, (0.0, 1.0)).all() and np.isin(vb, (0.0, 1.0)).all()):
+        raise ValueError("newcombe_paired_ci: values must be 0 or 1")
+    both = int(((va == 1) & (vb == 1)).sum())
+    only_a = int(((va == 1) & (vb == 0)).sum())
+    only_b = int(((va == 0) & (vb == 1)).sum())
+    neither = n - both - only_a - only_b
+    p1, p2 = (both + only_a) / n, (both + only_b) / n
+    alpha = 1 - confidence
+    l1, u1 = proportion_confint(both + only_a, n, alpha=alpha, method="wilson")
+    l2, u2 = proportion_confint(both + only_b, n, alpha=alpha, method="wilson")
+    den = (both + only_a) * (neither + only_b) * (both + only_b) * (neither + only_a)
+    phi = (both * neither - only_a * only_b) / math.sqrt(den) if den > 0 else 0.0
+    d = p1 - p2
+    dl = math.sqrt(max((p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2, 0.0))
+    du = math.sqrt(max((u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2, 0.0))
+    return Interval(d * scale, (d - dl) * scale, (d + du) * scale, n, dropped)
+
+
 def metric_interval(res, key: str, n_boot: int, seed: int, scale: float = 1.0) -> Interval | None:
     """Interval of one task metric from a task result's per-example values: token-weighted
     :func:`ratio_ci` for ``ref_nll`` (from ``ref_nll_sum`` / ``ref_nll_tokens``), :func:`mean_ci`
@@ -322,6 +392,8 @@ def metric_interval(res, key: str, n_boot: int, seed: int, scale: float = 1.0) -
         if num not in per or den not in per:
             return None
         return ratio_ci(per[num], per[den], n_boot, seed, scale)
+    if _binary(per[key]):  # pass@1 (greedy), exact match: Wilson, never zero width (issue 57)
+        return wilson_ci(per[key], scale)
     return mean_ci(per[key], n_boot, seed, scale)
 
 
@@ -346,6 +418,8 @@ def paired_metric_interval(res_a, res_b, key: str, n_boot: int, seed: int, scale
         if not all(k in p for p in (pa, pb) for k in (num, den)):
             return None
         return paired_ratio_diff(pa[num], pa[den], pb[num], pb[den], ids_a, ids_b, n_boot, seed, scale)
+    if _binary(pa[key]) and _binary(pb[key]):  # paired 0/1 outcomes: Newcombe's score interval (issue 57)
+        return newcombe_paired_ci(pa[key], _paired(ids_a, ids_b, pb[key])[0], scale)
     return paired_mean_diff(pa[key], pb[key], ids_a, ids_b, n_boot, seed, scale)
 
 

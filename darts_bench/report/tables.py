@@ -462,6 +462,10 @@ def write_report(record: RunRecord) -> pd.DataFrame:
         "task_meta_base_row": {t: results[rows[0]["model"]][t].meta for t in record.task_names},
         # the protocol on record per task (name, version, template, stops; AlpacaEval annotator, reference)
         "protocols": protocol_summary({t: results[rows[0]["model"]][t].meta for t in record.task_names}),
+        # issue 57: each local judge's known-answer check (the same for every row: one cached artifact);
+        # passed False -> <task>_judge_passed False on the rows, the win rate left out of claims
+        "judge_checks": {t: {k: v for k, v in results[rows[0]["model"]][t].meta["judge_check"].items() if k != "pairs"}
+                         for t in record.task_names if results[rows[0]["model"]][t].meta.get("judge_check")},
         "packages": _versions(),
         # mergekit's licence (LGPL-3.0, from its package metadata); merge dirs hold its mergekit_config.yml
         "licences": {"mergekit": _licence("mergekit")},

@@ -64,12 +64,12 @@ def score_code_samples(
     memory_mb: int = 1024,
     workers: int = 2,
     k: Iterable[int] = (1,),
-    extract: Callable[[str], str] | None = None,
+    extract: Callable[[str, str], str] | None = None,
 ) -> dict[str, Any]:
     """Score completions in a samples file against ``problems`` (task_id -> problem).
 
-    ``extract`` (optional) maps each ``completion`` to the code that goes into the check program
-    (a protocol's post-processing, e.g. the fenced block of a chat answer); ``empty`` marks a
+    ``extract`` (optional) maps each ``(completion, entry_point)`` to the code that goes into the check
+    program (a protocol's post-processing, e.g. the fenced block of a chat answer); ``empty`` marks a
     sample with no code after it and ``empty_rate`` is their share.
 
     Only problems present in the samples are scored (``scored_task_ids``, in ``problems`` order).
@@ -95,7 +95,8 @@ def score_code_samples(
         return None
 
     recs = read_jsonl(samples_path, required=("task_id", "completion"), check=check)
-    rows = [(r["task_id"], extract(r["completion"]) if extract else r["completion"]) for r in recs]
+    rows = [(r["task_id"], extract(r["completion"], problems[r["task_id"]]["entry_point"]) if extract
+             else r["completion"]) for r in recs]
 
     programs = []
     for task_id, completion in rows:

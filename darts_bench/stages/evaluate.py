@@ -211,23 +211,26 @@ def runs_plain_merge(row: Row, task: str) -> bool:
     return bool(row.merge) and (row.correction == "none" or (row.routing != "routed" and task not in row.heads))
 
 
+def model_identity(cfg, by_name: dict[str, Row], task_name: str, d: str) -> str:
+    """The cache identity of a model a task uses besides the row's (e.g. a judge): a row's
+    ``model_key`` (with its head-score version when it runs under a head, ``+copy`` when a merge runs
+    on its HF copy), or the checkpoint dir as given."""
+    # a merge scored without a head (a row, or a checkpoint path that is a merge's) says so where that is
+    # on the HF copy (plain_merge_on_copy)
+    copy = plain_merge_on_copy(cfg)
+    if d in by_name:
+        j = by_name[d]
+        if not runs_plain_merge(j, task_name):
+            # a judge under a head records its scores' version; any other row than a merge's is keyed by itself
+            return j.model_key + (f"+head_scores={HEAD_SCORES}" if j.merge else "")
+        return j.model_key + ("+copy" if copy else "")
+    return d + ("+copy" if copy and d in merge_dirs_of(by_name.values()) else "")
+
+
 def _target(cfg, row: Row, task: Task, examples: list[Example], by_name: dict[str, Row], work_dir: Path) -> Path:
     """The artifact dir of one (row, task) evaluation: ``eval/<row>-<task>-<key>``."""
     tcfg = getattr(cfg.tasks, task.name)
-    # other models the protocol uses (e.g. a judge): their identity is part of the cache key; a merge scored without
-    # a head (a row, or a checkpoint path that is a merge's) says so where that is on the HF copy (plain_merge_on_copy)
-    copy = plain_merge_on_copy(cfg)
-
-    def judge_part(d: str) -> str:
-        if d in by_name:
-            j = by_name[d]
-            if not runs_plain_merge(j, task.name):
-                # a judge under a head records its scores' version; any other row than a merge's is keyed by itself
-                return j.model_key + (f"+head_scores={HEAD_SCORES}" if j.merge else "")
-            return j.model_key + ("+copy" if copy else "")
-        return d + ("+copy" if copy and d in merge_dirs_of(by_name.values()) else "")
-
-    judge_key = "|".join(judge_part(d) for d in task.models_used(tcfg))
+    judge_key = "|".join(model_identity(cfg, by_name, task.name, d) for d in task.models_used(tcfg))
     model_key = row.model_key
     plain = runs_plain_merge(row, task.name)
     if plain and row.correction != "none":
@@ -286,7 +289,9 @@ def evaluate_one(cfg, row: Row, task: Task, examples: list[Example], by_name: di
         try:
             ctx = EvalContext(config=tcfg, data_dir=cfg.resolved_data_dir(),
                               seed=derive_seed(cfg.seed, "eval", task.name), work_dir=tmp / "scratch",
-                              get_model=get_model, get_outputs=get_outputs, out_dir=tmp)
+                              get_model=get_model, get_outputs=get_outputs, out_dir=tmp,
+                              shared_dir=work_dir / "eval" / "shared",
+                              model_key=lambda name: model_identity(cfg, by_name, task.name, name))
             (tmp / "scratch").mkdir()
             res = task.evaluate(tm, examples, ctx)
             routing = getattr(tm, "routing", None)

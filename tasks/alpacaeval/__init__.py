@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task, truncated_rate
+from darts_bench.scoring.failure import failure_columns
 from darts_bench.data import DataError, alpaca_text, load_expert_records, read_json_list, require_file
 from darts_bench.evaluate.nll import reference_nll_detail
 
 from .config import DEFAULT_EXPERT, AlpacaEvalConfig, JudgeConfig  # noqa: F401 - public: tasks.alpacaeval config section
 from .annotators import annotate_named, check_annotator
+from .judge_check import run_judge_check
 from .judge import (ANNOTATOR_DIR, alpaca_eval_version, judge_consistency, judge_pairs, load_annotator_config,
                     win_rate)
 from .protocols import PROTOCOLS, format_instruction, protocol_meta, protocol_stop
@@ -37,6 +39,10 @@ HUB_SETS = {
 FIELDS = ("instruction", "output", "dataset", "generator")
 OFFICIAL_SIZE = 805
 FLAG_UNINFORMATIVE = "uninformative_judge"
+#: The win rate's flag when the local judge failed its known-answer check (judge_check.py): the
+#: ``alpacaeval_win_rate`` cell is then empty (not a number), the judge's own number kept in
+#: ``alpacaeval_win_rate_unchecked``, and ``alpacaeval_judge_passed`` is False (claims leave it out).
+FLAG_FAILED_CHECK = "uninformative"
 FLAG_UNPARSED = "unparsed_verdicts"
 
 
@@ -126,14 +132,18 @@ class AlpacaEvalTask(Task):
 
     name = "alpacaeval"
     expert = DEFAULT_EXPERT
-    version = "4"  # 4: alpacaeval_truncated_rate (outputs that hit max_new_tokens) in what an evaluation holds
+    # 4: alpacaeval_truncated_rate (outputs that hit max_new_tokens) in what an evaluation holds;
+    # 5: the failure-mode columns (extract, repeat, length; issue 57)
+    version = "5"
     protocol = "chat_template"  # tasks.alpacaeval.protocol: get_task(name, config) sets it, examples() and evaluate() read it
     primary_metrics = ("alpacaeval_win_rate",)
     config_model = AlpacaEvalConfig
     per_example_keys = {"alpacaeval_win_rate": "win"}
     metric_scale = {"alpacaeval_win_rate": 100.0}  # per-example wins are 0 / 0.5 / 1, the win rate in %
     extra_columns = ("alpacaeval_unparsed", "alpacaeval_win_rate_kind", "alpacaeval_judge_consistency", "alpacaeval_win_rate_flag",
-                     "alpacaeval_truncated_rate")
+                     "alpacaeval_truncated_rate", "alpacaeval_extract_rate", "alpacaeval_repeat_rate",
+                     "alpacaeval_len_tokens", "alpacaeval_judge_passed", "alpacaeval_judge_check_accuracy",
+                     "alpacaeval_judge_check_consistency", "alpacaeval_win_rate_unchecked")
     data_folders = ("alpaca_eval",)
     official_size = OFFICIAL_SIZE
     typical_tokens = {"prompt": 50, "reference": 350}
@@ -281,6 +291,19 @@ class AlpacaEvalTask(Task):
             raise ValueError("alpacaeval needs ctx.get_model to load the judge "
                              f"(tasks.alpacaeval.judge.model={self.judge_model(cfg)!r})")
 
+        # 1b. a local judge scores the known-answer set first (issue 57; cached, shared by the run's rows)
+        check = None
+        check_note = None
+        if named is None and jcfg.check_pairs > 0:
+            if n < 2:
+                check_note = "fewer than 2 references: no known-answer check"
+            else:
+                check = run_judge_check(
+                    ctx.get_model(self.judge_model(cfg)), instructions, refs, n_pairs=jcfg.check_pairs,
+                    min_accuracy=jcfg.check_min_accuracy, seed=ctx.seed, max_new_tokens=jcfg.max_new_tokens,
+                    annotators_config=cfg_path, cache_root=getattr(ctx, "shared_dir", None),
+                    judge_key=ctx.model_key(self.judge_model(cfg)) if getattr(ctx, "model_key", None) else None)
+
         # 2. the model's outputs (greedy)
         stop = protocol_stop(protocol)
         gens = model.generate([e.prompt for e in examples], max_new_tokens=cfg.max_new_tokens, stop=stop,
@@ -357,8 +380,17 @@ class AlpacaEvalTask(Task):
                     "finish_reason": getattr(gens[k][0], "finish_reason", None)}
                    for k, e in enumerate(examples)]
         template = cfg_path.parent.parent / ann_cfg["prompt_template"]
+        judge_passed = None if check is None else bool(check["passed"])
+        headline = lc if lc is not None else wr.get("win_rate")
+        if judge_passed is False and flag != FLAG_UNPARSED:  # unparsable verdicts keep their more specific flag
+            flag = FLAG_FAILED_CHECK
         metrics: dict[str, Any] = {
-            "alpacaeval_win_rate": lc if lc is not None else wr.get("win_rate"),
+            # a judge that failed its known-answer check gives no win rate (None, flagged "uninformative")
+            "alpacaeval_win_rate": None if judge_passed is False else headline,
+            "alpacaeval_win_rate_unchecked": headline if judge_passed is False else None,
+            "alpacaeval_judge_passed": judge_passed,
+            "alpacaeval_judge_check_accuracy": None if check is None else check["accuracy"],
+            "alpacaeval_judge_check_consistency": None if check is None else check["order_consistency"],
             "alpacaeval_win_rate_raw": wr.get("win_rate"),
             "alpacaeval_judge_consistency": consistency,
             "alpacaeval_win_rate_flag": flag,
@@ -385,6 +417,7 @@ class AlpacaEvalTask(Task):
             "judge_both_orders": both_orders, "judge_max_new_tokens": jcfg.max_new_tokens,
             "n_unparsed": n_no_verdict, "unparsed_share": unparsed_share, "max_unparsed": getattr(jcfg, "max_unparsed", 0.5),
             "judge_consistency": consistency, "min_consistency": jcfg.min_consistency, "judge_flag": flag,
+            "judge_check": check, "judge_check_note": check_note, "judge_passed": judge_passed,
             "annotator": annotator_name if named is None else named_meta["annotator"],
             "annotators_config": str(cfg_path) if named is None else named_meta["annotator_config"],
             "prompt_template_sha256": hashlib.sha256(template.read_bytes()).hexdigest() if named is None
@@ -401,8 +434,14 @@ class AlpacaEvalTask(Task):
             "comparable_to_leaderboard": False,
         }
         per_example = {"win": wins, "ref_nll": per_nll, "ref_nll_sum": nll_sum, "ref_nll_tokens": nll_tokens}
+        if judge_passed is False:  # no interval either: the wins are kept apart, unread by the report
+            per_example["win"], per_example["win_unchecked"] = [math.nan] * n, wins
         if metrics["alpacaeval_truncated_rate"] is not None:
             per_example["truncated"] = [float(g[0].truncated) for g in gens]
+        # issue 57: extract = a non-empty reply; loops and length from the raw generations
+        fm, fper = failure_columns(self.name, gens, [float(bool(o)) for o in outputs])
+        metrics.update(fm)
+        per_example.update(fper)
         return TaskResult(metrics=metrics, per_example=per_example, samples=samples, meta=meta)
 
 

@@ -34,6 +34,11 @@ class JudgeConfig(BaseModel):
     max_new_tokens: int = Field(8, ge=1)
     both_orders: bool = True
     min_consistency: float = Field(0.6, ge=0, le=1)
+    check_pairs: int = Field(16, ge=0, description="known-answer pairs (a reference against a damaged copy of "
+                             "itself, judged in both orders) a local judge must score before its win rate counts "
+                             "(tasks/alpacaeval/judge_check.py); 0: no check")
+    check_min_accuracy: float = Field(0.75, ge=0, le=1, description="the check's pass mark: the share of its "
+                                      "verdicts that prefer the intact reference (a position-only judge scores 0.5)")
 
 
 class AlpacaEvalConfig(TaskConfig):

@@ -16,9 +16,10 @@ from typing import Any
 
 import yaml
 
-from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task
+from darts_bench.api import Completion, EvalContext, Example, Task, TaskResult, TextModel, register_task
 from darts_bench.data import DataError, read_jsonl, require_file, strip_calculator
 from darts_bench.scoring import reference_nll_detail, regex_extract, write_samples
+from darts_bench.scoring.failure import failure_columns
 
 from .config import GSM8KConfig
 
@@ -29,7 +30,9 @@ from .protocols import LMEVAL_STRICT_COLUMN, PROTOCOLS, get_protocol
 #: ``$``); ``lm-eval`` runs score exactly as in version 2 and keep reporting 2 (README, changelog).
 #: ``gsm8k-cot-8shot`` (lm-eval's ``gsm8k_cot``) is new in version 3.
 #: Next versions (lm-eval 3, the others 4) add ``gsm8k_truncated_rate`` (answers that hit the token cap).
-TASK_VERSIONS = {"lm-eval": "3", "alpaca-cot": "4", "chat-cot": "4", "gsm8k-cot-8shot": "4"}
+#: chat-cot 5: its strict filter also reads ``#### N`` (protocol version 3, issue 57).
+#: Next (lm-eval 4, alpaca-cot 5, chat-cot 6, gsm8k-cot-8shot 5): the failure-mode columns (issue 57).
+TASK_VERSIONS = {"lm-eval": "4", "alpaca-cot": "5", "chat-cot": "6", "gsm8k-cot-8shot": "5"}
 
 TEMPLATE_PATH = Path(__file__).resolve().parent / "gsm8k_local.yaml"
 TEMPLATE_TEXT = TEMPLATE_PATH.read_text(encoding="utf-8")
@@ -177,7 +180,8 @@ class GSM8KTask(Task):
     expert = "math"
     primary_metrics = ("gsm8k_em_strict", "gsm8k_em_flexible")
     # no extractable answer under the strict filter; answers that hit max_new_tokens (None: no finish reasons)
-    extra_columns = ("gsm8k_no_answer_rate", "gsm8k_truncated_rate")
+    extra_columns = ("gsm8k_no_answer_rate", "gsm8k_truncated_rate", "gsm8k_extract_rate", "gsm8k_repeat_rate",
+                     "gsm8k_len_tokens")
     unanswered_rates = {"gsm8k_no_answer_rate": ("gsm8k_em_strict",)}  # table.md marks em_strict at 1.0
     protocol = "lm-eval"  # tasks.gsm8k.protocol: get_task(name, config) sets it, examples() and evaluate() read it
     config_model = GSM8KConfig
@@ -329,7 +333,8 @@ class GSM8KTask(Task):
                             fewshot_as_multiturn=bool(cfg.apply_chat_template))
         # one lm-eval task per call: its requests' finish reasons by doc id
         res = self._to_result(model, examples, out, cfg, proto,
-                              finish={doc: r for (_, doc), r in lm.finish_reasons.items()})
+                              finish={doc: r for (_, doc), r in lm.finish_reasons.items()},
+                              lengths={doc: t for (_, doc), t in lm.n_tokens.items()})
         # re-scorable with `darts-bench score gsm8k FILE` (doc_id = index in the test split)
         path = write_samples(ctx.artifact_dir(), self.name,
                              [{"doc_id": int(e.id.split("/")[-1]), "response": s["response"]}
@@ -338,10 +343,13 @@ class GSM8KTask(Task):
         return res
 
     def _to_result(self, model: TextModel, examples: list[Example], out: dict[str, Any], cfg: Any,
-                   proto: Any = None, finish: dict[int, str | None] | None = None) -> TaskResult:
+                   proto: Any = None, finish: dict[int, str | None] | None = None,
+                   lengths: dict[int, int | None] | None = None) -> TaskResult:
         """lm-eval's output as a :class:`TaskResult`; ``finish``: doc id -> finish reason of its
         generation (``DartsBenchLM.finish_reasons``), for ``gsm8k_truncated_rate`` (None when a doc
-        has none: the model returns plain strings)."""
+        has none: the model returns plain strings); ``lengths``: doc id -> generated tokens
+        (``DartsBenchLM.n_tokens``), for ``gsm8k_len_tokens``. ``gsm8k_extract_rate`` is the share of
+        responses the protocol's strict filter reads an answer from (1 - ``gsm8k_no_answer_rate``)."""
         proto = proto if proto is not None else get_protocol("lm-eval")
         lm_task = proto.lm_eval_task
         by_filter: dict[str, dict[int, dict[str, Any]]] = {}
@@ -393,6 +401,12 @@ class GSM8KTask(Task):
                    "gsm8k_truncated_rate": None if truncated is None else sum(truncated) / n,
                    "gsm8k_ref_nll": ref_nll, "n_gsm8k": n}
         extra_per_example = {} if truncated is None else {"truncated": truncated}
+        toks = [(lengths or {}).get(i) for i in range(n)]
+        outs = [[Completion(s["resps"][0][0], reasons[i] if reasons[i] in ("stop", "length") else "stop", toks[i])
+                 if isinstance(toks[i], int) else s["resps"][0][0]] for i, s in enumerate(strict)]
+        fm, fper = failure_columns(self.name, outs, [1.0 - a for a in no_answer])
+        metrics.update(fm)
+        extra_per_example.update(fper)
         if proto.strict_scoring != "lm-eval":
             metrics["gsm8k_em_strict"] = sum(em_strict) / n
             metrics[LMEVAL_STRICT_COLUMN] = float(res["exact_match,strict-match"])

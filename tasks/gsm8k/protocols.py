@@ -13,8 +13,10 @@
   exemplars, ``Q: ...\\nA:`` prompt, stops, first ``The answer is N`` strict-match and last-number
   flexible-extract), on local docs; MergeBench's GSM8K metric.
 * ``chat-cot`` (``gsm8k_chat_cot.yaml``): :data:`CHAT_COT_INSTRUCTION` in the pool's chat template
-  (rendered here, the same string for every row); strict = the *last* ``The answer is: N`` with the
-  number pattern of lm-eval's chat variant ``gsm8k-cot-llama.yaml`` (``$`` allowed); flexible last number.
+  (rendered here, the same string for every row); strict = the *last* ``The answer is: N`` or
+  ``#### N`` (GSM8K's own answer line, the format its math experts are trained on: issue 57, version 3)
+  with the number pattern of lm-eval's chat variant ``gsm8k-cot-llama.yaml`` (``$`` allowed); flexible
+  last number.
 
 The prompt a model sees is lm-eval's ``doc_to_text`` of the YAML (zero-shot protocols: exactly
 :meth:`GSM8KProtocol.prompt`); extraction and exact match are lm-eval's filters and metric, whose
@@ -228,9 +230,9 @@ PROTOCOLS: dict[str, GSM8KProtocol] = {
                "3.0, from the installed lm_eval), included as is: exemplars, prompt, stops, filters, exact match; "
                "MergeBench's GSM8K metric"),
     "chat-cot": GSM8KProtocol(
-        name="chat-cot", version="2", yaml_file="gsm8k_chat_cot.yaml", uses_chat_template=True, zero_shot_only=True,
+        name="chat-cot", version="3", yaml_file="gsm8k_chat_cot.yaml", uses_chat_template=True, zero_shot_only=True,
         source="darts-bench prompt (zero-shot chain of thought in the pool's chat template); strict: last "
-               "'The answer is: N' with the number pattern of EleutherAI/lm-evaluation-harness "
+               "'The answer is: N' or '#### N' (GSM8K's training format) with the number pattern of EleutherAI/lm-evaluation-harness "
                "lm_eval/tasks/gsm8k/gsm8k-cot-llama.yaml (lm_eval 0.4.13)"),
 }
 

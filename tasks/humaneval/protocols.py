@@ -25,11 +25,12 @@ signature and docstring the problem prompt holds.
   harness caps prompt + completion at 512 tokens (``max_length_generation``) where
   ``tasks.humaneval.max_new_tokens`` caps the completion alone.
 * ``chat``: the pool's chat template around an instruction and the prompt in a ```python fence;
-  the completion is the first Python (```python, ```py) or unlabelled fenced code block of the answer
-  (blocks in other languages are skipped; an unterminated block runs to the end; ``\r\n`` line
-  endings read as ``\n``; a fence indented inside a list item has that indentation removed from its
-  lines), cut at ``if __name__`` and ``# Example usage`` lines; an answer without such a block counts
-  as code only if it parses as Python, else the completion is empty (no code).
+  the completion is read as evalplus's sanitizer reads a chat reply (``evalplus/sanitize.py``: the
+  longest parseable code span, then the definitions the entry point reaches), from the first piece of
+  the reply that defines the entry point: a Python or unlabelled fenced block, or text outside every
+  fence (a function followed by a lone closing fence, or written with no fence at all); without
+  one, the first such block (a bare body at column 0 indented to continue the prompt's function).
+  Version 3 (issue 57); :func:`extract_fenced_code` has the rules.
 
 Each protocol has a ``version``; a run reports the task version of its protocol
 (``HumanEvalTask.version``, ``TASK_VERSIONS`` in ``__init__.py``), bumped for the protocols that
@@ -44,7 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 __all__ = ["HumanEvalProtocol", "PROTOCOLS", "PROTOCOL_SAMPLING", "get_protocol", "mergelm_postprocess",
-           "extract_fenced_code", "fenced_blocks", "CODEX_STOP", "BIGCODE_STOP", "MERGELM_CODE_TEMPLATE", "CHAT_INSTRUCTION"]
+           "extract_fenced_code", "fenced_blocks", "longest_code_span", "sanitize_code", "CODEX_STOP", "BIGCODE_STOP", "MERGELM_CODE_TEMPLATE", "CHAT_INSTRUCTION"]
 
 #: Codex paper stop sequences (also the default of ``tasks.humaneval.stop``).
 CODEX_STOP: tuple[str, ...] = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")
@@ -139,32 +140,205 @@ def fenced_blocks(text: str) -> list[tuple[str, str]]:
         pos = end + 3
 
 
-def extract_fenced_code(response: str) -> str:
-    """The ``chat`` protocol's extraction: the first fenced block labelled ```python, ```python3,
-    ```py or not labelled (:func:`fenced_blocks`: other languages' blocks are skipped, an unterminated
-    block runs to the end of the response, an indented fence's indentation is removed), else the whole
-    response if it parses as Python, else ``""``; then cut before a top-level ``if __name__ ==`` line
-    and an ``# Example usage`` line. ``\r\n`` (and a lone ``\r``) read as ``\n``. Leading blank lines
-    and trailing whitespace are removed; indentation is otherwise kept (a bare function body
-    continues the prompt's function)."""
-    response = response.replace("\r\n", "\n").replace("\r", "\n")
-    code = next((c for info, c in fenced_blocks(response) if _PYTHON_INFO.fullmatch(info)), None)
-    if code is None:
-        try:
-            ast.parse(response)
-        except (SyntaxError, ValueError):
-            return ""
-        code = response
+def _segments(text: str) -> list[tuple[str, str]]:
+    """``text`` cut at its fences (:func:`fenced_blocks`' reading) into ``(kind, code)`` pieces, in
+    order: ``"block"`` for a Python or unlabelled fenced block, ``"text"`` for what lies outside every
+    block (so code before a lone closing fence, or after a closed block, is a piece of its own).
+    Blocks in other languages are left out."""
+    pieces: list[tuple[str, str]] = []
+    pos = 0
+    while True:
+        start = text.find("```", pos)
+        if start < 0:
+            break
+        eol = text.find("\n", start)
+        info = text[start + 3:] if eol < 0 else text[start + 3:eol]
+        if "```" in info:  # an inline span: part of the surrounding text
+            nxt = start + 3 + info.index("```") + 3
+            pieces.append(("text", text[pos:nxt]))
+            pos = nxt
+            continue
+        pieces.append(("text", text[pos:text.rfind("\n", 0, start) + 1]))
+        block = fenced_blocks(text[text.rfind("\n", 0, start) + 1:])[0]
+        if _PYTHON_INFO.fullmatch(block[0]):
+            pieces.append(("block", block[1]))
+        if eol < 0:
+            return [p for p in pieces if p[1].strip()]
+        end = text.find("```", eol + 1)
+        if end < 0:
+            return [p for p in pieces if p[1].strip()]
+        pos = end + 3
+        nl = text.find("\n", pos)  # the rest of the closing fence's line belongs to no piece
+        pos = len(text) if nl < 0 else nl + 1
+    pieces.append(("text", text[pos:]))
+    return [p for p in pieces if p[1].strip()]
+
+
+#: A line that can start the code span :func:`longest_code_span` looks for.
+_DEF_START = re.compile(r"(?:async\s+def|def|class|import|from|@)\b|@")
+
+
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+    return True
+
+
+def longest_code_span(text: str) -> str | None:
+    """The longest run of whole lines of ``text`` that parses as Python and starts at a top-level
+    ``def`` / ``class`` / ``import`` / ``from`` / decorator line, counted in non-blank lines (the
+    reading of evalplus's ``code_extract``, ``evalplus/sanitize.py``, restricted to spans that begin
+    at a definition so that prose lines that happen to parse, such as ``Output: 3``, are not taken).
+    ``None`` when no such span holds a ``def`` or ``class``. Cost: at most one parse per (start
+    line, end line) pair, start lines being the definition lines only."""
+    lines = text.split("\n")
+    best: tuple[int, int, int] | None = None  # (non-blank lines, start, end)
+    for i, line in enumerate(lines):
+        if not _DEF_START.match(line):
+            continue
+        for j in range(len(lines), i, -1):
+            n = sum(1 for ln in lines[i:j] if ln.strip())
+            if best is not None and n <= best[0]:
+                break
+            if _parses("\n".join(lines[i:j])):
+                tree = ast.parse("\n".join(lines[i:j]))
+                if any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) for node in tree.body):
+                    best = (n, i, j)
+                break
+    return None if best is None else "\n".join(lines[best[1]:best[2]])
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _free_names(node: ast.AST) -> set[str]:
+    """The names ``node`` reads from outside: for a function, the names it loads less its parameters
+    and the names it binds itself (so a parameter ``strings`` does not pull in a module-level example
+    assignment ``strings = [...]``)."""
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return _names(node)
+    a = node.args
+    params = {x.arg for x in a.posonlyargs + a.args + a.kwonlyargs + [a.vararg, a.kwarg] if x is not None}
+    loaded = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    bound = {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+    return loaded - params - bound
+
+
+def sanitize_code(code: str, entry_point: str | None = None) -> str:
+    """The definitions of ``code`` (a module that parses) that a check program can use, as evalplus's
+    ``sanitize`` keeps them: every import, and the functions, classes and module-level assignments;
+    with ``entry_point`` defined in ``code``, only those the entry point reaches through the names it
+    uses (so example calls, ``print`` lines, test assignments and ``if __name__`` blocks go). Kept
+    statements are copied as written, in order; blank lines and comments between two kept statements
+    stay.
+
+    Raises:
+        SyntaxError: ``code`` does not parse.
+    """
+    tree = ast.parse(code)
+    lines = code.split("\n")
+    defs: dict[str, ast.stmt] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defs[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                for name in _names(t):
+                    defs.setdefault(name, node)
+    keep: set[int] = set()
+    if entry_point is not None and entry_point in defs:
+        todo = [entry_point]
+        seen: set[str] = set()
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in defs:
+                continue
+            seen.add(name)
+            keep.add(id(defs[name]))
+            todo.extend(_free_names(defs[name]) - seen)
+    else:
+        keep = {id(n) for n in defs.values()}
+    runs: list[list[int]] = []  # [first line, last line] of each run of consecutive kept statements
+    previous_kept = False
+    for node in tree.body:
+        kept = isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) in keep
+        if kept:
+            first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            if previous_kept:
+                runs[-1][1] = node.end_lineno
+            else:
+                runs.append([first, node.end_lineno])
+        previous_kept = kept
+    return "\n".join("\n".join(lines[a - 1:b]) for a, b in runs)
+
+
+def _as_body(code: str) -> str:
+    """A block without a ``def``: code that continues the prompt's function. A body written at
+    column 0 (its first line unindented, with a top-level ``return``) is indented by 4 spaces so
+    that it continues the prompt's function; anything else is kept as written."""
+    first = next((ln for ln in code.split("\n") if ln.strip()), "")
+    if first and not first[0].isspace() and _parses(code):
+        if any(isinstance(n, ast.Return) for n in ast.parse(code).body):
+            return "\n".join("    " + ln if ln.strip() else ln for ln in code.split("\n"))
+    return code
+
+
+def _cut(code: str) -> str:
     for pat in _CUT_LINES:
         cut = pat.search(code)
         if cut:
             code = code[:cut.start()]
-    code = code.rstrip()
-    lines = code.split("\n")
+    return code
+
+
+def _finish(code: str) -> str:
+    lines = code.rstrip().split("\n")
     while lines and not lines[0].strip():
         lines.pop(0)
     code = "\n".join(lines)
     return code + "\n" if code else ""
+
+
+def extract_fenced_code(response: str, entry_point: str | None = None) -> str:
+    """The ``chat`` protocol's extraction (version 3), in this order:
+
+    1. The response is cut at its fences into pieces (:func:`_segments`): each Python or unlabelled
+       fenced block, and each stretch of text outside the blocks (so a function followed by a lone
+       closing fence, or written after prose with no fence at all, is a piece); blocks in other
+       languages are skipped; an unclosed block runs to the end; an indented fence's indentation is
+       removed (:func:`fenced_blocks`).
+    2. The first piece whose longest parseable definition span (:func:`longest_code_span`, evalplus's
+       ``code_extract``) defines ``entry_point`` (any function or class when ``entry_point`` is None
+       or no piece defines it) gives the completion, sanitized (:func:`sanitize_code`: imports and the
+       definitions the entry point reaches; example calls and ``print`` lines dropped). A truncated
+       function keeps its statements up to the last whole one.
+    3. Else the first Python or unlabelled fenced block, else the whole response if it parses: cut
+       before an ``if __name__ ==`` line and an ``# Example usage`` line; a body written at column 0
+       is indented to continue the prompt's function (:func:`_as_body`).
+    4. Else ``""`` (no code).
+
+    ``\r\n`` and a lone ``\r`` read as ``\n``. Leading blank lines and trailing whitespace are
+    removed; a non-empty completion ends with ``\n``.
+    """
+    response = response.replace("\r\n", "\n").replace("\r", "\n")
+    spans = [longest_code_span(code) for _, code in _segments(response)]
+    spans = [s for s in spans if s is not None]
+    if entry_point is not None:
+        defining = [s for s in spans if entry_point in {n.name for n in ast.parse(s).body
+                                                       if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}]
+        if defining:
+            return _finish(sanitize_code(defining[0], entry_point))
+    if spans:
+        return _finish(sanitize_code(spans[0], entry_point))
+    code = next((c for info, c in fenced_blocks(response) if _PYTHON_INFO.fullmatch(info)), None)
+    if code is None:
+        if not _parses(response):
+            return ""
+        code = response
+    return _finish(_as_body(_cut(code)))
 
 
 @dataclass(frozen=True)
@@ -196,8 +370,12 @@ class HumanEvalProtocol:
             return formatter.format_chat(text)
         return text
 
-    def extract(self, response: str) -> str:
-        """The completion (code) placed after the problem prompt in the check program."""
+    def extract(self, response: str, entry_point: str | None = None) -> str:
+        """The completion (code) placed after the problem prompt in the check program. ``entry_point``:
+        the problem's function name (``chat`` keeps the piece that defines it and what it calls; the
+        other protocols ignore it, as their sources do)."""
+        if self.name == "chat":
+            return self._extract(response, entry_point)
         return self._extract(response)
 
     def reference(self, problem_prompt: str, canonical_solution: str) -> str:
@@ -230,7 +408,7 @@ PROTOCOLS: dict[str, HumanEvalProtocol] = {
         _extract=mergelm_postprocess,
         _render=lambda p: MERGELM_CODE_TEMPLATE.format(input_text=p.replace("    ", "\t"))),
     "chat": HumanEvalProtocol(
-        name="chat", version="2", source="darts-bench (instruction + fenced prompt in the pool's chat template)",
+        name="chat", version="3", source="darts-bench (instruction + fenced prompt in the pool's chat template)",
         template="format_chat(" + repr(CHAT_INSTRUCTION) + ")", stop=(), uses_chat_template=True,
         _extract=extract_fenced_code, _render=lambda p: CHAT_INSTRUCTION.format(prompt=p)),
     "mergebench": HumanEvalProtocol(
