@@ -636,7 +636,7 @@ def factored_head_logits(model, head) -> bool:
     scores then differ from the head-then-``lm_head`` product's at float32 rounding level (the test model:
     within 1e-6 relative, greedy flags equal; SmolLM2-135M, 7 heads x 16 GSM8K reference answers: 109 of 112
     NLLs within 1e-6 relative, at most 1.24e-6, greedy flags 112/112 equal,
-    ``results/bench-2026-12-05/eval_heads_factored_smollm2.log``), and equal bitwise between the row-by-row ``HFTextModel.score`` and the one-pass
+    ``results/bench-2026-12-05/eval_heads_factored_smollm2.log`` at 41a2363), and equal bitwise between the row-by-row ``HFTextModel.score`` and the one-pass
     ``HFMultiHeadModel.score``, which both score it this way."""
     lm_head = model.get_output_embeddings()
     return (head is not None and not getattr(head, "per_sequence", False)
