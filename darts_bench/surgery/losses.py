@@ -23,7 +23,9 @@ def l1_loss(h: torch.Tensor, h_expert: torch.Tensor, mask: torch.Tensor | None =
     """Surgery loss: mean over valid tokens of ``mean_d |h - h_e|``. Scalar float32.
 
     Args:
-        h, h_expert: ``[..., d]``; mask: ``[...]`` 0/1 (all valid when None).
+        h: the corrected hidden states, ``[..., d]``.
+        h_expert: the expert's hidden states, ``[..., d]``.
+        mask: ``[...]`` 0/1 (all valid when None).
     """
     per = token_l1(h, h_expert)
     if mask is None:
