@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from darts_bench.api import Completion, ScoreContinuation
 from darts_bench.evaluate.memory import heap_trimmed
-from darts_bench.evaluate.prefix_cache import blocks_supported
+from darts_bench.evaluate.prefix_cache import blocks_supported, kv_cache_of, with_kv_cache  # noqa: F401 (re-exported)
 from darts_bench.evaluate.sampling import SeededSampler, sample_seed
 from darts_bench.surgery.corrected import attach_head, final_norm
 from darts_bench.surgery.heads import CorrectionHead, positions_from_mask
@@ -508,21 +508,6 @@ def score_plan(pairs: Sequence[tuple[Sequence[int], int]], batch_size: int, by_l
     rest = [i for i in score_order(pairs, by_length) if i not in grouped
             and key[tuple(pairs[i][0])] not in grouped]
     return plan + [("full", rest[s:s + batch_size]) for s in range(0, len(rest), batch_size)]
-
-
-def with_kv_cache(model, cache) -> dict:
-    """The forward keyword that passes a KV cache to ``model``: ``cache`` (transformers >= 5.20) or
-    ``past_key_values`` (earlier 5.x, e.g. the vLLM venv's), whichever its ``forward`` takes."""
-    import inspect
-
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache}
-
-
-def kv_cache_of(out):
-    """The KV cache a forward returned (``cache`` or, before transformers 5.20, ``past_key_values``)."""
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
 class PrefixChunk:
