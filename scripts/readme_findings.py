@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -63,14 +64,9 @@ def glance_block(results_root: Path, run: str = GLANCE_RUN) -> str:
 
 
 def block_of(text: str, begin: str, end: str) -> str | None:
-    """The lines from ``begin`` to ``end`` (each a line of its own), or None without ``begin``."""
-    lines = text.split("\n")
-    if begin not in lines:
-        return None
-    start = lines.index(begin)
-    if end not in lines[start:]:
-        raise ValueError(f"{begin} without {end}")
-    return "\n".join(lines[start:lines.index(end, start) + 1])
+    """The lines from ``begin`` to the first ``end`` after it (each marker a line of its own), or None."""
+    m = re.search(rf"^{re.escape(begin)}$.*?^{re.escape(end)}$", text, re.M | re.S)
+    return m.group(0) if m else None
 
 
 def targets(results: Path) -> list[tuple[Path, str | None, str]]:
