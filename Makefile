@@ -13,7 +13,7 @@ export HF_DATASETS_OFFLINE := 1
 export TORCH_EXTENSIONS_DIR ?= $(abspath .cache/torch_extensions)
 export DS_ACCELERATOR ?= cpu
 
-.PHONY: install install-dev run run-full reference test test-fast bench clean
+.PHONY: install install-dev install-docs run run-full reference test test-fast docs docs-build bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,8 +28,13 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
 
+$(VENV)/.installed-docs: $(VENV)/.installed
+	$(BIN)/pip install -q -e ".[docs]"
+	touch $@
+
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
+install-docs: $(VENV)/.installed-docs
 
 # the newcomer's first command: 10 of tiny's 79 rows (the routed / shared / inductive variants and three merges
 # left out; `darts-bench run --dry-run --config tiny --rows '...'` plans it at ~3.7 min on 2 cores, ~7 min with
@@ -53,10 +58,17 @@ test: install-dev
 test-fast: install-dev
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not micro and not ray and not deepspeed and not slow" tests
 
+# the documentation site (mkdocs.yml): `make docs` serves it on http://127.0.0.1:8000, `make docs-build` checks it
+docs: install-docs
+	$(BIN)/mkdocs serve
+
+docs-build: install-docs
+	$(BIN)/mkdocs build --strict
+
 # make bench BENCH_ARGS="--tier smollm2-135m --model-dir DIR" for a real SmolLM2 checkpoint dir
 BENCH_ARGS ?=
 bench: install
 	$(BIN)/python benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
-	rm -rf work .cache runs
+	rm -rf work .cache runs site

@@ -4,7 +4,7 @@ across the rows' calls (``PrefixBlockCache``: ``evaluate.prefix_cache_mib`` /
 ``evaluate.vllm.prefix_cache_mib``).
 
 Workload: the real outputs of the rows on AlpacaEval, read from a committed results dir (``--results``,
-default ``results/smollm2-135m-2026-12-04-run16``: ``samples/<row>/alpacaeval.jsonl.gz``, 24 rows x 10
+default ``results/smollm2-135m`` (the figures: run 16, ``results/smollm2-135m-2026-12-04-run16`` at cfd5c2d): ``samples/<row>/alpacaeval.jsonl.gz``, 24 rows x 10
 instructions; ``--merge`` keeps the rows whose name starts with it, default every row, as the evaluate stage
 keeps one cache for the whole stage). The judge is the bench model (the random tiny Llama, or
 ``--model-dir``: the SmolLM2-135M base of the ``smollm2-135m`` pool for the tier's judge prompts), in the
@@ -43,7 +43,7 @@ def main() -> None:
 
     ap = common.parser(__doc__)
     ap.add_argument("--merge", default="", help="rows whose name starts with this (default: every row)")
-    ap.add_argument("--results", default=str(REPO / "results" / "smollm2-135m-2026-12-04-run16"))
+    ap.add_argument("--results", default=str(REPO / "results" / "smollm2-135m"))
     ap.add_argument("--rows", type=int, default=None, help="the first N rows only (a shorter run at scale)")
     ap.add_argument("--prefix-cache-mib", type=int, default=1536, help="the blocks path's cache budget (MiB)")
     args = ap.parse_args()

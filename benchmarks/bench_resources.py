@@ -75,7 +75,8 @@ def child(mode: str, a) -> dict:
     from darts_bench.surgery.data import answer_prediction_mask, load_split, reference_answer_batches
     from darts_bench.surgery.diagnostics import Diagnostics, agreement
     from darts_bench.surgery.losses import entropy_weights, kl_divergence, token_l1
-    from darts_bench.surgery.train import make_token_data, split_by_sequence, train_head, weight_source
+    from darts_bench.surgery.diagnostics import weight_source
+    from darts_bench.surgery.train import make_token_data, split_by_sequence, train_head
 
     d = Path(a.dir) / ("bf16" if mode == "new-bf16" else "fp32")
     g = torch.Generator().manual_seed(1)

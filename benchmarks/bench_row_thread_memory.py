@@ -6,7 +6,7 @@ and each row's AlpacaEval protocol asks the judge for its verdicts: ``HFTextMode
 ``share_prefix`` (each judge prompt forwarded once for ``Output (a)`` and ``Output (b)``), one row at a time.
 On glibc a thread allocates from a malloc arena of its own, and an arena keeps what a forward freed:
 the smollm2-135m driver grew by 0.75-1.1 GiB per row thread over one AlpacaEval pass, 6.8 -> 13.3 GiB
-(run 13, ``results/smollm2-135m-2026-12-04/TIMINGS.md``).
+(run 13, ``results/smollm2-135m-2026-12-04/TIMINGS.md`` at ff6404f).
 
 Workload: ``--rows`` threads started together (as the stage starts them), each judging ``--prompts``
 AlpacaEval instructions as the task does, one row at a time: ``tasks/alpacaeval/judge.py::judge_pairs``

@@ -5,7 +5,7 @@ A teacher-forced score (reference NLL, a judge's verdict) needs the log-probabil
 continuation token. The logits behind it are ``[positions, vocab]`` float32: with SmolLM2's 49,152-token
 vocabulary, a chunk of 16 reference answers of 512 tokens is 8,192 x 49,152 x 4 bytes = 1.5 GiB a tensor,
 and the log-softmax makes a second. The smollm2-135m run peaked at 15 GiB in the driver there
-(``results/smollm2-135m-2026-12-03/TIMINGS.md``, run 11).
+(``results/smollm2-135m-2026-12-03/TIMINGS.md`` at 7c1b2ca, run 11).
 
 Each measurement runs in a fresh subprocess (this file with ``--child MODE``): it loads the model,
 tokenizes the pairs, resets the kernel's peak-RSS mark (``/proc/self/clear_refs``), scores, and

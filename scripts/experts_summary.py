@@ -6,7 +6,7 @@ the reference"), the protocol-mismatch rates, and the protocol/annotator on reco
 
 Usage::
 
-    python scripts/experts_summary.py results/smollm2-135m-experts   # reads every */results.json below it
+    python scripts/experts_summary.py DIR   # (e.g. results/smollm2-135m-experts at 60987d7) reads every */results.json below it
 
 Writes ``summary.md`` and ``summary.csv`` into that dir (temp file + rename). Every number is read
 from the runs' own ``table.csv`` / ``table_<task>.csv``; nothing is typed in by hand.

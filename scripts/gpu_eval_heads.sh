@@ -8,8 +8,8 @@
 #   scripts/gpu_eval_heads.sh run OUT_DIR    # there (device tool: carry .whl and .gpu-bench; timeout_s ~540)
 #
 # The repo's tracked files (73 MiB with results/) exceed the 64 MiB a device call carries: for the call,
-# `git rm -r -q --cached results/tiny results/tiny-strong` and list both in .git/info/exclude, then
-# `git reset -q -- results/tiny results/tiny-strong` and drop the lines (the files never leave the disk).
+# `git rm -r -q --cached results/tiny` and list both in .git/info/exclude, then
+# `git reset -q -- results/tiny` and drop the lines (the files never leave the disk).
 #
 # Runs, each under its own time limit (PER_RUN_S, default 150) so one slow config cannot eat the others':
 # float32 and bfloat16 with chunks of 32 prompts (one pass = 224 sequences; 2 rounds, ~70 s each on an

@@ -1,6 +1,6 @@
 """How far a one-ulp change of the cached features moves a trained head, per correction method.
 
-Why: a rebuilt smollm2-135m pool (run 11, ``results/smollm2-135m-2026-12-03/compare_run11.md``) gave
+Why: a rebuilt smollm2-135m pool (run 11, ``results/smollm2-135m-2026-12-03/compare_run11.md`` at 7c1b2ca) gave
 Surgery rows within 2e-7 of the committed run but moved DARTS rows by up to 5e-3 in agreement rates.
 Features rebuilt on another machine can differ in their last bits (merge optimisation, BLAS kernels).
 This script asks whether head training itself turns such differences into different heads, and

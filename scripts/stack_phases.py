@@ -1,10 +1,10 @@
 """Where an evaluate stage's time went, from stack samples of the driver process.
 
-    python scripts/stack_phases.py results/smollm2-135m-2026-12-03/driver_stacks.txt.gz [--since HH:MM:SS --until HH:MM:SS]
+    python scripts/stack_phases.py tests/fixtures/runs/stacks/driver_stacks.txt.gz [--since HH:MM:SS --until HH:MM:SS]
 
 The input is what a loop of ``py-spy dump --pid <driver>`` every few seconds writes (``scripts/sample_run.sh``, which
 also records the RSS of the run's processes), each dump preceded by a line
-``@@ <unix time>`` (results/smollm2-135m-2026-12-03/TIMINGS.md). A sample is charged, for the seconds since the
+``@@ <unix time>`` (results/smollm2-135m-2026-12-03/TIMINGS.md at 7c1b2ca). A sample is charged, for the seconds since the
 previous one (at most 10), to the call the working row thread is in: the thread inside ``LLM.generate``, a gathered
 call (``_Gather._flush``), an engine start, or else any thread py-spy marks active; samples with none are
 ``between calls``. Phases: the AlpacaEval judge, engine starts, reference NLL, routed rows' prompt states,

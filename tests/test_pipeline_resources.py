@@ -20,7 +20,8 @@ from darts_bench.surgery.data import answer_prediction_mask, load_split, referen
 from darts_bench.surgery.diagnostics import Diagnostics, agreement
 from darts_bench.surgery.heads import load_head
 from darts_bench.surgery.losses import entropy_weights, kl_divergence, token_l1
-from darts_bench.surgery.train import make_token_data, split_by_sequence, train_head, weight_source
+from darts_bench.surgery.diagnostics import weight_source
+from darts_bench.surgery.train import make_token_data, split_by_sequence, train_head
 
 pytestmark = [pytest.mark.micro]  # tests/README.md: markers
 

@@ -335,16 +335,17 @@ def committed_results(tmp_path: Path) -> Path:
 
 
 def test_readme_findings_block_matches_results(tmp_path):
-    """The README's findings block is generated from the committed results (scripts/readme_findings.py);
-    the coordinator regenerates it after a rerun (`--write`). Compared with HEAD's results where a ``make run``
-    in this checkout rewrote them (the README's two commands, ``make run`` then ``make test``, in one clone)."""
+    """The docs' findings block (docs/reference-runs.md) is generated from the committed results
+    (scripts/readme_findings.py); the coordinator regenerates it after a rerun (`--write`). Compared with HEAD's
+    results where a ``make run`` in this checkout rewrote them (the README's two commands, ``make run`` then
+    ``make test``, in one clone)."""
     from darts_bench.report.evidence import findings_block, readme_block
 
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "reference-runs.md").read_text()
     block = readme_block(text)
-    assert block is not None, "README.md has no <!-- findings:begin --> ... <!-- findings:end --> block"
+    assert block is not None, "docs/reference-runs.md has no <!-- findings:begin --> ... <!-- findings:end --> block"
     assert block == findings_block(committed_results(tmp_path)), \
-        "README findings block is stale: run scripts/readme_findings.py --write"
+        "docs findings block is stale: run scripts/readme_findings.py --write"
     assert "| claim |" in block
 
 

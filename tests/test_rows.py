@@ -110,7 +110,8 @@ def test_plan_counts_selected_rows(tmp_path):
 
 def test_experts_summary_null_values_on_the_committed_runs(tmp_path):
     """The null of a win rate is 50, of a rate 0; on the committed smollm2-135m experts-only runs the
-    cells whose CI excludes it are exactly the three named in the README."""
+    cells whose CI excludes it are exactly the three named in docs/tiers.md (the runs' results.json and table.csv:
+    tests/fixtures/runs/experts; the whole runs: ``results/smollm2-135m-experts`` at 60987d7)."""
     import importlib.util
     import shutil
 
@@ -122,9 +123,7 @@ def test_experts_summary_null_values_on_the_committed_runs(tmp_path):
     assert mod.excludes_null("alpacaeval_win_rate", 30.0, 45.0)  # below the reference
     assert not mod.excludes_null("alpacaeval_win_rate", 53.0, 64.0, "uninformative_judge")
     assert mod.excludes_null("humaneval_pass@1", 0.02439, 0.09146) and not mod.excludes_null("gsm8k_em_strict", 0.0, 0.0)
-    src = Path("results/smollm2-135m-experts")
-    if not (src / "humaneval-chat" / "results.json").is_file():
-        pytest.skip("committed experts-only runs not present")
+    src = Path(__file__).resolve().parent / "fixtures" / "runs" / "experts"
     root = tmp_path / "experts"
     for run in ("humaneval-chat", "humaneval-codex", "gsm8k-chat-cot", "gsm8k-lm-eval", "alpacaeval-chat_template"):
         shutil.copytree(src / run, root / run)

@@ -1,6 +1,6 @@
 """scripts/sample_run.sh: it samples the run's driver and descendants, never itself or a wrapper.
 
-Run 12 (results/smollm2-135m-2026-12-04/TIMINGS.md) passed the pattern as an argument (`sample_run.sh OUT
+Run 12 (results/smollm2-135m-2026-12-04/TIMINGS.md at ff6404f) passed the pattern as an argument (`sample_run.sh OUT
 "darts_bench.cli run"`): `pgrep -f` matched the sampler's own command line, so rss.txt held the sampler's `ps` and
 `awk` and no run. The driver here is a python process under `timeout` (a wrapper whose command line holds the
 pattern too, as `/usr/bin/time -v` does) with a forked child of the same command line.

@@ -1,5 +1,6 @@
-"""scripts/stack_phases.py recomputes the evaluate stage's phase table of results/smollm2-135m-2026-12-03/TIMINGS.md
-from the committed driver stack samples, and the judge memo's counts are in the committed run log."""
+"""scripts/stack_phases.py recomputes the evaluate stage's phase tables of the smollm2-135m runs 6-9 and 17 (docs/performance.md;
+their TIMINGS.md and logs: ``results/smollm2-135m-2026-12-03`` at 7c1b2ca, ``-2026-12-05-run17`` at e868c53 in git history)
+from their py-spy driver stack samples, kept as fixtures in tests/fixtures/runs/stacks."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from conftest import load_script
 
-RUN = Path(__file__).resolve().parent.parent / "results" / "smollm2-135m-2026-12-03"
+RUN = Path(__file__).resolve().parent / "fixtures" / "runs" / "stacks"
 
 
 def assert_phase_lines(capsys, samples: str, lines, *window: str) -> None:
@@ -29,9 +30,6 @@ def test_committed_samples_give_the_timings_phase_table(capsys):
     # one window: the AdaMerging AlpacaEval pass, mostly the judge
     sp.main([str(RUN / "driver_stacks.txt.gz"), "--since", "09:10:26", "--until", "09:21:15"])
     assert "| judge | 488 |" in capsys.readouterr().out
-    timings, log = (RUN / "TIMINGS.md").read_text(), (RUN / "run.log").read_text()
-    assert "| AlpacaEval judge (forced-choice scoring on the judge's vLLM engine, `prompt_logprobs`) | 1,156 | 37% |" in timings
-    assert "score 620 computed, 340 reused" in log and "stage evaluate: done in 3090.9 s" in log
 
 
 def test_a_sample_without_a_working_thread_is_between_calls():
@@ -51,7 +49,6 @@ def test_run7_windows_give_the_timings_comparison(capsys):
             ("run7_driver_stacks.txt.gz", "12:08:16", "12:26:23", "394", "257")):
         assert_phase_lines(capsys, samples, (f"| judge | {judge} |", f"| reference NLL | {nll} |"),
                            "--since", since, "--until", until)
-    assert "adamerging on alpacaeval: built in 898.8 s" in (RUN / "run7.log").read_text()
 
 
 def test_run8_samples_give_the_timings_table(capsys):
@@ -61,9 +58,6 @@ def test_run8_samples_give_the_timings_table(capsys):
     for since, until, nll in (("13:07:31", "13:23:08", "126"), ("13:23:08", "13:35:50", "132")):
         assert_phase_lines(capsys, "run8_driver_stacks.txt.gz", (f"| reference NLL | {nll} |",),
                            "--since", since, "--until", until)
-    log = (RUN / "run8.log").read_text()
-    assert "stage evaluate: done in 2436.1 s" in log and "score 620 computed, 340 reused" in log
-    assert "**no regression** (111 cells changed within tolerance, 5703 identical)" in (RUN / "compare_run8.md").read_text()
 
 
 def test_run9_samples_give_the_timings_table(capsys):
@@ -79,9 +73,6 @@ def test_run9_samples_give_the_timings_table(capsys):
             ("run8_driver_stacks.txt.gz", "13:23:08", "13:35:50", "308"),
             ("run9_driver_stacks.txt.gz", "15:56:08", "16:07:50", "170")):
         assert_phase_lines(capsys, samples, (f"| judge | {judge} |",), "--since", since, "--until", until)
-    log = (RUN / "run9.log").read_text()
-    assert "stage evaluate: done in 2294.9 s" in log and "score 620 computed, 340 reused" in log
-    assert "**no regression** (111 cells changed within tolerance, 5703 identical)" in (RUN / "compare_run9.md").read_text()
 
 
 def test_a_busy_thread_caught_without_a_frame_is_named_not_a_crash():
@@ -105,11 +96,9 @@ def test_an_executor_frame_is_not_code_execution():
 def test_a_window_across_midnight_reads_its_times_on_the_next_day(capsys):
     """Run 17 started at 23:55 and evaluated from 00:18:15 to 00:45:24 the next day: ``--since/--until`` more than
     12 h before the first sample's time of day are read on the day after it, giving its TIMINGS.md phases."""
-    run17 = RUN.parent / "smollm2-135m-2026-12-05-run17"
     sp = load_script("stack_phases")
-    sp.main([str(run17 / "run17_driver_stacks.txt.gz"), "--since", "00:18:15", "--until", "00:45:24"])
+    sp.main([str(RUN / "run17_driver_stacks.txt.gz"), "--since", "00:18:15", "--until", "00:45:24"])
     out = capsys.readouterr().out
     for line in ("| generation | 555 | 34% |", "| judge | 399 | 24% |", "| reference NLL | 362 | 22% |",
                  "| engine start | 146 | 9% |", "| all | 1,630 | |"):
         assert line in out
-    assert "the AlpacaEval judge 399 s (24%)" in (run17 / "TIMINGS.md").read_text().replace("\n  ", " ")

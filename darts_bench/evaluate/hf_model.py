@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 from darts_bench.api import Completion, ScoreContinuation
 from darts_bench.evaluate.memory import heap_trimmed
-from darts_bench.evaluate.prefix_cache import blocks_supported
+from darts_bench.evaluate.prefix_cache import blocks_supported, kv_cache_of, with_kv_cache  # noqa: F401 (re-exported)
 from darts_bench.evaluate.sampling import SeededSampler, sample_seed
 from darts_bench.surgery.corrected import attach_head, final_norm
 from darts_bench.surgery.heads import CorrectionHead, positions_from_mask
@@ -506,21 +506,6 @@ def score_plan(pairs: Sequence[tuple[Sequence[int], int]], batch_size: int, by_l
     return plan + [("full", rest[s:s + batch_size]) for s in range(0, len(rest), batch_size)]
 
 
-def with_kv_cache(model, cache) -> dict:
-    """The forward keyword that passes a KV cache to ``model``: ``cache`` (transformers >= 5.20) or
-    ``past_key_values`` (earlier 5.x, e.g. the vLLM venv's), whichever its ``forward`` takes."""
-    import inspect
-
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {name: cache}
-
-
-def kv_cache_of(out):
-    """The KV cache a forward returned (``cache`` or, before transformers 5.20, ``past_key_values``)."""
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else getattr(out, "past_key_values", None)
-
-
 class PrefixChunk:
     """The tensors of one ``("prefix", groups)`` chunk of :func:`score_plan` (``G`` groups, ``M``
     sequences; built by :func:`prefix_chunk`), all int64 on the model's device:
@@ -632,7 +617,7 @@ def factored_head_logits(model, head) -> bool:
     scores then differ from the head-then-``lm_head`` product's at float32 rounding level (the test model:
     within 1e-6 relative, greedy flags equal; SmolLM2-135M, 7 heads x 16 GSM8K reference answers: 109 of 112
     NLLs within 1e-6 relative, at most 1.24e-6, greedy flags 112/112 equal,
-    ``results/bench-2026-12-05/eval_heads_factored_smollm2.log``), and equal bitwise between the row-by-row ``HFTextModel.score`` and the one-pass
+    ``results/bench-2026-12-05/eval_heads_factored_smollm2.log`` at 41a2363), and equal bitwise between the row-by-row ``HFTextModel.score`` and the one-pass
     ``HFMultiHeadModel.score``, which both score it this way."""
     lm_head = model.get_output_embeddings()
     return (head is not None and not getattr(head, "per_sequence", False)

@@ -5,7 +5,7 @@ every thread that allocates gets a malloc arena of its own (up to 8 per core). A
 model over ~1,000-token judge prompts frees its activations (tensors below glibc's mmap threshold, up to
 32 MiB, come from the arena) back to the calling thread's arena, which keeps them: free, but resident.
 So each row thread that scored could hold up to its own peak working set. On the ``smollm2-135m`` run 13
-(``results/smollm2-135m-2026-12-04/TIMINGS.md``) the driver climbed by 0.75-1.1 GiB per row thread over
+(``results/smollm2-135m-2026-12-04/TIMINGS.md`` at ff6404f) the driver climbed by 0.75-1.1 GiB per row thread over
 one merge's AlpacaEval pass, 6.8 -> 13.3 GiB, and fell back when the pass's threads ended.
 ``benchmarks/bench_row_thread_memory.py`` (6 row threads
 judging 8 AlpacaEval instructions each with SmolLM2-135M, 2026-12-04): 393 MiB kept after the pass without

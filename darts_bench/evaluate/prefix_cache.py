@@ -167,8 +167,6 @@ class PrefixBlockCache:
         blocks found to :attr:`hits` (not for a chunk's blocks after :meth:`prefetch` found or made them)."""
         from transformers import DynamicCache
 
-        from darts_bench.evaluate.hf_model import with_kv_cache
-
         B = self.block
         digests: list[list[bytes]] = []
         for p in prefixes:
@@ -232,3 +230,18 @@ def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``(keys, values)`` ``[batch, kv_heads, seq, head_dim]`` per layer of a transformers ``DynamicCache``
     (its ``layers``: transformers 5, which the project requires)."""
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def with_kv_cache(model, cache) -> dict:
+    """The forward keyword that passes a KV cache to ``model``: ``cache`` (transformers >= 5.20) or
+    ``past_key_values`` (earlier 5.x, e.g. the vLLM venv's), whichever its ``forward`` takes."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def kv_cache_of(out):
+    """The KV cache a forward returned (``cache`` or, before transformers 5.20, ``past_key_values``)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)

@@ -77,7 +77,7 @@ THROUGHPUT = {
             # cores, 212-279 GFLOP/s over 2026-12-05 (the machine's speed drifted; the constant before, 95, was
             # benchmarks/bench_collect.py's matmul rate); vocab_pass, head_step_s: least squares over the 24
             # train-stage lines of the reference settings' run with the reference answers diagnosed once per (merge,
-            # task, split) and DARTS tables trained over the rows in use (results/smollm2-135m-2026-12-05-train/
+            # task, split) and DARTS tables trained over the rows in use (results/smollm2-135m-2026-12-05-train at ff57251
             # TIMINGS.md, Intel Xeon; `python scripts/fit_train_rates.py LOG --vocab 250e9`, the per-line table
             # there): 357 M elements/s and 1.67 ms per step (Surgery and DARTS steps together). (Run 16, the code
             # before: 937 M at 95 GFLOP/s and 2.69 ms; run 4's three calls per stream on an AMD EPYC: 250 M
@@ -91,7 +91,7 @@ THROUGHPUT = {
             # tokens, 201.5 s: 51 GFLOP/s)
             "fp64": 55e9,
             # recombine: AdaMerging 305.8 s (TIMINGS.md: 30 steps, 45 batches of 4 prompts, 19,379 tokens) and
-            # 515.4 s (the 2026-12-02 rerun, results/smollm2-135m-rerun-2026-12-02/TIMINGS.md: 60 steps, 60
+            # 515.4 s (the 2026-12-02 rerun, results/smollm2-135m-rerun-2026-12-02/TIMINGS.md at 9943363: 60 steps, 60
             # batches, 26,906 tokens), less their forwards, backwards and loads: 166.7 s and 273.5 s for 90 + 30
             # and 120 + 60 (no-grad + with-backward) recombinations of 3 x 134.5M elements: 1.0 s each, x
             # RECOMBINE_BACKWARD with the backward
@@ -100,7 +100,7 @@ THROUGHPUT = {
                       "training 180 tok/s; taken as FLOP/s; diagnostics 250 GFLOP/s of lm_head matmuls and 357 M "
                       "elements/s of passes over the vocabulary, RegMean fp64 55 GFLOP/s, AdaMerging recombination "
                       "4e8 elements/s, 1.67 ms per head step (fitted to results/smollm2-135m/TIMINGS.md and, the "
-                      "train stage, to results/smollm2-135m-2026-12-05-train/TIMINGS.md)"},
+                      "train stage, to results/smollm2-135m-2026-12-05-train/TIMINGS.md at ff57251)"},
     "cuda": {"forward": 0.4 * 312e12, "logits": 0.4 * 312e12, "decode_bw": 1.5e12, "step_s_per_layer": 0.025 / 32, "train": 0.4 * 312e12,
              # assumed: the passes over V are small beside the d x V matmul at 7B widths; fp64 Grams as fp32
              # diagnostics (A100 fp64 tensor cores: 19.5 TFLOP/s peak); recombination bound by reading and writing
@@ -131,7 +131,7 @@ VLLM_GPU_RESERVE = 2e9
 # Start-up of one engine (seconds, besides reading the weights at LOAD_BYTES_PER_S): on the CPU with
 # enforce_eager, SmolLM2-135M alone on 2 cores, from the request to the engine's first call (the previous engine's
 # shutdown and vLLM's own "up in" time). Since an engine's shutdown stopped waiting 10 s for Python's resource
-# tracker (2026-12-04): "up in" 18.8-25.1 s for the 9 engines of run 19 (results/smollm2-135m-2026-12-05-run19,
+# tracker (2026-12-04): "up in" 18.8-25.1 s for the 9 engines of run 19 (results/smollm2-135m-2026-12-05-run19 at 34443d6,
 # AMD EPYC), 19.9-25.6 s in run 17 (36.8 s the first), plus 5-6 s shutting the previous one down. Before: 63, 38,
 # 39 s for the calibration engines of run 4 and 39, 43, 47 s in run 5's evaluation (results/smollm2-135m/TIMINGS.md);
 # 104 s was seen on a loaded box (README "vLLM backend"), 327 s the first time with compilation; GPU assumed.
@@ -140,7 +140,7 @@ VLLM_START_S = {"cpu": {"eager": 25.0, "compiled": 330.0}, "cuda": {"eager": 60.
 # seconds besides reading the weights at LOAD_BYTES_PER_S): the RPC, vLLM's layerwise reload, the tied lm_head's
 # packing, emptying the prefix cache. Measured 0.44-0.73 s in all for SmolLM2-135M float32 (0.54 GB read from the
 # page cache) against 23.9-26.5 s for shutting an engine down and starting the next (AMD EPYC, 2 cores;
-# benchmarks/bench_vllm_engine_switch.py, results/bench-2026-12-05/vllm_engine_switch_smollm2.log).
+# benchmarks/bench_vllm_engine_switch.py, results/bench-2026-12-05/vllm_engine_switch_smollm2.log at 41a2363).
 VLLM_RELOAD_S = 0.1
 VLLM_START_RANGE = {"cpu": "19-26 s per engine measured on 2 idle CPU cores with enforce_eager (2026-12-05; 104 s "
                            "seen on a loaded box, 327 s compiled)",

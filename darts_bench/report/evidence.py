@@ -537,7 +537,7 @@ def recompute(results_dir: Path) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------ README findings block
 #: the results dirs whose claims the README's findings block shows, in order
-FINDINGS_RUNS = ("smollm2-135m", "tiny", "tiny-strong")
+FINDINGS_RUNS = ("smollm2-135m", "tiny")
 #: the results dirs whose compact table (table.md's first table) and per-task routing accuracy the block
 #: also shows (the reference tier; tiny's 79 rows are in its own table.md)
 FINDINGS_TABLE_RUNS = ("smollm2-135m",)

@@ -24,7 +24,8 @@ from typing import Callable, Iterator
 import torch
 
 from darts_bench.collect.store import ShardedFeatures
-from darts_bench.surgery.train import TokenData, weight_source
+from darts_bench.surgery.diagnostics import weight_source
+from darts_bench.surgery.train import TokenData
 
 
 def _as_float(t: TokenData) -> TokenData:

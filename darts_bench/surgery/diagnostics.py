@@ -617,3 +617,21 @@ def diagnose(head: CorrectionHead | None, h_merged: torch.Tensor, h_expert: torc
     data = TokenData(h_merged, h_expert, positions, positions, entropy)
     return Diagnostics(lambda: [data], mean_h, w_max, lm_head_expert, lm_head_merged, device=device,
                        batch_tokens=chunk)(head)
+
+
+def weight_source(source: str, expert: dict, merged: dict, lm_head_expert: torch.Tensor | None = None,
+                  lm_head_merged: torch.Tensor | None = None, chunk: int = 4096) -> torch.Tensor:
+    """Per-token signal behind the DARTS weights: the expert's entropy, the merged model's
+    entropy, or ``KL(p_expert || p_merged)`` (nats; computed in chunks from the lm_heads)."""
+    if source == "expert":
+        return expert["entropy"].float()
+    if source == "merged":
+        return merged["entropy"].float()
+    if lm_head_expert is None or lm_head_merged is None:
+        raise ValueError("entropy_source=kl needs both lm_head weights")
+    out = []
+    for s in range(0, expert["h"].shape[0], chunk):
+        le = expert["h"][s:s + chunk].float() @ lm_head_expert.float().T
+        lm = merged["h"][s:s + chunk].float() @ lm_head_merged.float().T
+        out.append(ExpertDistribution(le).kl(lm))  # kl_divergence's values, the softmaxes in cache-sized blocks
+    return torch.cat(out)

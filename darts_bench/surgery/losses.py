@@ -23,7 +23,9 @@ def l1_loss(h: torch.Tensor, h_expert: torch.Tensor, mask: torch.Tensor | None =
     """Surgery loss: mean over valid tokens of ``mean_d |h - h_e|``. Scalar float32.
 
     Args:
-        h, h_expert: ``[..., d]``; mask: ``[...]`` 0/1 (all valid when None).
+        h: the corrected hidden states, ``[..., d]``.
+        h_expert: the expert's hidden states, ``[..., d]``.
+        mask: ``[...]`` 0/1 (all valid when None).
     """
     per = token_l1(h, h_expert)
     if mask is None:
@@ -70,7 +72,7 @@ def first_argmax(x: torch.Tensor) -> torch.Tensor:
     ``[...]`` int64, the index of the first maximal value (NaN counts as the maximum), the rule both
     calls document. Faster on the CPU: 1.85x per ``[512, 49152]`` float32 block on 2 threads
     (``benchmarks/bench_diagnostics.py``, figure ``top1_max_indices``;
-    ``results/bench-2026-12-04/diagnostics_top1_smollm2.log``). Tested equal on ties, NaN and
+    ``results/bench-2026-12-04/diagnostics_top1_smollm2.log`` at aa11c73). Tested equal on ties, NaN and
     inf rows in float32 and bfloat16 (``tests/test_surgery_diagnostics.py``).
 
     Raises:

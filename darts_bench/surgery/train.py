@@ -58,26 +58,6 @@ def split_by_sequence(n_sequences: int, held_out_fraction: float, seed: int) -> 
     return sorted(perm[n_val:]), sorted(perm[:n_val])
 
 
-def weight_source(source: str, expert: dict, merged: dict, lm_head_expert: torch.Tensor | None = None,
-                  lm_head_merged: torch.Tensor | None = None, chunk: int = 4096) -> torch.Tensor:
-    """Per-token signal behind the DARTS weights: the expert's entropy, the merged model's
-    entropy, or ``KL(p_expert || p_merged)`` (nats; computed in chunks from the lm_heads)."""
-    if source == "expert":
-        return expert["entropy"].float()
-    if source == "merged":
-        return merged["entropy"].float()
-    if lm_head_expert is None or lm_head_merged is None:
-        raise ValueError("entropy_source=kl needs both lm_head weights")
-    from darts_bench.surgery.diagnostics import ExpertDistribution  # (diagnostics imports this module)
-
-    out = []
-    for s in range(0, expert["h"].shape[0], chunk):
-        le = expert["h"][s:s + chunk].float() @ lm_head_expert.float().T
-        lm = merged["h"][s:s + chunk].float() @ lm_head_merged.float().T
-        out.append(ExpertDistribution(le).kl(lm))  # kl_divergence's values, the softmaxes in cache-sized blocks
-    return torch.cat(out)
-
-
 def make_token_data(expert: dict, merged: dict, wsrc: torch.Tensor) -> TokenData:
     """Align expert and merged features (same tokens, same order) into :class:`TokenData`.
 

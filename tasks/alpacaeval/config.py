@@ -31,9 +31,12 @@ class JudgeConfig(BaseModel):
         "chatgpt_fn) run by alpaca_eval itself instead of the local judge `model`")
     max_unparsed: float = Field(0.5, ge=0, le=1, description="flag the win rate when more than this share of "
                                 "judge answers cannot be parsed")
-    max_new_tokens: int = Field(8, ge=1)
-    both_orders: bool = True
-    min_consistency: float = Field(0.6, ge=0, le=1)
+    max_new_tokens: int = Field(8, ge=1, description="judge answer length cap, tokens")
+    both_orders: bool = Field(True,
+        description="judge each pair in both orders (model output first and second) and count the consistent verdicts")
+    min_consistency: float = Field(0.6, ge=0, le=1,
+        description="flag the win rate as uninformative_judge when fewer than this share of pairs get the same "
+        "verdict in both orders")
     check_pairs: int = Field(16, ge=0, description="known-answer pairs (a reference against a damaged copy of "
                              "itself, judged in both orders) a local judge must score before its win rate counts "
                              "(tasks/alpacaeval/judge_check.py); 0: no check")
@@ -42,6 +45,8 @@ class JudgeConfig(BaseModel):
 
 
 class AlpacaEvalConfig(TaskConfig):
+    """AlpacaEval: the instruction format, the reference outputs and the judge."""
+
     setup: Literal["dare", "della", "alpaca_eval_2"] | None = Field(
         None, description="a paper's AlpacaEval set-up by name (tasks/alpacaeval/README.md, setups.py): fills "
         "protocol, reference, max_new_tokens and judge.annotator where they are not given; a value given "
@@ -49,8 +54,8 @@ class AlpacaEvalConfig(TaskConfig):
     protocol: Literal["chat_template", "vicuna", "alpaca", "della"] = Field(
         "chat_template", description="how the instruction is formatted (tasks/alpacaeval/README.md)")
     reference: str = Field("gpt4_turbo", description="gpt4_turbo | text_davinci_003 | model:<row name>")
-    max_new_tokens: int = Field(128, ge=1)
-    judge: JudgeConfig = JudgeConfig()
+    max_new_tokens: int = Field(128, ge=1, description="output length cap, tokens")
+    judge: JudgeConfig = Field(JudgeConfig(), description="the judge that compares each output with the reference")
 
     @model_validator(mode="before")
     @classmethod

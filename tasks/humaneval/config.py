@@ -12,19 +12,22 @@ from .protocols import PROTOCOL_SAMPLING
 
 
 class HumanEvalConfig(TaskConfig):
+    """HumanEval: the prompt protocol, sampling and the sandbox limits of the completions."""
+
     protocol: Literal["codex", "instruct", "chat", "mergebench"] = Field(
         "codex", description="prompt + extraction protocol (tasks/humaneval/README.md); `stop` applies to codex only; "
         "mergebench also sets n_samples, temperature, top_p and k where they are not given")
-    max_new_tokens: int = Field(128, ge=1)
+    max_new_tokens: int = Field(128, ge=1, description="completion length cap, tokens")
     n_samples: int = Field(1, ge=1, description="samples per problem; 1 = greedy")
-    k: list[int] = [1]
+    k: list[int] = Field([1], description="the k of each pass@k reported (each <= n_samples)")
     temperature: float = Field(0.8, gt=0, description="sampling temperature (n_samples > 1)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling (Holtzman et al. 2020), n_samples > 1; "
                          "1 = off")
-    timeout_s: float = Field(5.0, gt=0)
-    memory_mb: int = Field(1024, ge=64)
-    workers: int = Field(2, ge=1)
-    stop: list[str] = ["\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#"]
+    timeout_s: float = Field(5.0, gt=0, description="sandbox: wall-clock limit per program, seconds")
+    memory_mb: int = Field(1024, ge=64, description="sandbox: address-space limit per program, MiB")
+    workers: int = Field(2, ge=1, description="sandbox: programs run in parallel")
+    stop: list[str] = Field(["\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#"],
+        description="codex protocol: generation stops at any of these strings")
 
     @model_validator(mode="before")
     @classmethod
