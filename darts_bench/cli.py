@@ -388,11 +388,11 @@ def cmd_score(args) -> int:
 
 
 def cmd_report_from_results(args) -> int:
-    """``darts-bench report --from-results DIR``: :func:`darts_bench.report.evidence.recompute`."""
+    """``darts-bench report --from-results DIR``: :func:`darts_bench.report.recompute.recompute`."""
     from pathlib import Path
 
     from darts_bench.artifacts import atomic_write_text
-    from darts_bench.report.evidence import recompute
+    from darts_bench.report.recompute import recompute
 
     res = recompute(Path(args.from_results))
     if args.out:

@@ -300,7 +300,7 @@ def test_data_merge_rows_get_heads_and_evaluation(micro_cfg_path, micro_pipeline
     assert set(det) == {"ada", "rm"} and det["rm"]["alpha"] == 0.9
     assert set(det["ada"]["coefficients"]) == {"code", "math", "instruction"} and "per_step" not in det["ada"]["entropy"]
     # claim 7 (heads on top of a strong merge) is computed over both merges and recomputes from the files
-    from darts_bench.report.evidence import recompute
+    from darts_bench.report.recompute import recompute
 
     claims_md = (tmp_path / "results" / "claims.md").read_text()
     assert "the heads still help on top of a strong merge (AdaMerging, RegMean: head row vs the plain merge): " \

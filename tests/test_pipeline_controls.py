@@ -48,6 +48,6 @@ def test_planted_drift_is_found_by_darts_and_not_by_surgery(micro_dir, micro_pip
     assert len(real) == 2 and all(d["null"]["replicates"] == 200 and d["null"]["rate"] <= 0.05 for d in real)
     control = [d for d in res["decisions"] if d["line"] == "control"]
     assert all(d["meta"]["ci_high"] < 0 and d["cells"] == 6 for d in control)
-    from darts_bench.report.evidence import recompute
+    from darts_bench.report.recompute import recompute
 
     assert recompute(out)["mismatches"] == []

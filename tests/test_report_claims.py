@@ -11,11 +11,16 @@ from darts_bench.surgery.diagnostics import entropy_contrast
 
 
 def _diag(slope, lo, hi, n_seq, ec=None, heads=None):
-    none = {"rep_l1": 1.0, "kl_expert": 0.5, "slope": {"slope": slope, "ci_low": lo, "ci_high": hi,
-                                                       "n_sequences": n_seq}}
+    """Diagnostics whose claim-1/2/4 signals sit on the expert-continuation positions (``gen``), where the
+    claims read them (never on all positions: the template every prompt shares)."""
+    gen = {"rep_l1": 1.0, "kl_expert": 0.5, "slope": {"slope": slope, "ci_low": lo, "ci_high": hi,
+                                                      "n_sequences": n_seq}}
     if ec is not None:
-        none["entropy_contrast"] = ec
-    return {"none": none, **(heads or {})}
+        gen["entropy_contrast"] = ec
+    # all-position values that disagree with gen's: a claim that read them would fail the assertions below
+    none = {"rep_l1": 9.0, "kl_expert": 0.0, "slope": {"slope": -1.0, "ci_low": -2.0, "ci_high": -0.5,
+                                                       "n_sequences": n_seq}, "gen": gen}
+    return {"none": none, **{k: {"rep_l1": 0.0, "kl_expert": 9.0, "gen": h} for k, h in (heads or {}).items()}}
 
 
 def test_interval_and_sign_verdicts():
@@ -69,38 +74,46 @@ def test_claims_from_hand_made_diagnostics():
                             ("ta", "gsm8k"): "insufficient (1 held-out sequences < 20)"}
     c2 = ev[ev["claim"] == 2].set_index(["merge", "task"])["verdict"]
     assert c2[("ties", "gsm8k")] == "supported"
-    assert c2[("ta", "gsm8k")].startswith("insufficient (not recorded")
+    assert c2[("ta", "gsm8k")].startswith("insufficient (no continuation-position entropy contrast")
     c4 = ev[ev["claim"] == 4]
     assert list(c4["verdict"]).count("contradicts") == 1
     claims = claims_table(ev).set_index("claim")
-    # 2 informative cells (the --limit 4 cell is descriptive): the sign test cannot reach p < 0.05
-    assert claims.loc[1, "verdict"] == "insufficient (2 untied pairs < 6)"
-    assert claims.loc[1, "evidence"] == ("3 cells: 2 supported, 0 not supported, 0 inconclusive, 1 insufficient; "
-                                         "estimate > 0 in 2, < 0 in 0 informative cells, sign test p = 0.5")
+    # 2 informative cells (the --limit 4 cell is descriptive): too few for a random-effects verdict over cells
+    assert claims.loc[1, "statement"] == ("representation bias grows with position under the causal mask: "
+                                          "continuation positions (transductive)")
+    assert claims.loc[1, "verdict"] == "insufficient (2 cells with a within-cell variance < 3)"
+    assert claims.loc[1, "evidence"] == ("2 informative cells: n/a; per-cell CIs: 3 cells: 2 supported, 0 not "
+                                         "supported, 0 inconclusive, 1 insufficient; sign test 2/0, p = 0.5")
     c3 = claims.loc[[3]].set_index("statement")["verdict"].to_dict()
     assert c3 == {"DARTS beats Surgery on the task metrics and on behaviour: primary (transductive)": "supported",
                   # a behaviour family whose cells rest on 1 held-out sequence is descriptive, never a verdict
                   "DARTS beats Surgery on the task metrics and on behaviour: kl_expert (transductive)":
                       "insufficient (1 of 3 cells from fewer than 20 held-out sequences)"}
     assert claims.loc[4, "verdict"] == "inconclusive (1 of 4 heads contradict)"
-    assert "ties/gsm8k/transductive surgery seed 0: rep L1 1 -> 0.8, KL 0.5 -> 0.6 nats" in claims.loc[4, "evidence"]
+    assert ("ties/gsm8k/transductive surgery seed 0: continuation rep L1 1 -> 0.8, KL 0.5 -> 0.6 nats"
+            in claims.loc[4, "evidence"])
     md = claims_markdown(claims.reset_index(), ev, to_markdown)
-    assert "| 1 | representation bias grows with position under the causal mask | insufficient (2 untied" in md
+    assert ("| 1 | representation bias grows with position under the causal mask: continuation positions "
+            "(transductive) | insufficient (2 cells" in md)
     assert "heterogeneous (k for, m against)" in md and "Holm" in md  # the rule, stated in the header
+    assert "Hartung-Knapp-Sidik-Jonkman" in md and "pre-registered primary family" in md
 
 
-def test_claim_one_rolls_up_by_sign_test_or_heterogeneous():
-    """Claims 1-2 over cells: six significant positive cells -> supported (sign test 6/0, p = 1/32);
-    one significant negative cell among them -> heterogeneous, never supported by the majority."""
+def test_claim_one_decided_by_random_effects_over_cells():
+    """Claims 1-2 over cells: six positive cells that agree -> supported (the HKSJ interval above 0);
+    one significant negative cell among five positive ones -> the cells disagree (I^2 near 1) and the
+    interval holds 0: inconclusive, never supported by the majority."""
     def runs(slopes):
         return {(f"m{i}", "gsm8k", "transductive", "", 0): _diag(s, s - 0.001, s + 0.001, 20)
                 for i, s in enumerate(slopes)}
 
     up = claims_table(claim_evidence(runs([0.01] * 6), None, [])).set_index("claim")
     assert up.loc[1, "verdict"] == "supported"
-    assert up.loc[1, "evidence"].endswith("sign test p = 0.0312")
+    assert up.loc[1, "evidence"].startswith("6 cells: +0.01 [") and up.loc[1, "evidence"].endswith(
+        "sign test 6/0, p = 0.0312")
     mixed = claims_table(claim_evidence(runs([0.01] * 5 + [-0.01]), None, [])).set_index("claim")
-    assert mixed.loc[1, "verdict"] == "heterogeneous (5 for, 1 against)"
+    assert mixed.loc[1, "verdict"] == "inconclusive"
+    assert "I² = 1.00" in mixed.loc[1, "evidence"] and "5 supported, 1 not supported" in mixed.loc[1, "evidence"]
 
 
 def test_entropy_contrast_hand_computed():
@@ -179,12 +192,12 @@ def test_cell_tests_give_claim_three_verdicts():
 
 
 def test_claim_seven_heads_on_strong_merges():
-    """Claim 7 pairs each head row of a strong merge (AdaMerging, RegMean) with its plain merge: six
-    AdaMerging merges whose DARTS head answers 8 more of 20 GSM8K problems (McNemar 8 vs 0 per cell,
-    p = 2/2**8) and leaves the reference NLL unchanged (ties) give 6 wins over cells, sign p = 1/32,
-    Holm over the one informative family 1/32: supported; the gain over the merge is 0.4 on the strong
-    merges against 0 on the training-free merge; without a strong merge there is no claim 7."""
-    from darts_bench.report.evidence import claims_from
+    """Claim 7 pairs each head row of a strong merge (AdaMerging, RegMean) with its plain merge, decided over
+    (strong merge, task) cells on the pre-registered family: six AdaMerging merges whose DARTS head answers 8
+    more of 20 GSM8K problems give +0.4 in every cell: supported; the training-free merge is no cell of it;
+    without a strong merge there is no claim 7 line."""
+    from darts_bench.config import ClaimsConfig
+    from darts_bench.report.recompute import claims_from
 
     merges = {f"a{i}": "adamerging" for i in range(6)} | {"ta": "task_arithmetic"}
     meta, rows, examples = {}, [], []
@@ -198,19 +211,15 @@ def test_claim_seven_heads_on_strong_merges():
             examples += [{"row": name, "task": "gsm8k", "index": i, "example": f"gsm8k/{i}", "outcome": {},
                           "values": {"em_strict": em[i], "ref_nll": 2.0, "ref_nll_sum": 20.0, "ref_nll_tokens": 10.0}}
                          for i in range(20)]
-    _, ev, claims = claims_from(rows, meta, {}, ["darts"], ["gsm8k"], examples, [], 0, None, merges)
-    c7 = ev[ev["claim"] == 7]
-    cells = c7[(c7["merge"] != "all") & (c7["metric"] == "primary")]
-    assert sorted(cells["merge"]) == [f"a{i}" for i in range(6)]   # the training-free merge is no cell
-    assert set(cells["verdict"]) == {"supported"} and set(cells["p"]) == {2 / 2 ** 8}
-    line = c7[(c7["merge"] == "all") & (c7["metric"] == "primary")].iloc[0]
-    assert (line["wins"], line["losses"], line["p_sign"], line["p_holm"]) == (6, 0, 1 / 32, 1 / 32)
-    assert "strong merges 0.4 over 6 cells, training-free merges 0 over 1 cells" in line["what"]
+    cfg = {**ClaimsConfig(primary="primary", secondary=["ref_nll"]).model_dump(), "null_replicates": 0}
+    _, ev, claims, lines = claims_from(rows, meta, {}, ["darts"], ["gsm8k"], examples, [], 0, None, merges, cfg)
+    c7 = [ln for ln in lines if ln["contrast"].key == "7-darts"]
+    assert len(c7) == 1 and sorted(c.merge for c in c7[0]["cells"]) == [f"a{i}" for i in range(6)]
+    assert c7[0]["verdict"] == "supported" and c7[0]["meta"].estimate == pytest.approx(0.4)
+    assert c7[0]["secondary"]["ref_nll"]["meta"] is None  # ties without variation: no cell to decide on
     table = claims.set_index("statement")["verdict"]
-    assert table["the heads still help on top of a strong merge (AdaMerging, RegMean: head row vs the plain "
-                 "merge): primary (transductive darts)"] == "supported"
-    assert table["the heads still help on top of a strong merge (AdaMerging, RegMean: head row vs the plain "
-                 "merge): ref_nll (transductive darts)"] == "insufficient (0 untied pairs < 6)"
-    _, ev_none, _ = claims_from(rows, meta, {}, ["darts"], ["gsm8k"], examples, [], 0, None,
-                                {m: "task_arithmetic" for m in merges})
-    assert ev_none.empty   # no strong merge, no Surgery rows to pair: no claim at all
+    assert table["a DARTS head still helps on top of a strong merge (head vs plain merge): primary "
+                 "(transductive)"] == "supported"
+    _, _, _, none = claims_from(rows, meta, {}, ["darts"], ["gsm8k"], examples, [], 0, None,
+                                {m: "task_arithmetic" for m in merges}, cfg)
+    assert not [ln for ln in none if ln["contrast"].claim == 7]

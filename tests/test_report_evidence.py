@@ -374,7 +374,8 @@ def test_findings_tables_come_from_the_committed_files():
 def test_recompute_checks_per_run_intervals_from_sequences(tmp_path):
     """A hand-made results dir whose run has per-sequence sums: `recompute` finds the recorded
     per-run intervals (``intervals_gen``) in them, and a changed recorded bound is reported."""
-    from darts_bench.report.evidence import SEQUENCES_FILE, EXAMPLES_FILE, recompute
+    from darts_bench.report.evidence import SEQUENCES_FILE, EXAMPLES_FILE
+    from darts_bench.report.recompute import recompute
     from darts_bench.stages import derive_seed
     from darts_bench.surgery.intervals import behaviour_intervals
 

@@ -453,6 +453,8 @@ def _paired_lines(evidence: pd.DataFrame, claim: int) -> list[dict[str, Any]]:
     """The claims-table lines of a paired claim (3, 5, 6, 7): per family, split and variant, the
     :func:`rollup` of its per-cell tests and its test over cells."""
     out = []
+    if not len(evidence):
+        return out
     c3 = evidence[evidence["claim"] == claim]
     if not len(c3):
         return out

@@ -102,13 +102,15 @@ def random_effects(estimates: Sequence[float], variances: Sequence[float], alpha
         raise ValueError(f"random_effects needs at least {MIN_CELLS} cells, got {len(y)}")
     if not (np.isfinite(y).all() and np.isfinite(v).all() and (v > 0).all()):
         raise ValueError("random_effects: every estimate must be finite and every variance finite and > 0")
-    with np.errstate(invalid="ignore"):  # statsmodels takes the sqrt of a negative tau^2's variances: redone below
+    # statsmodels takes the sqrt of a negative tau^2's variances (redone below) and divides by a zero H^2 for
+    # identical cells (its I^2; ours is computed from Q below)
+    with np.errstate(invalid="ignore", divide="ignore"):
         res = combine_effects(y, v, method_re="chi2", use_t=True, alpha=alpha)
-    if res.tau2 < 0:
-        # DL's tau^2 is max(0, (Q - (k - 1)) / c); statsmodels 0.15 leaves it negative. Where Q <= k - 1 the
-        # Paule-Mandel path stops at exactly 0 (its first estimating-equation value is negative), i.e. the
-        # truncated DL estimate: every other number then follows from tau^2 = 0 as DL's would.
-        res = combine_effects(y, v, method_re="iterated", use_t=True, alpha=alpha)
+        if res.tau2 < 0:
+            # DL's tau^2 is max(0, (Q - (k - 1)) / c); statsmodels 0.15 leaves it negative. Where Q <= k - 1 the
+            # Paule-Mandel path stops at exactly 0 (its first estimating-equation value is negative), i.e. the
+            # truncated DL estimate: every other number then follows from tau^2 = 0 as DL's would.
+            res = combine_effects(y, v, method_re="iterated", use_t=True, alpha=alpha)
     k = len(y)
     mu = float(res.mean_effect_re)
     # the modified HKSJ (Roever, Knapp and Friede 2015; Jackson et al. 2017): the scale max(1, q), so the

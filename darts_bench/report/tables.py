@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from darts_bench.report.markdown import to_markdown  # noqa: F401 - the tables' markdown (re-exported)
 from darts_bench.api import available_tasks, get_task
 from darts_bench.artifacts import atomic_write_text
 from darts_bench.evidence import MIN_SEQUENCES
@@ -278,22 +279,6 @@ def fold_constant(compact: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-def _fmt(v: Any) -> str:
-    if v is None or (isinstance(v, float) and np.isnan(v)):
-        return ""
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
-def to_markdown(df: pd.DataFrame) -> str:
-    cols = list(df.columns)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    for _, r in df.iterrows():
-        lines.append("| " + " | ".join(_fmt(r[c]) for c in cols) + " |")
-    return "\n".join(lines) + "\n"
-
-
 def per_benchmark_tables(record: RunRecord, results: dict, rows: list[dict]) -> dict[str, pd.DataFrame]:
     """Per task: each headline and ref-NLL metric with its 95% bootstrap CI, and DARTS - surgery."""
     n_boot = record.cfg.tasks.bootstrap
@@ -423,7 +408,8 @@ def write_report(record: RunRecord) -> pd.DataFrame:
         if c not in df.columns:
             df[c] = None
     df = df[cols]
-    from darts_bench.report.evidence import (EXAMPLES_FILE, SEQUENCES_FILE, claims_from, example_records,
+    from darts_bench.report.recompute import claims_from
+    from darts_bench.report.evidence import (EXAMPLES_FILE, SEQUENCES_FILE, example_records,
                                              sequence_records, write_jsonl_gz)
     from darts_bench.report.decide import lines_json
     from darts_bench.report.seeds import add_seed_means, comparison_table
