@@ -4,7 +4,8 @@
     python scripts/readme_findings.py --write   # rewrite the blocks in place (after a rerun)
 
 Two blocks: README.md's "results at a glance" (between ``<!-- glance:begin -->`` and ``<!-- glance:end -->``,
-:func:`glance_block`: one line per claim of ``results/smollm2-135m``, its verdicts counted over its lines) and
+:func:`glance_block`: one line per claim of ``results/smollm2-135m``, its verdicts counted over its lines, then
+its decided lines and the main line's sentence) and
 docs/reference-runs.md's findings (between ``<!-- findings:begin -->`` and ``<!-- findings:end -->``,
 :func:`darts_bench.report.evidence.findings_block`). tests/test_docs.py and tests/test_report_evidence.py check them.
 """
@@ -59,8 +60,37 @@ def glance_block(results_root: Path, run: str = GLANCE_RUN) -> str:
         lines.append(f"| {n} | {statement} | {sum(cnt.values())} | {', '.join(f'{cnt[w]} {w}' for w in words)} |")
     if not order:
         lines.append("| - | (no claims in this run) | 0 | |")
+    lines += decided_lines(json.loads(f.read_text()).get("decisions") or [])
     lines.append(GLANCE_END)
     return "\n".join(lines)
+
+
+def decided_lines(decisions: list[dict]) -> list[str]:
+    """The decided lines of a run (``results.json`` ``decisions``) as a small table (estimates of log-ratio
+    families as relative changes), then the main line's sentence per split (DARTS vs Surgery)."""
+    import math
+
+    if not decisions:
+        return []
+
+    def rel(x: float) -> str:
+        return f"{(math.exp(x) - 1) * 100:+.1f}%"
+
+    out = ["", "Each decided line (pre-registered primary family, random effects over (merge, task) cells; "
+           "`estimate`: the first row's change against the second, 95% HKSJ interval; `MDE`: the smallest change "
+           "the line detects at 80% power):", "",
+           "| line | split | cells | verdict | estimate [95% CI] | I² | MDE |", "|---|---|---|---|---|---|---|"]
+    for d in decisions:
+        m = d.get("meta")
+        log = d["family"].startswith("kl_")
+        est = ("n/a" if m is None else (f"{rel(m['estimate'])} [{rel(m['ci_low'])}, {rel(m['ci_high'])}]" if log
+                                         else f"{m['estimate']:+.3g} [{m['ci_low']:+.3g}, {m['ci_high']:+.3g}]"))
+        mde = "n/a" if m is None else (f"{(1 - math.exp(-m['mde'])) * 100:.1f}%" if log else f"{m['mde']:.3g}")
+        out.append(f"| {d['statement']} | {d['split']} | {d['cells']} | {d['verdict']} | {est} | "
+                   f"{'n/a' if m is None else format(m['i2'], '.2f')} | {mde} |")
+    out.append("")
+    out += [f"- {d['sentence']}" for d in decisions if d["line"] == "3"]
+    return out
 
 
 def block_of(text: str, begin: str, end: str) -> str | None:

@@ -148,3 +148,23 @@ def test_stratified_test_clusters_units_shared_by_merges():
     assert st["clusters"] == 4 and st["estimate"] == pytest.approx(0.1)
     # the two cells' influence on a shared unit add up: the variance is that of one cell, not half of it
     assert st["se"] ** 2 == pytest.approx(4 / 3 * np.sum(u ** 2))
+
+
+def test_experts_table_pairs_each_expert_with_the_base_on_its_own_task():
+    """A code expert that passes 6 more of 20 problems than the base (McNemar 6 vs 0, p = 2/64) and predicts
+    the references better; a math expert no better than the base: no difference shown."""
+    from darts_bench.report.experts import experts_table
+
+    ex = []
+    for row, passes, nll in (("base", 2, 30.0), ("expert:code", 8, 20.0)):
+        ex += [{"row": row, "task": "humaneval", "example": f"HumanEval/{i}",
+                "values": {"pass@1": float(i < passes), "ref_nll_sum": nll, "ref_nll_tokens": 10.0}} for i in range(20)]
+    for row in ("base", "expert:math"):
+        ex += [{"row": row, "task": "gsm8k", "example": f"g{i}",
+                "values": {"em_strict": float(i < 3), "ref_nll_sum": 5.0, "ref_nll_tokens": 5.0}} for i in range(20)]
+    t = experts_table(ex, {"humaneval": "code", "gsm8k": "math", "alpacaeval": None},
+                      {"humaneval": "humaneval_pass@1", "gsm8k": "gsm8k_em_strict"}).set_index("task")
+    assert list(t.index) == ["humaneval", "gsm8k"]
+    assert t.loc["humaneval", "diff"] == pytest.approx(0.3) and t.loc["humaneval", "p"] == pytest.approx(2 / 64)
+    assert t.loc["humaneval", "skill"] == "expert better" and t.loc["humaneval", "ref_nll_diff"] == pytest.approx(-1.0)
+    assert t.loc["gsm8k", "skill"] == "no difference shown" and t.loc["gsm8k", "diff"] == 0.0

@@ -35,6 +35,7 @@ from typing import Any, Iterable
 import numpy as np
 from scipy import stats
 
+from darts_bench.evidence import TIE_RTOL
 from darts_bench.report.meta import MIN_CELLS, MetaResult, random_effects
 
 #: families decided on the log-ratio scale (the rest: differences)
@@ -50,9 +51,6 @@ FAMILY_WORDS = {"kl_expert_gen": "continuation-token KL to the expert",
                 "agree_top1_gen": "continuation-token top-1 agreement with the expert",
                 "agree_top1_ref": "reference-answer top-1 agreement with the expert",
                 "ref_nll": "reference-answer NLL", "primary": "the task's headline metric"}
-#: relative float tolerance of a tie: 64 float32 epsilons (the signals are float32 sums; a row in bfloat16 or
-#: float16 still computes them in float32). Tied cells count as neither win nor loss in the sign test.
-TIE_RTOL = 64 * float(np.finfo(np.float32).eps)
 #: the verdict rule of a line (the code below and claims.md's header both read it)
 RULE = {
     "supported": "the HKSJ {level} interval of the primary family's random-effects estimate lies wholly on "
@@ -412,9 +410,15 @@ def sentence(line: dict[str, Any]) -> str:
         return f"{a} vs {b} ({where}): {line['verdict']}: too few cells to decide."
     sure = {"supported": f"{a} is better", "not supported": f"{b} is better",
             "inconclusive": "no difference can be claimed"}[line["verdict"]]
+    cov = line.get("coverage") or {}
+    low = [f"{s} {cov[s]['mean']:.0%} on average (least {cov[s]['min']:.0%})" for s in ("gen", "reference")
+           if s in cov and cov[s]["min"] < COVERAGE_WARN]
+    warn = (f" Warning: the position tables were trained on less than {COVERAGE_WARN:.0%} of the evaluated positions "
+            f"in some cells ({'; '.join(low)}): there the position-table rows are zero-initialised, untrained."
+            if low else "")
     return (f"{c.statement[0].upper() + c.statement[1:]}? **{line['verdict']}** ({sure}): {effect_words(line['family'], res, a, b)}, "
             f"{where}; HKSJ p = {_fmt(res.p, 2)}, I² = {res.i2:.2f}; detectable at 80% power: "
-            f"{mde_words(line['family'], res)}.")
+            f"{mde_words(line['family'], res)}.{warn}")
 
 
 def decide(sequences: list[dict], examples: list[dict], meta: dict[str, dict[str, Any]], task_names: list[str],
@@ -488,7 +492,7 @@ def decide(sequences: list[dict], examples: list[dict], meta: dict[str, dict[str
                 for (f, _), p in zip(ps, adj):
                     s_out[f]["p_holm"] = float(p)
             line["secondary"] = s_out
-            line["coverage"] = coverage(runs or {}, c, split, pick[c.merges])
+            line["coverage"] = coverage(runs or {}, c, split, pick[c.merges]) if c.a != "none" else None
             line["sentence"] = sentence(line)
             lines.append(line)
     return lines

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from darts_bench.evidence import TIE_RTOL
 from darts_bench.api import get_task
 
 #: signal column suffix -> +1 when higher is better, -1 when lower is better
@@ -166,7 +167,7 @@ def paired_units(rows: list[dict[str, Any]], meta: dict[str, dict[str, Any]], ta
     return units
 
 
-def win_tie_loss(units: list[dict[str, Any]], rel_tol: float = 1e-9) -> dict[str, Any]:
+def win_tie_loss(units: list[dict[str, Any]], rel_tol: float = TIE_RTOL) -> dict[str, Any]:
     """Counts of DARTS wins / ties / losses over paired units (a win moves the metric in its better
     direction; a tie: ``|diff| <= rel_tol * max(1, |darts|, |surgery|)``), with the sign-test p-value
     and the median of the direction-adjusted differences (> 0 favours DARTS)."""

@@ -495,6 +495,9 @@ def write_report(record: RunRecord) -> pd.DataFrame:
 
     # per-example samples in lm-eval's sample fields, and where each (row, task) came from
     artifacts = write_samples_dir(out, [r.model for r in record.rows], tasks, results)
+    from darts_bench.report.experts import experts_table
+
+    experts = experts_table(examples, manifest["task_experts"], primary)
     payload = {"schema_version": SCHEMA_VERSION, "manifest": manifest,
                "artifacts": {"work_dir": str(record.cfg.work_dir), "rows": artifacts},
                "rows": json.loads(df.to_json(orient="records")),
@@ -509,7 +512,9 @@ def write_report(record: RunRecord) -> pd.DataFrame:
                "comparison": json.loads(comparison.to_json(orient="records")),
                "claims": json.loads(claims.to_json(orient="records")),
                # the decided lines (darts_bench/report/decide.py) with every number behind claims.md's table
-               "decisions": lines_json(lines)}
+               "decisions": lines_json(lines),
+               # each expert against the base on its own task (darts_bench/report/experts.py)
+               "experts": json.loads(experts.to_json(orient="records"))}
     atomic_write_text(out / "results.json", json.dumps(payload, indent=1, default=str))
     atomic_write_text(out / "table.csv", df.to_csv(index=False))
     from darts_bench.report.readable import (annotate_task_table, behaviour_table, ci_display, compact_table,
@@ -534,6 +539,14 @@ def write_report(record: RunRecord) -> pd.DataFrame:
                   "`table.csv`): " + ", ".join(f"`{c}` = {v}" for c, v in compact.attrs["folded"].items()) + ".\n")
     if legend(marks):
         md.append("\n" + legend(marks))
+    if len(experts):  # does each expert beat the base on its own task? (a merge can only lose a skill it has)
+        md.append("\n## Experts on their own task (paired against the base on the same examples)\n\n"
+                  "`diff`: expert - base on the task's primary metric, 95% Newcombe interval for pass/fail "
+                  "outcomes; `p`: exact McNemar (two-sided); `ref_nll_diff`: expert - base reference NLL "
+                  "(nats/token, < 0: the expert predicts the reference answers better). A task metric no expert "
+                  "moves has no skill for a merge to lose or a head to restore. Also `experts.csv`.\n\n"
+                  + to_markdown(experts))
+        atomic_write_text(out / "experts.csv", experts.to_csv(index=False))
     tail = []
     if len(comparison):
         tail.append("\n## DARTS vs Surgery: wins / ties / losses over (merge, task) cells\n\n"
