@@ -512,6 +512,10 @@ def build_view(libc, view: dict, new: str = "/tmp") -> None:
     held = {p: os.open(p, os.O_PATH) for p in ro}
     devs = {d: os.open(f"/dev/{d}", os.O_PATH) for d in DEVICES}
     _mount(libc, "tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    # the private /tmp first: a bound dir under the host's /tmp (a venv there) goes on top of it
+    os.mkdir(new + "/tmp", 0o1777)
+    _mount(libc, "tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+           f"mode=1777,size={int(view['tmp_bytes'])}")
     for p in sorted(ro, key=len):
         if any(p != q and _under(p, [q]) for q in ro):
             continue  # the outer bind holds it (a mount point there would be made on the host)
@@ -534,10 +538,10 @@ def build_view(libc, view: dict, new: str = "/tmp") -> None:
             _mount(libc, "tmpfs", t, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0555,size=4k")
         elif os.path.isfile(t):
             _mount(libc, f"/proc/self/fd/{devs['null']}", t, None, MS_BIND)
-    # read-only: every mount under the new root but /tmp, /dev and /proc (made below)
+    # read-only: every mount under the new root but the private /tmp (/dev and /proc come below)
     kept = {2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: MS_NOATIME, 2048: MS_NODIRATIME, 4096: MS_RELATIME}
     for mp in _mount_points():
-        if not _under(mp, [new]) or mp == new:
+        if not _under(mp, [new]) or mp in (new, new + "/tmp"):
             continue
         try:
             st = os.statvfs(mp)
@@ -560,9 +564,6 @@ def build_view(libc, view: dict, new: str = "/tmp") -> None:
     os.symlink("/proc/self/fd", f"{new}/dev/fd")
     _mount(libc, None, new + "/dev", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NOEXEC,
            f"mode=0755,size={dev_size}")
-    os.mkdir(new + "/tmp", 0o1777)
-    _mount(libc, "tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-           f"mode=1777,size={int(view['tmp_bytes'])}")
     os.mkdir(new + "/proc", 0o555)
     _mount(libc, "proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     _mount(libc, None, new, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)

@@ -512,7 +512,8 @@ def _view(memory_mb: int) -> dict[str, Any]:
 
 def _bwrap_command(bwrap: str, root: bool, view: dict[str, Any]) -> list[str]:
     """bubblewrap's arguments for :func:`_view` (the program, then, after ``--``)."""
-    args = _base_bwrap_args(bwrap, root)
+    # the private /tmp first: a bound dir under the host's /tmp (a venv there) goes on top of it
+    args = _base_bwrap_args(bwrap, root) + ["--perms", "1777", "--size", str(view["tmp_bytes"]), "--tmpfs", "/tmp"]
     made: set[str] = set()
     for p in [*view["ro"], *(link for _t, link in view["symlinks"])]:
         parts = p.strip(os.sep).split(os.sep)[:-1]
@@ -530,8 +531,7 @@ def _bwrap_command(bwrap: str, root: bool, view: dict[str, Any]) -> list[str]:
         args += ["--dev-bind", f"/dev/{d}", f"/dev/{d}"]
     for i, name in enumerate(("stdin", "stdout", "stderr")):
         args += ["--symlink", f"/proc/self/fd/{i}", f"/dev/{name}"]
-    args += ["--symlink", "/proc/self/fd", "/dev/fd", "--remount-ro", "/dev",
-             "--perms", "1777", "--size", str(view["tmp_bytes"]), "--tmpfs", "/tmp"]
+    args += ["--symlink", "/proc/self/fd", "/dev/fd", "--remount-ro", "/dev"]
     for m in view["masks"]:
         if os.path.isdir(m):
             args += ["--perms", "0555", "--size", "4096", "--tmpfs", m, "--remount-ro", m]
