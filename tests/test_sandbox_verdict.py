@@ -136,13 +136,13 @@ def test_plain_data_semantics_follow_the_test(problems):
 def test_channel_attack_costs_only_itself(problems, tmp_path):
     """A completion that truncates and floods its channels, forges a set-up error and a pass, and
     exits: that completion fails with a reason; the others are scored; score writes its output."""
-    from tasks.humaneval import score_samples
+    from darts_bench.scoring.code import score_code_samples
 
     samples = tmp_path / "s.jsonl"
     rows = [("HumanEval/0", problems["HumanEval/0"]["canonical_solution"]), ("HumanEval/2", CHANNEL),
             ("HumanEval/8", problems["HumanEval/8"]["canonical_solution"])]
     samples.write_text("".join(json.dumps({"task_id": t, "completion": c}) + "\n" for t, c in rows))
-    out = score_samples(samples, timeout_s=5, memory_mb=512, workers=1)
+    out = score_code_samples(samples, problems, timeout_s=5, memory_mb=512, workers=1)
     res = {t: v["results"][0] for t, v in out["per_problem"].items()}
     assert res["HumanEval/0"]["passed"] and res["HumanEval/8"]["passed"]
     assert not res["HumanEval/2"]["passed"] and res["HumanEval/2"]["reason"], res
