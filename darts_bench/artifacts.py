@@ -8,12 +8,14 @@ missing or mismatched file means the artifact is corrupt and it is rebuilt, neve
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 from contextlib import contextmanager
@@ -98,8 +100,49 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def _write_through(path: Path, data: bytes, mode: int) -> None:
+    """Write ``data`` into the existing non-regular file ``path`` (a device, a FIFO), as a shell's
+    ``>`` would: no temp file, no rename, nothing created."""
+    fifo = stat.S_ISFIFO(mode)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOCTTY | (os.O_NONBLOCK if fifo else 0))
+    except OSError as e:
+        if fifo and e.errno == errno.ENXIO:
+            raise OSError(errno.ENXIO, f"{path} is a FIFO with no reader: nothing was written") from None
+        raise
+    try:
+        os.set_blocking(fd, True)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file and ``os.replace``."""
+    """Write ``data`` to ``path`` via a temp file and ``os.replace``. The atomic rename applies
+    only to a regular file (or a new path): a device or FIFO is written through (``--out
+    /dev/null`` keeps ``/dev/null``), a directory or socket is refused, and a symlink is followed
+    (its target is replaced, the link stays).
+
+    Raises:
+        IsADirectoryError: ``path`` is a directory.
+        OSError: ``path`` is a socket, a FIFO without a reader, or cannot be written.
+    """
+    path = Path(path)
+    try:
+        st = os.stat(path)  # follows symlinks: what a write would reach
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, f"{path} is a directory: refusing to write a file over it")
+        if stat.S_ISSOCK(st.st_mode):
+            raise OSError(errno.EINVAL, f"{path} is a socket: refusing to write a file over it")
+        _write_through(path, data, st.st_mode)
+        return
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / _temp_name(path.name)
     try:

@@ -376,14 +376,18 @@ def cmd_score(args) -> int:
     if isolation is not None:
         res["isolation"] = isolation
     text = json.dumps(res, indent=1, default=str)
+    summary = {k: v for k, v in res.items() if not isinstance(v, (list, dict))}
+    print(json.dumps(summary, indent=1))
     if args.out:
         from pathlib import Path
 
         from darts_bench.artifacts import atomic_write_text
 
-        atomic_write_text(Path(args.out), text)
-    summary = {k: v for k, v in res.items() if not isinstance(v, (list, dict))}
-    print(json.dumps(summary, indent=1))
+        try:  # a device or FIFO is written through, a directory refused (atomic_write_bytes)
+            atomic_write_text(Path(args.out), text)
+        except OSError as e:
+            log.error("darts-bench score: cannot write --out %s: %s", args.out, e.strerror or e)
+            return 2
     return 0
 
 

@@ -14,6 +14,7 @@ bubblewrap: a fresh uid per program) and ``none`` (refused unless allowed:
 
 from darts_bench.sandbox.host import (
     ALLOW_UNISOLATED_ENV,
+    CHECK_OUTSIDE,
     CHILD_PATH,
     DEFAULT_PRELOAD,
     MODES,
@@ -26,11 +27,14 @@ from darts_bench.sandbox.host import (
     isolation_record,
     require_isolation,
     run_program,
+    run_checked,
+    run_checked_many,
     run_programs,
     unisolated_allowed,
 )
 
-__all__ = ["SandboxResult", "SandboxError", "IsolationError", "run_program", "run_programs",
+__all__ = ["SandboxResult", "SandboxError", "IsolationError", "run_program", "run_programs", "run_checked",
+           "run_checked_many", "CHECK_OUTSIDE",
            "DEFAULT_PRELOAD", "STATUSES", "MODES", "CHILD_PATH", "ALLOW_UNISOLATED_ENV",
            "available_isolation", "isolation_record", "require_isolation", "allow_unisolated",
            "unisolated_allowed"]

