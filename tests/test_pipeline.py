@@ -92,6 +92,11 @@ def test_end_to_end_micro_run(micro_dir, micro_pipeline, capsys):
                    for m in ("rep_l1", "rep_l1_ew", "kl_expert", "agree_top1", "kl_expert_ref", "agree_top1_ref")]
     for _, r in df.iterrows():
         for c in always:
+            passed = r.get("alpacaeval_judge_passed")
+            if c == "alpacaeval_win_rate" and not pd.isna(passed) and not bool(passed):
+                # the micro judge fails its known-answer check: no win rate, a flag instead (issue 57)
+                assert pd.isna(r[c]) and r["alpacaeval_win_rate_flag"] in ("uninformative", "unparsed_verdicts")
+                continue
             assert not pd.isna(r[c]), (r["model"], c)
         for c in merged_only:
             assert pd.isna(r[c]) == (r["merge"] is None or pd.isna(r["merge"])), (r["model"], c)
@@ -126,9 +131,18 @@ def test_end_to_end_micro_run(micro_dir, micro_pipeline, capsys):
 
     assert f"- **humaneval**: protocol `codex` v1 (task v{TASK_VERSIONS['codex']})" in md and "annotator `darts_local_judge`" in md
     assert (out / "plots" / "gsm8k_l1_by_position.png").is_file()
-    # the compact table was printed (model x primary metric per task, gap closed per task, params added)
-    assert "| model | humaneval_pass@1 | gsm8k_em_strict | gsm8k_em_flexible | alpacaeval_win_rate | " \
-           "humaneval_gap_closed | gsm8k_gap_closed | alpacaeval_gap_closed | params_added |" in capsys.readouterr().out
+    # the compact table was printed (model x primary metric per task, gap closed on continuation positions per
+    # task, params added; the metrics every micro row has at the same value folded away), then the verdicts and
+    # the page's path, last
+    printed = capsys.readouterr().out
+    header = next(ln for ln in printed.splitlines() if ln.startswith("| model |"))
+    assert header.endswith("| humaneval_gap_closed_gen | gsm8k_gap_closed_gen | alpacaeval_gap_closed_gen | "
+                           "params_added |")
+    assert "Folded away" in md and "`humaneval_pass@1` = 0" in md
+    tail = printed.rstrip().splitlines()
+    assert tail[-1].startswith(f"Results in {out}") and tail[-1].endswith(str((out / "index.html").resolve()))
+    assert any(ln.startswith("- DARTS beats Surgery? ") for ln in tail[-6:])
+    assert md.startswith("# darts-bench results: `micro`\n\n## Verdicts\n\n- DARTS beats Surgery? **")
     assert "## Claims" in md and (out / "claims.md").is_file() and (out / "plots" / "humaneval_primary.png").is_file()
     # each row's HumanEval samples file is kept in its evaluation artifact, and `score` re-scores it
     # to the table's value (it was written to the scratch dir and deleted with it before)

@@ -15,6 +15,22 @@ from darts_bench.plan.units import gb
 pytestmark = [pytest.mark.subprocess]  # tests/README.md: markers
 
 
+
+#: the smollm2-135m preset as these plan tests were written against it (the 2026-12-05 reference: two data merges,
+#: Surgery and DARTS, the task-agnostic rows, 24 benchmark rows); the preset since has five merges and the DARTS
+#: ingredients, which change every count below but none of the planner's rules they check
+SMOLLM2_2026_12_05 = [
+    "merges=[{name: adamerging, method: adamerging, steps: 30, batch_size: 4, lr: 1.0e-3, init: 0.3}, "
+    "{name: regmean, method: regmean, alpha: 0.9}]",
+    "surgery.methods=[surgery, darts]", "surgery.task_agnostic=[routed, shared]",
+    "evaluate.rows=[base, 'expert:*', adamerging, regmean, '*+surgery', '*+darts', '*+surgery[[]rank=matched]', "
+    "'*+surgery@routed', '*+darts@routed', '*+surgery@shared', '*+darts@shared', '*@inductive']"]
+
+
+def smollm2(overrides=()):
+    """The smollm2-135m preset at :data:`SMOLLM2_2026_12_05`, then ``overrides``."""
+    return load_config("smollm2-135m", [*SMOLLM2_2026_12_05, *overrides])
+
 def test_llama2_7b_plan_is_7b_scale():
     plan = make_plan(load_config("llama2-7b"))
     m = plan["model"]
@@ -54,7 +70,7 @@ def test_tiny_plan_is_fast_and_printed(capsys):
 
 
 def test_smollm2_params_match_the_checkpoint():
-    plan = make_plan(load_config("smollm2-135m"))
+    plan = make_plan(smollm2())
     assert plan["model"]["params"] == 134_515_008  # the dequantized GGUF checkpoint's count (lab notes)
 
 
@@ -174,7 +190,7 @@ def test_vllm_engine_memory_on_cpu_is_weights_kv_and_overhead():
     # the overhead is the LAB-NOTES measurement (3.4 GB, SmolLM2-135M fp32, kv_cache_gb 2) less weights and KV
     assert VLLM_ENGINE_OVERHEAD == 3.4e9 - 538_060_032 - 2_147_483_648 == 714_456_320
     # the engine's own scoring (the preset scores on an HF copy beside it: +weights, below)
-    cfg = load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32",
+    cfg = smollm2(["evaluate.backend=vllm", "evaluate.vllm.dtype=float32",
                                        "evaluate.vllm.scoring=engine"])
     e = make_plan(cfg)["stages"]["evaluate"]
     eng = e["vllm_engine"]
@@ -188,12 +204,12 @@ def test_vllm_engine_memory_on_cpu_is_weights_kv_and_overhead():
     assert no_judge["memory_bytes"] == PROCESS_BASELINE["evaluate"] + 3.4e9 == 3.95e9
     assert "gpu_bytes" not in e
     # bf16 engine, 4 GiB of KV cache: 0.55 + 0.269 + 4.295 + 0.714 GB
-    bf = make_plan(load_config("smollm2-135m", ["evaluate.backend=vllm", "evaluate.vllm.dtype=bfloat16",
+    bf = make_plan(smollm2(["evaluate.backend=vllm", "evaluate.vllm.dtype=bfloat16",
                                                 "evaluate.vllm.kv_cache_gb=4", "evaluate.vllm.scoring=engine"])
                    )["stages"]["evaluate"]
     assert bf["memory_bytes"] == 550_000_000 + 2 * (269_030_016 + 4 * GIB + 714_456_320) == 11_106_907_264
     # the HF backend plans the HF model instead (weights x 2 with the judge + KV + prefill)
-    hf = make_plan(load_config("smollm2-135m"))["stages"]["evaluate"]
+    hf = make_plan(smollm2())["stages"]["evaluate"]
     assert "vllm_engine" not in hf and hf["memory_bytes"] != e["memory_bytes"]
 
 
@@ -204,7 +220,7 @@ def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
 
     on = ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32", "surgery.task_agnostic=[]", "evaluate.rows=null",
           "evaluate.vllm.scoring=engine"]
-    cfg = load_config("smollm2-135m", [*on, "evaluate.vllm.reload_weights=false"])
+    cfg = smollm2([*on, "evaluate.vllm.reload_weights=false"])
     plan = print_plan(cfg)
     out = capsys.readouterr().out
     e = plan["stages"]["evaluate"]
@@ -222,7 +238,7 @@ def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
     # one engine in the driver: the starts add to the wall time; decoding at 1/3 of HF's CPU time
     assert e["wall_seconds"] == pytest.approx(e["seconds"]) and e["wall_seconds"] > e["load_seconds"]
     # like for like: the hf backend's judge also forwards each verdict's whole prompt (not the preset's share_prefix)
-    hf = make_plan(load_config("smollm2-135m", ["surgery.task_agnostic=[]", "evaluate.rows=null",
+    hf = make_plan(smollm2(["surgery.task_agnostic=[]", "evaluate.rows=null",
                                                 "evaluate.share_prefix=false"]))["stages"]["evaluate"]
     assert e["seconds"] - e["load_seconds"] < hf["seconds"] - hf["load_seconds"]
     assert "vLLM engine (float32): weights 538.1 MB + KV cache 2 GiB" in out
@@ -231,19 +247,19 @@ def test_vllm_engine_starts_and_start_up_time_in_the_plan(capsys):
     gsm = make_plan(cfg, "gsm8k")["stages"]["evaluate"]
     assert gsm["engine_starts"] == 6
     # calibration generation through vLLM: the engine beside the HF model in collect, one start per expert
-    cal = make_plan(load_config("smollm2-135m", ["calibration.backend=vllm", "evaluate.vllm.dtype=float32"]))
-    c, c_hf = cal["stages"]["collect"], make_plan(load_config("smollm2-135m"))["stages"]["collect"]
+    cal = make_plan(smollm2(["calibration.backend=vllm", "evaluate.vllm.dtype=float32"]))
+    c, c_hf = cal["stages"]["collect"], make_plan(smollm2())["stages"]["collect"]
     assert c["memory_bytes"] == c_hf["memory_bytes"] + 3.4e9
     assert c["load_seconds"] == c_hf["load_seconds"] + VLLM_START_S["cpu"]["eager"] + 538_060_032 / 1e9 + 2 * (
         VLLM_RELOAD_S + 538_060_032 / 1e9)  # one engine, given the next two experts' weights in place
     assert c["engine_starts"] == 1 and c["engine_reloads"] == 2
-    off = make_plan(load_config("smollm2-135m", ["calibration.backend=vllm", "evaluate.vllm.dtype=float32",
+    off = make_plan(smollm2(["calibration.backend=vllm", "evaluate.vllm.dtype=float32",
                                                  "evaluate.vllm.reload_weights=false"]))["stages"]["collect"]
     assert off["engine_starts"] == 3 and off["engine_reloads"] == 0
     assert off["load_seconds"] == c_hf["load_seconds"] + 3 * (VLLM_START_S["cpu"]["eager"] + 538_060_032 / 1e9)
     # evaluate.vllm.reload_weights (the default): the row engine starts once and takes each next model dir's
     # weights in place (4: code, math, 2 merges), the judge's own engine starts once
-    plan = print_plan(load_config("smollm2-135m", on))
+    plan = print_plan(smollm2(on))
     out = capsys.readouterr().out
     r = plan["stages"]["evaluate"]
     assert r["engine_starts"] == r["model_loads"] == 2 and r["engine_reloads"] == 4
@@ -480,8 +496,8 @@ def test_evaluate_counts_engine_passes_per_model_dir_with_one_pass():
     the reference NLL's transformer tokens once per model dir; row by row: one pass per (row, task);
     the Ray layout (llama2-7b) serves a merge's heads on its actors in one pass too."""
     # without the task-agnostic rows (a routed row's prompt-state forward is counted per row: test below)
-    one = make_plan(load_config("smollm2-135m", ["surgery.task_agnostic=[]", "evaluate.rows=null"]))
-    rbr = make_plan(load_config("smollm2-135m", ["evaluate.one_pass=false", "surgery.task_agnostic=[]", "evaluate.rows=null"]))
+    one = make_plan(smollm2(["surgery.task_agnostic=[]", "evaluate.rows=null"]))
+    rbr = make_plan(smollm2(["evaluate.one_pass=false", "surgery.task_agnostic=[]", "evaluate.rows=null"]))
     e1, e0 = one["stages"]["evaluate"], rbr["stages"]["evaluate"]
     # 18 rows: base, 3 experts, 2 merges, 12 corrected (Surgery, DARTS, matched control x 2 splits per merge)
     assert one["rows"] == 18 and e1["one_pass"] and not e0["one_pass"]
@@ -552,10 +568,10 @@ def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
     the stage cheaper; ``engine``, the default (not the smollm2 preset's: ``shared``), plans exactly what it
     planned before."""
     sets = ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32", "evaluate.vllm.reload_weights=false"]
-    plan_e = make_plan(load_config("smollm2-135m", [*sets, "evaluate.vllm.scoring=engine"]))
+    plan_e = make_plan(smollm2([*sets, "evaluate.vllm.scoring=engine"]))
     e = plan_e["stages"]["evaluate"]
-    h = make_plan(load_config("smollm2-135m", [*sets, "evaluate.vllm.scoring=hf"]))["stages"]["evaluate"]
-    hf = make_plan(load_config("smollm2-135m"))["stages"]["evaluate"]
+    h = make_plan(smollm2([*sets, "evaluate.vllm.scoring=hf"]))["stages"]["evaluate"]
+    hf = make_plan(smollm2())["stages"]["evaluate"]
     W = plan_e["model"]["weights_bytes"]
     ram = e["vllm_engine"]["ram"]  # the judge's engine beside the rows' (scoring: engine and heads only)
     assert h["memory_bytes"] == e["memory_bytes"] - ram + 2 * W and "HF scorer's weights" in h["memory_note"]
@@ -571,7 +587,7 @@ def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
     # heads: the 4 plain rows of the pool (base, 3 experts) on the engine, each merge's rows (its plain row with its
     # heads) from one HF forward (6 model dirs' worth of reference tokens, as hf), one copy beside the rows' engine
     # (never the judge's), loaded once per merge; the judge on the engine
-    k = make_plan(load_config("smollm2-135m", [*sets, "evaluate.vllm.scoring=heads"]))["stages"]["evaluate"]
+    k = make_plan(smollm2([*sets, "evaluate.vllm.scoring=heads"]))["stages"]["evaluate"]
     # per row 11,400 reference tokens (291,600 = 24 rows x 11,400 + 18,000 routed prompt states); hf: 6 model dirs
     assert (e["nll_tokens"] - h["nll_tokens"]) == (24 - 6) * 11_400
     assert k["nll_tokens"] == (4 + 2) * 11_400 + 18_000 == 86_400
@@ -584,9 +600,9 @@ def test_vllm_hf_scoring_counts_one_forward_per_model_dir_and_the_copy():
     # stage, not once for each of the 24 rows; a second copy, loaded once
     from darts_bench.plan.resources import forward_seconds
 
-    sh = make_plan(load_config("smollm2-135m", [*sets, "evaluate.vllm.scoring=shared"]))
+    sh = make_plan(smollm2([*sets, "evaluate.vllm.scoring=shared"]))
     r = sh["stages"]["evaluate"]
-    assert make_plan(load_config("smollm2-135m", sets))["stages"]["evaluate"] == r  # the preset's setting
+    assert make_plan(smollm2(sets))["stages"]["evaluate"] == r  # the preset's setting
     assert (r["nll_tokens"], r["judge_tokens"]) == (k["nll_tokens"], k["judge_tokens"])
     assert r["memory_bytes"] == e["memory_bytes"] - ram + 2 * W
     assert r["load_seconds"] == pytest.approx(e["load_seconds"] + 3 * hf["load_seconds"] / hf["model_loads"])
@@ -607,14 +623,14 @@ def test_vllm_heads_scoring_plans_a_merge_judge_without_an_engine():
 
     sets = ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32", "evaluate.vllm.reload_weights=false",
             "evaluate.vllm.scoring=heads"]
-    plan_x = make_plan(load_config("smollm2-135m", sets))
+    plan_x = make_plan(smollm2(sets))
     x = plan_x["stages"]["evaluate"]
     W, P = plan_x["model"]["weights_bytes"], plan_x["model"]["params"]
     ram, load = x["vllm_engine"]["ram"], x["load_seconds"]
-    hf = make_plan(load_config("smollm2-135m"))["stages"]["evaluate"]
+    hf = make_plan(smollm2())["stages"]["evaluate"]
     one_load = hf["load_seconds"] / hf["model_loads"]  # one checkpoint read
     for judge in ("adamerging", "adamerging+darts"):
-        m = make_plan(load_config("smollm2-135m", [*sets, f"tasks.alpacaeval.judge.model={judge}"]))
+        m = make_plan(smollm2([*sets, f"tasks.alpacaeval.judge.model={judge}"]))
         m = m["stages"]["evaluate"]
         assert "judge's engine" in x["memory_note"] and "judge's engine" not in m["memory_note"], judge
         assert m["memory_bytes"] == x["memory_bytes"] - ram + W, judge
@@ -631,9 +647,9 @@ def test_vllm_heads_scoring_plans_a_merge_judge_without_an_engine():
     # with Ray the judge keeps its engine group (the same starts, loads and memory), its verdicts still on the copy
     # (its engine's): only their rate changes
     ray = [*sets, "executor=ray"]
-    plan_r = make_plan(load_config("smollm2-135m", ray))
+    plan_r = make_plan(smollm2(ray))
     r = plan_r["stages"]["evaluate"]
-    mr = make_plan(load_config("smollm2-135m", [*ray, "tasks.alpacaeval.judge.model=adamerging"]))["stages"]["evaluate"]
+    mr = make_plan(smollm2([*ray, "tasks.alpacaeval.judge.model=adamerging"]))["stages"]["evaluate"]
     assert (mr["engine_starts"], mr["load_seconds"], mr["memory_bytes"]) == \
         (r["engine_starts"], r["load_seconds"], r["memory_bytes"])
     judged = r["judge_tokens"]
@@ -647,9 +663,9 @@ def test_hf_share_prefix_counts_each_judge_prompt_once():
     ignores it (its counterpart is ``evaluate.vllm.scoring: shared``)."""
     from darts_bench.plan.resources import forward_seconds
 
-    off = make_plan(load_config("smollm2-135m", ["evaluate.share_prefix=false"]))
+    off = make_plan(smollm2(["evaluate.share_prefix=false"]))
     # the preset's setting, without its prefix cache (test_the_judge_prefix_cache_forwards_the_shared_prompt_tokens_once)
-    b = make_plan(load_config("smollm2-135m", ["evaluate.prefix_cache_mib=0"]))["stages"]["evaluate"]
+    b = make_plan(smollm2(["evaluate.prefix_cache_mib=0"]))["stages"]["evaluate"]
     a = off["stages"]["evaluate"]
     judged = a["judge_tokens"]  # all scored: the judge's default score mode generates nothing
     timed = ("seconds", "wall_seconds", "device_hours")
@@ -657,8 +673,8 @@ def test_hf_share_prefix_counts_each_judge_prompt_once():
     assert b["seconds"] - a["seconds"] == pytest.approx(
         forward_seconds(judged / 2, off["model"]["params"], "cpu") - forward_seconds(judged, off["model"]["params"], "cpu"))
     sets = ["evaluate.backend=vllm", "evaluate.vllm.dtype=float32"]
-    assert make_plan(load_config("smollm2-135m", [*sets, "evaluate.share_prefix=false"]))["stages"]["evaluate"] == \
-        make_plan(load_config("smollm2-135m", sets))["stages"]["evaluate"]
+    assert make_plan(smollm2([*sets, "evaluate.share_prefix=false"]))["stages"]["evaluate"] == \
+        make_plan(smollm2(sets))["stages"]["evaluate"]
 
 
 def test_merge_memory_counts_mergekit_output_shard():
@@ -674,7 +690,7 @@ def test_merge_memory_counts_mergekit_output_shard():
     w = big["model"]["weights_bytes"]
     assert f"one output shard {gb(-(-w // 8))}" in big["stages"]["merge"]["memory_note"]
     # the smollm2-135m tier with one mergekit merge (its preset has the data merges only, which write no mergekit shard)
-    small = make_plan(load_config("smollm2-135m", ["merges=[{name: task_arithmetic, method: task_arithmetic, weight: 0.3}]"]))
+    small = make_plan(smollm2(["merges=[{name: task_arithmetic, method: task_arithmetic, weight: 0.3}]"]))
     w = small["model"]["weights_bytes"]
     assert f"one output shard {gb(out_shard_bytes(w))}" in small["stages"]["merge"]["memory_note"]
     assert out_shard_bytes(w) == -(-w // 8)
@@ -727,13 +743,13 @@ def test_merge_line_grows_with_adamerging_steps():
     from darts_bench.plan.resources import LOAD_BYTES_PER_S, RECOMBINE_BACKWARD, THROUGHPUT
 
     def merge(steps):
-        return make_plan(load_config("smollm2-135m", [
+        return make_plan(smollm2([
             f"merges=[{{name: ada, method: adamerging, steps: {steps}, batch_size: 4}}]"]))
     p30, p60 = merge(30), merge(60)
     from darts_bench.plan.architecture import DTYPE_BYTES
 
-    cfg, t = load_config("smollm2-135m"), THROUGHPUT["cpu"]
-    out_b = DTYPE_BYTES[load_config("smollm2-135m", ["merges=[{name: ada, method: adamerging}]"]).merges[0].dtype]
+    cfg, t = smollm2(), THROUGHPUT["cpu"]
+    out_b = DTYPE_BYTES[smollm2(["merges=[{name: ada, method: adamerging}]"]).merges[0].dtype]
     P, K = p30["model"]["params"], len(cfg.pool.expert_names)
     n_prompts, total = _transductive_prompt_tokens(p30, cfg)
     step = 4 * total / n_prompts * 6 * P / t["train"] + RECOMBINE_BACKWARD * K * P / t["recombine"]
@@ -758,9 +774,9 @@ def test_merge_line_counts_regmean_forwards_and_fp64_work():
 
     from darts_bench.plan.architecture import DTYPE_BYTES
 
-    rm_cfg = load_config("smollm2-135m", ["merges=[{name: rm, method: regmean, alpha: 0.9}]"])
+    rm_cfg = smollm2(["merges=[{name: rm, method: regmean, alpha: 0.9}]"])
     plan = make_plan(rm_cfg)
-    cfg, t, out_b = load_config("smollm2-135m"), THROUGHPUT["cpu"], DTYPE_BYTES[rm_cfg.merges[0].dtype]
+    cfg, t, out_b = smollm2(), THROUGHPUT["cpu"], DTYPE_BYTES[rm_cfg.merges[0].dtype]
     a, P, K = plan["model"]["architecture"], plan["model"]["params"], 3
     h, f, L, kv = a["hidden_size"], a["intermediate_size"], a["num_hidden_layers"], 192  # SmolLM2: 3 KV heads x 64
     assert a["tie_word_embeddings"]  # no output layer to solve
@@ -790,8 +806,8 @@ def test_train_line_counts_the_diagnostics():
     from darts_bench.plan import resources
 
     def train(*sets):
-        return make_plan(load_config("smollm2-135m", list(sets)))["stages"]["train"]
-    cfg = load_config("smollm2-135m")
+        return make_plan(smollm2(list(sets)))["stages"]["train"]
+    cfg = smollm2()
     plan = make_plan(cfg)
     d, V, r = 576, 49152, cfg.surgery.rank
     M, meth = len(cfg.merges), len(cfg.surgery.methods)
@@ -843,7 +859,7 @@ def test_the_judge_prefix_cache_forwards_the_shared_prompt_tokens_once():
     from darts_bench.plan.stages import plan_inputs
 
     def evaluate(*sets):
-        cfg = load_config("smollm2-135m", list(sets))
+        cfg = smollm2(list(sets))
         return make_plan(cfg)["stages"]["evaluate"]["seconds"], plan_inputs(cfg)[0]
 
     for backend, key, extra in (("vllm", "evaluate.vllm.prefix_cache_mib", ["evaluate.vllm.scoring=shared"]),

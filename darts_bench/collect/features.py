@@ -272,6 +272,21 @@ def planted_drift_table(d_model: int, scale: float, seed: int, n_positions: int 
     return (r - r.mean(dim=0, keepdim=True)).float()
 
 
+def _checkpoint_tensor(model_dir: Path, name: str) -> torch.Tensor:
+    """One tensor of a safetensors checkpoint dir (single file or shards), read memory-mapped.
+
+    Raises:
+        KeyError: no shard holds ``name``.
+    """
+    from safetensors import safe_open
+
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            if name in sf.keys():
+                return sf.get_tensor(name)
+    raise KeyError(f"{model_dir}: no tensor {name!r} in its safetensors files")
+
+
 def plant_drift(folder: Path, merge_dir: Path, amount: float, seed: int) -> None:
     """Add the planted drift to every ``h`` of the merged features in ``folder`` (shards rewritten
     atomically), at each token's absolute position: ``h[t] += D[pos[t]]`` with ``D`` from
@@ -281,9 +296,7 @@ def plant_drift(folder: Path, merge_dir: Path, amount: float, seed: int) -> None
     Raises:
         KeyError: the checkpoint has no ``model.norm.weight`` (not a Llama-style decoder).
     """
-    from darts_bench.pool.checkpoint import read_tensor
-
-    w = read_tensor(merge_dir, "model.norm.weight").float()
+    w = _checkpoint_tensor(merge_dir, "model.norm.weight").float()
     d = w.numel()
     table = planted_drift_table(d, float(amount * math.sqrt(d) * w.pow(2).mean().sqrt()), seed)
     for path in sorted(folder.glob("merged-*.safetensors")):
