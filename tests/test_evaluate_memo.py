@@ -80,7 +80,8 @@ def test_other_attributes_are_the_models_and_a_short_answer_raises():
 
 
 @pytest.mark.micro
-def test_micro_judge_answers_each_prompt_once_and_results_are_unchanged(micro_pipeline, tmp_path, monkeypatch):
+def test_micro_judge_answers_each_prompt_once_and_results_are_unchanged(micro_pipeline, micro_cfg_path, tmp_path,
+                                                                       monkeypatch):
     """AlpacaEval on the micro pool's ``base`` and ``ties`` rows (plain, Surgery, DARTS on both
     splits), one pass: with the stage's memo the judge (``expert:instruction``) scores each distinct
     (instruction, reference, output) pair's two orders x two verdicts once, and every row's result
@@ -88,7 +89,11 @@ def test_micro_judge_answers_each_prompt_once_and_results_are_unchanged(micro_pi
     own judge calls give."""
     from darts_bench.stages import evaluate as stage
 
+    from darts_bench.config import load_config
+
     pipe = micro_pipeline
+    # the rows' own judge calls only: the known-answer check (tests/test_tasks_alpacaeval*.py) asks its own pairs
+    cfg = load_config(str(micro_cfg_path), ["tasks.alpacaeval.judge.check_pairs=0"])
     rows = [r for r in pipe.all_rows() if r.model == "base" or r.merge == "ties"]
     tasks = {"alpacaeval": pipe.tasks()["alpacaeval"]}
     memos: list[CallMemo] = []
@@ -100,10 +105,10 @@ def test_micro_judge_answers_each_prompt_once_and_results_are_unchanged(micro_pi
 
     with monkeypatch.context() as mp:
         mp.setattr(stage, "CallMemo", Kept)
-        kept = stage.evaluate(pipe.cfg, rows, pipe.all_rows(), tasks, pipe.executor, tmp_path / "memo")
+        kept = stage.evaluate(cfg, rows, pipe.all_rows(), tasks, pipe.executor, tmp_path / "memo")
     with monkeypatch.context() as mp:
         mp.setattr(stage, "MemoModel", lambda model, memo: model)
-        fresh = stage.evaluate(pipe.cfg, rows, pipe.all_rows(), tasks, pipe.executor, tmp_path / "fresh")
+        fresh = stage.evaluate(cfg, rows, pipe.all_rows(), tasks, pipe.executor, tmp_path / "fresh")
     for r in rows:
         a, b = kept[r.model]["alpacaeval"], fresh[r.model]["alpacaeval"]
         for part in ("metrics", "per_example", "samples"):  # as JSON: a NaN equals a NaN

@@ -303,9 +303,11 @@ def test_data_merge_rows_get_heads_and_evaluation(micro_cfg_path, micro_pipeline
     from darts_bench.report.recompute import recompute
 
     claims_md = (tmp_path / "results" / "claims.md").read_text()
-    assert "the heads still help on top of a strong merge (AdaMerging, RegMean: head row vs the plain merge): " \
-           "primary (transductive darts)" in claims_md
-    assert "| 7 | ada | humaneval |" in claims_md and "| 7 | rm | gsm8k |" in claims_md
+    # claim 7: the data merges' heads against their plain merges, decided over (strong merge, task) cells
+    assert "| 7 | a DARTS head still helps on top of a strong merge (head vs plain merge): kl_expert_gen " \
+           "(transductive) |" in claims_md
+    assert "| 7-darts | transductive | ada | humaneval | kl_expert_gen |" in claims_md
+    assert "| 7-surgery | inductive | rm | gsm8k | kl_expert_gen |" in claims_md
     assert recompute(tmp_path / "results")["mismatches"] == []
 
 

@@ -330,8 +330,9 @@ def test_evaluate_loads_each_checkpoint_once(micro_cfg_path, micro_pipeline, tmp
         if shared:
             assert len(rows) == 14 and len(loads) == len({str(r.model_dir) for r in rows}) == 6, loads
         else:
-            # one-pass (evaluate.one_pass): a model dir's multi-head model and each row's judge, loaded per request
-            assert len(loads) == len({str(r.model_dir) for r in rows}) + len(rows), loads
+            # one-pass (evaluate.one_pass): a model dir's multi-head model and each row's judge, loaded per request,
+            # and the judge once more for its known-answer check (cached for the other rows: loaded only on a miss)
+            assert len(loads) == len({str(r.model_dir) for r in rows}) + len(rows) + 1, loads
     for row, res in results["cached"].items():
         other = results["per-request"][row]["alpacaeval"]
         assert res["alpacaeval"].samples == other.samples, row

@@ -298,8 +298,10 @@ class AlpacaEvalTask(Task):
             if n < 2:
                 check_note = "fewer than 2 references: no known-answer check"
             else:
+                has_key = getattr(ctx, "model_key", None) is not None
                 check = run_judge_check(
-                    ctx.get_model(self.judge_model(cfg)), instructions, refs, n_pairs=jcfg.check_pairs,
+                    None if has_key else ctx.get_model(self.judge_model(cfg)), instructions, refs,
+                    load_judge=lambda: ctx.get_model(self.judge_model(cfg)), n_pairs=jcfg.check_pairs,
                     min_accuracy=jcfg.check_min_accuracy, seed=ctx.seed, max_new_tokens=jcfg.max_new_tokens,
                     annotators_config=cfg_path, cache_root=getattr(ctx, "shared_dir", None),
                     judge_key=ctx.model_key(self.judge_model(cfg)) if getattr(ctx, "model_key", None) else None)

@@ -23,7 +23,7 @@ import json
 import random
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from darts_bench.artifacts import cached, stable_hash
 
@@ -114,9 +114,12 @@ def score_check(v_ref_first: Sequence[float | None], v_ref_second: Sequence[floa
 
 def run_judge_check(judge: Any, instructions: Sequence[str], references: Sequence[str], *, n_pairs: int,
                     min_accuracy: float, seed: int, max_new_tokens: int, annotators_config: Any,
-                    cache_root: Path | None = None, judge_key: str | None = None) -> dict[str, Any]:
+                    cache_root: Path | None = None, judge_key: str | None = None,
+                    load_judge: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Judge the known-answer set (:func:`known_answer_pairs`) in both orders and score it
-    (:func:`score_check`); with ``cache_root``, the result is an artifact
+    (:func:`score_check`). ``judge``: the judge model, or None with ``load_judge`` (and ``judge_key``), which
+    loads it only when the check is not cached (a per-request backend then loads it once per run, not once
+    per row). With ``cache_root``, the result is an artifact
     ``<cache_root>/judge_check/<hash>/judge_check.json`` keyed by (check version, ``judge_key`` or the
     judge's name, the annotator config file's text, the pairs, ``min_accuracy``, ``max_new_tokens``)
     and reused by every row of a run.
@@ -128,6 +131,8 @@ def run_judge_check(judge: Any, instructions: Sequence[str], references: Sequenc
     pairs = known_answer_pairs(instructions, references, n_pairs, seed)
     cfg_path = Path(annotators_config)
     cfg_text = (cfg_path / "configs.yaml" if cfg_path.is_dir() else cfg_path).read_text(encoding="utf-8")
+    if judge is None and (load_judge is None or judge_key is None):
+        raise ValueError("run_judge_check: give the judge, or load_judge with judge_key")
     key = stable_hash({"version": CHECK_VERSION, "judge": judge_key or getattr(judge, "name", repr(judge)),
                        "annotator": cfg_text, "pairs": pairs, "min_accuracy": min_accuracy,
                        "max_new_tokens": max_new_tokens})
@@ -135,8 +140,8 @@ def run_judge_check(judge: Any, instructions: Sequence[str], references: Sequenc
     def compute() -> dict[str, Any]:
         asked = [(p["instruction"], p["reference"], p["damaged"]) for p in pairs] + \
                 [(p["instruction"], p["damaged"], p["reference"]) for p in pairs]
-        judged = judge_pairs(judge, asked, max_new_tokens=max_new_tokens, annotators_config=annotators_config,
-                             seed=seed)
+        judged = judge_pairs(judge if judge is not None else load_judge(), asked, max_new_tokens=max_new_tokens,
+                             annotators_config=annotators_config, seed=seed)
         first, second = [v for v, _ in judged[:len(pairs)]], [v for v, _ in judged[len(pairs):]]
         out = score_check(first, second, min_accuracy)
         out.update(version=CHECK_VERSION, key=key, damages=list(DAMAGES),
