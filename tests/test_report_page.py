@@ -119,3 +119,32 @@ def test_page_is_self_contained_and_renders_the_selected_example(tmp_path):
     assert r.completions == {"ties": "It is 4. #### 4", "ties+surgery": "It is 4. #### 4", "ties+darts": "It is 5. #### 5"}
     assert r.diffs == {"ties": "4. #### 4", "ties+surgery": "4. #### 4", "ties+darts": "5. #### 5"}  # from char 6
     assert r.verdicts == ["pass", "pass", "fail"]
+
+
+def test_first_screen_shows_every_verdict(tmp_path):
+    """Headless Chromium at 1400x900: every verdict sentence of a run with a 79-row compact table and eight
+    decided lines lies within the first screen (its bottom edge above 900 px), above the tables."""
+    sentence = ("DARTS beats Surgery? **inconclusive** (no difference can be claimed): continuation-token KL to the "
+                "expert 14.6% lower for DARTS than Surgery (95% CI 27.6% lower to 0.6% higher; a new cell: 39.2% "
+                "lower to 19.9% higher), over 15 (merge, task) cells, transductive split; HKSJ p = 0.056, I² = 0.97; "
+                "detectable at 80% power: 8.0% relative change.")
+    compact = pd.DataFrame([{"model": f"row{i}", "gsm8k_em_strict": "0.5", "humaneval_gap_closed_gen": "0.1"}
+                            for i in range(79)])
+    html = render_page(name="tiny", protocol_line="protocols: gsm8k lm-eval", compact=compact, legend=[],
+                       claims=pd.DataFrame([{"claim": 3, "verdict": "inconclusive"}]), figures=[],
+                       browser=_browser_data(), verdicts=[sentence] * 8)
+    probe = ("<script>window.addEventListener('load', () => { for (const li of document.querySelectorAll("
+             "'#verdict-list li')) li.setAttribute('data-bottom', Math.ceil(li.getBoundingClientRect().bottom)); "
+             "document.body.setAttribute('data-table-top', "
+             "Math.floor(document.getElementById('compact').getBoundingClientRect().top)); });</script>")
+    page = tmp_path / "index.html"
+    page.write_text(html.replace("</body>", probe + "</body>"), encoding="utf-8")
+    cmd = [browser(), "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
+           "--hide-scrollbars", "--window-size=1400,900", f"--user-data-dir={tmp_path / '.chromium'}",
+           "--virtual-time-budget=5000", "--dump-dom", page.resolve().as_uri()]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    bottoms = [int(b) for b in re.findall(r'data-bottom="(\d+)"', out.stdout)]
+    assert len(bottoms) == 8 and max(bottoms) <= 900, bottoms
+    assert int(re.search(r'data-table-top="(-?\d+)"', out.stdout).group(1)) >= max(bottoms)
+    assert out.stdout.count("<strong>inconclusive</strong>") == 8
