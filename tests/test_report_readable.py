@@ -16,28 +16,28 @@ def _rows():
         {"model": "base", "merge": "", "correction": "none", "humaneval_pass@1": 0.25, "alpacaeval_win_rate": 50.0,
          "alpacaeval_win_rate_flag": "uninformative_judge", "params_added": 0},
         {"model": "ties", "merge": "ties", "correction": "none", "humaneval_pass@1": 0.125,
-         "alpacaeval_win_rate": 40.0, "alpacaeval_win_rate_flag": None, "humaneval_gap_closed": None,
+         "alpacaeval_win_rate": 40.0, "alpacaeval_win_rate_flag": None, "humaneval_gap_closed_gen": None,
          "params_added": 0},
         {"model": "ties+surgery", "merge": "ties", "correction": "surgery", "humaneval_pass@1": 0.125,
-         "alpacaeval_win_rate": 45.0, "alpacaeval_win_rate_flag": None, "humaneval_gap_closed": 0.2,
-         "alpacaeval_gap_closed": 0.1, "params_added": 2048},
+         "alpacaeval_win_rate": 45.0, "alpacaeval_win_rate_flag": None, "humaneval_gap_closed_gen": 0.2,
+         "alpacaeval_gap_closed_gen": 0.1, "params_added": 2048},
         {"model": "ties+darts", "merge": "ties", "correction": "darts", "humaneval_pass@1": 0.25,
          "alpacaeval_win_rate": 55.0, "alpacaeval_win_rate_flag": "uninformative_judge",
-         "humaneval_gap_closed": 0.4, "alpacaeval_gap_closed": 0.05, "params_added": 10240},
+         "humaneval_gap_closed_gen": 0.4, "alpacaeval_gap_closed_gen": 0.05, "params_added": 10240},
     ]
 
 
 def test_compact_table_columns_and_cells():
     assert compact_columns(["humaneval", "gsm8k", "alpacaeval"], ["humaneval", "alpacaeval"]) == [
         "model", "humaneval_pass@1", "gsm8k_em_strict", "gsm8k_em_flexible", "alpacaeval_win_rate",
-        "humaneval_gap_closed", "alpacaeval_gap_closed", "params_added"]
+        "humaneval_gap_closed_gen", "alpacaeval_gap_closed_gen", "params_added"]
     df = pd.DataFrame(_rows())
     ct = compact_table(df, ["humaneval", "alpacaeval"], ["humaneval", "alpacaeval"]).set_index("model")
-    assert list(ct.columns) == ["humaneval_pass@1", "alpacaeval_win_rate", "humaneval_gap_closed",
-                                "alpacaeval_gap_closed", "params_added"]
+    assert list(ct.columns) == ["humaneval_pass@1", "alpacaeval_win_rate", "humaneval_gap_closed_gen",
+                                "alpacaeval_gap_closed_gen", "params_added"]
     assert ct.loc["base", "alpacaeval_win_rate"] == "50 (uninformative_judge)"  # the flag next to its number
     assert ct.loc["ties", "alpacaeval_win_rate"] == "40"
-    assert ct.loc["ties+darts", "humaneval_gap_closed"] == "0.4"
+    assert ct.loc["ties+darts", "humaneval_gap_closed_gen"] == "0.4"
     assert ct.loc["ties+darts", "params_added"] == "10240"
     # a seed-mean row shows mean ± sd and says how many seeds; its per-seed rows are left out
     seeded = pd.DataFrame([{"model": "ties+darts#s0", "humaneval_pass@1": 0.25},

@@ -9,6 +9,15 @@ import pytest
 from conftest import load_script
 
 
+
+#: the smollm2-135m preset as the measured runs these tests read were made with (tests/test_plan.py)
+SMOLLM2_2026_12_05 = [
+    "merges=[{name: adamerging, method: adamerging, steps: 30, batch_size: 4, lr: 1.0e-3, init: 0.3}, "
+    "{name: regmean, method: regmean, alpha: 0.9}]",
+    "surgery.methods=[surgery, darts]", "surgery.task_agnostic=[routed, shared]",
+    "evaluate.rows=[base, 'expert:*', adamerging, regmean, '*+surgery', '*+darts', '*+surgery[[]rank=matched]', "
+    "'*+surgery@routed', '*+darts@routed', '*+surgery@shared', '*+darts@shared', '*@inductive']"]
+
 def _script():
     return load_script("fit_train_rates")
 
@@ -36,7 +45,7 @@ def test_fit_recovers_the_rates_a_log_was_made_with(tmp_path, capsys):
     from darts_bench.controls import param_matched_rank
 
     fit = _script()
-    cfg = load_config("smollm2-135m")
+    cfg = load_config("smollm2-135m", SMOLLM2_2026_12_05)
     d, V, r, sc = 576, 49152, cfg.surgery.rank, cfg.surgery
     meth, kinds, max_len = len(sc.methods), len(sc.task_agnostic), 1184
     rates = {"vocab": 70e9, "vocab_pass": 3e8, "head_step_s": 2.5e-3}
@@ -77,7 +86,7 @@ def test_fit_recovers_the_rates_a_log_was_made_with(tmp_path, capsys):
     _, fixed = fit.fit_log(tmp_path / "run.log", cfg, vocab=70e9)
     assert fixed["vocab"] == 70e9 and fixed["vocab_pass"] == pytest.approx(3e8, rel=1e-6)
     assert fixed["head_step_s"] == pytest.approx(2.5e-3, rel=1e-6)
-    assert fit.main([str(tmp_path / "run.log"), "--markdown"]) == 0
+    assert fit.main([str(tmp_path / "run.log"), "--markdown", *(a for k in SMOLLM2_2026_12_05 for a in ("--set", k))]) == 0
     out = capsys.readouterr().out
     assert out.startswith("vocab 70.0 GFLOP/s, vocab_pass 300 M elements/s, head_step_s 2.50 ms over 12 lines")
     assert out.count("| train heads m/t") == 6 and out.count("| train shared heads") == 3
@@ -95,7 +104,7 @@ def test_fit_reads_the_one_pass_diagnostics_log(tmp_path):
     from darts_bench.config import load_config
 
     fit = _script()
-    cfg = load_config("smollm2-135m")
+    cfg = load_config("smollm2-135m", SMOLLM2_2026_12_05)
     d, V, r, sc = 576, 49152, cfg.surgery.rank, cfg.surgery
     meth, kinds = len(sc.methods), len(sc.task_agnostic)
     rates = {"vocab": 80e9, "vocab_pass": 2.6e8, "head_step_s": 1.9e-3}
@@ -149,7 +158,7 @@ def test_fit_reads_the_seeds_diagnostics_log(tmp_path):
     from darts_bench.config import load_config
 
     fit = _script()
-    cfg = load_config("smollm2-135m", ["surgery.controls=[]", "surgery.task_agnostic=[]", "seeds=[0,1,2]"])
+    cfg = load_config("smollm2-135m", [*SMOLLM2_2026_12_05, "surgery.controls=[]", "surgery.task_agnostic=[]", "seeds=[0,1,2]"])
     d, V, r, sc = 576, 49152, cfg.surgery.rank, cfg.surgery
     meth = len(sc.methods)
     rates = {"vocab": 250e9, "vocab_pass": 5e8, "head_step_s": 1.3e-3}

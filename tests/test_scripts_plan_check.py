@@ -13,6 +13,15 @@ REPO = Path(__file__).resolve().parent.parent
 RUNS = Path(__file__).resolve().parent / "fixtures" / "runs"
 
 
+
+#: the smollm2-135m preset as the measured runs these tests read were made with (tests/test_plan.py)
+SMOLLM2_2026_12_05 = [
+    "merges=[{name: adamerging, method: adamerging, steps: 30, batch_size: 4, lr: 1.0e-3, init: 0.3}, "
+    "{name: regmean, method: regmean, alpha: 0.9}]",
+    "surgery.methods=[surgery, darts]", "surgery.task_agnostic=[routed, shared]",
+    "evaluate.rows=[base, 'expert:*', adamerging, regmean, '*+surgery', '*+darts', '*+surgery[[]rank=matched]', "
+    "'*+surgery@routed', '*+darts@routed', '*+surgery@shared', '*+darts@shared', '*@inductive']"]
+
 def _script():
     return load_script("plan_check")
 
@@ -65,7 +74,7 @@ def test_plan_holds_the_smollm2_run_16_merge_and_train_and_run_4_collect_stages(
     assert recs["train"]["measured_s"] == pytest.approx(344.7, abs=0.1)
     ref = {r["stage"]: r for r in _script().plan_check(RUNS / "smollm2-train")}
     assert ref["train"]["measured_s"] == pytest.approx(166.8, abs=0.1) and ref["train"]["verdict"] == "within"
-    plan = make_plan(load_config("smollm2-135m", ["evaluate.backend=vllm", "calibration.backend=vllm",
+    plan = make_plan(load_config("smollm2-135m", [*SMOLLM2_2026_12_05, "evaluate.backend=vllm", "calibration.backend=vllm",
                                                   "evaluate.vllm.reload_weights=false"]))  # run 4: an engine per expert
     assert plan["stages"]["merge"]["wall_seconds"] == pytest.approx(236.5, rel=0.25)
     # collect: run 4's 704.1 s (3 vLLM engine starts at 45 s, the features at the full-logits rate)
