@@ -266,3 +266,15 @@ def llama3_hub(data_dir, tmp_path_factory) -> Path:
     home = tmp_path_factory.mktemp("llama3-hf")
     build_llama3_rehearsal_hub(data_dir, home / "hub")
     return home
+
+
+#: the smollm2-135m preset as the plan and scripts tests were written against it and its measured runs were made
+#: with (the 2026-12-05 reference: two data merges, Surgery and DARTS, the task-agnostic rows, 24 benchmark rows);
+#: the preset since has five merges and the DARTS ingredients, which change every count those tests check but none
+#: of the planner's rules
+SMOLLM2_2026_12_05 = [
+    "merges=[{name: adamerging, method: adamerging, steps: 30, batch_size: 4, lr: 1.0e-3, init: 0.3}, "
+    "{name: regmean, method: regmean, alpha: 0.9}]",
+    "surgery.methods=[surgery, darts]", "surgery.task_agnostic=[routed, shared]",
+    "evaluate.rows=[base, 'expert:*', adamerging, regmean, '*+surgery', '*+darts', '*+surgery[[]rank=matched]', "
+    "'*+surgery@routed', '*+darts@routed', '*+surgery@shared', '*+darts@shared', '*@inductive']"]

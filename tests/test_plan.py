@@ -11,25 +11,15 @@ import pytest
 from darts_bench.config import Config, load_config
 from darts_bench.plan import POSITION_BIAS, STAGE_ORDER, make_plan, print_plan
 from darts_bench.plan.units import gb
+from conftest import SMOLLM2_2026_12_05  # the smollm2 preset as these tests were written against
 
 pytestmark = [pytest.mark.subprocess]  # tests/README.md: markers
-
-
-
-#: the smollm2-135m preset as these plan tests were written against it (the 2026-12-05 reference: two data merges,
-#: Surgery and DARTS, the task-agnostic rows, 24 benchmark rows); the preset since has five merges and the DARTS
-#: ingredients, which change every count below but none of the planner's rules they check
-SMOLLM2_2026_12_05 = [
-    "merges=[{name: adamerging, method: adamerging, steps: 30, batch_size: 4, lr: 1.0e-3, init: 0.3}, "
-    "{name: regmean, method: regmean, alpha: 0.9}]",
-    "surgery.methods=[surgery, darts]", "surgery.task_agnostic=[routed, shared]",
-    "evaluate.rows=[base, 'expert:*', adamerging, regmean, '*+surgery', '*+darts', '*+surgery[[]rank=matched]', "
-    "'*+surgery@routed', '*+darts@routed', '*+surgery@shared', '*+darts@shared', '*@inductive']"]
 
 
 def smollm2(overrides=()):
     """The smollm2-135m preset at :data:`SMOLLM2_2026_12_05`, then ``overrides``."""
     return load_config("smollm2-135m", [*SMOLLM2_2026_12_05, *overrides])
+
 
 def test_llama2_7b_plan_is_7b_scale():
     plan = make_plan(load_config("llama2-7b"))
@@ -114,7 +104,6 @@ def test_cli_dry_run_loads_no_torch():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert "13.5 GB per model" in res.stdout and "[evaluate]" in res.stdout and "humaneval 3/164" in res.stdout
-
 
 
 def test_dry_run_checks_data_and_output_dirs_like_a_run(tmp_path, capsys):

@@ -8,19 +8,11 @@ from pathlib import Path
 
 import pytest
 from conftest import load_script
+from conftest import SMOLLM2_2026_12_05  # the smollm2 preset as these tests were written against
 
 REPO = Path(__file__).resolve().parent.parent
 RUNS = Path(__file__).resolve().parent / "fixtures" / "runs"
 
-
-
-#: the smollm2-135m preset as the measured runs these tests read were made with (tests/test_plan.py)
-SMOLLM2_2026_12_05 = [
-    "merges=[{name: adamerging, method: adamerging, steps: 30, batch_size: 4, lr: 1.0e-3, init: 0.3}, "
-    "{name: regmean, method: regmean, alpha: 0.9}]",
-    "surgery.methods=[surgery, darts]", "surgery.task_agnostic=[routed, shared]",
-    "evaluate.rows=[base, 'expert:*', adamerging, regmean, '*+surgery', '*+darts', '*+surgery[[]rank=matched]', "
-    "'*+surgery@routed', '*+darts@routed', '*+surgery@shared', '*+darts@shared', '*@inductive']"]
 
 def _script():
     return load_script("plan_check")
