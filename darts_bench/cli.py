@@ -431,10 +431,9 @@ def cmd_rescore(args, cfg: Config) -> int:
 def print_summary(out, seconds: float) -> None:
     """The end of a run's output: the compact table (table.md's), then the verdicts in one sentence each
     and the page's path, last, so they are what the terminal shows."""
-    lines = (out / "table.md").read_text().splitlines()
-    start = next((i for i, ln in enumerate(lines) if ln.startswith("| model |")), len(lines))
-    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
-    print("\n".join(lines[start:end]))
+    from darts_bench.report.evidence import compact_table_md
+
+    print(compact_table_md((out / "table.md").read_text()) or "")
     payload = json.loads((out / "results.json").read_text())
     print("Verdicts (claims.md has every line, its cells and the rule):")
     for d in payload.get("decisions") or []:
