@@ -211,17 +211,30 @@ class PoolConfig(_Strict):
 
 
 # ---------------------------------------------------------------------------------------- merge
-MergeMethod = Literal["linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "adamerging", "regmean"]
-#: merge methods that read data (calibration prompts; darts_bench/merge/adamerging.py, regmean.py), not mergekit
-DATA_MERGE_METHODS = ("adamerging", "regmean")
+MergeMethod = Literal["linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "adamerging", "regmean",
+                      "expert_merging", "emr"]
+#: merge methods that read data (calibration prompts; darts_bench/merge/adamerging.py, regmean.py,
+#: expert_merging.py), not mergekit
+DATA_MERGE_METHODS = ("adamerging", "regmean", "expert_merging")
+#: task-aware merges (darts_bench/merge/emr.py): one model per task, chosen per task at inference (rows
+#: ``<merge>`` with the task's label, ``<merge>@routed`` with a router's), no single merged model, so no heads
+TASK_AWARE_METHODS = ("emr",)
 #: MergeSpec fields of the data merges, per method, with their defaults (filled in when not given)
 DATA_MERGE_DEFAULTS: dict[str, dict[str, Any]] = {
     # AdaMerging (Yang et al., ICLR 2024): lambda initialised at task arithmetic's 0.3, Adam lr 1e-3 as the paper
     "adamerging": {"steps": 100, "lr": 1e-3, "init": 0.3, "batch_size": 8, "calibration_split": "transductive"},
     # RegMean (Jin et al., ICLR 2023): off-diagonals of the Gram matrices scaled by alpha
     "regmean": {"alpha": 0.9, "batch_size": 8, "calibration_split": "transductive"},
+    # Expert Merging (Zhang et al., ICLR 2026; Littleor/ExpertMerging's CLI defaults): sigmoid coefficients from 0.1
+    # (--scaling_coefficient), AdamW lr 0.5 (--learning_rate), temperature 1 (--temperature), L1 pull to the init
+    # 5 (--sparsity_reg_weight), hidden-state MSE weight 1 (--hidden_states_weight) on every layer's output
+    # (the CLI leaves the layers to the user; darts_bench.merge.expert_merging says why every layer), 8 sequences
+    # per step (--gradient_accumulation_steps 8 of batch 1), 2 steps (5 samples x 3 tasks / 8: their one epoch)
+    "expert_merging": {"steps": 2, "lr": 0.5, "init": 0.1, "batch_size": 8, "temperature": 1.0,
+                       "sparsity_weight": 5.0, "hidden_weight": 1.0, "calibration_split": "transductive"},
 }
-_DATA_FIELDS = ("steps", "lr", "init", "alpha", "batch_size", "calibration_split")
+_DATA_FIELDS = ("steps", "lr", "init", "alpha", "batch_size", "temperature", "sparsity_weight", "hidden_weight",
+                "calibration_split")
 
 
 #: bytes per element of the dtypes a config may name (``pool.dtype``, ``merges[].dtype``, vLLM's)
@@ -261,14 +274,18 @@ class MergeSpec(_Strict):
     matrices' off-diagonal entries) and ``batch_size`` (prompts per forward); both take
     ``calibration_split`` (whose calibration prompts are the data; it must be one of
     ``calibration.splits``). Unset ones get :data:`DATA_MERGE_DEFAULTS`; a field of another method
-    is an error. The data fields are left out of the serialised spec of a mergekit merge, so the
+    is an error. ``expert_merging`` takes ``steps``, ``lr``, ``init`` (in (0, 1)), ``batch_size``
+    (sequences per step), ``temperature``, ``sparsity_weight``, ``hidden_weight`` and ``calibration_split``.
+
+    Task-aware merges (:data:`TASK_AWARE_METHODS`): ``emr`` (EMR-Merging, no hyper-parameter) builds
+    one model per task; its rows choose the task's model as a head row chooses its head. The data fields are left out of the serialised spec of a mergekit merge, so the
     cache keys of mergekit merges do not change with them.
     """
 
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="row name: letters, digits, _ . -")
     method: MergeMethod = Field(
-        description="linear, task_arithmetic, ties, dare_ties, dare_linear (mergekit) or adamerging, regmean (data "
-        "merges built here)")
+        description="linear, task_arithmetic, ties, dare_ties, dare_linear (mergekit); adamerging, regmean, "
+        "expert_merging (data merges built here); emr (task-aware: a model per task, rows <name> and <name>@routed)")
     weight: float = Field(1.0, gt=0, description="mergekit methods: each expert's weight (lambda for task arithmetic)")
     density: float | None = Field(None, gt=0, le=1,
         description="ties / dare_ties / dare_linear: the share of each task vector kept (required there, refused "
@@ -280,13 +297,20 @@ class MergeSpec(_Strict):
         description="ties / dare_ties / dare_linear: mergekit's int8_mask (masks held in int8)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32",
         description="dtype the merge is computed and written in")
-    steps: int | None = Field(None, ge=1, description="adamerging: Adam steps on the entropy objective")
-    lr: float | None = Field(None, gt=0, description="adamerging: Adam learning rate of the coefficients")
-    init: float | None = Field(None, description="adamerging: initial value of every coefficient lambda[k, l]")
+    steps: int | None = Field(None, ge=1, description="adamerging / expert_merging: optimiser steps")
+    lr: float | None = Field(None, gt=0, description="adamerging / expert_merging: learning rate of the coefficients")
+    init: float | None = Field(None, description="adamerging / expert_merging: initial value of every coefficient "
+                               "lambda[k, l] (expert_merging: in (0, 1), the coefficients are sigmoids)")
     alpha: float | None = Field(None, ge=0, le=1, description="regmean: scale of the Gram matrices' off-diagonals")
-    batch_size: int | None = Field(None, ge=1, description="adamerging / regmean: prompts per forward")
+    batch_size: int | None = Field(None, ge=1, description="adamerging / regmean: prompts per forward; "
+                                   "expert_merging: sequences per step")
+    temperature: float | None = Field(None, gt=0, description="expert_merging: temperature of the logit alignment")
+    sparsity_weight: float | None = Field(None, ge=0, description="expert_merging: weight of the L1 pull of the "
+                                          "coefficients towards init")
+    hidden_weight: float | None = Field(None, ge=0, description="expert_merging: weight of the hidden-state MSE "
+                                        "(0: logits only)")
     calibration_split: Literal["transductive", "inductive"] | None = Field(
-        None, description="adamerging / regmean: the calibration split whose prompts (inputs only) are the data")
+        None, description="adamerging / regmean / expert_merging: the calibration split whose prompts are the data")
     planted_drift: float | None = Field(
         None, gt=0, description="positive control (darts_bench/collect/features.py plant_drift): add a planted, "
         "position-dependent drift of this size (in units of the final hidden state's typical norm) to the merge's "
@@ -312,18 +336,24 @@ class MergeSpec(_Strict):
             raise ValueError(f"merge {self.name!r}: method {self.method} needs density")
         if not needs and self.density is not None:
             raise ValueError(f"merge {self.name!r}: method {self.method} takes no density")
+        if self.method == "expert_merging" and not 0 < self.init < 1:
+            raise ValueError(f"merge {self.name!r}: expert_merging's init {self.init} must be in (0, 1) (its "
+                             "coefficients are sigmoids; the authors start at 0.1)")
         allowed = DATA_MERGE_DEFAULTS.get(self.method, {})
         wrong = [f for f in _DATA_FIELDS if getattr(self, f) is not None and f not in allowed]
         if wrong:
             raise ValueError(f"merge {self.name!r}: method {self.method} takes no {', '.join(wrong)}"
                              + (f" (it takes {', '.join(allowed)})" if allowed else ""))
-        if self.method in DATA_MERGE_METHODS:
+        if self.method in (*DATA_MERGE_METHODS, *TASK_AWARE_METHODS):
             mk = [f for f, unset in (("weight", 1.0), ("normalize", None), ("int8_mask", False))
                   if getattr(self, f) != unset]
             if mk:
                 raise ValueError(f"merge {self.name!r}: {', '.join(mk)} {'is a mergekit option' if len(mk) == 1 else 'are mergekit options'}; method {self.method} "
                                  f"takes {', '.join(allowed)}" + (" (init is AdaMerging's starting lambda)"
                                                                   if self.method == "adamerging" else ""))
+        if self.method in TASK_AWARE_METHODS and self.dtype != "float32":
+            raise ValueError(f"merge {self.name!r}: method {self.method} is built in float32 (its per-task models "
+                             "must equal the reconstruction bit for bit); drop dtype")
         return self
 
     @model_serializer(mode="wrap")
@@ -339,6 +369,11 @@ class MergeSpec(_Strict):
     def uses_data(self) -> bool:
         """True for the data merges (:data:`DATA_MERGE_METHODS`): built from calibration prompts."""
         return self.method in DATA_MERGE_METHODS
+
+    @property
+    def task_aware(self) -> bool:
+        """True for the task-aware merges (:data:`TASK_AWARE_METHODS`): a model per task, no heads."""
+        return self.method in TASK_AWARE_METHODS
 
 
 def _default_merges() -> list[MergeSpec]:

@@ -14,7 +14,10 @@ from darts_bench.pool.build import Pool
 log = logging.getLogger("darts_bench")
 #: data merge method -> (module, builder, file beside the weights with what it learned / used)
 DATA_MERGES = {"adamerging": ("darts_bench.merge.adamerging", "build_adamerging", "adamerging.json"),
-               "regmean": ("darts_bench.merge.regmean", "build_regmean", "regmean.json")}
+               "regmean": ("darts_bench.merge.regmean", "build_regmean", "regmean.json"),
+               "expert_merging": ("darts_bench.merge.expert_merging", "build_expert_merging", "expert_merging.json")}
+#: task-aware merge method -> (module, builder, summary file): a model per expert under ``tasks/`` (merge/emr.py)
+TASK_AWARE_MERGES = {"emr": ("darts_bench.merge.emr", "build_emr", "emr.json")}
 
 
 def data_merge_key(cfg: Config, pool: Pool, spec, prompts: dict) -> str:
@@ -28,9 +31,9 @@ def data_merge_key(cfg: Config, pool: Pool, spec, prompts: dict) -> str:
 
 
 def merge_details(merge_dir: Path) -> dict | None:
-    """What a data merge dir records beside its weights (the AdaMerging coefficients, the RegMean
-    data), or None for a mergekit merge."""
-    for _, _, fname in DATA_MERGES.values():
+    """What a data or task-aware merge dir records beside its weights (the AdaMerging / Expert Merging
+    coefficients, the RegMean data, the EMR rescalers), or None for a mergekit merge."""
+    for _, _, fname in (*DATA_MERGES.values(), *TASK_AWARE_MERGES.values()):
         if (merge_dir / fname).is_file():
             return json.loads((merge_dir / fname).read_text())
     return None
@@ -53,9 +56,10 @@ def _mergekit(name: str, cd: dict, tmp: Path, seed: int, base: Path) -> None:
 
 
 def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None, only: list[str] | None = None) -> dict[str, Path]:
-    """Every configured merge: name -> checkpoint dir. mergekit merges are cached by (pool key, merge
+    """Every configured merge: name -> checkpoint dir (a task-aware merge, ``emr``: its dir, with one
+    checkpoint per expert under ``tasks/``, :func:`darts_bench.merge.emr.task_dir`). mergekit merges are cached by (pool key, merge
     spec, seed), each with its ``mergekit_config.yml`` (:func:`~darts_bench.merge.mergekit_merge.write_mergekit_config`);
-    data merges (``adamerging``, ``regmean``) by :func:`data_merge_key`, from the calibration prompts of
+    data merges (``adamerging``, ``regmean``, ``expert_merging``) by :func:`data_merge_key`, from the calibration prompts of
     ``loaded`` (the tasks stage's :class:`~darts_bench.stages.tasks.LoadedTasks`).
 
     ``only``: build these merges only (the ones the selected rows need: :func:`darts_bench.rows.needed_merges`).
@@ -68,7 +72,16 @@ def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None, only: lis
     for spec in cfg.merges:
         if only is not None and spec.name not in only:
             continue
-        if spec.uses_data:
+        if spec.task_aware:
+            mod, fn, _ = TASK_AWARE_MERGES[spec.method]
+            builder = getattr(importlib.import_module(mod), fn)
+            key = stable_hash({"pool": pool.key, "spec": spec.model_dump(mode="json"), "seed": cfg.seed})
+            final = work_dir / "merges" / f"{spec.name}-{key}"
+            experts = dict(pool.experts)
+            cached(final, lambda tmp, b=builder, s=spec: b(s, pool.base, experts, cfg, tmp),
+                   what=f"merge {spec.name} ({spec.method})",
+                   meta={"kind": "merge", "method": spec.method, "spec": spec.model_dump(mode="json")})
+        elif spec.uses_data:
             if loaded is None:
                 raise ValueError(f"merge {spec.name!r} ({spec.method}) needs the run's calibration prompts: pass the "
                                  "loaded tasks (darts_bench.stages.tasks.load_tasks)")
