@@ -87,19 +87,22 @@ def alignment_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, s
         mask: [B, T] 1 on real tokens.
         temperature: T > 0. hidden_weight: >= 0.
     Returns:
-        [B] float32: per sequence the T^2-scaled soft cross-entropy averaged over its real positions plus
+        [B] float32 (float64 for float64 inputs): per sequence the T^2-scaled soft cross-entropy averaged over its real positions plus
         ``hidden_weight`` times the mean squared hidden-state difference over its real positions and features.
     Raises:
         ValueError: a sequence without a real token."""
-    m = mask.float()
+    def f32(x):  # at least float32 (a float64 input stays float64)
+        return x if x.dtype == torch.float64 else x.float()
+
+    m = mask.to(f32(student_logits).dtype)
     n = m.sum(1)
     if (n == 0).any():
         raise ValueError("Expert Merging: a calibration sequence has no real token")
-    p_t = F.softmax(teacher_logits.float() / temperature, dim=-1)
-    ce = -(p_t * F.log_softmax(student_logits.float() / temperature, dim=-1)).sum(-1)  # [B, T]
+    p_t = F.softmax(f32(teacher_logits) / temperature, dim=-1)
+    ce = -(p_t * F.log_softmax(f32(student_logits) / temperature, dim=-1)).sum(-1)  # [B, T]
     loss = (ce * m).sum(1) / n * temperature ** 2
     if student_hidden is not None and hidden_weight > 0:
-        mse = ((student_hidden.float() - teacher_hidden.float()) ** 2).mean(-1)  # [B, T]
+        mse = ((f32(student_hidden) - f32(teacher_hidden)) ** 2).mean(-1)  # [B, T]
         loss = loss + hidden_weight * (mse * m).sum(1) / n
     return loss
 
@@ -179,10 +182,10 @@ def step_loss(merge: SigmoidLayerWiseMerge, w: torch.Tensor, batch: dict, teache
         for k in sorted(set(who)):
             rows = torch.tensor([i for i, x in enumerate(who) if x == k])
             o = teachers[k](input_ids=ids[rows], attention_mask=mask[rows], output_hidden_states=True, use_cache=False)
-            z_t[rows], h_t[rows] = o.logits.float(), o.hidden_states[layer].float()
+            z_t[rows], h_t[rows] = o.logits.to(z_t.dtype), o.hidden_states[layer].to(h_t.dtype)
     align = alignment_loss(out.logits, z_t, out.hidden_states[layer], h_t, mask, temperature, hidden_weight).mean()
     reg = regulariser(w, init, sparsity_weight)
-    return align + reg, {"align": float(align), "reg": float(reg)}
+    return align + reg, {"align": float(align.detach()), "reg": float(torch.as_tensor(reg).detach())}
 
 
 def learn_coefficients(merge: SigmoidLayerWiseMerge, batches: list[dict], teachers: list, layer: int, spec,
