@@ -1,0 +1,80 @@
+"""EMR-Merging and Expert Merging in a micro run: the rows they make (names and meta), the oracle row evaluating
+task t with t's own EMR model, the routed row routing by the base's prompt states, Expert Merging as a data
+merge with heads, caching, and the report."""
+
+import json
+
+import pytest
+import torch
+
+from darts_bench.config import load_config
+
+pytestmark = pytest.mark.micro
+
+EMR = {"name": "emr", "method": "emr"}
+EM = {"name": "em", "method": "expert_merging", "steps": 2, "batch_size": 4}
+
+
+def test_rows_of_a_task_aware_merge():
+    """``emr`` (oracle), one ``@routed`` row per calibration split, no corrected rows; Expert Merging gets the
+    usual corrected rows; row meta carries merge, correction, calibration and routing."""
+    from darts_bench.rows import row_meta, row_specs
+
+    cfg = load_config("tiny", [f"merges={json.dumps([EMR, EM])}", 'calibration.splits=["transductive","inductive"]'])
+    specs = row_specs(cfg)
+    names = [s.model for s in specs]
+    assert [n for n in names if n.startswith("emr")] == ["emr", "emr@routed", "emr@inductive@routed"]
+    assert "em+darts" in names and "em+surgery@inductive" in names and not any(n.startswith("emr+") for n in names)
+    meta = row_meta(cfg, specs)
+    assert meta["emr"] == {"merge": "emr", "correction": "emr", "calibration": "", "variant": "", "seed": None,
+                           "group": None, "routing": "oracle"}
+    assert meta["emr@inductive@routed"] == {"merge": "emr", "correction": "emr@routed", "calibration": "inductive",
+                                            "variant": "", "seed": None, "group": None, "routing": "routed"}
+    assert all(s.task_aware == s.model.startswith("emr") for s in specs)
+
+
+def test_emr_and_expert_merging_in_a_micro_run(micro_cfg_path, micro_pipeline, tmp_path):
+    from safetensors.torch import load_file
+
+    from darts_bench.merge.emr import load_record, reconstruct, task_dir
+    from darts_bench.pipeline import Pipeline
+
+    micro_pipeline.pool()
+    cfg = load_config(str(micro_cfg_path), [f"merges={json.dumps([EMR, EM])}", f"out_dir={tmp_path / 'results'}"])
+    pipe = Pipeline(cfg)
+    try:
+        pipe.report()
+        rows = {r.model: r for r in pipe.rows()}
+        merges = pipe.merge()
+    finally:
+        pipe.close()
+    res = json.loads((tmp_path / "results" / "results.json").read_text())
+    table = {r["model"]: r for r in res["rows"]}
+    assert {"emr", "emr@routed", "emr@inductive@routed", "em", "em+darts", "em+surgery@inductive"} <= set(table)
+    for name in ("emr", "emr@routed", "em", "em+darts"):
+        assert all(isinstance(table[name][f"{t}_ref_nll"], float) for t in ("humaneval", "gsm8k", "alpacaeval"))
+    # the oracle row runs task t on t's expert's EMR model: the checkpoint is the reconstruction, and its NLL of
+    # the reference answers is that model's (evaluated again here as the expert rows are: a plain checkpoint)
+    experts, u, masks, r = load_record(merges["emr"])
+    base = load_file(str(pipe.pool().base / "model.safetensors"))
+    for t, e in (("humaneval", "code"), ("gsm8k", "math"), ("alpacaeval", "instruction")):
+        assert rows["emr"].task_models[t] == task_dir(merges["emr"], e)
+        k = experts.index(e)
+        got = load_file(str(task_dir(merges["emr"], e) / "model.safetensors"))
+        want = reconstruct({n: base[n] for n in u}, u, {n: masks[n][k] for n in u}, r[k])
+        assert all(torch.equal(got[n], want[n]) for n in u)
+    # a routed row whose router sends every prompt to its own task scores as the oracle; its routing accuracy is
+    # reported on the benchmark and on the held-out calibration prompts
+    routed = table["emr@routed"]
+    assert 0.0 <= routed["gsm8k_routing_acc"] <= 1.0 and routed["gsm8k_n_routed"] > 0
+    assert "gsm8k_routing_acc_heldout" in routed
+    rj = json.loads((rows["emr@routed"].router / "routing.json").read_text())
+    assert rj["states"] == "base" and set(rj["tasks"]) == {"humaneval", "gsm8k", "alpacaeval"}
+    for t in ("humaneval", "gsm8k", "alpacaeval"):
+        if routed[f"{t}_routing_acc"] == 1.0:
+            assert routed[f"{t}_ref_nll"] == table["emr"][f"{t}_ref_nll"]
+    # Expert Merging: a data merge with its coefficients in the manifest, cached on a second build
+    det = res["manifest"]["merge_details"]
+    assert det["em"]["method"] == "expert_merging" and set(det["em"]["coefficients"]) == {"code", "math",
+                                                                                          "instruction"}
+    assert det["emr"]["method"] == "emr" and set(det["emr"]["rescalers"]) == {"code", "math", "instruction"}
