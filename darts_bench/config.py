@@ -213,6 +213,28 @@ class PoolConfig(_Strict):
 # ---------------------------------------------------------------------------------------- merge
 MergeMethod = Literal["linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "adamerging", "regmean",
                       "expert_merging", "emr"]
+#: every merge method's source and costs, as ``darts-bench ls merges`` lists them (darts_bench/listing.py):
+#: kind (mergekit | data: built here from calibration prompts | task-aware: a model per task, chosen per task at
+#: inference), paper, code read, and (task-aware only) the task label needed at inference
+MERGE_SOURCES: dict[str, dict[str, str]] = {
+    "linear": {"kind": "mergekit", "paper": "Wortsman et al., ICML 2022 (model soups)", "code": "mergekit 0.1.5 linear"},
+    "task_arithmetic": {"kind": "mergekit", "paper": "Ilharco et al., ICLR 2023 (arXiv 2212.04089)",
+                        "code": "mergekit 0.1.5 task_arithmetic"},
+    "ties": {"kind": "mergekit", "paper": "Yadav et al., NeurIPS 2023 (arXiv 2306.01708)", "code": "mergekit 0.1.5 ties"},
+    "dare_ties": {"kind": "mergekit", "paper": "Yu et al., ICML 2024 (arXiv 2311.03099)",
+                  "code": "mergekit 0.1.5 dare_ties"},
+    "dare_linear": {"kind": "mergekit", "paper": "Yu et al., ICML 2024 (arXiv 2311.03099)",
+                    "code": "mergekit 0.1.5 dare_linear"},
+    "adamerging": {"kind": "data", "paper": "Yang et al., ICLR 2024, AdaMerging (arXiv 2310.02575)",
+                   "code": "darts_bench/merge/adamerging.py"},
+    "regmean": {"kind": "data", "paper": "Jin et al., ICLR 2023, RegMean (arXiv 2212.09849)",
+                "code": "darts_bench/merge/regmean.py"},
+    "expert_merging": {"kind": "data", "paper": "Zhang et al., ICLR 2026, Expert Merging (arXiv 2509.25712)",
+                       "code": "github Littleor/ExpertMerging 5282936 (darts_bench/merge/expert_merging.py)"},
+    "emr": {"kind": "task-aware", "paper": "Huang et al., NeurIPS 2024, EMR-Merging (arXiv 2405.17461)",
+            "code": "fusion-bench 0.2.33 emr_merging/ (darts_bench/merge/emr.py)",
+            "task_label": "yes (oracle row); router (@routed rows)"},
+}
 #: merge methods that read data (calibration prompts; darts_bench/merge/adamerging.py, regmean.py,
 #: expert_merging.py), not mergekit
 DATA_MERGE_METHODS = ("adamerging", "regmean", "expert_merging")

@@ -10,7 +10,9 @@ Every listing is read from the place the run itself reads, never from a copy:
 * :func:`list_annotators`: the annotator configs ``tasks.alpacaeval.judge.annotator`` accepts (the
   folders of alpaca_eval's ``evaluators_configs``), and whether each could run here;
 * :func:`list_rows`: the rows of a config (:func:`darts_bench.rows.row_specs`), with what
-  ``evaluate.rows`` selects.
+  ``evaluate.rows`` selects;
+* :func:`list_merges`: the merge methods a ``merges:`` entry names (``MergeMethod`` of
+  :mod:`darts_bench.config`), with their sources (``MERGE_SOURCES``) and settings.
 
 :func:`validate` runs the checks ``darts-bench run`` makes before any stage and returns their
 messages (an empty list: the run would start). Each listing is a list of flat dicts (the ``--json``
@@ -27,11 +29,11 @@ from typing import Any
 
 from darts_bench.api import available_tasks, task_class
 
-__all__ = ["LISTINGS", "format_table", "list_annotators", "list_configs", "list_protocols", "list_rows",
-           "list_tasks", "task_protocols", "validate"]
+__all__ = ["LISTINGS", "format_table", "list_annotators", "list_configs", "list_merges", "list_protocols",
+           "list_rows", "list_tasks", "task_protocols", "validate"]
 
 #: ``darts-bench ls WHAT`` choices (``rows`` needs a config)
-LISTINGS = ("tasks", "protocols", "configs", "annotators", "rows")
+LISTINGS = ("tasks", "protocols", "configs", "annotators", "rows", "merges")
 
 
 def _task_module(name: str):
@@ -157,6 +159,37 @@ def list_annotators() -> list[dict[str, Any]]:
             ready = f"no: set {' or '.join(env[0])}" if env else f"no: {e}"
         out.append({"annotator": d.name, "decoder": decoder,
                     "model": str((cfg.get("completions_kwargs") or {}).get("model_name", "-")), "ready": ready})
+    return out
+
+
+def list_merges() -> list[dict[str, Any]]:
+    """One dict per merge method a ``merges:`` entry can name (``MergeMethod``, in its order): ``method``,
+    ``kind`` (mergekit | data | task-aware), ``settings`` (the spec fields it takes beyond ``name`` / ``method`` /
+    ``dtype``), ``calibration_data`` (``prompts`` for the data merges; Expert Merging's are prompts with the
+    experts' greedy continuations; EMR reads none, its ``@routed`` rows' router the calibration prompts),
+    ``task_label`` (whether inference needs the task: ``no`` for a plain merged model), ``paper`` and ``code``
+    (``MERGE_SOURCES``).
+
+    Raises:
+        KeyError: a method of ``MergeMethod`` has no ``MERGE_SOURCES`` entry."""
+    from typing import get_args
+
+    from darts_bench.config import DATA_MERGE_DEFAULTS, MERGE_SOURCES, MergeMethod
+
+    def settings(m: str) -> str:
+        if m in DATA_MERGE_DEFAULTS:
+            return ",".join(DATA_MERGE_DEFAULTS[m])
+        if MERGE_SOURCES[m]["kind"] == "task-aware":
+            return "-"
+        return ",".join(["weight"] + (["density"] if m in ("ties", "dare_ties", "dare_linear") else []) + ["normalize"])
+
+    data = {"expert_merging": "prompts + expert continuations", "emr": "none (@routed: prompts, router)"}
+    out = []
+    for m in get_args(MergeMethod):
+        src = MERGE_SOURCES[m]
+        out.append({"method": m, "kind": src["kind"], "settings": settings(m),
+                    "calibration_data": data.get(m, "prompts" if src["kind"] == "data" else "none"),
+                    "task_label": src.get("task_label", "no"), "paper": src["paper"], "code": src["code"]})
     return out
 
 

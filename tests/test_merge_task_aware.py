@@ -33,6 +33,19 @@ def test_rows_of_a_task_aware_merge():
     assert all(s.task_aware == s.model.startswith("emr") for s in specs)
 
 
+def test_ls_merges_lists_both_with_their_sources():
+    from darts_bench.listing import list_merges
+
+    by = {m["method"]: m for m in list_merges()}
+    assert by["emr"]["kind"] == "task-aware" and by["emr"]["task_label"].startswith("yes")
+    assert "fusion-bench 0.2.33 emr_merging" in by["emr"]["code"] and "NeurIPS 2024" in by["emr"]["paper"]
+    assert by["expert_merging"]["kind"] == "data" and by["expert_merging"]["task_label"] == "no"
+    assert "Littleor/ExpertMerging" in by["expert_merging"]["code"] and "2509.25712" in by["expert_merging"]["paper"]
+    assert by["expert_merging"]["settings"].split(",") == ["steps", "lr", "init", "batch_size", "temperature",
+                                                           "sparsity_weight", "hidden_weight", "calibration_split"]
+    assert by["ties"]["task_label"] == "no"
+
+
 def test_emr_and_expert_merging_in_a_micro_run(micro_cfg_path, micro_pipeline, tmp_path):
     from safetensors.torch import load_file
 
@@ -42,12 +55,23 @@ def test_emr_and_expert_merging_in_a_micro_run(micro_cfg_path, micro_pipeline, t
     micro_pipeline.pool()
     cfg = load_config(str(micro_cfg_path), [f"merges={json.dumps([EMR, EM])}", f"out_dir={tmp_path / 'results'}"])
     pipe = Pipeline(cfg)
+    from darts_bench.export import export_row
+
     try:
         pipe.report()
         rows = {r.model: r for r in pipe.rows()}
         merges = pipe.merge()
+        exported = export_row(pipe, "emr", tmp_path / "export")
+        with pytest.raises(ValueError, match="export the oracle row 'emr'"):
+            export_row(pipe, "emr@routed", tmp_path / "export2")
     finally:
         pipe.close()
+    # export: one checkpoint per task (the task's EMR model) and the record
+    assert set(exported["task_models"]) == {"humaneval", "gsm8k", "alpacaeval"}
+    assert exported["lm_eval_model_args"]["gsm8k"]["darts-bench"].startswith(f"pretrained={tmp_path / 'export'}/models/gsm8k")
+    assert (tmp_path / "export" / "models" / "gsm8k" / "model.safetensors").read_bytes() == \
+        (task_dir(merges["emr"], "math") / "model.safetensors").read_bytes()
+    assert (tmp_path / "export" / "emr" / "emr.safetensors").is_file()
     res = json.loads((tmp_path / "results" / "results.json").read_text())
     table = {r["model"]: r for r in res["rows"]}
     assert {"emr", "emr@routed", "emr@inductive@routed", "em", "em+darts", "em+surgery@inductive"} <= set(table)
