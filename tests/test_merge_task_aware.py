@@ -102,3 +102,52 @@ def test_emr_and_expert_merging_in_a_micro_run(micro_cfg_path, micro_pipeline, t
     assert det["em"]["method"] == "expert_merging" and set(det["em"]["coefficients"]) == {"code", "math",
                                                                                           "instruction"}
     assert det["emr"]["method"] == "emr" and set(det["emr"]["rescalers"]) == {"code", "math", "instruction"}
+
+
+def _smollm2(overrides=()):
+    from conftest import SMOLLM2_2026_12_05
+
+    return load_config("smollm2-135m", [*SMOLLM2_2026_12_05, *overrides])
+
+
+@pytest.mark.parametrize("steps", [2, 6])
+def test_plan_counts_expert_merging_steps(steps):
+    """Expert Merging's merge time: the experts' continuations of steps x batch_size prompts (2 P per generated
+    token at the decoding rate), then per sequence token a forward + backward of the merge (6 P, training rate) and
+    its expert's forward (2 P, forward rate), a recombination with its backward per step, and the model reads."""
+    from darts_bench.plan import make_plan
+    from darts_bench.plan.resources import LOAD_BYTES_PER_S, RECOMBINE_BACKWARD, THROUGHPUT
+
+    cfg = _smollm2([f"merges=[{{name: em, method: expert_merging, steps: {steps}, batch_size: 4}}]"])
+    plan = make_plan(cfg)
+    m, t = plan["stages"]["merge"], THROUGHPUT["cpu"]
+    P, K = plan["model"]["params"], 3
+    cal = plan["stages"]["collect"]["calibration"]
+    tasks = [n for n, ti in plan["tasks"].items() if ti["expert"]]
+    n = sum(cal[f"{x}/transductive"]["sequences"] for x in tasks)
+    total = sum(cal[f"{x}/transductive"]["sequences"] * min(plan["tasks"][x]["prompt_tokens_est"],
+                                                            cfg.calibration.max_prompt_tokens) for x in tasks)
+    new = steps * 4 * cfg.calibration.max_new_tokens
+    seq = steps * 4 * total / n + new
+    want = (seq * 6 * P / t["train"] + seq * 2 * P / t["forward"] + new * 2 * P / t["decode"]
+            + steps * (1 + RECOMBINE_BACKWARD) * K * P / t["recombine"] + (1 + K) * P * 4 / LOAD_BYTES_PER_S
+            + P * 4 / LOAD_BYTES_PER_S)
+    assert m["data_merge_seconds"]["em"] == pytest.approx(want)
+    assert f"{steps} AdamW steps of 4 sequences" in m["what"]
+
+
+def test_plan_counts_emr_models_and_disk():
+    """EMR: K per-task checkpoints and the record on disk; no features or heads; the evaluate stage loads each
+    task's model (K) and, for a routed row, the base."""
+    from darts_bench.plan import make_plan
+
+    plan = make_plan(_smollm2(["merges=[{name: emr, method: emr}]", "evaluate.rows=null"]))
+    P = plan["model"]["params"]
+    st = plan["stages"]
+    assert st["merge"]["disk_bytes"] == pytest.approx(3 * P * 4 + P * 4 + 3 * P / 8)
+    assert "emr: EMR-Merging" in st["merge"]["what"] and "emr" in st["merge"]["data_merge_seconds"]
+    assert "of 0 merges" in st["collect"]["what"]
+    assert "3 task-aware (EMR: oracle and routed)" in st["evaluate"]["what"]
+    both = make_plan(_smollm2(["merges=[{name: emr, method: emr}, {name: ta, method: task_arithmetic}]",
+                               "evaluate.rows=null"]))
+    assert both["stages"]["evaluate"]["model_loads"] == 1 + 3 + 1 + 3  # base, experts, ta, EMR's 3 task models
