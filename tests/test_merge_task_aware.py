@@ -151,3 +151,17 @@ def test_plan_counts_emr_models_and_disk():
     both = make_plan(_smollm2(["merges=[{name: emr, method: emr}, {name: ta, method: task_arithmetic}]",
                                "evaluate.rows=null"]))
     assert both["stages"]["evaluate"]["model_loads"] == 1 + 3 + 1 + 3  # base, experts, ta, EMR's 3 task models
+
+
+def test_preflight_names_emr_rows_that_cannot_run():
+    """A suite with one expert task cannot route (emr@routed); a task without an expert has no EMR model (emr)."""
+    from darts_bench.preflight import row_problems
+
+    cfg = load_config("tiny", [f"merges={json.dumps([EMR])}"])
+    msgs = [str(p) for p in row_problems(cfg, ["gsm8k"])]
+    assert any("task-aware routed row(s) ['emr@routed', 'emr@inductive@routed']" in m for m in msgs), msgs
+    assert not any("task-agnostic" in m for m in msgs)
+    cfg2 = load_config("tiny", [f"merges={json.dumps([EMR])}", "tasks.alpacaeval.expert=null"])
+    msgs2 = [str(p) for p in row_problems(cfg2, ["humaneval", "gsm8k", "alpacaeval"])]
+    assert any("task-aware row(s) ['emr']" in m and "['alpacaeval'] have no expert" in m for m in msgs2), msgs2
+    assert row_problems(cfg, ["humaneval", "gsm8k", "alpacaeval"]) == []

@@ -24,7 +24,7 @@ model every EMR task model shares before a modulator is applied; :func:`fit_emr_
 
 Storage (decided for SmolLM2-135M, 134.5M fp32 parameters = 538 MB a model): the merge dir keeps the
 canonical record ``emr.safetensors`` (tau_uni in float32, each expert's mask bit-packed with
-``numpy.packbits``: 17 MB an expert, and the rescalers), 605 MB for three experts against 1.61 GB for
+``numpy.packbits``: 17 MB an expert, and the rescalers), 589 MB for three experts against 1.61 GB for
 three full checkpoints, and the per-task checkpoints are *materialised* from it under ``tasks/<expert>/``
 in the same (cached) merge build, because every evaluation backend (HF in process, Ray actors, vLLM
 engines) loads a checkpoint dir; applying masks at load would need a hook in each. The reconstruction is
