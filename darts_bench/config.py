@@ -241,6 +241,8 @@ DATA_MERGE_METHODS = ("adamerging", "regmean", "expert_merging")
 #: task-aware merges (darts_bench/merge/emr.py): one model per task, chosen per task at inference (rows
 #: ``<merge>`` with the task's label, ``<merge>@routed`` with a router's), no single merged model, so no heads
 TASK_AWARE_METHODS = ("emr",)
+#: the subdir of a task-aware merge's dir with one HF checkpoint per expert (darts_bench.merge.emr.task_dir)
+TASK_MODELS_DIR = "tasks"
 #: MergeSpec fields of the data merges, per method, with their defaults (filled in when not given)
 DATA_MERGE_DEFAULTS: dict[str, dict[str, Any]] = {
     # AdaMerging (Yang et al., ICLR 2024): lambda initialised at task arithmetic's 0.3, Adam lr 1e-3 as the paper

@@ -287,9 +287,11 @@ def bind_rows(specs: list[RowSpec], pool, merges: dict[str, Path], run_heads: di
             continue
         mdir = merges[s.merge]
         if s.task_aware:
-            from darts_bench.merge.emr import task_dir
+            from darts_bench.config import TASK_MODELS_DIR
 
-            tm = {t: task_dir(mdir, e) for t, e in (task_experts or {}).items() if e is not None and t in task_names}
+            # each task's expert's checkpoint (darts_bench.merge.emr.task_dir; not imported: merge -> collect -> rows)
+            tm = {t: mdir / TASK_MODELS_DIR / e for t, e in (task_experts or {}).items()
+                  if e is not None and t in task_names}
             router = routers[(s.merge, s.calibration, None)] if s.routing == "routed" else None
             key = mdir.name + ("+oracle" if router is None else "+" + stable_hash([f"router={router}",
                                                                                    pool.model_key("base")]))

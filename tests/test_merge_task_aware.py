@@ -9,8 +9,6 @@ import torch
 
 from darts_bench.config import load_config
 
-pytestmark = pytest.mark.micro
-
 EMR = {"name": "emr", "method": "emr"}
 EM = {"name": "em", "method": "expert_merging", "steps": 2, "batch_size": 4}
 
@@ -46,6 +44,7 @@ def test_ls_merges_lists_both_with_their_sources():
     assert by["ties"]["task_label"] == "no"
 
 
+@pytest.mark.micro
 def test_emr_and_expert_merging_in_a_micro_run(micro_cfg_path, micro_pipeline, tmp_path):
     from safetensors.torch import load_file
 

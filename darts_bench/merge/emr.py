@@ -41,6 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from darts_bench.config import TASK_MODELS_DIR
+
 log = logging.getLogger("darts_bench")
 PAPER = "Huang et al., NeurIPS 2024, EMR-Merging: Tuning-Free High-Performance Model Merging"
 CODE = "fusion-bench 0.2.33 fusion_bench/method/emr_merging/utils.py emr_merge (MIT)"
@@ -49,7 +51,7 @@ SUMMARY = "emr.json"
 #: unified vector, bit-packed masks, rescalers
 RECORD = "emr.safetensors"
 #: subdir of the merge dir with one HF checkpoint per expert
-TASKS_DIR = "tasks"
+TASKS_DIR = TASK_MODELS_DIR
 
 
 def _sign(x: torch.Tensor) -> torch.Tensor:
