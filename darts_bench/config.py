@@ -214,6 +214,43 @@ class PoolConfig(_Strict):
 MergeMethod = Literal["linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "della", "della_linear",
                       "breadcrumbs", "breadcrumbs_ties", "model_stock", "tsv_m", "iso_c", "iso_cts", "adamerging",
                       "regmean"]
+#: every merge method's source and costs, as ``darts-bench ls merges`` lists them (darts_bench/listing.py):
+#: kind (mergekit | svd: built here, an SVD per 2-D matrix | data: built here from calibration prompts |
+#: post-merge: applied on a merge), paper, code read, calibration data, task label at inference (every merge here
+#: is one plain model: no), parameters added to the model (none)
+MERGE_SOURCES: dict[str, dict[str, str]] = {
+    "linear": {"kind": "mergekit", "paper": "Wortsman et al., ICML 2022 (model soups)", "code": "mergekit 0.1.5 linear"},
+    "task_arithmetic": {"kind": "mergekit", "paper": "Ilharco et al., ICLR 2023 (arXiv 2212.04089)",
+                        "code": "mergekit 0.1.5 task_arithmetic"},
+    "ties": {"kind": "mergekit", "paper": "Yadav et al., NeurIPS 2023 (arXiv 2306.01708)", "code": "mergekit 0.1.5 ties"},
+    "dare_ties": {"kind": "mergekit", "paper": "Yu et al., ICML 2024 (arXiv 2311.03099)",
+                  "code": "mergekit 0.1.5 dare_ties"},
+    "dare_linear": {"kind": "mergekit", "paper": "Yu et al., ICML 2024 (arXiv 2311.03099)",
+                    "code": "mergekit 0.1.5 dare_linear"},
+    "della": {"kind": "mergekit", "paper": "Deep et al. 2024, DELLA-Merging (arXiv 2406.11617)",
+              "code": "mergekit 0.1.5 della (sparsify.della_magprune)"},
+    "della_linear": {"kind": "mergekit", "paper": "Deep et al. 2024, DELLA-Merging (arXiv 2406.11617)",
+                     "code": "mergekit 0.1.5 della_linear"},
+    "breadcrumbs": {"kind": "mergekit", "paper": "Davari & Belilovsky, ECCV 2024, Model Breadcrumbs (arXiv 2312.06795)",
+                    "code": "mergekit 0.1.5 breadcrumbs (sparsify.magnitude_outliers)"},
+    "breadcrumbs_ties": {"kind": "mergekit", "paper": "Davari & Belilovsky, ECCV 2024, Model Breadcrumbs "
+                         "(arXiv 2312.06795)", "code": "mergekit 0.1.5 breadcrumbs_ties"},
+    "model_stock": {"kind": "mergekit", "paper": "Jang et al., ECCV 2024, Model Stock (arXiv 2403.19522)",
+                    "code": "mergekit 0.1.5 merge_methods/model_stock.py"},
+    "tsv_m": {"kind": "svd", "paper": "Gargiulo et al., CVPR 2025, Task Singular Vectors (arXiv 2412.00081)",
+              "code": "fusion-bench 0.2.33 task_singular_vector/ (darts_bench/merge/svd.py)"},
+    "iso_c": {"kind": "svd", "paper": "Marczak et al., ICML 2025, Isotropic Merging, Iso-C (arXiv 2502.04959)",
+              "code": "fusion-bench 0.2.33 isotropic_merging/ (darts_bench/merge/svd.py)"},
+    "iso_cts": {"kind": "svd", "paper": "Marczak et al., ICML 2025, Isotropic Merging, Iso-CTS (arXiv 2502.04959)",
+                "code": "fusion-bench 0.2.33 isotropic_merging/ (darts_bench/merge/svd.py)"},
+    "svc": {"kind": "post-merge", "paper": "Singular Value Calibration, When Shared Knowledge Hurts (arXiv 2602.05536)",
+            "code": "fusion-bench 0.2.33 singular_value_calibration/ (darts_bench/merge/svd.py); svc_alpha on any "
+                    "merge but adamerging / regmean"},
+    "adamerging": {"kind": "data", "paper": "Yang et al., ICLR 2024, AdaMerging (arXiv 2310.02575)",
+                   "code": "darts_bench/merge/adamerging.py"},
+    "regmean": {"kind": "data", "paper": "Jin et al., ICLR 2023, RegMean (arXiv 2212.09849)",
+                "code": "darts_bench/merge/regmean.py"},
+}
 #: the SVD merges built here on the task vectors' 2-D matrices (darts_bench/merge/svd.py), not by mergekit
 SVD_MERGE_METHODS = ("tsv_m", "iso_c", "iso_cts")
 #: mergekit methods that take a density (the kept share of each task vector), required there
