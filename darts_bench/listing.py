@@ -10,7 +10,9 @@ Every listing is read from the place the run itself reads, never from a copy:
 * :func:`list_annotators`: the annotator configs ``tasks.alpacaeval.judge.annotator`` accepts (the
   folders of alpaca_eval's ``evaluators_configs``), and whether each could run here;
 * :func:`list_rows`: the rows of a config (:func:`darts_bench.rows.row_specs`), with what
-  ``evaluate.rows`` selects.
+  ``evaluate.rows`` selects;
+* :func:`list_merges`: the merge methods a ``merges:`` entry names (``MergeMethod`` of
+  :mod:`darts_bench.config`) and SVC, with their sources (``MERGE_SOURCES``) and settings.
 
 :func:`validate` runs the checks ``darts-bench run`` makes before any stage and returns their
 messages (an empty list: the run would start). Each listing is a list of flat dicts (the ``--json``
@@ -27,11 +29,11 @@ from typing import Any
 
 from darts_bench.api import available_tasks, task_class
 
-__all__ = ["LISTINGS", "format_table", "list_annotators", "list_configs", "list_protocols", "list_rows",
-           "list_tasks", "task_protocols", "validate"]
+__all__ = ["LISTINGS", "format_table", "list_annotators", "list_configs", "list_merges", "list_protocols",
+           "list_rows", "list_tasks", "task_protocols", "validate"]
 
 #: ``darts-bench ls WHAT`` choices (``rows`` needs a config)
-LISTINGS = ("tasks", "protocols", "configs", "annotators", "rows")
+LISTINGS = ("tasks", "protocols", "configs", "annotators", "rows", "merges")
 
 
 def _task_module(name: str):
@@ -157,6 +159,40 @@ def list_annotators() -> list[dict[str, Any]]:
             ready = f"no: set {' or '.join(env[0])}" if env else f"no: {e}"
         out.append({"annotator": d.name, "decoder": decoder,
                     "model": str((cfg.get("completions_kwargs") or {}).get("model_name", "-")), "ready": ready})
+    return out
+
+
+def list_merges() -> list[dict[str, Any]]:
+    """One dict per merge method a ``merges:`` entry can name (``MergeMethod``, in its order), then ``svc``
+    (``svc_alpha`` on a merge): ``method``, ``kind`` (mergekit | svd | data | post-merge), ``settings`` (the
+    spec fields it takes beyond ``name`` / ``method`` / ``dtype``), ``calibration_data`` (``prompts`` for the
+    data merges, else ``none``), ``task_label`` (``no``: every merge is one plain model), ``paper`` and
+    ``code`` (``MERGE_SOURCES``).
+
+    Raises:
+        KeyError: a method of ``MergeMethod`` has no ``MERGE_SOURCES`` entry."""
+    from typing import get_args
+
+    from darts_bench.config import (DATA_MERGE_DEFAULTS, DENSITY_METHODS, MERGE_KNOBS, MERGE_SOURCES, SVD_MERGE_METHODS,
+                                    MergeMethod)
+
+    def settings(m: str) -> list[str]:
+        if m == "svc":
+            return ["svc_alpha"]
+        if m in DATA_MERGE_DEFAULTS:
+            return list(DATA_MERGE_DEFAULTS[m])
+        out = [] if m == "model_stock" else ["weight"]
+        out += ["density"] if m in DENSITY_METHODS else []
+        out += [("lambda" if f == "lambda_" else f) for f, ms in MERGE_KNOBS.items() if m in ms]
+        out += [] if m in SVD_MERGE_METHODS or m == "model_stock" else ["normalize"]
+        return out + ["svc_alpha"]
+
+    out = []
+    for m in (*get_args(MergeMethod), "svc"):
+        src = MERGE_SOURCES[m]
+        out.append({"method": m, "kind": src["kind"], "settings": ",".join(settings(m)),
+                    "calibration_data": "prompts" if src["kind"] == "data" else "none", "task_label": "no",
+                    "paper": src["paper"], "code": src["code"]})
     return out
 
 
