@@ -98,7 +98,7 @@ THROUGHPUT = {
             "recombine": 4.0e8,
             # svd: m * n * min(m, n) per second of torch.linalg.svd (thin) on one SmolLM2-135M layer's matrices, one
             # torch thread (the presets' torch_threads), 2 AMD EPYC cores shared with other jobs, 2026-12-06
-            # (results/bench-2026-12-06-svd-merges/svd_layer.log): [1536, 576] fp32 0.154 s (3.3e9), fp64 0.200 s
+            # (benchmarks/svd_merges/svd_layer.log): [1536, 576] fp32 0.154 s (3.3e9), fp64 0.200 s
             # (2.6e9), [576, 576] 0.100 s (1.9e9), the [49152, 576] embedding 2.25 s (7.3e9): 2.5e9 for the layers
             # (the embedding is faster per element); TSV-M of the SmolLM2-135M pool then plans 150 s, measured 141 s
             "svd": 2.5e9,
