@@ -87,7 +87,9 @@ def _common(p: argparse.ArgumentParser, tasks: list[str]) -> None:
                    help="override a config entry by dotted key, e.g. --set surgery.rank=8 (repeatable)")
     p.add_argument("--sweep", dest="sweeps", action="append", default=[], metavar="surgery.KEY=V1,V2",
                    help="train and evaluate heads for each value (repeatable: the grid of all combinations), "
-                        "e.g. --sweep surgery.w_max=1,2,4; reuses the cached features")
+                        "e.g. --sweep surgery.w_max=1,2,4 (reuses the cached features); or one merge per value, "
+                        "e.g. --sweep merges.ties.density=0.2,0.4 (rows ties[density=0.2], ties[density=0.2]+darts, "
+                        "...: merged, collected and corrected per value)")
     p.add_argument("--rows", default=None, metavar="PATTERN[,PATTERN...]",
                    help="evaluate only rows matching these patterns (evaluate.rows), e.g. 'base,expert:*'; "
                         "merges and heads are built only when a selected row needs them")

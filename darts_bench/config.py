@@ -211,11 +211,14 @@ class PoolConfig(_Strict):
 
 
 # ---------------------------------------------------------------------------------------- merge
-MergeMethod = Literal["linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "adamerging", "regmean",
-                      "expert_merging", "emr"]
+MergeMethod = Literal["linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "della", "della_linear",
+                      "breadcrumbs", "breadcrumbs_ties", "model_stock", "tsv_m", "iso_c", "iso_cts", "adamerging",
+                      "regmean", "expert_merging", "emr"]
 #: every merge method's source and costs, as ``darts-bench ls merges`` lists them (darts_bench/listing.py):
-#: kind (mergekit | data: built here from calibration prompts | task-aware: a model per task, chosen per task at
-#: inference), paper, code read, and (task-aware only) the task label needed at inference
+#: kind (mergekit | svd: built here, an SVD per 2-D matrix | data: built here from calibration prompts |
+#: post-merge: applied on a merge | task-aware: a model per task, chosen per task at inference), paper, code read,
+#: calibration data, task label at inference (one plain model: no; task-aware: ``task_label``), parameters added
+#: to the model (none; EMR: per-task masks and rescalers)
 MERGE_SOURCES: dict[str, dict[str, str]] = {
     "linear": {"kind": "mergekit", "paper": "Wortsman et al., ICML 2022 (model soups)", "code": "mergekit 0.1.5 linear"},
     "task_arithmetic": {"kind": "mergekit", "paper": "Ilharco et al., ICLR 2023 (arXiv 2212.04089)",
@@ -225,6 +228,25 @@ MERGE_SOURCES: dict[str, dict[str, str]] = {
                   "code": "mergekit 0.1.5 dare_ties"},
     "dare_linear": {"kind": "mergekit", "paper": "Yu et al., ICML 2024 (arXiv 2311.03099)",
                     "code": "mergekit 0.1.5 dare_linear"},
+    "della": {"kind": "mergekit", "paper": "Deep et al. 2024, DELLA-Merging (arXiv 2406.11617)",
+              "code": "mergekit 0.1.5 della (sparsify.della_magprune)"},
+    "della_linear": {"kind": "mergekit", "paper": "Deep et al. 2024, DELLA-Merging (arXiv 2406.11617)",
+                     "code": "mergekit 0.1.5 della_linear"},
+    "breadcrumbs": {"kind": "mergekit", "paper": "Davari & Belilovsky, ECCV 2024, Model Breadcrumbs (arXiv 2312.06795)",
+                    "code": "mergekit 0.1.5 breadcrumbs (sparsify.magnitude_outliers)"},
+    "breadcrumbs_ties": {"kind": "mergekit", "paper": "Davari & Belilovsky, ECCV 2024, Model Breadcrumbs "
+                         "(arXiv 2312.06795)", "code": "mergekit 0.1.5 breadcrumbs_ties"},
+    "model_stock": {"kind": "mergekit", "paper": "Jang et al., ECCV 2024, Model Stock (arXiv 2403.19522)",
+                    "code": "mergekit 0.1.5 merge_methods/model_stock.py"},
+    "tsv_m": {"kind": "svd", "paper": "Gargiulo et al., CVPR 2025, Task Singular Vectors (arXiv 2412.00081)",
+              "code": "fusion-bench 0.2.33 task_singular_vector/ (darts_bench/merge/svd.py)"},
+    "iso_c": {"kind": "svd", "paper": "Marczak et al., ICML 2025, Isotropic Merging, Iso-C (arXiv 2502.04959)",
+              "code": "fusion-bench 0.2.33 isotropic_merging/ (darts_bench/merge/svd.py)"},
+    "iso_cts": {"kind": "svd", "paper": "Marczak et al., ICML 2025, Isotropic Merging, Iso-CTS (arXiv 2502.04959)",
+                "code": "fusion-bench 0.2.33 isotropic_merging/ (darts_bench/merge/svd.py)"},
+    "svc": {"kind": "post-merge", "paper": "Singular Value Calibration, When Shared Knowledge Hurts (arXiv 2602.05536)",
+            "code": "fusion-bench 0.2.33 singular_value_calibration/ (darts_bench/merge/svd.py); svc_alpha on any "
+                    "merge but adamerging / regmean"},
     "adamerging": {"kind": "data", "paper": "Yang et al., ICLR 2024, AdaMerging (arXiv 2310.02575)",
                    "code": "darts_bench/merge/adamerging.py"},
     "regmean": {"kind": "data", "paper": "Jin et al., ICLR 2023, RegMean (arXiv 2212.09849)",
@@ -235,6 +257,20 @@ MERGE_SOURCES: dict[str, dict[str, str]] = {
             "code": "fusion-bench 0.2.33 emr_merging/ (darts_bench/merge/emr.py)",
             "task_label": "yes (oracle row); router (@routed rows)"},
 }
+#: the SVD merges built here on the task vectors' 2-D matrices (darts_bench/merge/svd.py), not by mergekit
+SVD_MERGE_METHODS = ("tsv_m", "iso_c", "iso_cts")
+#: mergekit methods that take a density (the kept share of each task vector), required there
+DENSITY_METHODS = ("ties", "dare_ties", "dare_linear", "della", "della_linear", "breadcrumbs", "breadcrumbs_ties")
+#: mergekit's own knobs of its newer methods (MergeSpec field -> the methods that take it; mergekit 0.1.5's
+#: GeneralizedTaskArithmeticMerge / model_stock ParameterSpecs): ``lambda`` scales the merged task vector
+#: (every generalised task-arithmetic method), ``epsilon`` is DELLA's spread of keep probabilities, ``gamma``
+#: breadcrumbs' share of largest-magnitude entries removed, ``filter_wise`` model_stock's per-row angle
+_GTA = ("task_arithmetic", "ties", "dare_ties", "dare_linear", "della", "della_linear", "breadcrumbs",
+        "breadcrumbs_ties")
+MERGE_KNOBS: dict[str, tuple[str, ...]] = {"lambda_": _GTA, "epsilon": ("della", "della_linear"),
+                                           "gamma": ("breadcrumbs", "breadcrumbs_ties"),
+                                           "filter_wise": ("model_stock",),
+                                           "common_space_fraction": ("iso_cts",)}
 #: merge methods that read data (calibration prompts; darts_bench/merge/adamerging.py, regmean.py,
 #: expert_merging.py), not mergekit
 DATA_MERGE_METHODS = ("adamerging", "regmean", "expert_merging")
@@ -259,6 +295,8 @@ DATA_MERGE_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 _DATA_FIELDS = ("steps", "lr", "init", "alpha", "batch_size", "temperature", "sparsity_weight", "hidden_weight",
                 "calibration_split")
+#: the newer merge knobs, left out of a spec's serialisation when unset (cache keys of existing merges unchanged)
+_KNOB_FIELDS = ("lambda_", "epsilon", "gamma", "filter_wise", "common_space_fraction", "svc_alpha")
 
 
 #: bytes per element of the dtypes a config may name (``pool.dtype``, ``merges[].dtype``, vLLM's)
@@ -288,9 +326,22 @@ def out_shard_bytes(merged_bytes: int) -> int:
 
 class MergeSpec(_Strict):
     """One merge. mergekit methods: ``weight`` is the per-expert weight (lambda for task arithmetic);
-    ``density`` the kept fraction for TIES/DARE. Defaults follow the methods' papers:
+    ``density`` the kept fraction for TIES/DARE/DELLA/breadcrumbs. Defaults follow the methods' papers:
     task arithmetic lambda 0.3 (Ilharco et al. 2023), TIES density 0.2 lambda 1.0 (Yadav et al. 2023),
     DARE drop rate 0.9 -> density 0.1 with rescaling (Yu et al. 2024).
+
+    ``weight`` and ``density`` are one number for every expert or a mapping ``{expert: value}`` naming
+    every expert of the pool (checked against ``pool.experts`` by :class:`Config`). mergekit's newer
+    knobs: ``lambda`` (the merged task vector's scale, every task-arithmetic-family method), ``epsilon``
+    (DELLA), ``gamma`` (breadcrumbs), ``filter_wise`` (model_stock); unset: mergekit's default.
+
+    SVD merges (:data:`SVD_MERGE_METHODS`, built here: :mod:`darts_bench.merge.svd`): ``tsv_m``,
+    ``iso_c``, ``iso_cts``; one ``weight`` is the scale of the merged task vector (FusionBench's
+    ``alpha`` / ``scaling_factor``), a mapping scales each expert's task vector before the merge;
+    ``iso_cts`` takes ``common_space_fraction`` (0.8 when unset, FusionBench's default).
+    ``svc_alpha`` on any merge but a data merge: Singular Value Calibration (arXiv 2602.05536) of
+    the merged model with this alpha (FusionBench's configs use 0.1 to 0.2); the merge's name is the
+    row's (e.g. ``ties-svc``: a ``+`` in a row name means a correction head, so it cannot be used).
 
     Data merges (:data:`DATA_MERGE_METHODS`, built here, not by mergekit): ``adamerging`` takes
     ``steps`` (Adam steps), ``lr``, ``init`` (every lambda's start, task arithmetic's 0.3) and
@@ -300,20 +351,32 @@ class MergeSpec(_Strict):
     ``calibration.splits``). Unset ones get :data:`DATA_MERGE_DEFAULTS`; a field of another method
     is an error. ``expert_merging`` takes ``steps``, ``lr``, ``init`` (in (0, 1)), ``batch_size``
     (sequences per step), ``temperature``, ``sparsity_weight``, ``hidden_weight`` and ``calibration_split``.
+    The data fields and the newer knobs are left out of the serialised spec when unset, so the cache keys
+    of existing merges do not change with them.
 
     Task-aware merges (:data:`TASK_AWARE_METHODS`): ``emr`` (EMR-Merging, no hyper-parameter) builds
-    one model per task; its rows choose the task's model as a head row chooses its head. The data fields are left out of the serialised spec of a mergekit merge, so the
-    cache keys of mergekit merges do not change with them.
+    one model per task; its rows choose the task's model as a head row chooses its head.
+
+    ``name``: letters, digits, ``_ . -``; a merge sweep's variants (``sweep.merges``) add their tag,
+    ``ties[density=0.4]``.
     """
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", description="row name: letters, digits, _ . -")
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*(\[[^\[\]+]+\])?$",
+                      description="row name: letters, digits, _ . - (a merge sweep adds its tag [key=value,...])")
     method: MergeMethod = Field(
-        description="linear, task_arithmetic, ties, dare_ties, dare_linear (mergekit); adamerging, regmean, "
-        "expert_merging (data merges built here); emr (task-aware: a model per task, rows <name> and <name>@routed)")
-    weight: float = Field(1.0, gt=0, description="mergekit methods: each expert's weight (lambda for task arithmetic)")
-    density: float | None = Field(None, gt=0, le=1,
-        description="ties / dare_ties / dare_linear: the share of each task vector kept (required there, refused "
-        "elsewhere)")
+        description="linear, task_arithmetic, ties, dare_ties, dare_linear, della, della_linear, breadcrumbs, "
+        "breadcrumbs_ties, model_stock (mergekit); tsv_m, iso_c, iso_cts (SVD merges built here); adamerging, "
+        "regmean, expert_merging (data merges built here); emr (task-aware: a model per task, rows <name> and "
+        "<name>@routed)")
+    weight: float | dict[str, float] = Field(
+        1.0, description="mergekit methods: each expert's weight (lambda for task arithmetic), one number or "
+        "{expert: weight} naming every expert; tsv_m / iso_c / iso_cts: one number scales the merged task vector, "
+        "a mapping each expert's task vector")
+    density: float | dict[str, float] | None = Field(None,
+        description="ties / dare_* / della* / breadcrumbs*: the share of each task vector kept, one number or "
+        "{expert: density} (required there, refused elsewhere)")
     normalize: bool | None = Field(None,
         description="mergekit methods: divide by the sum of the weights (mergekit's normalize); None: mergekit's "
         "default")
@@ -321,6 +384,24 @@ class MergeSpec(_Strict):
         description="ties / dare_ties / dare_linear: mergekit's int8_mask (masks held in int8)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32",
         description="dtype the merge is computed and written in")
+    lambda_: float | None = Field(None, alias="lambda",
+        description="task arithmetic / ties / dare_* / della* / breadcrumbs*: mergekit's lambda, the scale of the "
+        "merged task vector (None: mergekit's 1.0)")
+    epsilon: float | None = Field(None, gt=0, lt=1,
+        description="della / della_linear: the spread of DELLA's keep probabilities around density (None: "
+        "mergekit's 0.15; density +- epsilon must lie in (0, 1))")
+    gamma: float | None = Field(None, ge=0, lt=1,
+        description="breadcrumbs / breadcrumbs_ties: the share of largest-magnitude task-vector entries removed "
+        "(None: mergekit's 0.01)")
+    filter_wise: bool | None = Field(None,
+        description="model_stock: one interpolation ratio per output row instead of per tensor (None: mergekit's "
+        "False)")
+    common_space_fraction: float | None = Field(None, gt=0, lt=1,
+        description="iso_cts: the share of the singular directions kept for the common subspace (None: 0.8, "
+        "FusionBench's default)")
+    svc_alpha: float | None = Field(None, gt=0,
+        description="any merge but adamerging / regmean / expert_merging / emr: apply Singular Value Calibration (arXiv 2602.05536) with "
+        "this alpha to the merged model (None: no SVC)")
     steps: int | None = Field(None, ge=1, description="adamerging / expert_merging: optimiser steps")
     lr: float | None = Field(None, gt=0, description="adamerging / expert_merging: learning rate of the coefficients")
     init: float | None = Field(None, description="adamerging / expert_merging: initial value of every coefficient "
@@ -355,7 +436,17 @@ class MergeSpec(_Strict):
 
     @model_validator(mode="after")
     def _density(self) -> "MergeSpec":
-        needs = self.method in ("ties", "dare_ties", "dare_linear")
+        for f, lo, hi in (("weight", 0, None), ("density", 0, 1)):
+            v = getattr(self, f)
+            vals = list(v.values()) if isinstance(v, dict) else [] if v is None else [v]
+            if isinstance(v, dict) and not v:
+                raise ValueError(f"merge {self.name!r}: {f} is an empty mapping; give one number or "
+                                 "{expert: value} for every expert")
+            bad = [x for x in vals if not x > lo or (hi is not None and x > hi)]
+            if bad:
+                raise ValueError(f"merge {self.name!r}: {f} {v!r} out of range: each value must be > {lo}"
+                                 + (f" and <= {hi}" if hi is not None else ""))
+        needs = self.method in DENSITY_METHODS
         if needs and self.density is None:
             raise ValueError(f"merge {self.name!r}: method {self.method} needs density")
         if not needs and self.density is not None:
@@ -363,6 +454,26 @@ class MergeSpec(_Strict):
         if self.method == "expert_merging" and not 0 < self.init < 1:
             raise ValueError(f"merge {self.name!r}: expert_merging's init {self.init} must be in (0, 1) (its "
                              "coefficients are sigmoids; the authors start at 0.1)")
+        for f, methods in MERGE_KNOBS.items():
+            if getattr(self, f) is not None and self.method not in methods:
+                key = "lambda" if f == "lambda_" else f
+                raise ValueError(f"merge {self.name!r}: method {self.method} takes no {key} (methods that do: "
+                                 f"{', '.join(methods)})")
+        if self.method in ("della", "della_linear"):
+            eps = 0.15 if self.epsilon is None else self.epsilon  # mergekit's default
+            for d in (self.density.values() if isinstance(self.density, dict) else [self.density]):
+                if not (0 < d - eps and d + eps < 1):
+                    raise ValueError(f"merge {self.name!r}: DELLA needs density +- epsilon in (0, 1); density {d}, "
+                                     f"epsilon {eps}: set a smaller epsilon")
+        if self.method == "model_stock" and (self.weight != 1.0 or self.normalize is not None):
+            raise ValueError(f"merge {self.name!r}: model_stock sets its own interpolation ratio from the task "
+                             "vectors' angles: it takes no weight or normalize (drop them)")
+        if self.method in SVD_MERGE_METHODS and (self.normalize is not None or self.int8_mask):
+            raise ValueError(f"merge {self.name!r}: normalize / int8_mask are mergekit options; {self.method} is an "
+                             "SVD merge built here (its weight scales the merged task vector)")
+        if self.svc_alpha is not None and self.method in (*DATA_MERGE_METHODS, *TASK_AWARE_METHODS):
+            raise ValueError(f"merge {self.name!r}: svc_alpha calibrates a training-free merge; {self.method} is a "
+                             "data or task-aware merge (use SVC on a mergekit or SVD merge)")
         allowed = DATA_MERGE_DEFAULTS.get(self.method, {})
         wrong = [f for f in _DATA_FIELDS if getattr(self, f) is not None and f not in allowed]
         if wrong:
@@ -384,15 +495,40 @@ class MergeSpec(_Strict):
     def _drop_unset_data_fields(self, handler):
         out = handler(self)
         if isinstance(out, dict):  # a mergekit merge serialises (and hashes) as before the data merges existed
-            for f in (*_DATA_FIELDS, "planted_drift"):
+            for f in (*_DATA_FIELDS, *_KNOB_FIELDS, "planted_drift"):
                 if out.get(f, 0) is None:
                     del out[f]
+            if "lambda_" in out:  # the config's own key (the field is lambda_: a Python keyword)
+                out["lambda"] = out.pop("lambda_")
         return out
 
     @property
     def uses_data(self) -> bool:
         """True for the data merges (:data:`DATA_MERGE_METHODS`): built from calibration prompts."""
         return self.method in DATA_MERGE_METHODS
+
+    @property
+    def uses_svd(self) -> bool:
+        """True for the SVD merges (:data:`SVD_MERGE_METHODS`) and every merge with ``svc_alpha``: built
+        here (:mod:`darts_bench.merge.svd`), one SVD per 2-D weight matrix."""
+        return self.method in SVD_MERGE_METHODS or self.svc_alpha is not None
+
+    def expert_value(self, field: str, expert: str) -> float | None:
+        """``weight`` or ``density`` of ``expert``: the one number, or its entry of the mapping."""
+        v = getattr(self, field)
+        return v[expert] if isinstance(v, dict) else v
+
+    def check_experts(self, experts: tuple[str, ...] | list[str]) -> None:
+        """Raises ValueError when a per-expert ``weight`` / ``density`` mapping does not name exactly
+        ``experts`` (the pool's expert names)."""
+        for f in ("weight", "density"):
+            v = getattr(self, f)
+            if isinstance(v, dict) and set(v) != set(experts):
+                missing, extra = sorted(set(experts) - set(v)), sorted(set(v) - set(experts))
+                raise ValueError(f"merge {self.name!r}: {f} {v} must name every expert of the pool {list(experts)}"
+                                 + (f"; missing {missing}" if missing else "")
+                                 + (f"; not experts of the pool: {extra}" if extra else "")
+                                 + f" (or give one number for all: {f}: 0.5)")
 
     @property
     def task_aware(self) -> bool:
@@ -538,9 +674,19 @@ class ClaimsConfig(_Strict):
 class SweepConfig(_Strict):
     """A grid over ``surgery.*`` settings (``--sweep surgery.KEY=v1,v2``, repeatable): every
     combination of the listed values trains its own heads on the same cached features (features do
-    not depend on head settings) and gets its own corrected rows, tagged ``[KEY=v,...]``."""
+    not depend on head settings) and gets its own corrected rows, tagged ``[KEY=v,...]``.
+
+    ``merges``: a grid over one merge's settings (``--sweep merges.NAME.KEY=v1,v2``): the merge is
+    replaced in ``merges`` by one variant per combination, ``NAME[KEY=v,...]``
+    (:func:`expand_merge_sweep`), each a merge of its own (built, cached, collected and corrected
+    per variant; its corrected rows ``NAME[KEY=v]+darts``). Both grids combine:
+    ``ties[density=0.4]+darts[w_max=2]``."""
 
     surgery: dict[str, list[Any]] = Field(default_factory=dict, description="surgery key -> values")
+    merges: dict[str, dict[str, list[Any]]] = Field(
+        default_factory=dict, description="merge name -> {merge setting -> values} (--sweep merges.NAME.KEY=v1,v2): "
+        "the merge is replaced by one variant per combination, named NAME[KEY=v,...], each with its own rows, "
+        "features and heads (expand_merge_sweep)")
 
     @field_validator("surgery")
     @classmethod
@@ -881,6 +1027,18 @@ class Config(_Strict):
             surgery_grid(info.data["surgery"], v)  # each combination must be a valid surgery section
         return v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_merge_sweep(cls, data: Any) -> Any:
+        sweep = data.get("sweep") if isinstance(data, dict) else None
+        grid = sweep.get("merges") if isinstance(sweep, dict) else getattr(sweep, "merges", None)
+        if not grid:
+            return data
+        merges = data.get("merges")
+        merges = _default_merges() if merges is None else merges
+        dumped = [m.model_dump(mode="json") if isinstance(m, MergeSpec) else m for m in merges]
+        return {**data, "merges": expand_merge_sweep(dumped, grid)}
+
     @field_validator("merges")
     @classmethod
     def _unique(cls, v: list[MergeSpec]) -> list[MergeSpec]:
@@ -898,6 +1056,7 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _data_merge_splits(self) -> "Config":
         for m in self.merges:
+            m.check_experts(self.pool.expert_names)
             if m.uses_data and m.calibration_split not in self.calibration.splits:
                 raise ValueError(f"merge {m.name!r} ({m.method}): calibration_split {m.calibration_split!r} is not "
                                  f"one of calibration.splits {self.calibration.splits}: its data are that split's "
@@ -944,6 +1103,8 @@ def _format_error(err: ValidationError, source: str) -> str:
                          "listed in DARTS_BENCH_TASKS_PATH)")
         elif e["type"] == "extra_forbidden":
             lines.append(f"  {loc}: unknown key (typo?)")
+        elif not e["loc"]:  # a check of the whole config: its input is the whole config, not worth printing
+            lines.append(f"  {loc}: {e['msg']}")
         else:
             lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)
@@ -1052,17 +1213,70 @@ def surgery_grid(surgery: "SurgeryConfig", sweep: "SweepConfig") -> list[tuple[s
 
 
 def sweep_override(arg: str) -> str:
-    """``--sweep surgery.KEY=v1,v2`` as the ``--set`` override ``sweep.surgery.KEY=[v1, v2]`` (each
-    value YAML-parsed, as ``--set`` does).
+    """``--sweep surgery.KEY=v1,v2`` as the ``--set`` override ``sweep.surgery.KEY=[v1, v2]``, and
+    ``--sweep merges.NAME.KEY=v1,v2`` as ``sweep.merges.NAME.KEY=[v1, v2]`` (each value YAML-parsed,
+    as ``--set`` does).
 
     Raises:
-        ValueError: not of the form ``surgery.KEY=v1[,v2...]``.
+        ValueError: not of the form ``surgery.KEY=v1[,v2...]`` or ``merges.NAME.KEY=v1[,v2...]`` (a merge
+            whose name has a ``.`` is swept in the config file's ``sweep.merges`` section).
     """
+    form = "surgery.KEY=v1,v2,... or merges.NAME.KEY=v1,v2,..."
     if "=" not in arg:
-        raise ValueError(f"--sweep {arg!r}: expected surgery.KEY=v1,v2,...")
+        raise ValueError(f"--sweep {arg!r}: expected {form}")
     key, vals = arg.split("=", 1)
     key = key.strip()
-    if not key.startswith("surgery.") or key.count(".") != 1 or not vals.strip():
-        raise ValueError(f"--sweep {arg!r}: expected surgery.KEY=v1,v2,... (only surgery.* settings are swept)")
+    ok = ((key.startswith("surgery.") and key.count(".") == 1)
+          or (key.startswith("merges.") and key.count(".") == 2 and all(key.split(".")[1:])))
+    if not ok or not vals.strip():
+        raise ValueError(f"--sweep {arg!r}: expected {form} (only surgery.* and merges.* settings are swept; a merge "
+                         "whose name has a '.' is swept in the config's sweep.merges section)")
     values = [yaml.safe_load(v.strip()) for v in vals.split(",")]
     return f"sweep.{key}={json.dumps(values)}"
+
+
+# ---------------------------------------------------------------------------- sweeps of the merges
+#: MergeSpec settings a merge sweep cannot vary (the identity of the merge, or the positive control)
+_UNSWEPT_MERGE_KEYS = ("name", "method", "planted_drift")
+
+
+def merge_variant_tag(upd: dict[str, Any]) -> str:
+    """``[density=0.4,weight=0.5]``: the tag a merge sweep adds to a merge's name (keys in the sweep's order)."""
+    return "[" + ",".join(f"{k}={_fmt_value(v)}" for k, v in upd.items()) + "]"
+
+
+def expand_merge_sweep(merges: list[dict[str, Any]], grid: dict[str, dict[str, list[Any]]]) -> list[dict[str, Any]]:
+    """``merges`` (raw dicts) with each merge named in ``grid`` replaced, in place, by one variant per
+    combination of its listed values (the last key varies fastest), named ``NAME[KEY=v,...]``
+    (:func:`merge_variant_tag`) and otherwise the merge with those settings. Idempotent: a list that
+    already holds exactly the variants (a results file's config) is returned unchanged.
+
+    Raises:
+        ValueError: a swept name is no merge; a key is not a merge setting or is ``name`` / ``method`` /
+            ``planted_drift``; the values are not a non-empty list of distinct numbers, booleans or strings.
+    """
+    import itertools
+
+    fields = {("lambda" if f == "lambda_" else f) for f in MergeSpec.model_fields} - set(_UNSWEPT_MERGE_KEYS)
+    by_name = {m.get("name"): m for m in merges if isinstance(m, dict)}
+    out = list(merges)
+    for name, keys in grid.items():
+        if not isinstance(keys, dict) or not keys:
+            raise ValueError(f"sweep.merges.{name}: expected {{setting: [values]}}, got {keys!r}")
+        for k, vals in keys.items():
+            if k not in fields:
+                raise ValueError(f"sweep.merges.{name}.{k}: not a merge setting that can be swept (settings: "
+                                 f"{sorted(fields)})")
+            if (not isinstance(vals, list) or not vals or len({json.dumps(x) for x in vals}) != len(vals)
+                    or any(isinstance(x, (dict, list)) or x is None for x in vals)):
+                raise ValueError(f"sweep.merges.{name}.{k}: expected a non-empty list of distinct numbers, booleans "
+                                 f"or strings, got {vals!r} (a per-expert mapping is swept by listing merges)")
+        combos = [dict(zip(keys, c)) for c in itertools.product(*keys.values())]
+        names = [name + merge_variant_tag(u) for u in combos]
+        if name not in by_name:
+            if all(n in by_name for n in names):
+                continue  # already expanded (a dumped config read back)
+            raise ValueError(f"sweep.merges.{name}: no merge named {name!r} (merges: {sorted(by_name)})")
+        i = out.index(by_name[name])
+        out[i:i + 1] = [{**by_name[name], **u, "name": n} for u, n in zip(combos, names)]
+    return out

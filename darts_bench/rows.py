@@ -11,7 +11,10 @@ appears only when a sweep is configured (``sweep.surgery``) and ``#s<seed>`` onl
 set, so the default (no sweep, ``seeds: null``) keeps single-seed row names and cache keys. A
 *variant* is one combination of the ``sweep.surgery`` values (:func:`darts_bench.config.surgery_grid`);
 a *head seed* sets head init, batch order and held-out split. Features do not depend on either, so a
-sweep or extra seeds only add head training and evaluation.
+sweep or extra seeds only add head training and evaluation. A merge sweep (``sweep.merges``) is not a
+variant tag of the corrected rows: it replaces the merge in ``cfg.merges`` by merges named
+``<merge>[density=0.4]`` (:func:`darts_bench.config.expand_merge_sweep`), so its rows read
+``ties[density=0.4]+darts[w_max=2]`` and everything here treats each variant as a merge of its own.
 
 Task-agnostic rows (``surgery.task_agnostic``, :mod:`darts_bench.surgery.routing`) follow each split's
 rows (after its controls), per method of ``surgery.methods`` (not the controls), sweep variant and head

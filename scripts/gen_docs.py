@@ -72,7 +72,7 @@ def config_fields(model: type[BaseModel], prefix: str = "") -> Iterator[dict[str
     """One record per key of ``model`` and of the models nested in it (dotted keys; ``<name>`` for a dict key,
     ``[]`` for a list item), depth first in declaration order."""
     for name, field in model.model_fields.items():
-        key = f"{prefix}{name}"
+        key = f"{prefix}{field.alias or name}"  # the config's own key (merges[].lambda: the field is lambda_)
         yield {"key": key, "type": _type_name(field.annotation), "default": _default(field),
                "description": (field.description or "").strip()}
         for sub in _models_in(field.annotation):

@@ -221,3 +221,22 @@ def test_a_stage_alone_makes_no_output_dir_and_an_unusable_one_fails_first(micro
     err = capsys.readouterr().err
     assert rc != 0
     assert f"output dir {blocker / 'out'} cannot be created: {blocker} is a file" in err
+
+
+def test_ls_merges_lists_every_method_with_its_source(capsys):
+    from typing import get_args
+
+    from darts_bench.config import MergeMethod
+
+    assert main(["ls", "merges", "--json"]) == 0
+    items = {r["method"]: r for r in json.loads(capsys.readouterr().out)}
+    assert list(items) == [*get_args(MergeMethod), "svc"]
+    for m in ("tsv_m", "iso_c", "iso_cts", "svc", "della", "della_linear", "breadcrumbs", "breadcrumbs_ties",
+              "model_stock"):
+        assert items[m]["paper"] and items[m]["code"] and items[m]["task_label"] == "no"
+    assert items["tsv_m"]["paper"].startswith("Gargiulo et al., CVPR 2025") and items["tsv_m"]["kind"] == "svd"
+    assert items["iso_cts"]["settings"] == "weight,common_space_fraction,svc_alpha"
+    assert items["della"]["settings"] == "weight,density,lambda,epsilon,normalize,svc_alpha"
+    assert items["model_stock"]["settings"] == "filter_wise,svc_alpha"
+    assert items["svc"]["kind"] == "post-merge" and "2602.05536" in items["svc"]["paper"]
+    assert items["regmean"]["calibration_data"] == "prompts" and items["tsv_m"]["calibration_data"] == "none"

@@ -325,3 +325,95 @@ def test_streamed_merge_writes_the_same_bytes_and_closes_its_inputs(micro_pipeli
         cached = micro_pipeline.merge()[spec.name]
         for f in weights:
             assert file_sha256(tmp_path / "seeded" / f) == file_sha256(cached / f)
+
+
+# ------------------------------------------------------------------ per-expert settings, mergekit's newer methods
+def test_per_expert_weights_and_lambda_by_hand(toy):
+    """``weight: {expert: w}`` reaches each model's parameters; ``lambda`` scales the merged task vector."""
+    _, base, deltas, _ = toy
+    w = {"code": 0.2, "math": 0.5, "instruction": 1.0}
+    merged, _ = _merge(toy, MergeSpec.model_validate({"name": "ta_w", "method": "task_arithmetic", "weight": w,
+                                                      "lambda": 0.5}))
+    for k in (T1, T2):
+        want = base[k] + 0.5 * sum(w[e] * deltas[e][k] for e in EXPERTS)
+        torch.testing.assert_close(merged[k], want, rtol=0, atol=1e-6)
+
+
+def test_per_expert_density_ties_by_hand(toy):
+    _, base, deltas, _ = toy
+    dens = {"code": 1.0, "math": 0.5, "instruction": 0.25}
+    merged, _ = _merge(toy, MergeSpec(name="ties_d", method="ties", weight=1.0, density=dens, normalize=True))
+    d = _stack(deltas, T1)
+    trimmed = []
+    for e, di in zip(EXPERTS, d):  # TIES's trim with each expert's own density, then as _ties_by_hand
+        flat, keep = di.flatten(), torch.zeros(di.numel())
+        keep[flat.abs().topk(int(dens[e] * di.numel())).indices] = 1
+        trimmed.append((flat * keep).view_as(di))
+    want = _ties_by_hand(base[T1], torch.stack(trimmed), 1.0)
+    torch.testing.assert_close(merged[T1], want, rtol=0, atol=1e-5)
+
+
+def test_breadcrumbs_by_hand(toy):
+    """Model Breadcrumbs (Davari & Belilovsky 2024): per task vector, drop the largest ``gamma`` share of
+    magnitudes and the smallest, keeping ``density`` of the entries; then task arithmetic (no rescale)."""
+    _, base, deltas, _ = toy
+    merged, _ = _merge(toy, MergeSpec(name="bc", method="breadcrumbs", weight=0.5, density=0.5, gamma=0.125))
+    out = base[T1].clone()
+    for e in EXPERTS:
+        flat = deltas[e][T1].flatten()
+        n = flat.numel()
+        order = flat.abs().argsort()
+        keep = order[n - int(0.125 * n) - int(0.5 * n): n - int(0.125 * n)]
+        kept = torch.zeros_like(flat)
+        kept[keep] = flat[keep]
+        out += 0.5 * kept.view_as(out)
+    torch.testing.assert_close(merged[T1], out, rtol=0, atol=1e-6)
+
+
+def test_model_stock_by_hand(toy):
+    """Model Stock (Jang et al. 2024): t = K cos / (1 + (K - 1) cos) from the mean pairwise cosine of the task
+    vectors (per tensor), merged = t * mean(experts) + (1 - t) * base."""
+    _, base, deltas, _ = toy
+    merged, _ = _merge(toy, MergeSpec(name="ms", method="model_stock"))
+    d = [deltas[e][T1].flatten() for e in EXPERTS]
+    cos = torch.stack([torch.dot(d[i], d[j]) / (d[i].norm() * d[j].norm()) for i in range(3) for j in range(i + 1, 3)])
+    c = cos.mean()
+    t = 3 * c / (1 + 2 * c)
+    want = t * (base[T1] + _stack(deltas, T1).mean(0)) + (1 - t) * base[T1]
+    torch.testing.assert_close(merged[T1], want, rtol=0, atol=1e-5)
+
+
+def test_della_is_seeded_and_moves_with_epsilon(toy):
+    """DELLA (Deep et al. 2024): random drops with magnitude-ranked keep probabilities in density +- epsilon,
+    rescaled; mergekit's random_seed (the run seed) fixes them."""
+    _, base, deltas, _ = toy
+    spec = MergeSpec(name="della", method="della_linear", weight=0.5, density=0.5, epsilon=0.1)
+    a, _ = _merge(toy, spec, seed=3)
+    b, _ = _merge(toy, spec.model_copy(update={"name": "della2"}), seed=3)
+    c, _ = _merge(toy, MergeSpec(name="della3", method="della_linear", weight=0.5, density=0.5, epsilon=0.3), seed=3)
+    assert torch.equal(a[T1], b[T1]) and not torch.equal(a[T1], c[T1])
+    ta = base[T1] + 0.5 * _stack(deltas, T1).sum(0)
+    assert not torch.equal(a[T1], ta)
+    kept = (a[T1] - base[T1]).ne(0).float().mean().item()  # some entries of the sum dropped by every expert
+    assert 0.5 < kept < 1.0
+
+
+def test_merge_spec_refuses_knobs_of_other_methods():
+    with pytest.raises(ValueError, match="method ties takes no epsilon"):
+        MergeSpec(name="t", method="ties", density=0.2, epsilon=0.1)
+    with pytest.raises(ValueError, match="DELLA needs density"):
+        MergeSpec(name="d", method="della", density=0.9, epsilon=0.15)
+    with pytest.raises(ValueError, match="model_stock sets its own"):
+        MergeSpec(name="m", method="model_stock", weight=0.5)
+    with pytest.raises(ValueError, match="needs density"):
+        MergeSpec(name="b", method="breadcrumbs")
+    with pytest.raises(ValueError, match="svc_alpha calibrates a training-free merge"):
+        MergeSpec(name="r", method="regmean", svc_alpha=0.1)
+    with pytest.raises(ValueError, match="takes no common_space_fraction"):
+        MergeSpec(name="i", method="iso_c", common_space_fraction=0.5)
+    # unset knobs leave the serialised spec (and so every existing merge's cache key) as it was
+    assert MergeSpec(name="ties", method="ties", density=0.2).model_dump(mode="json") == {
+        "name": "ties", "method": "ties", "weight": 1.0, "density": 0.2, "normalize": None, "int8_mask": False,
+        "dtype": "float32"}
+    assert MergeSpec.model_validate({"name": "t", "method": "ties", "density": 0.2, "lambda": 0.7}).model_dump(
+        mode="json")["lambda"] == 0.7

@@ -862,3 +862,22 @@ def test_the_judge_prefix_cache_forwards_the_shared_prompt_tokens_once():
     a, _ = evaluate("evaluate.backend=vllm", "evaluate.vllm.scoring=heads", "evaluate.vllm.prefix_cache_mib=512")
     b, _ = evaluate("evaluate.backend=vllm", "evaluate.vllm.scoring=heads", "evaluate.vllm.prefix_cache_mib=0")
     assert a == b
+
+
+def test_plan_counts_svd_merges_by_hand():
+    """The SVD merges' cost: SVDs per 2-D matrix (TSV-M K + 2, Iso-C 1, Iso-CTS K + 3, SVC 1) x the sum of
+    m n min(m, n) over the tiny tier's matrices at the ``svd`` rate (2.5e9/s on CPU). Tiny: d 128, MLP 344,
+    4 layers, vocab 4096, untied: per layer 4 x 128^3 (q, k, v, o) + 3 x 344 x 128^2 = 25,296,896; x 4 layers
+    + 2 x 4096 x 128^2 (embedding, lm_head) = 235,405,312."""
+    from darts_bench.plan import make_plan
+
+    cfg = load_config("tiny", ["merges=[{name: tsv, method: tsv_m}, {name: isoc, method: iso_c}, "
+                               "{name: cts, method: iso_cts}, {name: ta-svc, method: task_arithmetic, weight: 0.3, "
+                               "svc_alpha: 0.1}]"])
+    st = make_plan(cfg)["stages"]["merge"]
+    mnr = 235_405_312
+    assert st["svd_merge_seconds"] == pytest.approx({"tsv": 5 * mnr / 2.5e9, "isoc": mnr / 2.5e9,
+                                                     "cts": 6 * mnr / 2.5e9, "ta-svc": mnr / 2.5e9}, rel=1e-12)
+    assert st["seconds"] == pytest.approx(13 * mnr / 2.5e9, rel=1e-12)
+    assert "tsv: tsv_m, 5 SVD(s) per 2-D matrix (30 matrices)" in st["what"]
+    assert "1 mergekit merges: ta-svc" in st["what"]

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from darts_bench.config import ClaimsConfig
+from darts_bench.config import MergeSpec
 from darts_bench.report.decide import (CONTRASTS, RULE, Cell, behaviour_cells, cell_stat, combine_seeds, decide,
-                                       null_control, rule_text, stratified_test, verdict)
+                                       merge_labels, null_control, rule_text, stratified_test, verdict)
 from darts_bench.report.meta import MIN_CELLS, random_effects
 
 MERGES = ("ta", "ties", "dare", "ada", "reg")
@@ -124,6 +125,32 @@ def test_matched_control_and_ingredient_lines_use_their_own_rows():
     assert lines["3-matched"]["verdict"] == "inconclusive" and abs(lines["3-matched"]["meta"].estimate) < 0.05
     assert lines["3-ew"]["verdict"] == "insufficient (0 cells with a within-cell variance < 3)"  # identical rows
     assert lines["3-ew-vs-darts"]["verdict"] == "supported"
+
+
+def test_heads_on_a_strong_fix_read_only_the_svd_and_svc_merges():
+    """Claim 7's fix lines take the cells of the SVD merges and of merges with SVC on top, and no other: the
+    plain merge (``none``) is twice Surgery's KL everywhere (sequences()), DARTS twice as good as Surgery only on
+    the fixes, so the lines' estimate is DARTS vs plain = log(1/2) - log(2) there."""
+    specs = [MergeSpec(name="ta", method="task_arithmetic", weight=0.3),
+             MergeSpec(name="ta-svc", method="task_arithmetic", weight=0.3, svc_alpha=0.1),
+             MergeSpec(name="tsv", method="tsv_m"), MergeSpec(name="iso", method="iso_c"),
+             MergeSpec(name="cts", method="iso_cts")]
+    labels = merge_labels(specs)
+    assert labels == {"ta": "task_arithmetic", "ta-svc": "task_arithmetic+svc", "tsv": "tsv_m", "iso": "iso_c",
+                      "cts": "iso_cts"}
+    assert merge_labels([s.model_dump(mode="json") for s in specs]) == labels  # a manifest's merges
+    eff = {(m, t): (math.log(0.5) if m != "ta" else 0.0) for m in labels for t in TASKS}
+    seqs = sequences(eff, noise=0.05)
+    cfg = {**ClaimsConfig().model_dump(), "secondary": [], "null_replicates": 0}
+    lines = {ln["contrast"].key: ln for ln in decide(seqs, [], {}, list(TASKS), {}, cfg, ["transductive"], 0,
+                                                      labels)}
+    fix = lines["7-darts-fix"]
+    assert fix["n_cells"] == 12 and {c.merge for c in fix["cells"]} == {"ta-svc", "tsv", "iso", "cts"}
+    assert fix["verdict"] == "supported"
+    assert fix["meta"].estimate == pytest.approx(math.log(0.5) - math.log(2), abs=0.05)
+    # Surgery is exactly half the plain merge's KL on every sequence: no within-cell variance, no verdict
+    assert lines["7-surgery-fix"]["n_cells"] == 12 and lines["7-surgery-fix"]["verdict"].startswith("insufficient")
+    assert "7-darts" not in lines  # no data merge in this run: the strong-merge lines are not drawn
 
 
 def test_the_rule_in_claims_md_is_the_rule_in_the_code():

@@ -1,4 +1,4 @@
-"""The merge stage: every configured merge, cached (mergekit's methods and the data merges)."""
+"""The merge stage: every configured merge, cached (mergekit's methods, the SVD merges and SVC, the data merges)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from darts_bench.artifacts import cached, stable_hash
-from darts_bench.config import Config
+from darts_bench.config import SVD_MERGE_METHODS, Config
 from darts_bench.merge.mergekit_merge import merge_config_dict, run_one_merge, write_mergekit_config
 from darts_bench.pool.build import Pool
 
@@ -31,12 +31,43 @@ def data_merge_key(cfg: Config, pool: Pool, spec, prompts: dict) -> str:
 
 
 def merge_details(merge_dir: Path) -> dict | None:
-    """What a data or task-aware merge dir records beside its weights (the AdaMerging / Expert Merging
-    coefficients, the RegMean data, the EMR rescalers), or None for a mergekit merge."""
-    for _, _, fname in (*DATA_MERGES.values(), *TASK_AWARE_MERGES.values()):
+    """What a data, SVD or task-aware merge dir records beside its weights (the AdaMerging / Expert Merging
+    coefficients, the RegMean data, the SVD merge's settings and SVC, the EMR rescalers), or None for a plain
+    mergekit merge."""
+    from darts_bench.merge.svd import SUMMARY as SVD_SUMMARY
+
+    for fname in (*(f for _, _, f in DATA_MERGES.values()), *(f for _, _, f in TASK_AWARE_MERGES.values()),
+                  SVD_SUMMARY):
         if (merge_dir / fname).is_file():
             return json.loads((merge_dir / fname).read_text())
     return None
+
+
+def merge_dir_name(name: str, key: str) -> str:
+    """``<name>-<key>``, the merge's dir under ``work/merges``; a merge sweep variant's tag characters
+    (``[ ] = ,``: glob and shell characters) become ``_`` (names without them are unchanged, so are their dirs)."""
+    import re
+
+    return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}-{key}"
+
+
+def _svd_or_svc(spec, cd: dict | None, pool: Pool, tmp: Path, seed: int) -> None:
+    """Build an SVD merge (``cd`` None) or a mergekit merge ``cd`` followed by SVC into ``tmp``
+    (:func:`darts_bench.merge.svd.build_svd_merge`; the mergekit merge is built in ``tmp/_premerge`` and
+    removed)."""
+    import shutil
+
+    from darts_bench.merge.svd import build_svd_merge
+
+    pre = None
+    if cd is not None:
+        pre = tmp / "_premerge"
+        _mergekit(spec.name, cd, pre, seed, pool.base)
+    try:
+        build_svd_merge(spec, pool.base, dict(pool.experts), tmp, pre_merged=pre)
+    finally:
+        if pre is not None:
+            shutil.rmtree(pre, ignore_errors=True)
 
 
 class MergeError(ValueError):
@@ -59,6 +90,8 @@ def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None, only: lis
     """Every configured merge: name -> checkpoint dir (a task-aware merge, ``emr``: its dir, with one
     checkpoint per expert under ``tasks/``, :func:`darts_bench.merge.emr.task_dir`). mergekit merges are cached by (pool key, merge
     spec, seed), each with its ``mergekit_config.yml`` (:func:`~darts_bench.merge.mergekit_merge.write_mergekit_config`);
+    the SVD merges (``tsv_m``, ``iso_c``, ``iso_cts``) and every merge with ``svc_alpha`` (the mergekit merge,
+    then SVC) by the same key, built by :mod:`darts_bench.merge.svd`;
     data merges (``adamerging``, ``regmean``, ``expert_merging``) by :func:`data_merge_key`, from the calibration prompts of
     ``loaded`` (the tasks stage's :class:`~darts_bench.stages.tasks.LoadedTasks`).
 
@@ -76,7 +109,7 @@ def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None, only: lis
             mod, fn, _ = TASK_AWARE_MERGES[spec.method]
             builder = getattr(importlib.import_module(mod), fn)
             key = stable_hash({"pool": pool.key, "spec": spec.model_dump(mode="json"), "seed": cfg.seed})
-            final = work_dir / "merges" / f"{spec.name}-{key}"
+            final = work_dir / "merges" / merge_dir_name(spec.name, key)
             experts = dict(pool.experts)
             cached(final, lambda tmp, b=builder, s=spec: b(s, pool.base, experts, cfg, tmp),
                    what=f"merge {spec.name} ({spec.method})",
@@ -89,7 +122,7 @@ def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None, only: lis
 
             prompts = prompts_by_task(cfg, loaded, spec.calibration_split)
             key = data_merge_key(cfg, pool, spec, prompts)
-            final = work_dir / "merges" / f"{spec.name}-{key}"
+            final = work_dir / "merges" / merge_dir_name(spec.name, key)
             mod, fn, _ = DATA_MERGES[spec.method]
             builder = getattr(importlib.import_module(mod), fn)
             experts = dict(pool.experts)  # every expert of the pool, in its order
@@ -98,10 +131,18 @@ def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None, only: lis
                    what=f"merge {spec.name} ({spec.method})",
                    meta={"kind": "merge", "method": spec.method, "spec": spec.model_dump(mode="json"),
                          "seed": cfg.seed, "prompts": {t: {"expert": e, "n": len(ps)} for t, (e, ps) in prompts.items()}})
+        elif spec.uses_svd:  # TSV-M / Iso-C / Iso-CTS, or any training-free merge with SVC on top
+            cd = None if spec.method in SVD_MERGE_METHODS else merge_config_dict(spec, pool, cfg.pool.vocab_alignment)
+            key = stable_hash({"pool": pool.key, "spec": spec.model_dump(mode="json"), "seed": cfg.seed})
+            final = work_dir / "merges" / merge_dir_name(spec.name, key)
+            cached(final, lambda tmp, s=spec, cd=cd: _svd_or_svc(s, cd, pool, tmp, cfg.seed),
+                   what=f"merge {spec.name} ({spec.method}{' + SVC' if spec.svc_alpha is not None else ''})",
+                   meta={"kind": "merge", "method": spec.method, "spec": spec.model_dump(mode="json"),
+                         **({"mergekit": cd} if cd else {})})
         else:
             cd = merge_config_dict(spec, pool, cfg.pool.vocab_alignment)
             key = stable_hash({"pool": pool.key, "spec": spec.model_dump(mode="json"), "seed": cfg.seed})
-            final = work_dir / "merges" / f"{spec.name}-{key}"
+            final = work_dir / "merges" / merge_dir_name(spec.name, key)
             cached(final, lambda tmp, cd=cd, s=spec: _mergekit(s.name, cd, tmp, cfg.seed, pool.base),
                    what=f"merge {spec.name} ({spec.method})", meta={"kind": "merge", "mergekit": cd})
             write_mergekit_config(final, cd, cfg.seed)  # after the cached build: also for merges cached before it

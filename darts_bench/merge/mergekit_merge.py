@@ -2,8 +2,18 @@
 
 Methods (mergekit names) and their sources: ``linear`` (weight averaging, Wortsman et al. 2022),
 ``task_arithmetic`` (Ilharco et al., ICLR 2023), ``ties`` (Yadav et al., NeurIPS 2023),
-``dare_ties`` / ``dare_linear`` (Yu et al., ICML 2024). DARE's random drop masks come from
-mergekit's ``random_seed`` option, set from the run seed, so merges are reproducible.
+``dare_ties`` / ``dare_linear`` (Yu et al., ICML 2024), ``della`` / ``della_linear`` (Deep et al. 2024,
+arXiv 2406.11617, DELLA-Merging: magnitude-ranked drop probabilities in density +- epsilon, then TIES's
+sign consensus or none), ``breadcrumbs`` / ``breadcrumbs_ties`` (Davari & Belilovsky, ECCV 2024, arXiv
+2312.06795, Model Breadcrumbs: drop the largest ``gamma`` share and keep ``density`` of the rest, without /
+with TIES's sign consensus) and ``model_stock`` (Jang et al., ECCV 2024, arXiv 2403.19522: interpolate
+the experts' average towards the base by a ratio from the task vectors' mean angle; it takes no weight).
+Code read: mergekit 0.1.5 ``merge_methods/registry.py`` (``GeneralizedTaskArithmeticMerge`` entries and
+their ``ParameterSpec``: ``lambda`` global, ``weight`` / ``density`` / ``epsilon`` / ``gamma`` per model),
+``sparsify.py`` (``della_magprune``, ``magnitude_outliers``), ``merge_methods/model_stock.py``.
+DARE's and DELLA's random drop masks come from mergekit's ``random_seed`` option, set from the run
+seed, so merges are reproducible. ``weight`` / ``density`` given per expert (a mapping in the spec)
+go to each model's ``parameters``.
 
 Every merge dir also holds ``mergekit_config.yml`` (:data:`MERGEKIT_CONFIG`), mergekit's own
 ``MergeConfiguration.to_yaml()`` of the merge with a comment naming the command that rebuilds it
@@ -32,10 +42,15 @@ def merge_config_dict(spec: MergeSpec, pool: Pool, vocab_alignment: str = "error
     """The mergekit ``MergeConfiguration`` (as a dict) for ``spec`` over all experts of ``pool``, in
     the pool's order (``pool.experts``: any names, any number);
     ``vocab_alignment="base"`` merges on the base's tokenizer (``tokenizer_source: base``)."""
-    params: dict = {"weight": spec.weight}
-    if spec.density is not None:
-        params["density"] = spec.density
-    models = [{"model": str(path), "parameters": dict(params)} for path in pool.experts.values()]
+    models = []
+    for name, path in pool.experts.items():
+        params: dict = {} if spec.method == "model_stock" else {"weight": spec.expert_value("weight", name)}
+        if spec.density is not None:
+            params["density"] = spec.expert_value("density", name)
+        for f in ("epsilon", "gamma"):  # mergekit scopes them per model (ParameterScope.NON_BASE)
+            if getattr(spec, f) is not None:
+                params[f] = getattr(spec, f)
+        models.append({"model": str(path), "parameters": params} if params else {"model": str(path)})
     cfg: dict = {"merge_method": spec.method, "models": models, "dtype": spec.dtype}
     if spec.method != "linear":
         cfg["base_model"] = str(pool.base)
@@ -46,6 +61,10 @@ def merge_config_dict(spec: MergeSpec, pool: Pool, vocab_alignment: str = "error
         glob["normalize"] = spec.normalize
     if spec.method in ("ties", "dare_ties", "dare_linear") and spec.int8_mask:
         glob["int8_mask"] = True
+    if spec.lambda_ is not None:
+        glob["lambda"] = spec.lambda_
+    if spec.filter_wise is not None:
+        glob["filter_wise"] = spec.filter_wise
     if glob:
         cfg["parameters"] = glob
     return cfg

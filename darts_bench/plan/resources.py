@@ -96,6 +96,12 @@ THROUGHPUT = {
             # and 120 + 60 (no-grad + with-backward) recombinations of 3 x 134.5M elements: 1.0 s each, x
             # RECOMBINE_BACKWARD with the backward
             "recombine": 4.0e8,
+            # svd: m * n * min(m, n) per second of torch.linalg.svd (thin) on one SmolLM2-135M layer's matrices, one
+            # torch thread (the presets' torch_threads), 2 AMD EPYC cores shared with other jobs, 2026-12-06
+            # (benchmarks/svd_merges/svd_layer.log): [1536, 576] fp32 0.154 s (3.3e9), fp64 0.200 s
+            # (2.6e9), [576, 576] 0.100 s (1.9e9), the [49152, 576] embedding 2.25 s (7.3e9): 2.5e9 for the layers
+            # (the embedding is faster per element); TSV-M of the SmolLM2-135M pool then plans 150 s, measured 141 s
+            "svd": 2.5e9,
             "source": "SmolLM2-135M on 2 CPU cores (LAB-NOTES): forward 600 tok/s, generation 68 tok/s at batch 8, "
                       "training 180 tok/s; taken as FLOP/s; diagnostics 250 GFLOP/s of lm_head matmuls and 357 M "
                       "elements/s of passes over the vocabulary, RegMean fp64 55 GFLOP/s, AdaMerging recombination "
@@ -106,6 +112,8 @@ THROUGHPUT = {
              # diagnostics (A100 fp64 tensor cores: 19.5 TFLOP/s peak); recombination bound by reading and writing
              # ~20 B per task-vector element at 1.5 TB/s; 1 ms per eager Adam step of a small head
              "vocab": 10e12, "vocab_pass": 1e11, "fp64": 10e12, "recombine": 1.5e12 / 20, "head_step_s": 1e-3,
+             # svd: assumed (not measured here: no GPU was lent), m * n * min(m, n) per second of cuSOLVER's thin SVD
+             "svd": 1e11,
              "source": "assumed GPU: bf16 at 40% of 312 TFLOP/s; a decoding step reads the weights once at "
                        "1.5 TB/s but takes at least 25 ms per 32 layers (HF generate, eager); fp32 diagnostics "
                        "at 10 TFLOP/s"},

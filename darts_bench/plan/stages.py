@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from darts_bench.api import get_task, resolve_suite
-from darts_bench.config import MERGE_COPY_MODES, Config, scoring_mode
+from darts_bench.config import MERGE_COPY_MODES, SVD_MERGE_METHODS, Config, scoring_mode
 from darts_bench.plan.architecture import (DTYPE_BYTES, activations, architecture, kv_cache, kv_dim, out_shard_bytes,
                                           param_count)
 from darts_bench.plan.resources import (ACTOR_START_S, DIAG_BATCH, DIAG_TEMPS, FEATURE_COLUMNS_BYTES,
@@ -354,6 +354,37 @@ def _gram_inputs(arch: dict[str, Any]) -> list[int]:
     return [h, h, h, f] * arch["num_hidden_layers"] + ([] if arch["tie_word_embeddings"] else [h])
 
 
+def _svd_matrices(arch: dict[str, Any]) -> list[tuple[int, int]]:
+    """``(m, n)`` of every 2-D tensor the SVD merges and SVC decompose (:mod:`darts_bench.merge.svd`): per decoder
+    layer q, k, v, o, gate, up, down; the input embedding [V, d]; an untied ``lm_head`` [V, d] (a tied one is the
+    embedding)."""
+    h, f, kv, V = arch["hidden_size"], arch["intermediate_size"], kv_dim(arch), arch["vocab_size"]
+    layer = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]
+    return layer * arch["num_hidden_layers"] + [(V, h)] + ([] if arch["tie_word_embeddings"] else [(V, h)])
+
+
+#: SVDs per 2-D matrix (each of the matrix's size; the whitening SVDs of the stacked [m, r] / [r, n] factors
+#: count as one each), from the code (darts_bench/merge/svd.py): TSV-M one per task vector + 2 whitenings;
+#: Iso-C one of the sum; Iso-CTS the sum's, one per task residual, 2 whitenings; SVC one of the merge's task vector
+def svd_count(method: str, K: int) -> int:
+    """SVDs per 2-D matrix of an SVD merge (``tsv_m``: K + 2, ``iso_c``: 1, ``iso_cts``: K + 3) or of SVC (``svc``: 1)."""
+    return {"tsv_m": K + 2, "iso_c": 1, "iso_cts": K + 3, "svc": 1}[method]
+
+
+def _svd_merge(x: PlanInputs, m) -> dict[str, Any]:
+    """One SVD merge or merge with SVC: ``{"what", "seconds"}``; ``seconds`` =
+    ``n_svd * sum over 2-D matrices of m * n * min(m, n) / THROUGHPUT[kind]["svd"]`` (:func:`svd_count`; the GEMMs
+    around the SVDs, SVC's K projections and reading / writing the checkpoints are not counted; the mergekit merge
+    under an SVC is not timed, as mergekit merges are not), None when the architecture is unknown."""
+    K = len(x.cfg.pool.expert_names)
+    n = (svd_count(m.method, K) if m.method in ("tsv_m", "iso_c", "iso_cts") else 0) + \
+        (svd_count("svc", K) if m.svc_alpha is not None else 0)
+    mnr = sum(a * b * min(a, b) for a, b in _svd_matrices(x.arch)) if x.arch else None
+    what = (f"{m.name}: {m.method}" + (" + SVC" if m.svc_alpha is not None else "")
+            + f", {n} SVD(s) per 2-D matrix ({len(_svd_matrices(x.arch)) if x.arch else '?'} matrices)")
+    return {"what": what, "seconds": None if mnr is None else n * mnr / THROUGHPUT[x.kind]["svd"]}
+
+
 def _data_merge(x: PlanInputs, m) -> dict[str, Any]:
     """One data merge (AdaMerging, RegMean or Expert Merging, on the ``m.calibration_split`` prompts of the tasks
     with an expert): ``{"what", "seconds", "memory_bytes", "flops"}``; ``seconds`` (device seconds) is None when
@@ -466,17 +497,19 @@ def merge(x: PlanInputs) -> dict[str, Any]:
     experts' task vectors and the graph for AdaMerging; the fp64 Gram sums for RegMean) and their time:
     ``seconds`` (device seconds) and ``data_merge_seconds`` (per data merge) are what :func:`_data_merge`
     counts (AdaMerging's steps, recombinations and entropy passes; RegMean's forwards and fp64 work;
-    their loads), ``data_merge_flops`` their model FLOPs. The mergekit merges are not timed (seconds
-    of streamed tensor arithmetic; a stage of them alone has no ``seconds``)."""
+    their loads), ``data_merge_flops`` their model FLOPs. The SVD merges and SVC add ``svd_merge_seconds``
+    (:func:`_svd_merge`: SVDs per 2-D matrix x sum of m n min(m, n) at the ``svd`` rate) to ``seconds``. The
+    mergekit merges are not timed (seconds of streamed tensor arithmetic; a stage of them alone has no ``seconds``)."""
     cfg, lt = x.cfg, x.largest_tensor
-    mk = [m for m in cfg.merges if not m.uses_data and not m.task_aware]
+    mk = [m for m in cfg.merges if not m.uses_data and not m.task_aware and m.method not in SVD_MERGE_METHODS]
     data = [_data_merge(x, m) for m in cfg.merges if m.uses_data] + [_task_aware_merge(x, m) for m in cfg.merges
                                                                      if m.task_aware]
+    svd = [_svd_merge(x, m) for m in cfg.merges if m.uses_svd]
     merged = [x.params * DTYPE_BYTES[m.dtype] for m in mk] if x.params else []
     shard = max((min(b, out_shard_bytes(b)) for b in merged), default=0)
     peak = ((len(cfg.pool.expert_names) + 2) * lt * 4 + x.pool_bytes * lt + shard) if lt else None
     what = [f"{len(mk)} mergekit merges: " + ", ".join(f"{m.name} ({m.method}, {m.dtype})" for m in mk)] if mk else []
-    s = {"what": "; ".join(what + [d["what"] for d in data]),
+    s = {"what": "; ".join(what + [d["what"] for d in data] + [d["what"] for d in svd]),
          "where": "local, mergekit (tensor by tensor, inputs streamed)"
                   + ("; data merges on device " + cfg.device if data else ""),
          "memory_bytes": None if peak is None else peak + PROCESS_BASELINE["merge"],
@@ -484,6 +517,12 @@ def merge(x: PlanInputs) -> dict[str, Any]:
                          "in fp32"),
          "disk_bytes": sum(_merge_disk_bytes(x, m) for m in cfg.merges) if x.params else None,
          "process_baseline_bytes": PROCESS_BASELINE["merge"]}
+    if svd and all(d["seconds"] is not None for d in svd):
+        names = [m.name for m in cfg.merges if m.uses_svd]
+        s["svd_merge_seconds"] = {n: d["seconds"] for n, d in zip(names, svd)}
+        if not data:
+            s["seconds"] = sum(s["svd_merge_seconds"].values())
+            return _finish(s, x.kind)
     if data:
         mems = [d["memory_bytes"] for d in data]
         if s["memory_bytes"] is not None and all(v is not None for v in mems):
@@ -493,7 +532,7 @@ def merge(x: PlanInputs) -> dict[str, Any]:
             names = [m.name for m in cfg.merges if m.uses_data] + [m.name for m in cfg.merges if m.task_aware]
             s["data_merge_seconds"] = {n: d["seconds"] for n, d in zip(names, data)}
             s["data_merge_flops"] = {n: d["flops"] for n, d in zip(names, data)}
-            s["seconds"] = sum(d["seconds"] for d in data)
+            s["seconds"] = sum(d["seconds"] for d in data) + sum(s.get("svd_merge_seconds", {}).values())
             return _finish(s, x.kind)
     return s
 

@@ -65,6 +65,26 @@ NULL_MAX_RATE = 0.05
 COVERAGE_WARN = 0.5
 
 
+#: merge labels (:func:`merge_labels`) of the strong training-free fixes: the SVD merges and any merge with SVC
+FIX_METHODS = ("tsv_m", "iso_c", "iso_cts")
+
+
+def merge_labels(merges: Iterable[Any]) -> dict[str, str]:
+    """Merge name -> the label the claim lines group merges by: the method, with ``+svc`` when Singular Value
+    Calibration is applied on top (``svc_alpha`` set). ``merges``: :class:`~darts_bench.config.MergeSpec`
+    objects or their JSON dicts (a results dir's manifest)."""
+    out = {}
+    for m in merges:
+        d = m if isinstance(m, dict) else m.model_dump(mode="json", by_alias=True)
+        out[d["name"]] = d["method"] + ("+svc" if d.get("svc_alpha") else "")
+    return out
+
+
+def is_fix(label: str) -> bool:
+    """A strong training-free fix: an SVD merge (:data:`FIX_METHODS`) or any merge with SVC on top."""
+    return label in FIX_METHODS or label.endswith("+svc")
+
+
 @dataclass(frozen=True)
 class Contrast:
     """One claim line's pair: rows ``a`` and ``b`` as (variant-tag suffix, row kind) of a cell; a row kind is
@@ -77,7 +97,7 @@ class Contrast:
     a: str
     b: str
     b_control: str | None = None
-    merges: str = "real"  #: real | strong | planted: which merges' cells the line uses
+    merges: str = "real"  #: real | strong | fix | planted: which merges' cells the line uses
 
 
 CONTRASTS = (
@@ -92,6 +112,10 @@ CONTRASTS = (
              merges="strong"),
     Contrast("7-surgery", 7, "a Surgery head still helps on top of a strong merge (head vs plain merge)", "surgery",
              "none", merges="strong"),
+    Contrast("7-darts-fix", 7, "a DARTS head still helps on top of a strong training-free fix (SVC, TSV-M, Iso-C: "
+             "head vs plain merge)", "darts", "none", merges="fix"),
+    Contrast("7-surgery-fix", 7, "a Surgery head still helps on top of a strong training-free fix (SVC, TSV-M, "
+             "Iso-C: head vs plain merge)", "surgery", "none", merges="fix"),
     Contrast("control", 0, "positive control: DARTS beats Surgery on a planted position-dependent drift", "darts",
              "surgery", merges="planted"),
 )
@@ -449,7 +473,8 @@ def decide(sequences: list[dict], examples: list[dict], meta: dict[str, dict[str
     planted = set(planted)
     all_merges = {m["merge"] for m in meta.values() if m.get("merge")} | {s["merge"] for s in sequences}
     strong = {m for m, meth in (merge_methods or {}).items() if meth in DATA_MERGE_METHODS} - planted
-    pick = {"real": all_merges - planted, "strong": strong, "planted": planted & all_merges}
+    fix = {m for m, meth in (merge_methods or {}).items() if is_fix(meth)} - planted
+    pick = {"real": all_merges - planted, "strong": strong, "fix": fix, "planted": planted & all_merges}
     alpha = float(claims_cfg["alpha"])
     fam0, secondary = claims_cfg["primary"], list(claims_cfg["secondary"])
     kinds = {s_rows for s in sequences for s_rows in s["rows"]} | {m["correction"] for m in meta.values()

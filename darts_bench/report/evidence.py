@@ -392,6 +392,8 @@ def load_run(results_dir: Path) -> dict[str, Any]:
     for f in ("results.json", "table.csv", EXAMPLES_FILE, SEQUENCES_FILE):
         if not (d / f).is_file():
             raise FileNotFoundError(f"{d}: no {f} (written by darts-bench report since the evidence files)")
+    from darts_bench.report.decide import merge_labels
+
     payload = json.loads((d / "results.json").read_text())
     man = payload["manifest"]
     if "row_meta" not in man:
@@ -407,7 +409,7 @@ def load_run(results_dir: Path) -> dict[str, Any]:
             "sequences": read_jsonl(d / SEQUENCES_FILE, allow_empty=True),
             "run_seed": int(man["seed"]), "name": man["config"]["name"],
             "primary": man.get("primary_metrics"),
-            "merge_methods": {m["name"]: m["method"] for m in man["config"].get("merges", [])},
+            "merge_methods": merge_labels(man["config"].get("merges", [])),
             # the pre-registered claims section (never the current config's): absent before pre-registration
             "claims_cfg": (man.get("preregistration") or {}).get("claims"),
             "preregistered": bool((man.get("preregistration") or {}).get("recorded_at")),

@@ -411,7 +411,7 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     from darts_bench.report.recompute import claims_from
     from darts_bench.report.evidence import (EXAMPLES_FILE, SEQUENCES_FILE, example_records,
                                              sequence_records, write_jsonl_gz)
-    from darts_bench.report.decide import lines_json
+    from darts_bench.report.decide import lines_json, merge_labels
     from darts_bench.report.seeds import add_seed_means, comparison_table
     from darts_bench.rows import head_seeds, row_meta, surgery_variants
 
@@ -429,7 +429,7 @@ def write_report(record: RunRecord) -> pd.DataFrame:
                                         "note": "report without a pre-registered run (the config's claims section)"}
     comparison, evidence, claims, lines = claims_from(
         rows, meta, runs or record.train["diagnostics"], list(record.cfg.surgery.methods), with_heads, examples,
-        sequences, record.cfg.seed, primary, {m.name: m.method for m in record.cfg.merges}, prereg["claims"],
+        sequences, record.cfg.seed, primary, merge_labels(record.cfg.merges), prereg["claims"],
         list(record.cfg.calibration.splits), [m.name for m in record.cfg.merges if m.planted_drift])
     others = comparison_table(rows, meta, with_heads, primary, families=("other",))  # shown, not tested
     diags = record.train["diagnostics"]
