@@ -4,15 +4,15 @@ only). One torch thread; each merge written to a temp dir and removed. Prints ``
 ``emr`` and ``expert_merging`` seconds (build_emr / build_expert_merging, loads and writes included),
 Expert Merging's per-step losses and mean coefficients.
 
-    PYTHONPATH=. python benchmarks/bench_task_aware_merges.py micro
-    PYTHONPATH=. python benchmarks/bench_task_aware_merges.py smollm2 work/pool/gguf-<key>
+    PYTHONPATH=. python benchmarks/task_aware_merges/time_merges.py micro
+    PYTHONPATH=. python benchmarks/task_aware_merges/time_merges.py smollm2 work/pool/gguf-<key>
 """
 import json, logging, sys, time, shutil
 from pathlib import Path
 logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
 import torch
 torch.set_num_threads(1)
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "tests"))
 from darts_bench.config import MergeSpec, load_config
 from darts_bench.merge.emr import build_emr
 from darts_bench.merge.expert_merging import build_expert_merging
