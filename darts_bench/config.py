@@ -213,11 +213,12 @@ class PoolConfig(_Strict):
 # ---------------------------------------------------------------------------------------- merge
 MergeMethod = Literal["linear", "task_arithmetic", "ties", "dare_ties", "dare_linear", "della", "della_linear",
                       "breadcrumbs", "breadcrumbs_ties", "model_stock", "tsv_m", "iso_c", "iso_cts", "adamerging",
-                      "regmean"]
+                      "regmean", "expert_merging", "emr"]
 #: every merge method's source and costs, as ``darts-bench ls merges`` lists them (darts_bench/listing.py):
 #: kind (mergekit | svd: built here, an SVD per 2-D matrix | data: built here from calibration prompts |
-#: post-merge: applied on a merge), paper, code read, calibration data, task label at inference (every merge here
-#: is one plain model: no), parameters added to the model (none)
+#: post-merge: applied on a merge | task-aware: a model per task, chosen per task at inference), paper, code read,
+#: calibration data, task label at inference (one plain model: no; task-aware: ``task_label``), parameters added
+#: to the model (none; EMR: per-task masks and rescalers)
 MERGE_SOURCES: dict[str, dict[str, str]] = {
     "linear": {"kind": "mergekit", "paper": "Wortsman et al., ICML 2022 (model soups)", "code": "mergekit 0.1.5 linear"},
     "task_arithmetic": {"kind": "mergekit", "paper": "Ilharco et al., ICLR 2023 (arXiv 2212.04089)",
@@ -250,6 +251,11 @@ MERGE_SOURCES: dict[str, dict[str, str]] = {
                    "code": "darts_bench/merge/adamerging.py"},
     "regmean": {"kind": "data", "paper": "Jin et al., ICLR 2023, RegMean (arXiv 2212.09849)",
                 "code": "darts_bench/merge/regmean.py"},
+    "expert_merging": {"kind": "data", "paper": "Zhang et al., ICLR 2026, Expert Merging (arXiv 2509.25712)",
+                       "code": "github Littleor/ExpertMerging 5282936 (darts_bench/merge/expert_merging.py)"},
+    "emr": {"kind": "task-aware", "paper": "Huang et al., NeurIPS 2024, EMR-Merging (arXiv 2405.17461)",
+            "code": "fusion-bench 0.2.33 emr_merging/ (darts_bench/merge/emr.py)",
+            "task_label": "yes (oracle row); router (@routed rows)"},
 }
 #: the SVD merges built here on the task vectors' 2-D matrices (darts_bench/merge/svd.py), not by mergekit
 SVD_MERGE_METHODS = ("tsv_m", "iso_c", "iso_cts")
@@ -265,16 +271,30 @@ MERGE_KNOBS: dict[str, tuple[str, ...]] = {"lambda_": _GTA, "epsilon": ("della",
                                            "gamma": ("breadcrumbs", "breadcrumbs_ties"),
                                            "filter_wise": ("model_stock",),
                                            "common_space_fraction": ("iso_cts",)}
-#: merge methods that read data (calibration prompts; darts_bench/merge/adamerging.py, regmean.py), not mergekit
-DATA_MERGE_METHODS = ("adamerging", "regmean")
+#: merge methods that read data (calibration prompts; darts_bench/merge/adamerging.py, regmean.py,
+#: expert_merging.py), not mergekit
+DATA_MERGE_METHODS = ("adamerging", "regmean", "expert_merging")
+#: task-aware merges (darts_bench/merge/emr.py): one model per task, chosen per task at inference (rows
+#: ``<merge>`` with the task's label, ``<merge>@routed`` with a router's), no single merged model, so no heads
+TASK_AWARE_METHODS = ("emr",)
+#: the subdir of a task-aware merge's dir with one HF checkpoint per expert (darts_bench.merge.emr.task_dir)
+TASK_MODELS_DIR = "tasks"
 #: MergeSpec fields of the data merges, per method, with their defaults (filled in when not given)
 DATA_MERGE_DEFAULTS: dict[str, dict[str, Any]] = {
     # AdaMerging (Yang et al., ICLR 2024): lambda initialised at task arithmetic's 0.3, Adam lr 1e-3 as the paper
     "adamerging": {"steps": 100, "lr": 1e-3, "init": 0.3, "batch_size": 8, "calibration_split": "transductive"},
     # RegMean (Jin et al., ICLR 2023): off-diagonals of the Gram matrices scaled by alpha
     "regmean": {"alpha": 0.9, "batch_size": 8, "calibration_split": "transductive"},
+    # Expert Merging (Zhang et al., ICLR 2026; Littleor/ExpertMerging's CLI defaults): sigmoid coefficients from 0.1
+    # (--scaling_coefficient), AdamW lr 0.5 (--learning_rate), temperature 1 (--temperature), L1 pull to the init
+    # 5 (--sparsity_reg_weight), hidden-state MSE weight 1 (--hidden_states_weight) on every layer's output
+    # (the CLI leaves the layers to the user; darts_bench.merge.expert_merging says why every layer), 8 sequences
+    # per step (--gradient_accumulation_steps 8 of batch 1), 2 steps (5 samples x 3 tasks / 8: their one epoch)
+    "expert_merging": {"steps": 2, "lr": 0.5, "init": 0.1, "batch_size": 8, "temperature": 1.0,
+                       "sparsity_weight": 5.0, "hidden_weight": 1.0, "calibration_split": "transductive"},
 }
-_DATA_FIELDS = ("steps", "lr", "init", "alpha", "batch_size", "calibration_split")
+_DATA_FIELDS = ("steps", "lr", "init", "alpha", "batch_size", "temperature", "sparsity_weight", "hidden_weight",
+                "calibration_split")
 #: the newer merge knobs, left out of a spec's serialisation when unset (cache keys of existing merges unchanged)
 _KNOB_FIELDS = ("lambda_", "epsilon", "gamma", "filter_wise", "common_space_fraction", "svc_alpha")
 
@@ -329,8 +349,13 @@ class MergeSpec(_Strict):
     matrices' off-diagonal entries) and ``batch_size`` (prompts per forward); both take
     ``calibration_split`` (whose calibration prompts are the data; it must be one of
     ``calibration.splits``). Unset ones get :data:`DATA_MERGE_DEFAULTS`; a field of another method
-    is an error. The data fields and the newer knobs are left out of the serialised spec when unset,
-    so the cache keys of existing merges do not change with them.
+    is an error. ``expert_merging`` takes ``steps``, ``lr``, ``init`` (in (0, 1)), ``batch_size``
+    (sequences per step), ``temperature``, ``sparsity_weight``, ``hidden_weight`` and ``calibration_split``.
+    The data fields and the newer knobs are left out of the serialised spec when unset, so the cache keys
+    of existing merges do not change with them.
+
+    Task-aware merges (:data:`TASK_AWARE_METHODS`): ``emr`` (EMR-Merging, no hyper-parameter) builds
+    one model per task; its rows choose the task's model as a head row chooses its head.
 
     ``name``: letters, digits, ``_ . -``; a merge sweep's variants (``sweep.merges``) add their tag,
     ``ties[density=0.4]``.
@@ -343,7 +368,8 @@ class MergeSpec(_Strict):
     method: MergeMethod = Field(
         description="linear, task_arithmetic, ties, dare_ties, dare_linear, della, della_linear, breadcrumbs, "
         "breadcrumbs_ties, model_stock (mergekit); tsv_m, iso_c, iso_cts (SVD merges built here); adamerging, "
-        "regmean (data merges built here)")
+        "regmean, expert_merging (data merges built here); emr (task-aware: a model per task, rows <name> and "
+        "<name>@routed)")
     weight: float | dict[str, float] = Field(
         1.0, description="mergekit methods: each expert's weight (lambda for task arithmetic), one number or "
         "{expert: weight} naming every expert; tsv_m / iso_c / iso_cts: one number scales the merged task vector, "
@@ -374,15 +400,22 @@ class MergeSpec(_Strict):
         description="iso_cts: the share of the singular directions kept for the common subspace (None: 0.8, "
         "FusionBench's default)")
     svc_alpha: float | None = Field(None, gt=0,
-        description="any merge but adamerging / regmean: apply Singular Value Calibration (arXiv 2602.05536) with "
+        description="any merge but adamerging / regmean / expert_merging / emr: apply Singular Value Calibration (arXiv 2602.05536) with "
         "this alpha to the merged model (None: no SVC)")
-    steps: int | None = Field(None, ge=1, description="adamerging: Adam steps on the entropy objective")
-    lr: float | None = Field(None, gt=0, description="adamerging: Adam learning rate of the coefficients")
-    init: float | None = Field(None, description="adamerging: initial value of every coefficient lambda[k, l]")
+    steps: int | None = Field(None, ge=1, description="adamerging / expert_merging: optimiser steps")
+    lr: float | None = Field(None, gt=0, description="adamerging / expert_merging: learning rate of the coefficients")
+    init: float | None = Field(None, description="adamerging / expert_merging: initial value of every coefficient "
+                               "lambda[k, l] (expert_merging: in (0, 1), the coefficients are sigmoids)")
     alpha: float | None = Field(None, ge=0, le=1, description="regmean: scale of the Gram matrices' off-diagonals")
-    batch_size: int | None = Field(None, ge=1, description="adamerging / regmean: prompts per forward")
+    batch_size: int | None = Field(None, ge=1, description="adamerging / regmean: prompts per forward; "
+                                   "expert_merging: sequences per step")
+    temperature: float | None = Field(None, gt=0, description="expert_merging: temperature of the logit alignment")
+    sparsity_weight: float | None = Field(None, ge=0, description="expert_merging: weight of the L1 pull of the "
+                                          "coefficients towards init")
+    hidden_weight: float | None = Field(None, ge=0, description="expert_merging: weight of the hidden-state MSE "
+                                        "(0: logits only)")
     calibration_split: Literal["transductive", "inductive"] | None = Field(
-        None, description="adamerging / regmean: the calibration split whose prompts (inputs only) are the data")
+        None, description="adamerging / regmean / expert_merging: the calibration split whose prompts are the data")
     planted_drift: float | None = Field(
         None, gt=0, description="positive control (darts_bench/collect/features.py plant_drift): add a planted, "
         "position-dependent drift of this size (in units of the final hidden state's typical norm) to the merge's "
@@ -418,6 +451,9 @@ class MergeSpec(_Strict):
             raise ValueError(f"merge {self.name!r}: method {self.method} needs density")
         if not needs and self.density is not None:
             raise ValueError(f"merge {self.name!r}: method {self.method} takes no density")
+        if self.method == "expert_merging" and not 0 < self.init < 1:
+            raise ValueError(f"merge {self.name!r}: expert_merging's init {self.init} must be in (0, 1) (its "
+                             "coefficients are sigmoids; the authors start at 0.1)")
         for f, methods in MERGE_KNOBS.items():
             if getattr(self, f) is not None and self.method not in methods:
                 key = "lambda" if f == "lambda_" else f
@@ -435,21 +471,24 @@ class MergeSpec(_Strict):
         if self.method in SVD_MERGE_METHODS and (self.normalize is not None or self.int8_mask):
             raise ValueError(f"merge {self.name!r}: normalize / int8_mask are mergekit options; {self.method} is an "
                              "SVD merge built here (its weight scales the merged task vector)")
-        if self.svc_alpha is not None and self.method in DATA_MERGE_METHODS:
+        if self.svc_alpha is not None and self.method in (*DATA_MERGE_METHODS, *TASK_AWARE_METHODS):
             raise ValueError(f"merge {self.name!r}: svc_alpha calibrates a training-free merge; {self.method} is a "
-                             "data merge (use SVC on a mergekit or SVD merge)")
+                             "data or task-aware merge (use SVC on a mergekit or SVD merge)")
         allowed = DATA_MERGE_DEFAULTS.get(self.method, {})
         wrong = [f for f in _DATA_FIELDS if getattr(self, f) is not None and f not in allowed]
         if wrong:
             raise ValueError(f"merge {self.name!r}: method {self.method} takes no {', '.join(wrong)}"
                              + (f" (it takes {', '.join(allowed)})" if allowed else ""))
-        if self.method in DATA_MERGE_METHODS:
+        if self.method in (*DATA_MERGE_METHODS, *TASK_AWARE_METHODS):
             mk = [f for f, unset in (("weight", 1.0), ("normalize", None), ("int8_mask", False))
                   if getattr(self, f) != unset]
             if mk:
                 raise ValueError(f"merge {self.name!r}: {', '.join(mk)} {'is a mergekit option' if len(mk) == 1 else 'are mergekit options'}; method {self.method} "
                                  f"takes {', '.join(allowed)}" + (" (init is AdaMerging's starting lambda)"
                                                                   if self.method == "adamerging" else ""))
+        if self.method in TASK_AWARE_METHODS and self.dtype != "float32":
+            raise ValueError(f"merge {self.name!r}: method {self.method} is built in float32 (its per-task models "
+                             "must equal the reconstruction bit for bit); drop dtype")
         return self
 
     @model_serializer(mode="wrap")
@@ -490,6 +529,11 @@ class MergeSpec(_Strict):
                                  + (f"; missing {missing}" if missing else "")
                                  + (f"; not experts of the pool: {extra}" if extra else "")
                                  + f" (or give one number for all: {f}: 0.5)")
+
+    @property
+    def task_aware(self) -> bool:
+        """True for the task-aware merges (:data:`TASK_AWARE_METHODS`): a model per task, no heads."""
+        return self.method in TASK_AWARE_METHODS
 
 
 def _default_merges() -> list[MergeSpec]:

@@ -80,6 +80,10 @@ def export_row(pipe, row_name: str, to_dir: str | Path) -> dict[str, Any]:
     if row_name not in rows:
         raise KeyError(f"export: no row {row_name!r}; rows of config {pipe.cfg.name}: {list(rows)}")
     row = rows[row_name]
+    if row.routing == "routed" and row.task_aware:
+        raise ValueError(f"export: {row_name!r} picks its task's model per prompt with a router "
+                         "(darts_bench/stages/emr.py), which lm-eval's model_args cannot express; export the oracle "
+                         f"row {row.merge!r} (one checkpoint per task)")
     if row.routing == "routed":
         raise ValueError(f"export: {row_name!r} picks its head per prompt with a router (darts_bench/surgery/routing.py), "
                          "which neither lm-eval's model_args nor vLLM's head plugin can express; export its oracle row "
@@ -90,6 +94,8 @@ def export_row(pipe, row_name: str, to_dir: str | Path) -> dict[str, Any]:
     tmp = to.parent / _temp_name(to.name)
     tmp.mkdir()
     try:
+        if row.task_aware:
+            return _export_task_aware(row, tasks, cfg, to, tmp)
         shutil.copytree(row.model_dir, tmp / "model", copy_function=_link_or_copy,
                         ignore=shutil.ignore_patterns(MANIFEST))
         heads: dict[str, Any] = {}
@@ -126,10 +132,49 @@ def export_row(pipe, row_name: str, to_dir: str | Path) -> dict[str, Any]:
     return record
 
 
+def _export_task_aware(row, tasks: dict, cfg, to: Path, tmp: Path) -> dict[str, Any]:
+    """The oracle row of a task-aware merge (EMR): ``DIR/models/<task>/`` the checkpoint each task runs (its
+    expert's mask and rescaler applied: :func:`darts_bench.merge.emr.task_dir`), ``DIR/emr/`` the merge's record
+    (unified vector, bit-packed masks, rescalers: ``emr.safetensors``, ``emr.json``), ``export.json`` the lm-eval
+    model arguments per task (no head). Renames ``tmp`` to ``to``."""
+    from darts_bench.merge.emr import RECORD, SUMMARY
+
+    missing = [t for t in tasks if t not in row.task_models]
+    if missing:
+        raise ValueError(f"export: row {row.model!r} has no model for task(s) {missing} (no expert); export with a "
+                         "--suite of tasks that have one")
+    lm_eval: dict[str, Any] = {}
+    for t in tasks:
+        shutil.copytree(row.task_models[t], tmp / "models" / t, copy_function=_link_or_copy,
+                        ignore=shutil.ignore_patterns(MANIFEST))
+        args = lm_eval_model_args(to / "models" / t, None, cfg.pool.dtype)
+        lm_eval[t] = {"darts-bench": args["hf"], "vllm": args["vllm"]}
+    (tmp / "emr").mkdir()
+    for f in (RECORD, SUMMARY):
+        _link_or_copy(str(row.model_dir / f), str(tmp / "emr" / f))
+    record = {
+        "row": row.model, "config": cfg.name, "merge": row.merge, "correction": row.correction,
+        "calibration": row.calibration, "variant": row.variant, "seed": row.seed,
+        "model_dir": str(to / "models"), "source_model_dir": str(row.model_dir),
+        "task_models": {t: {"model_dir": str(to / "models" / t), "source": str(row.task_models[t]),
+                            "expert": tasks[t].expert} for t in tasks},
+        "heads": {}, "tasks_without_heads": {t: "a task-aware merge: the task's own model, no head" for t in tasks},
+        "dtype": cfg.pool.dtype, "batch_size": cfg.tasks.batch_size, "lm_eval_model_args": lm_eval,
+        "note": "models/ files are hard links into the work dir when possible: do not edit them in place",
+    }
+    (tmp / "export.json").write_text(json.dumps(record, indent=1))
+    if to.exists():
+        to.rmdir()
+    os.replace(tmp, to)
+    return record
+
+
 def format_export(record: dict[str, Any]) -> str:
     """The lines ``darts-bench export`` prints: model dir, each task's head (or why none), the
     lm-eval command of each task."""
     lines = [f"row {record['row']} (config {record['config']}): model {record['model_dir']}"]
+    for t, m in record.get("task_models", {}).items():
+        lines.append(f"  {t}: model {m['model_dir']} (the {m['expert']} expert's EMR model)")
     for t, h in record["heads"].items():
         lines.append(f"  {t}: head {h['head_dir']} ({h['method']}, {h['calibration']} split, trained on the "
                      f"{h['expert']} expert's {t} features)")

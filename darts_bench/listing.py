@@ -164,35 +164,39 @@ def list_annotators() -> list[dict[str, Any]]:
 
 def list_merges() -> list[dict[str, Any]]:
     """One dict per merge method a ``merges:`` entry can name (``MergeMethod``, in its order), then ``svc``
-    (``svc_alpha`` on a merge): ``method``, ``kind`` (mergekit | svd | data | post-merge), ``settings`` (the
-    spec fields it takes beyond ``name`` / ``method`` / ``dtype``), ``calibration_data`` (``prompts`` for the
-    data merges, else ``none``), ``task_label`` (``no``: every merge is one plain model), ``paper`` and
-    ``code`` (``MERGE_SOURCES``).
+    (``svc_alpha`` on a merge): ``method``, ``kind`` (mergekit | svd | data | post-merge | task-aware),
+    ``settings`` (the spec fields it takes beyond ``name`` / ``method`` / ``dtype``), ``calibration_data``
+    (``prompts`` for the data merges, Expert Merging's with the experts' greedy continuations; EMR reads none, its
+    ``@routed`` rows' router the calibration prompts; else ``none``), ``task_label`` (``no`` for a plain merged
+    model; EMR's ``yes`` / router), ``paper`` and ``code`` (``MERGE_SOURCES``).
 
     Raises:
         KeyError: a method of ``MergeMethod`` has no ``MERGE_SOURCES`` entry."""
     from typing import get_args
 
     from darts_bench.config import (DATA_MERGE_DEFAULTS, DENSITY_METHODS, MERGE_KNOBS, MERGE_SOURCES, SVD_MERGE_METHODS,
-                                    MergeMethod)
+                                    TASK_AWARE_METHODS, MergeMethod)
 
     def settings(m: str) -> list[str]:
         if m == "svc":
             return ["svc_alpha"]
         if m in DATA_MERGE_DEFAULTS:
             return list(DATA_MERGE_DEFAULTS[m])
+        if m in TASK_AWARE_METHODS:
+            return []
         out = [] if m == "model_stock" else ["weight"]
         out += ["density"] if m in DENSITY_METHODS else []
         out += [("lambda" if f == "lambda_" else f) for f, ms in MERGE_KNOBS.items() if m in ms]
         out += [] if m in SVD_MERGE_METHODS or m == "model_stock" else ["normalize"]
         return out + ["svc_alpha"]
 
+    data = {"expert_merging": "prompts + expert continuations", "emr": "none (@routed: prompts, router)"}
     out = []
     for m in (*get_args(MergeMethod), "svc"):
         src = MERGE_SOURCES[m]
-        out.append({"method": m, "kind": src["kind"], "settings": ",".join(settings(m)),
-                    "calibration_data": "prompts" if src["kind"] == "data" else "none", "task_label": "no",
-                    "paper": src["paper"], "code": src["code"]})
+        out.append({"method": m, "kind": src["kind"], "settings": ",".join(settings(m)) or "-",
+                    "calibration_data": data.get(m, "prompts" if src["kind"] == "data" else "none"),
+                    "task_label": src.get("task_label", "no"), "paper": src["paper"], "code": src["code"]})
     return out
 
 

@@ -28,8 +28,10 @@ from darts_bench.rows import (Row, bind_rows, head_seeds, needed_merges, needed_
                               selected_specs, surgery_variants)
 from darts_bench.stages import collect as collect_stage
 from darts_bench.stages import derive_seed  # noqa: F401 - public here (tests, scripts)
+from darts_bench.stages import emr as emr_stage
 from darts_bench.stages import evaluate as evaluate_stage
 from darts_bench.stages import train as train_stage
+from darts_bench.stages.emr import task_experts
 from darts_bench.stages.tasks import load_tasks
 
 log = logging.getLogger("darts_bench")
@@ -170,7 +172,22 @@ class Pipeline:
         if not self.needs_merges:
             return bind_rows([s for s in specs if not s.merge], self.pool(), {}, {}, self.task_names)
         tr = self.train()
-        return bind_rows(specs, self.pool(), self.merge(), tr["run_heads"], self.task_names, tr.get("routers", {}))
+        routers = {**tr.get("routers", {}), **self.emr_routers(specs)}
+        return bind_rows(specs, self.pool(), self.merge(), tr["run_heads"], self.task_names, routers,
+                         task_experts(self.cfg, self.task_names))
+
+    def emr_routers(self, specs=None) -> dict:
+        """The task-aware merges' routers (:func:`darts_bench.stages.emr.emr_routers`), built when a row of
+        ``specs`` (default: every row the run builds) is such a merge's ``@routed`` row; else {}."""
+        specs = needed_specs(self.cfg, self.task_names) if specs is None else specs
+        need = {s.merge for s in specs if s.task_aware and s.routing == "routed"}
+        if not need:
+            return {}
+        if "emr_routers" not in self._cache:
+            merges = {m: d for m, d in self.merge().items() if m in need}
+            self._cache["emr_routers"] = emr_stage.emr_routers(self.cfg, self.pool(), merges, self.loaded_tasks(),
+                                                               self.work_dir)
+        return self._cache["emr_routers"]
 
     # ------------------------------------------------------------------ stages
     def pool(self):

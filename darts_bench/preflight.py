@@ -279,7 +279,7 @@ def row_problems(cfg, task_names: list[str]) -> list[Problem]:
     task calls (``Task.models_used``: the AlpacaEval judge) is a row of the config or a checkpoint dir;
     selected routed / shared rows have two or more tasks with calibration features (an expert)."""
     from darts_bench.api import get_task
-    from darts_bench.rows import row_names, row_selected, row_specs
+    from darts_bench.rows import ROUTING_KINDS, row_names, row_selected, row_specs
 
     problems: list[Problem] = []
     experts = cfg.pool.expert_names
@@ -302,8 +302,23 @@ def row_problems(cfg, task_names: list[str]) -> list[Problem]:
                                     fix="name one of the rows (darts-bench ls rows)" +
                                     (f", e.g. {', '.join(near)}" if near else "") +
                                     ", or a checkpoint dir"))
-    agnostic = [s.model for s in row_specs(cfg) if s.routing and row_selected(cfg, s.model)]
+    agnostic = [s.model for s in row_specs(cfg) if s.routing in ROUTING_KINDS and not s.task_aware
+                and row_selected(cfg, s.model)]
     with_features = [t for t in task_names if cfg.tasks.expert(t) is not None]
+    emr_routed = [s.model for s in row_specs(cfg) if s.task_aware and s.routing == "routed"
+                  and row_selected(cfg, s.model)]
+    if emr_routed and len(with_features) < 2:
+        problems.append(Problem("rows", f"task-aware routed row(s) {emr_routed} route between two or more tasks with "
+                                f"an expert, the suite has {with_features}", where="merges (method emr)",
+                                fix="add a task with an expert to --suite, or leave these rows out: --rows without "
+                                "*@routed*"))
+    no_model = [t for t in task_names if cfg.tasks.expert(t) is None]
+    emr_oracle = [s.model for s in row_specs(cfg) if s.task_aware and s.routing == "oracle"
+                  and row_selected(cfg, s.model)]
+    if emr_oracle and no_model:
+        problems.append(Problem("rows", f"task-aware row(s) {emr_oracle} run each task on its expert's model, and "
+                                f"task(s) {no_model} have no expert", where="merges (method emr)",
+                                fix=f"set tasks.<task>.expert for {no_model}, or leave the rows out (--rows)"))
     if agnostic and len(with_features) < 2:
         problems.append(Problem("rows", f"{len(agnostic)} task-agnostic row(s) (routed / shared, e.g. {agnostic[0]}) "
                                 f"need two or more tasks with calibration features (an expert), the suite has "

@@ -24,6 +24,12 @@ trained on the union of every task's calibration set). Their ``correction`` is `
 ``<method>@shared`` (so the DARTS vs Surgery pairings, which pair ``darts`` with ``surgery``, leave them
 out) and ``routing`` is ``routed`` / ``shared``.
 
+Task-aware merges (``emr``, :mod:`darts_bench.merge.emr`: a model per task, no single merged model) get
+no corrected rows; their rows are ``<merge>`` (the *oracle*: on task t, t's expert's model; ``correction``
+``emr``, ``routing`` ``oracle``) and, per calibration split, ``<merge>[@split]@routed`` (a router picks the
+task per prompt from the base model's prompt state; ``correction`` ``emr@routed``, ``routing`` ``routed``,
+``calibration`` the split the router was fitted on). Neither carries a seed or a sweep tag.
+
 Controls (``surgery.controls``, :mod:`darts_bench.controls`) add, after each split's method rows, a
 Surgery row per variant and seed whose variant tag names the control: ``<merge>+surgery[rank=matched]``
 (parameter-matched to DARTS), ``ties+surgery@inductive[w_max=2,rank=matched]#s1``.
@@ -106,6 +112,13 @@ class RowSpec:
         return self.correction.split("@")[0]
 
     @property
+    def task_aware(self) -> bool:
+        """A row of a task-aware merge (``emr``): it runs a model per task (:attr:`Row.task_models`), no head."""
+        from darts_bench.config import TASK_AWARE_METHODS
+
+        return self.method in TASK_AWARE_METHODS
+
+    @property
     def head_key(self) -> tuple[str, str, str, int | None]:
         """``(method, split, variant, seed)``: with (merge, task) in front, the key of the row's head
         in the train stage's ``run_heads`` (a shared row's task is :data:`SHARED_TASK`)."""
@@ -122,6 +135,10 @@ class Row(RowSpec):
     model_key: str = ""
     heads: dict[str, Path] = field(default_factory=dict)
     router: Path | None = None
+    #: a task-aware row: task -> the checkpoint that runs it (its expert's EMR model); ``states_dir``: the model
+    #: whose prompt states a routed one reads (the base)
+    task_models: dict[str, Path] = field(default_factory=dict)
+    states_dir: Path | None = None
 
 
 def corrected_suffix(cfg, split: str, method: str, tag: str, seed: int) -> str:
@@ -155,6 +172,12 @@ def row_specs(cfg) -> list[RowSpec]:
     heads += [(CONTROL_METHOD, tag) for tag in control_tags(cfg)]
     for spec in cfg.merges:
         m = spec.name
+        if spec.task_aware:
+            specs.append(RowSpec(m, merge=m, correction=spec.method, routing="oracle"))
+            specs += [RowSpec(f"{m}{'' if split == 'transductive' else f'@{split}'}@routed", merge=m,
+                              correction=f"{spec.method}@routed", calibration=split, routing="routed")
+                      for split in cfg.calibration.splits]
+            continue
         specs.append(RowSpec(m, merge=m))
         for split in cfg.calibration.splits:
             for method, tag in heads:
@@ -243,7 +266,7 @@ def needs_merges(cfg) -> bool:
 
 
 def bind_rows(specs: list[RowSpec], pool, merges: dict[str, Path], run_heads: dict, task_names: list[str],
-              routers: dict | None = None) -> list[Row]:
+              routers: dict | None = None, task_experts: dict[str, str | None] | None = None) -> list[Row]:
     """``specs`` bound to a run's artifacts.
 
     Args:
@@ -253,7 +276,9 @@ def bind_rows(specs: list[RowSpec], pool, merges: dict[str, Path], run_heads: di
         run_heads: ``(merge, task, method, split, variant, seed)`` -> head dir (the train stage).
         task_names: the run's tasks; a corrected row gets the head of each task that has one (a
             shared row: the shared head for each of those tasks; a routed row: every task's head).
-        routers: ``(merge, split, seed)`` -> router dir (the train stage; routed rows only).
+        routers: ``(merge, split, seed)`` -> router dir (the train stage; routed rows only); a task-aware
+            merge's routers under ``(merge, split, None)`` (:func:`darts_bench.stages.emr.emr_routers`).
+        task_experts: task -> its expert (None: none), for the task-aware rows (task t runs its expert's model).
 
     Raises:
         KeyError: a merge row whose merge, shared head or router was not built.
@@ -264,6 +289,18 @@ def bind_rows(specs: list[RowSpec], pool, merges: dict[str, Path], run_heads: di
             rows.append(Row(**vars(s), model_dir=pool.path(s.expert), model_key=pool.model_key(s.expert)))
             continue
         mdir = merges[s.merge]
+        if s.task_aware:
+            from darts_bench.config import TASK_MODELS_DIR
+
+            # each task's expert's checkpoint (darts_bench.merge.emr.task_dir; not imported: merge -> collect -> rows)
+            tm = {t: mdir / TASK_MODELS_DIR / e for t, e in (task_experts or {}).items()
+                  if e is not None and t in task_names}
+            router = routers[(s.merge, s.calibration, None)] if s.routing == "routed" else None
+            key = mdir.name + ("+oracle" if router is None else "+" + stable_hash([f"router={router}",
+                                                                                   pool.model_key("base")]))
+            rows.append(Row(**vars(s), model_dir=mdir, model_key=key, router=router, task_models=tm,
+                            states_dir=pool.path("base") if router is not None else None))
+            continue
         if s.correction == "none":
             rows.append(Row(**vars(s), model_dir=mdir, model_key=mdir.name))
             continue
@@ -293,7 +330,7 @@ def row_meta(cfg, rows: list[RowSpec]) -> dict[str, dict[str, Any]]:
         group = r.model[: len(r.model) - len(tag)] if tag and r.model.endswith(tag) else None
         out[r.model] = {"merge": r.merge, "correction": r.correction, "calibration": r.calibration,
                         "variant": r.variant, "seed": r.seed, "group": group}
-        if r.routing:  # only on task-agnostic rows: existing results keep their row_meta bytes
+        if r.routing:  # only on task-agnostic and task-aware rows: existing results keep their row_meta bytes
             out[r.model]["routing"] = r.routing
     return out
 

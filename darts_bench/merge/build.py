@@ -14,7 +14,10 @@ from darts_bench.pool.build import Pool
 log = logging.getLogger("darts_bench")
 #: data merge method -> (module, builder, file beside the weights with what it learned / used)
 DATA_MERGES = {"adamerging": ("darts_bench.merge.adamerging", "build_adamerging", "adamerging.json"),
-               "regmean": ("darts_bench.merge.regmean", "build_regmean", "regmean.json")}
+               "regmean": ("darts_bench.merge.regmean", "build_regmean", "regmean.json"),
+               "expert_merging": ("darts_bench.merge.expert_merging", "build_expert_merging", "expert_merging.json")}
+#: task-aware merge method -> (module, builder, summary file): a model per expert under ``tasks/`` (merge/emr.py)
+TASK_AWARE_MERGES = {"emr": ("darts_bench.merge.emr", "build_emr", "emr.json")}
 
 
 def data_merge_key(cfg: Config, pool: Pool, spec, prompts: dict) -> str:
@@ -28,11 +31,13 @@ def data_merge_key(cfg: Config, pool: Pool, spec, prompts: dict) -> str:
 
 
 def merge_details(merge_dir: Path) -> dict | None:
-    """What a data or SVD merge dir records beside its weights (the AdaMerging coefficients, the RegMean
-    data, the SVD merge's settings and SVC), or None for a plain mergekit merge."""
+    """What a data, SVD or task-aware merge dir records beside its weights (the AdaMerging / Expert Merging
+    coefficients, the RegMean data, the SVD merge's settings and SVC, the EMR rescalers), or None for a plain
+    mergekit merge."""
     from darts_bench.merge.svd import SUMMARY as SVD_SUMMARY
 
-    for fname in (*(f for _, _, f in DATA_MERGES.values()), SVD_SUMMARY):
+    for fname in (*(f for _, _, f in DATA_MERGES.values()), *(f for _, _, f in TASK_AWARE_MERGES.values()),
+                  SVD_SUMMARY):
         if (merge_dir / fname).is_file():
             return json.loads((merge_dir / fname).read_text())
     return None
@@ -82,11 +87,12 @@ def _mergekit(name: str, cd: dict, tmp: Path, seed: int, base: Path) -> None:
 
 
 def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None, only: list[str] | None = None) -> dict[str, Path]:
-    """Every configured merge: name -> checkpoint dir. mergekit merges are cached by (pool key, merge
+    """Every configured merge: name -> checkpoint dir (a task-aware merge, ``emr``: its dir, with one
+    checkpoint per expert under ``tasks/``, :func:`darts_bench.merge.emr.task_dir`). mergekit merges are cached by (pool key, merge
     spec, seed), each with its ``mergekit_config.yml`` (:func:`~darts_bench.merge.mergekit_merge.write_mergekit_config`);
     the SVD merges (``tsv_m``, ``iso_c``, ``iso_cts``) and every merge with ``svc_alpha`` (the mergekit merge,
     then SVC) by the same key, built by :mod:`darts_bench.merge.svd`;
-    data merges (``adamerging``, ``regmean``) by :func:`data_merge_key`, from the calibration prompts of
+    data merges (``adamerging``, ``regmean``, ``expert_merging``) by :func:`data_merge_key`, from the calibration prompts of
     ``loaded`` (the tasks stage's :class:`~darts_bench.stages.tasks.LoadedTasks`).
 
     ``only``: build these merges only (the ones the selected rows need: :func:`darts_bench.rows.needed_merges`).
@@ -99,7 +105,16 @@ def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None, only: lis
     for spec in cfg.merges:
         if only is not None and spec.name not in only:
             continue
-        if spec.uses_data:
+        if spec.task_aware:
+            mod, fn, _ = TASK_AWARE_MERGES[spec.method]
+            builder = getattr(importlib.import_module(mod), fn)
+            key = stable_hash({"pool": pool.key, "spec": spec.model_dump(mode="json"), "seed": cfg.seed})
+            final = work_dir / "merges" / merge_dir_name(spec.name, key)
+            experts = dict(pool.experts)
+            cached(final, lambda tmp, b=builder, s=spec: b(s, pool.base, experts, cfg, tmp),
+                   what=f"merge {spec.name} ({spec.method})",
+                   meta={"kind": "merge", "method": spec.method, "spec": spec.model_dump(mode="json")})
+        elif spec.uses_data:
             if loaded is None:
                 raise ValueError(f"merge {spec.name!r} ({spec.method}) needs the run's calibration prompts: pass the "
                                  "loaded tasks (darts_bench.stages.tasks.load_tasks)")

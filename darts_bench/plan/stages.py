@@ -386,8 +386,8 @@ def _svd_merge(x: PlanInputs, m) -> dict[str, Any]:
 
 
 def _data_merge(x: PlanInputs, m) -> dict[str, Any]:
-    """One data merge (AdaMerging or RegMean, on the ``m.calibration_split`` prompts of the tasks with an
-    expert): ``{"what", "seconds", "memory_bytes", "flops"}``; ``seconds`` (device seconds) is None when
+    """One data merge (AdaMerging, RegMean or Expert Merging, on the ``m.calibration_split`` prompts of the tasks
+    with an expert): ``{"what", "seconds", "memory_bytes", "flops"}``; ``seconds`` (device seconds) is None when
     the architecture is unknown. What it counts, each at its :data:`THROUGHPUT` rate:
 
     * AdaMerging (:func:`darts_bench.merge.adamerging.build_adamerging`): ``steps`` Adam steps, each a
@@ -401,7 +401,13 @@ def _data_merge(x: PlanInputs, m) -> dict[str, Any]:
       layers' distinct inputs (2 d_in^2 FLOPs per token and input: q / k / v share one, gate / up one;
       :func:`_gram_inputs`), each expert's ``G W^T`` (2 d_in^2 d_out per layer), and per layer one LU
       solve (2/3 d_in^3 + 2 d_in^2 d_out).
-    * both: reading the base and the K experts in float32 and writing the merged checkpoint in
+    * Expert Merging (:func:`darts_bench.merge.expert_merging.build_expert_merging`): the experts' greedy
+      continuations of the ``steps * batch_size`` prompts used (``calibration.max_new_tokens`` each, at
+      ``decode``), then ``steps`` AdamW steps, each a forward + backward of the merge over its sequences (6 P
+      per token at ``train``), each sequence's expert forward (2 P per token at ``forward``) and the
+      recombination of the K task vectors with its backward (``recombine``); memory: base, K experts, K task
+      vectors, merged tensors and their gradients, and the logits' activations.
+    * all: reading the base and the K experts in float32 and writing the merged checkpoint in
       ``m.dtype`` at :data:`LOAD_BYTES_PER_S`.
 
     ``flops`` is the model FLOPs (forwards, backwards and fp64 work; the recombination is elements, not
@@ -414,7 +420,24 @@ def _data_merge(x: PlanInputs, m) -> dict[str, Any]:
     total = sum(toks.values())
     n_prompts = sum(x.calib[f"{t_}/{m.calibration_split}"]["sequences"] for t_ in x.head_tasks) or 1
     io_s = ((1 + K) * P * 4 + P * DTYPE_BYTES[m.dtype]) / LOAD_BYTES_PER_S if P else None
-    if m.method == "adamerging":
+    if m.method == "expert_merging":
+        n_seq = m.steps * m.batch_size  # sequences used: prompts + their expert's greedy continuation
+        new_tok = n_seq * x.cfg.calibration.max_new_tokens
+        seq_tok = n_seq * total / n_prompts + new_tok
+        step_tok = seq_tok / m.steps
+        # per step: the merge's forward + backward (6 P per token) and each sequence's expert forward (2 P), and
+        # the recombination of K task vectors with its backward; first the experts' greedy continuations
+        flops = (seq_tok * (6 + 2) + new_tok * 2) * P if P else None
+        what = (f"{m.name}: Expert Merging, {m.steps} AdamW steps of {m.batch_size} sequences (~{num(step_tok)} tokens: "
+                f"{m.calibration_split} prompt + its expert's greedy continuation of {x.cfg.calibration.max_new_tokens} "
+                f"tokens), each a forward + backward of the merge, the experts' forwards (logits and middle-layer "
+                f"hidden states) and the recombination of {K} task vectors; {num(new_tok)} generated tokens first")
+        secs = None if not P else (seq_tok * 6 * P / t["train"] + seq_tok * 2 * P / t["forward"]
+                                   + new_tok * 2 * P / t["decode"]
+                                   + m.steps * (1 + RECOMBINE_BACKWARD) * K * P / t["recombine"] + io_s)
+        seq_len = x.cfg.calibration.max_prompt_tokens + x.cfg.calibration.max_new_tokens
+        mem = (2 * K + 4) * P * 4 + activations(arch, m.batch_size, seq_len, 4) * 4 if P and arch else None
+    elif m.method == "adamerging":
         step_tok = min(m.batch_size, n_prompts) * total / n_prompts
         n_batches = math.ceil(n_prompts / m.batch_size)
         recombinations = 3 + m.steps * RECOMBINE_BACKWARD  # in no-grad recombinations
@@ -442,6 +465,30 @@ def _data_merge(x: PlanInputs, m) -> dict[str, Any]:
     return {"what": what, "seconds": secs, "memory_bytes": mem, "flops": flops}
 
 
+def _merge_disk_bytes(x: PlanInputs, m) -> float:
+    """Disk of one merge: a checkpoint in its dtype; a task-aware merge (EMR) K float32 checkpoints (one per
+    expert) and its record (the unified vector in float32, K bit-packed masks)."""
+    if not m.task_aware:
+        return x.params * DTYPE_BYTES[m.dtype]
+    K = len(x.cfg.pool.expert_names)
+    return K * x.params * 4 + x.params * 4 + K * x.params / 8
+
+
+def _task_aware_merge(x: PlanInputs, m) -> dict[str, Any]:
+    """EMR-Merging (:func:`darts_bench.merge.emr.build_emr`): read the base and K experts (float32), elect,
+    mask and rescale (a few elementwise passes over K x P entries, at ``recombine``), write the record and K
+    checkpoints (:func:`_merge_disk_bytes`). Memory: base, K task vectors, the unified vector, a model, and K
+    bool masks (one byte per entry). ``{"what", "seconds", "memory_bytes", "flops"}``."""
+    P, K = x.params, len(x.cfg.pool.expert_names)
+    what = (f"{m.name}: EMR-Merging (elect, mask, rescale) of {K} experts; {K} per-task checkpoints written "
+            "(the rows run each task on its own)")
+    if not P:
+        return {"what": what, "seconds": None, "memory_bytes": None, "flops": None}
+    io_s = ((1 + K) * P * 4 + _merge_disk_bytes(x, m)) / LOAD_BYTES_PER_S
+    secs = 6 * K * P / THROUGHPUT[x.kind]["recombine"] + io_s
+    return {"what": what, "seconds": secs, "memory_bytes": (K + 3) * P * 4 + K * P, "flops": 0}
+
+
 def merge(x: PlanInputs) -> dict[str, Any]:
     """The mergekit merges, tensor by tensor (inputs streamed: ``run_one_merge``): peak memory is
     the output shard mergekit's writer holds (``darts_bench.config.out_shard_bytes`` of the merge: an eighth of it, 64 MiB to 5e9 bytes)
@@ -454,8 +501,9 @@ def merge(x: PlanInputs) -> dict[str, Any]:
     (:func:`_svd_merge`: SVDs per 2-D matrix x sum of m n min(m, n) at the ``svd`` rate) to ``seconds``. The
     mergekit merges are not timed (seconds of streamed tensor arithmetic; a stage of them alone has no ``seconds``)."""
     cfg, lt = x.cfg, x.largest_tensor
-    mk = [m for m in cfg.merges if not m.uses_data and m.method not in SVD_MERGE_METHODS]
-    data = [_data_merge(x, m) for m in cfg.merges if m.uses_data]
+    mk = [m for m in cfg.merges if not m.uses_data and not m.task_aware and m.method not in SVD_MERGE_METHODS]
+    data = [_data_merge(x, m) for m in cfg.merges if m.uses_data] + [_task_aware_merge(x, m) for m in cfg.merges
+                                                                     if m.task_aware]
     svd = [_svd_merge(x, m) for m in cfg.merges if m.uses_svd]
     merged = [x.params * DTYPE_BYTES[m.dtype] for m in mk] if x.params else []
     shard = max((min(b, out_shard_bytes(b)) for b in merged), default=0)
@@ -467,7 +515,7 @@ def merge(x: PlanInputs) -> dict[str, Any]:
          "memory_bytes": None if peak is None else peak + PROCESS_BASELINE["merge"],
          "memory_note": (f"peak: one output shard {gb(shard)} + base + experts + output of the largest tensor "
                          "in fp32"),
-         "disk_bytes": sum(x.params * DTYPE_BYTES[m.dtype] for m in cfg.merges) if x.params else None,
+         "disk_bytes": sum(_merge_disk_bytes(x, m) for m in cfg.merges) if x.params else None,
          "process_baseline_bytes": PROCESS_BASELINE["merge"]}
     if svd and all(d["seconds"] is not None for d in svd):
         names = [m.name for m in cfg.merges if m.uses_svd]
@@ -481,7 +529,7 @@ def merge(x: PlanInputs) -> dict[str, Any]:
             s["memory_bytes"] = max(s["memory_bytes"], max(mems) + PROCESS_BASELINE["merge"])
             s["memory_note"] += "; the data merges: experts' task vectors + merged graph (AdaMerging), fp64 Grams (RegMean)"
         if all(d["seconds"] is not None for d in data):
-            names = [m.name for m in cfg.merges if m.uses_data]
+            names = [m.name for m in cfg.merges if m.uses_data] + [m.name for m in cfg.merges if m.task_aware]
             s["data_merge_seconds"] = {n: d["seconds"] for n, d in zip(names, data)}
             s["data_merge_flops"] = {n: d["flops"] for n, d in zip(names, data)}
             s["seconds"] = sum(d["seconds"] for d in data) + sum(s.get("svd_merge_seconds", {}).values())
@@ -498,7 +546,7 @@ def collect(x: PlanInputs) -> dict[str, Any]:
     else the ``forward`` rate). One load per task expert and per merge
     (model-major, the latest model kept loaded; with Ray one actor group each)."""
     cfg, cal, W, P, kind = x.cfg, x.cfg.calibration, x.weights, x.params, x.kind
-    M, T = len(cfg.merges), len(x.head_tasks)
+    M, T = sum(not m.task_aware for m in cfg.merges), len(x.head_tasks)  # EMR: no merged model, no features
     seq_tokens = sum(c["tokens"] for c in x.calib.values())  # tokens per feature set (one forward each)
     feature_forward_tokens = seq_tokens * (1 + M)  # expert once, every merge once
     d = x.arch["hidden_size"] if x.arch else None
@@ -596,7 +644,7 @@ def diagnostics_work(x: PlanInputs) -> dict[str, Any]:
     from darts_bench.controls import factored_logits_pay
 
     cfg, cal, scfg = x.cfg, x.cfg.calibration, x.cfg.surgery
-    M, seeds, n_var = len(cfg.merges), len(head_seeds(cfg)), len(surgery_variants(cfg))
+    M, seeds, n_var = sum(not m.task_aware for m in cfg.merges), len(head_seeds(cfg)), len(surgery_variants(cfg))
     d = x.arch["hidden_size"] if x.arch else 0
     n_meth = len(scfg.methods)
     kinds = sum(k in scfg.task_agnostic for k in ("routed", "shared"))
@@ -637,7 +685,7 @@ def train(x: PlanInputs) -> dict[str, Any]:
     optimiser step (``steps``, the shared heads' included). The routers' fits (one least-squares-sized fit
     per (merge, split, seed), under a second each) are not counted."""
     cfg, cal, scfg, ds, kind = x.cfg, x.cfg.calibration, x.cfg.surgery, x.cfg.deepspeed, x.kind
-    M, n_tasks, n_splits = len(cfg.merges), len(x.head_tasks), len(cal.splits)
+    M, n_tasks, n_splits = sum(not m.task_aware for m in cfg.merges), len(x.head_tasks), len(cal.splits)
     runs = len(head_seeds(cfg)) * len(surgery_variants(cfg))  # heads per (merge, task, split, method)
     d = x.arch["hidden_size"] if x.arch else None
     hp = {m: head_params(m, d, scfg.rank, x.max_len, scfg.overflow) for m in scfg.methods} if d else {}
@@ -760,7 +808,8 @@ def one_pass_native(cfg) -> bool:
 
 
 def evaluate(x: PlanInputs) -> dict[str, Any]:
-    """Every evaluated row on every task: generation (HF, or one vLLM engine per evaluation
+    """Every evaluated row on every task (a task-aware (EMR) row row by row on its K per-task checkpoints: K loads,
+    K + 1 models held at once, pinned, for a routed one): generation (HF, or one vLLM engine per evaluation
     process / Ray actor), the reference-answer NLL, and each task's judge (``Task.plan()``). A
     local judge is held beside the row's model in-process (Ray gives it its own actors); one load
     (or engine start) per model dir in row order, the judges' kept.
@@ -825,11 +874,14 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     engine_judges = {t: j for t, j in judges.items() if t not in copy_only}
     layout = one_pass_layout(cfg)
     native = layout is not None
-    groups = Counter(s.merge or s.model for s in x.evaluated)  # rows per model dir
+    # rows per model dir; a task-aware (EMR) row runs row by row on its per-task models: a group of its own
+    groups = Counter(s.model if s.task_aware else (s.merge or s.model) for s in x.evaluated)
     group_sizes = list(groups.values())
     # a routed row (darts_bench/evaluate/routed.py) runs one forward of its merge over each prompt to route it, and
     # generates each routed head's whole chunks: one row row by row (more when a chunk's prompts split across heads)
     n_routed = sum(s.routing == "routed" for s in x.evaluated)
+    n_routed_heads = sum(s.routing == "routed" and not s.task_aware for s in x.evaluated)  # share their oracle's chunks
+    emr_routed = any(s.task_aware and s.routing == "routed" for s in x.evaluated)
     n_groups = len(group_sizes)
     merge_rows = max((groups[m.name] for m in cfg.merges if m.name in groups), default=0)  # rows of one merge
     T = len(x.tasks)
@@ -846,7 +898,7 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         per_row_nll = ti["n_examples"] * (ti["prompt_tokens_est"] + ti["reference_tokens_est"])
         # one pass on in-process HF: a routed row's chunks are its oracle rows' chunks (generated once) while its
         # prompts route to their own task's head; counted as free (misrouted chunks cost one row's share each)
-        eval_gen += (rows - (n_routed if layout == "hf" else 0)) * per_row_gen
+        eval_gen += (rows - (n_routed_heads if layout == "hf" else 0)) * per_row_gen
         eval_nll += ((n_groups if nll_once else (plain_rows + headed_dirs) if head_scores and layout == "vllm"
                       else rows) * per_row_nll)  # transformer tokens
         eval_nll += n_routed * ti["n_examples"] * ti["prompt_tokens_est"]  # a routed row's prompt states
@@ -854,7 +906,10 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
         if j:
             judge_tokens += rows * (j["prompt_tokens_per_row"] + j["new_tokens_per_row"]
                                     + j.get("scored_tokens_per_row", 0))
-    what = ((f"{rows} rows (base, {E} experts, {M} merges, {sum(s.correction != 'none' for s in x.specs)} corrected) x "
+    n_aware = sum(s.task_aware for s in x.specs)
+    what = ((f"{rows} rows (base, {E} experts, {M} merges, "
+             f"{sum(s.correction != 'none' and not s.task_aware for s in x.specs)} corrected"
+             + (f", {n_aware} task-aware (EMR: oracle and routed)" if n_aware else "") + ") x "
              if cfg.evaluate.rows is None else f"{rows} rows ({', '.join(cfg.evaluate.rows)}) x ")
             + ", ".join(f"{t} ({ti['n_examples']}/{ti['of'] or '?'}, {ti['max_new_tokens']} new tokens)"
                         for t, ti in x.tasks.items())
@@ -866,7 +921,11 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
                f"; row by row (evaluate.one_pass: false: {passes} engine passes for {rows * T} row x task evaluations"
                + (f"; a merge's {merge_rows} rows in {per_merge}" if merge_rows else "") + ")"))
     where = where_executor(cfg) + "".join(f"; {n['where']}" for n in x.needs.values() if n.get("where"))
-    row_dirs = [s.merge or s.model for s in x.evaluated]  # a corrected row runs on its merge's checkpoint
+    row_dirs = [s.merge or s.model for s in x.evaluated if not s.task_aware]  # a corrected row: its merge's checkpoint
+    for s_ in x.evaluated:  # a task-aware row: each task's own checkpoint; a routed one the base's too (its router)
+        if s_.task_aware:
+            row_dirs += [f"{s_.merge}/tasks/{e}" for e in cfg.pool.expert_names] + (["base"] if s_.routing == "routed"
+                                                                                 else [])
     pinned = {j.split("+", 1)[0] for j in judges.values()}
     s: dict[str, Any] = {
         "what": what, "where": where, "memory_bytes": None,
@@ -922,6 +981,8 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
             return vllm_generation_seconds(prompt_tokens, new_tokens, P, kind, cfg, e, requests=requests)
     else:
         n_models = 1 if ray else 1 + len(pinned)  # Ray: a judge has its own actors
+        if emr_routed and not ray:  # an EMR routed row pins every task's model and the base (evaluate.task_aware_model)
+            n_models += E + 1
         bs = cfg.tasks.batch_size
         dtype_b = _max_dtype_bytes(x)
         gen_batch = one_pass_batch(cfg, max(group_sizes, default=1)) if native else bs

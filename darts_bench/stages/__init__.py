@@ -11,6 +11,7 @@ plain :class:`~darts_bench.report.record.RunRecord`.
 * :mod:`.collect` — calibration sets (expert continuations) and merged features.
 * :mod:`.train` — Surgery / DARTS heads per (merge, task, split, variant, seed) and their diagnostics.
 * :mod:`.evaluate` — every row on every task (cached per (row, task)).
+* :mod:`.emr` — the routers of the task-aware merges' ``@routed`` rows (EMR-Merging).
 The pool and merge stages are single calls (:func:`darts_bench.pool.build_pool`,
 :func:`darts_bench.merge.build_merges`).
 """

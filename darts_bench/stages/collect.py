@@ -31,11 +31,12 @@ def collect(cfg, pool, merges: dict[str, Path], loaded, executor, work_dir: Path
     models at the end (no model stays loaded into train / evaluate).
     """
     tasks, tok, fmt = loaded.tasks, loaded.tokenizer, loaded.formatter
+    task_aware = {m.name for m in cfg.merges if m.task_aware}
     n_sets = len(cfg.calibration.splits) + 1  # + the reference answers
     n_tasks = sum(t.expert is not None for t, _ in tasks.values())
     calib: dict[tuple[str, str], CalibrationSet] = {}
     feats: dict[tuple[str, str, str], FeatureSet] = {}
-    with overall_bar(n_tasks * n_sets * (1 + len(merges)), "collect", unit="feature set") as bar, \
+    with overall_bar(n_tasks * n_sets * (1 + len(set(merges) - task_aware)), "collect", unit="feature set") as bar, \
             open_models(cfg, executor, role="calibration") as backend:  # the experts' continuations
         for name, (task, examples) in tasks.items():
             if task.expert is None:
@@ -53,6 +54,8 @@ def collect(cfg, pool, merges: dict[str, Path], loaded, executor, work_dir: Path
                 work_dir, expert_key, references=[e.reference for e in examples], backend=backend)
             bar.update(1)
         for m, mdir in merges.items():
+            if m in task_aware:
+                continue  # a model per task, no merged model to correct (EMR): no merged features, no heads
             for name in tasks:
                 if (name, "reference") not in calib:
                     continue  # a task without an expert has no calibration sets

@@ -190,6 +190,14 @@ def _evaluate_rows(cfg, rows, tasks, executor, work_dir, results, by_name, memos
                     bar.update(1)
             return
         for group in model_groups(rows):
+            if group[0].task_aware:  # a model per task (EMR): no multi-head model of one merge; row by row
+                for row in group:
+                    for name, (task, examples) in tasks.items():
+                        bar.set_postfix_str(f"{row.model} / {name}")
+                        results[row.model][name] = evaluate_one(cfg, row, task, examples, by_name, results, models,
+                                                                work_dir, memos=memos)
+                        bar.update(1)
+                continue
             for name, (task, examples) in tasks.items():
                 for row, res in zip(group, evaluate_group(cfg, group, task, examples, by_name, results, models,
                                                           work_dir, bar, memos=memos)):
@@ -207,7 +215,10 @@ def model_groups(rows: list[Row]) -> list[list[Row]]:
 
 def runs_plain_merge(row: Row, task: str) -> bool:
     """Whether ``row`` runs its merge without a head on ``task``: a merge's plain row, or a corrected row (not routed)
-    without a head for the task (it is its merge there: its evaluation is keyed by the merge's model key)."""
+    without a head for the task (it is its merge there: its evaluation is keyed by the merge's model key). Never for
+    a task-aware row (EMR)."""
+    if row.task_aware:  # a task-aware row (EMR) runs its task's model (or a routed one), never a merged model
+        return False
     return bool(row.merge) and (row.correction == "none" or (row.routing != "routed" and task not in row.heads))
 
 
@@ -319,6 +330,8 @@ def row_model(row: Row, task: str, models, cfg):
     """The row's model on ``task`` for the row-by-row path: ``models.get`` of its model dir with the
     task's head, or for a routed row a :class:`~darts_bench.evaluate.routed.RoutedTextModel` over the
     plain merge and each task's head (prompt states: :func:`~darts_bench.evaluate.routed.prompt_state_source`)."""
+    if row.task_aware:
+        return task_aware_model(row, task, models, cfg)
     if row.routing != "routed":
         return models.get(row.model, row.model_dir, row.heads.get(task))
     from darts_bench.evaluate.routed import RoutedTextModel, prompt_state_source
@@ -328,6 +341,31 @@ def row_model(row: Row, task: str, models, cfg):
     heads = {t: models.get(f"{row.model}/{t}", row.model_dir, hd) for t, hd in row.heads.items()}
     return RoutedTextModel(row.model, Router.load(row.router / "router.json"), plain, heads, cfg.tasks.batch_size,
                            states=prompt_state_source(plain, row.model_dir, cfg))
+
+
+def task_aware_model(row: Row, task: str, models, cfg):
+    """A task-aware (EMR) row's model on ``task``: the oracle row runs ``task``'s own checkpoint
+    (``row.task_models[task]``: its expert's mask and rescaler); the routed row a
+    :class:`~darts_bench.evaluate.routed.RoutedTextModel` whose "heads" are every task's checkpoint, routed by the
+    prompt states of ``row.states_dir`` (the base; :mod:`darts_bench.stages.emr`), every model pinned.
+
+    Raises:
+        ValueError: the oracle row on a task without an expert (no task model to choose)."""
+    if row.routing != "routed":
+        if task not in row.task_models:
+            raise ValueError(f"row {row.model!r}: task {task!r} has no expert, so the task-aware merge has no model "
+                             f"for it (task models: {sorted(row.task_models)}); set tasks.{task}.expert or leave "
+                             f"the row out (evaluate.rows)")
+        return models.get(row.model, row.task_models[task], None)
+    from darts_bench.evaluate.routed import RoutedTextModel, prompt_state_source
+    from darts_bench.surgery.routing import Router
+
+    # pinned: the routed row holds every task's model at once (a Ray backend releases an unpinned model dir's
+    # actors when the next one opens); they stay loaded until the stage ends (HF in process: K + 1 models)
+    plain = models.get("base", row.states_dir, None, pin=True)
+    heads = {t: models.get(f"{row.model}/{t}", d, None, pin=True) for t, d in row.task_models.items()}
+    return RoutedTextModel(row.model, Router.load(row.router / "router.json"), plain, heads, cfg.tasks.batch_size,
+                           states=prompt_state_source(plain, row.states_dir, cfg))
 
 
 # --------------------------------------------------------------------------- one pass

@@ -1,0 +1,102 @@
+"""The routers of the task-aware merges' ``@routed`` rows (EMR-Merging, :mod:`darts_bench.merge.emr`).
+
+An EMR row needs the task to choose the task's mask and rescaler. The ``<merge>@routed`` row replaces the
+label with a router (:mod:`darts_bench.surgery.routing`, ``surgery.routing``: nearest centroid or probe),
+which reads the **base** model's final hidden state mean-pooled over the prompt
+(``HFTextModel.prompt_states``): the one model every EMR task model shares before a mask is chosen (there
+is no merged model to read, unlike a head row's router, which reads its merge). It is fitted per
+calibration split on the calibration prompts the heads use (:func:`darts_bench.merge.data.prompts_by_task`),
+their training part under the run seed (:func:`darts_bench.surgery.train.split_by_sequence`, the heads'
+``held_out_fraction`` and split seeds), and scored on the held-out part (``routing.json``, as a head
+router's). The evaluate stage routes each benchmark prompt with the same ``prompt_states`` (the backend's
+base model in process, else an HF copy: :func:`darts_bench.evaluate.routed.prompt_state_source`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from darts_bench.artifacts import cached, stable_hash
+
+log = logging.getLogger("darts_bench")
+
+
+def emr_router_key(cfg, pool, prompts: dict, split: str) -> str:
+    """Cache key of one task-aware router: the base's key, the prompts (:func:`darts_bench.merge.data.data_key`),
+    the split, held-out fraction and run seed, ``surgery.routing``, the states' numerics (``tasks.batch_size``,
+    ``pool.dtype``, device) and :data:`~darts_bench.surgery.routing.ROUTER_VERSION`."""
+    from darts_bench.merge.data import data_key
+    from darts_bench.surgery.routing import ROUTER_VERSION
+
+    return stable_hash({"base": pool.model_key("base"), "data": data_key(prompts, cfg), "split": split,
+                        "held_out": cfg.calibration.held_out_fraction, "seed": cfg.seed,
+                        "routing": cfg.surgery.routing.model_dump(mode="json"), "batch_size": cfg.tasks.batch_size,
+                        "dtype": cfg.pool.dtype, "version": ROUTER_VERSION})
+
+
+def emr_routers(cfg, pool, merges: dict[str, Path], loaded, work_dir: Path) -> dict[tuple[str, str, None], Path]:
+    """One router per (task-aware merge in ``merges``, calibration split), cached under
+    ``routers/<merge>-<split>-<key>/`` (``router.json``, ``routing.json`` with per task ``train_sequences``,
+    ``held_out_sequences``, ``held_out_routed``, ``held_out_acc``, ``train_acc``).
+
+    Returns:
+        ``{(merge, split, None): router dir}`` (no head seed: EMR rows have none).
+    Raises:
+        ValueError: fewer than two tasks with an expert (nothing to route between)."""
+    from darts_bench.evaluate.engines.hf import load_text_model
+    from darts_bench.merge.data import prompts_by_task
+    from darts_bench.stages.train import split_seed
+    from darts_bench.surgery.routing import fit_router, routing_accuracy
+    from darts_bench.surgery.train import split_by_sequence
+
+    out: dict[tuple[str, str, None], Path] = {}
+    rc = cfg.surgery.routing
+    for spec in cfg.merges:
+        if not spec.task_aware or spec.name not in merges:
+            continue
+        for split in cfg.calibration.splits:
+            prompts = prompts_by_task(cfg, loaded, split)
+            final = work_dir / "routers" / f"{spec.name}-{split}-{emr_router_key(cfg, pool, prompts, split)}"
+
+            def build(tmp: Path, prompts=prompts, split=split) -> None:
+                states = load_text_model(pool.base, "emr-router-states", device=cfg.device, dtype=cfg.pool.dtype,
+                                         batch_size=cfg.tasks.batch_size)
+                try:
+                    X, parts = {}, {}
+                    for name, (_, ps) in prompts.items():
+                        F = np.asarray(states.prompt_states(ps), dtype=np.float64)
+                        tr, va = split_by_sequence(len(ps), cfg.calibration.held_out_fraction,
+                                                   split_seed(cfg.seed, name, split))
+                        X[name], parts[name] = F[tr], (tr, va, F[va])
+                finally:
+                    if hasattr(states, "close"):
+                        states.close()
+                router, _ = fit_router(X, rc.router, rc.C)
+                router.save(tmp / "router.json")
+                tasks_ = {}
+                for name, (tr, va, Fv) in parts.items():
+                    routed = router.predict(Fv)
+                    tasks_[name] = {"train_sequences": tr, "held_out_sequences": va, "held_out_routed": routed,
+                                    "held_out_acc": routing_accuracy(routed, name), "n_heldout": len(va),
+                                    "train_acc": routing_accuracy(router.predict(X[name]), name)}
+                (tmp / "routing.json").write_text(json.dumps({"router": rc.router, "classes": router.classes,
+                                                              "states": "base", "tasks": tasks_}))
+
+            cached(final, build, what=f"fit router {spec.name}/{split} (base prompt states)",
+                   meta={"kind": "router", "merge": spec.name, "split": split, "states": "base"})
+            out[(spec.name, split, None)] = final
+    return out
+
+
+def task_experts(cfg, task_names: list[str]) -> dict[str, str | None]:
+    """Task -> its expert (``Task.expert`` with ``tasks.<name>.expert`` applied; None: no expert)."""
+    from darts_bench.api import get_task
+
+    return {t: get_task(t, getattr(cfg.tasks, t)).expert for t in task_names}
+
+
+__all__ = ["emr_router_key", "emr_routers", "task_experts"]
