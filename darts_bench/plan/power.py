@@ -58,17 +58,13 @@ def claims_plan(cfg, task_names: list[str], power_from: Path | None = None) -> d
         ``cells`` per split; ``mde`` on the family's scale (log ratio for ``kl_*``), ``mde_relative`` the
         relative change ``1 - exp(-mde)`` for log ratios; None below 3 cells.
     """
-    from darts_bench.config import DATA_MERGE_METHODS
-    from darts_bench.report.decide import CONTRASTS, LOG_RATIO
+    from darts_bench.report.decide import CONTRASTS, LOG_RATIO, merge_labels, merge_sets
     from darts_bench.report.meta import MIN_CELLS, planned_mde
 
     var = variances_from(power_from) if power_from else {"within_var": DEFAULT_WITHIN_VAR, "tau2": DEFAULT_TAU2,
                                                          "source": DEFAULT_SOURCE}
     with_heads = [t for t in task_names if cfg.tasks.expert(t) is not None]
-    planted = {m.name for m in cfg.merges if m.planted_drift}
-    merges = {"real": [m.name for m in cfg.merges if m.name not in planted],
-              "strong": [m.name for m in cfg.merges if m.method in DATA_MERGE_METHODS and m.name not in planted],
-              "planted": sorted(planted)}
+    merges = merge_sets(merge_labels(cfg.merges), [m.name for m in cfg.merges if m.planted_drift])
     methods = set(cfg.surgery.methods) | {"none"}
     out = []
     for c in CONTRASTS:

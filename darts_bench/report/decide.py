@@ -85,6 +85,24 @@ def is_fix(label: str) -> bool:
     return label in FIX_METHODS or label.endswith("+svc")
 
 
+def merge_sets(labels: dict[str, str], planted: Iterable[str] = (), present: Iterable[str] | None = None
+               ) -> dict[str, set[str]]:
+    """Which merges each kind of line (:attr:`Contrast.merges`) reads: ``real`` every merge with heads but the
+    planted ones, ``strong`` the data merges, ``fix`` the strong training-free fixes (:func:`is_fix`),
+    ``planted`` the merges with a planted drift. ``labels``: merge -> label (:func:`merge_labels`);
+    ``present``: the merges with evidence (default: every labelled merge). Task-aware merges (EMR: a model per
+    task, no heads) are in none of them. The report (:func:`decide`) and the planner
+    (:func:`darts_bench.plan.power.claims_plan`) both read it."""
+    from darts_bench.config import DATA_MERGE_METHODS, TASK_AWARE_METHODS
+
+    planted = set(planted)
+    present = set(labels) if present is None else set(present)
+    aware = {m for m, lab in labels.items() if lab in TASK_AWARE_METHODS}
+    real = present - planted - aware
+    return {"real": real, "strong": {m for m in real if labels.get(m) in DATA_MERGE_METHODS},
+            "fix": {m for m in real if is_fix(labels.get(m, ""))}, "planted": planted & present}
+
+
 @dataclass(frozen=True)
 class Contrast:
     """One claim line's pair: rows ``a`` and ``b`` as (variant-tag suffix, row kind) of a cell; a row kind is
@@ -467,14 +485,10 @@ def decide(sequences: list[dict], examples: list[dict], meta: dict[str, dict[str
     """
     from statsmodels.stats.multitest import multipletests
 
-    from darts_bench.config import DATA_MERGE_METHODS
     from darts_bench.stages import derive_seed
 
-    planted = set(planted)
     all_merges = {m["merge"] for m in meta.values() if m.get("merge")} | {s["merge"] for s in sequences}
-    strong = {m for m, meth in (merge_methods or {}).items() if meth in DATA_MERGE_METHODS} - planted
-    fix = {m for m, meth in (merge_methods or {}).items() if is_fix(meth)} - planted
-    pick = {"real": all_merges - planted, "strong": strong, "fix": fix, "planted": planted & all_merges}
+    pick = merge_sets(merge_methods or {}, planted, all_merges)
     alpha = float(claims_cfg["alpha"])
     fam0, secondary = claims_cfg["primary"], list(claims_cfg["secondary"])
     kinds = {s_rows for s in sequences for s_rows in s["rows"]} | {m["correction"] for m in meta.values()
