@@ -59,7 +59,7 @@ def collect(cfg, pool, merges: dict[str, Path], loaded, executor, work_dir: Path
             bar.update(1)
         for m, mdir in merges.items():
             if m in task_aware:
-                continue  # a model per task, no merged model to correct (EMR): no merged features, no heads
+                continue  # a model per task, no merged model to correct (EMR): no heads; collect_task_aware below
             for name in tasks:
                 if (name, "reference") not in calib:
                     continue  # a task without an expert has no calibration sets
