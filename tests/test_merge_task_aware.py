@@ -161,7 +161,8 @@ def _check_emr_evidence(cfg, pipe, col, tr, emr_dir, out):
     for key in ("3-emr", "3-emr-routed"):
         assert dec[(key, split)]["cells"] == 3, dec.get((key, split))
         assert f"| 3 | {key} | DARTS beats EMR-Merging" in claims
-        assert all(f"| {key} | {split} | em | {t} | kl_expert_gen |" in claims for t in ("humaneval", "gsm8k", "alpacaeval"))
+        assert all(f"| {key} | {split} | em | {t} | kl_expert_gen |" in claims
+                   for t in ("humaneval", "gsm8k", "alpacaeval"))
 
 
 def _smollm2(overrides=()):
