@@ -60,6 +60,7 @@ def test_emr_and_expert_merging_in_a_micro_run(micro_cfg_path, micro_pipeline, t
         pipe.report()
         rows = {r.model: r for r in pipe.rows()}
         merges = pipe.merge()
+        col, tr = pipe.collect(), pipe.train()
         exported = export_row(pipe, "emr", tmp_path / "export")
         with pytest.raises(ValueError, match="export the oracle row 'emr'"):
             export_row(pipe, "emr@routed", tmp_path / "export2")
@@ -101,6 +102,67 @@ def test_emr_and_expert_merging_in_a_micro_run(micro_cfg_path, micro_pipeline, t
     assert det["em"]["method"] == "expert_merging" and set(det["em"]["coefficients"]) == {"code", "math",
                                                                                           "instruction"}
     assert det["emr"]["method"] == "emr" and set(det["emr"]["rescalers"]) == {"code", "math", "instruction"}
+    _check_emr_evidence(cfg, pipe, col, tr, merges["emr"], tmp_path / "results")
+
+
+def _check_emr_evidence(cfg, pipe, col, tr, emr_dir, out):
+    """The EMR rows' behaviour evidence: the oracle's held-out KL / agreement sums on gsm8k's held-out continuation
+    tokens equal those computed here directly from the reconstructed task checkpoint and the expert (a forward of
+    each full sequence; the stage's features come from left-padded batches, so the KL agrees to float32 rounding,
+    rel 1e-4, and the top-1 agreement count exactly); the routed row's sums equal the oracle's on every sequence
+    routed to its own task and another checkpoint's elsewhere; the EMR claim lines reach claims.md with cells."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from darts_bench.data import read_jsonl
+    from darts_bench.merge.emr import task_dir
+    from darts_bench.surgery.data import shared_template
+
+    split, seed = cfg.calibration.splits[0], cfg.seed
+    d = tr["task_aware_runs"][("emr", "gsm8k", split, "", seed)]
+    ps = d["per_sequence"]["gen"]
+    meta = col["calibration"][("gsm8k", split)].meta
+    template = shared_template(meta)
+    models = [AutoModelForCausalLM.from_pretrained(p, torch_dtype=torch.float32).eval()
+              for p in (pipe.pool().path("math"), task_dir(emr_dir, "math"))]
+    assert ps["sequence"] == sorted(d["held_out_sequences"])
+    for j, i in enumerate(ps["sequence"]):
+        ids = meta["sequences"][i]
+        with torch.no_grad():
+            le, lm = (mod(torch.tensor([ids])).logits[0].float() for mod in models)
+        pos = [p for p in range(meta["prompt_len"][i] - 1, len(ids) - 1) if p not in template]
+        lpe, lpm = torch.log_softmax(le[pos], -1), torch.log_softmax(lm[pos], -1)
+        kl = float((lpe.exp() * (lpe - lpm)).sum(-1).double().sum())
+        agree = int((le[pos].argmax(-1) == lm[pos].argmax(-1)).sum())
+        assert ps["n_tokens"][j] == len(pos)
+        assert ps["emr"]["kl_sum"][j] == pytest.approx(kl, rel=1e-4, abs=1e-6)
+        assert ps["emr"]["agree_sum"][j] == agree
+    # routed: the oracle's sums wherever the base-state router picks gsm8k, the picked task's checkpoint elsewhere
+    routing = json.loads((col["task_aware_routers"][("emr", split, None)] / "routing.json").read_text())
+    picks = routing["tasks"]["gsm8k"]["sequences_routed"]
+    assert len(picks) == len(meta["sequences"])
+    own = [j for j, i in enumerate(ps["sequence"]) if picks[i] == "gsm8k"]
+    assert own and all(ps["emr@routed"][q][j] == ps["emr"][q][j] for j in own for q in ps["emr"])
+    for j, i in enumerate(ps["sequence"]):
+        if picks[i] != "gsm8k":  # that checkpoint's features were collected on gsm8k's set
+            assert (("emr", "gsm8k", split, {"humaneval": "code", "alpacaeval": "instruction"}[picks[i]])
+                    in col["task_aware"])
+    # the records reach the evidence file, on the same sequence ids as the merges' rows
+    recs = [r for r in read_jsonl(out / "evidence" / "sequences.jsonl.gz") if r["set"] == "gen"]
+    emr_ids = {r["sequence"] for r in recs if r["merge"] == "emr" and r["task"] == "gsm8k" and r["split"] == split}
+    em_ids = {r["sequence"] for r in recs if r["merge"] == "em" and r["task"] == "gsm8k" and r["split"] == split}
+    assert emr_ids == em_ids == set(ps["sequence"])
+    rec = next(r for r in recs if r["merge"] == "emr" and r["task"] == "gsm8k" and r["split"] == split)
+    assert set(rec["rows"]) == {"emr", "emr@routed"}
+    # the claim lines: one cell per (real merge, task): em x 3 tasks
+    claims = (out / "claims.md").read_text()
+    res = json.loads((out / "results.json").read_text())
+    dec = {(x["line"], x["split"]): x for x in res["decisions"]}
+    for key in ("3-emr", "3-emr-routed"):
+        assert dec[(key, split)]["cells"] == 3, dec.get((key, split))
+        assert f"| 3 | {key} | DARTS beats EMR-Merging" in claims
+        assert all(f"| {key} | {split} | em | {t} | kl_expert_gen |" in claims
+                   for t in ("humaneval", "gsm8k", "alpacaeval"))
 
 
 def _smollm2(overrides=()):
@@ -136,8 +198,10 @@ def test_plan_counts_expert_merging_steps(steps):
 
 
 def test_plan_counts_emr_models_and_disk():
-    """EMR: K per-task checkpoints and the record on disk; no features or heads; the evaluate stage loads each
-    task's model (K) and, for a routed row, the base."""
+    """EMR: K per-task checkpoints and the record on disk; no heads; each task's checkpoint's features on its task's
+    calibration sets (the oracle row's evidence: every set's tokens once more, K loads) and its plain-row diagnostics
+    (three matmuls per held-out and reference token); the evaluate stage loads each task's model (K) and, for a
+    routed row, the base. The claim lines 3-emr / 3-emr-routed count (merge with heads, task) cells."""
     from darts_bench.plan import make_plan
 
     plan = make_plan(_smollm2(["merges=[{name: emr, method: emr}]", "evaluate.rows=null"]))
@@ -145,11 +209,21 @@ def test_plan_counts_emr_models_and_disk():
     st = plan["stages"]
     assert st["merge"]["disk_bytes"] == pytest.approx(3 * P * 4 + P * 4 + 3 * P / 8)
     assert "emr: EMR-Merging" in st["merge"]["what"] and "emr" in st["merge"]["data_merge_seconds"]
-    assert "of 0 merges" in st["collect"]["what"]
+    assert "of 0 merges" in st["collect"]["what"] and "1 task-aware merge(s) (EMR)" in st["collect"]["what"]
+    seq_tokens = sum(c["tokens"] for c in st["collect"]["calibration"].values())
+    assert st["collect"]["feature_forward_tokens"] == 2 * seq_tokens and st["collect"]["model_loads"] == 3 + 3
+    assert st["train"]["diagnostics_matmuls"] == 3 * st["train"]["diagnostics_tokens"] > 0
+    from darts_bench.plan.power import claims_plan
+
+    names = ["humaneval", "gsm8k", "alpacaeval"]
+    cfg1 = _smollm2(["merges=[{name: emr, method: emr}]", "evaluate.rows=null"])
+    assert not any(ln["line"].startswith("3-emr") for ln in claims_plan(cfg1, names)["lines"])  # no merge with heads
     assert "3 task-aware (EMR: oracle and routed)" in st["evaluate"]["what"]
-    both = make_plan(_smollm2(["merges=[{name: emr, method: emr}, {name: ta, method: task_arithmetic}]",
-                               "evaluate.rows=null"]))
+    cfg2 = _smollm2(["merges=[{name: emr, method: emr}, {name: ta, method: task_arithmetic}]", "evaluate.rows=null"])
+    both = make_plan(cfg2)
     assert both["stages"]["evaluate"]["model_loads"] == 1 + 3 + 1 + 3  # base, experts, ta, EMR's 3 task models
+    lines = {ln["line"]: ln for ln in claims_plan(cfg2, names)["lines"]}
+    assert lines["3-emr"]["cells"] == lines["3-emr-routed"]["cells"] == lines["3"]["cells"] == 3  # ta x 3 tasks
 
 
 def test_preflight_names_emr_rows_that_cannot_run():

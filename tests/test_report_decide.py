@@ -195,3 +195,55 @@ def test_experts_table_pairs_each_expert_with_the_base_on_its_own_task():
     assert t.loc["humaneval", "diff"] == pytest.approx(0.3) and t.loc["humaneval", "p"] == pytest.approx(2 / 64)
     assert t.loc["humaneval", "skill"] == "expert better" and t.loc["humaneval", "ref_nll_diff"] == pytest.approx(-1.0)
     assert t.loc["gsm8k", "skill"] == "no difference shown" and t.loc["gsm8k", "diff"] == 0.0
+
+
+def test_darts_vs_emr_lines_pair_every_merge_with_the_emr_rows_of_the_same_sequences():
+    """Claim 3's EMR lines (cross-merge): per (merge, task) cell, DARTS of that merge against the EMR merge's rows
+    of the same task, split, seed and held-out sequences. Planted: DARTS's KL per sequence is ``2 b_i r_i`` with
+    ``b_i`` EMR-Merging's (oracle) KL and ``r_i`` noise normalised so that ``sum_i b_i r_i = sum_i b_i``: every
+    cell's log ratio is exactly log 2 with a non-zero variance, so the oracle line is `not supported` with estimate
+    log 2; against the routed row (``b_i r_i``: ratio exactly 1) it is no verdict, estimate 0."""
+    rng = np.random.default_rng(3)
+    labels = {**{m: "task_arithmetic" for m in MERGES}, "emr": "emr", "emr2": "emr"}
+    seqs = []
+    for t in TASKS:
+        n = rng.integers(20, 60, 21)
+        b = n * 0.3 * rng.lognormal(0, 0.3, 21)  # EMR's per-sequence KL sums (nats), shared by every merge's cell
+        seqs += [{"merge": "emr", "task": t, "split": "transductive", "variant": "", "seed": 0, "set": "gen",
+                  "sequence": i, "n_tokens": int(n[i]), "boot_seed": 1,
+                  "rows": {"emr": {"kl_sum": float(b[i]), "agree_sum": 0.5 * n[i]},
+                           "emr@routed": {"kl_sum": float(b[i]), "agree_sum": 0.5 * n[i]}}} for i in range(21)]
+        # a second EMR merge, far worse: the lines read the first task-aware merge only
+        seqs += [{**s, "merge": "emr2", "rows": {k: {**v, "kl_sum": 100 * v["kl_sum"]} for k, v in s["rows"].items()}}
+                 for s in seqs[-21:]]
+        for m in MERGES:
+            r = rng.lognormal(0, 0.2, 21)
+            r *= b.sum() / (b * r).sum()
+            seqs += [{"merge": m, "task": t, "split": "transductive", "variant": "", "seed": 0, "set": "gen",
+                      "sequence": i, "n_tokens": int(n[i]), "boot_seed": 1,
+                      "rows": {"none": {"kl_sum": float(4 * b[i]), "agree_sum": 0.4 * n[i]},
+                               "surgery": {"kl_sum": float(3 * b[i]), "agree_sum": 0.5 * n[i]},
+                               "darts": {"kl_sum": float(2 * b[i] * r[i]), "agree_sum": 0.5 * n[i]}}}
+                     for i in range(21)]
+    # the routed row: DARTS's KL over it is exactly 1 in every cell (b_i r_i summed = b_i summed)
+    for s in seqs:
+        if s["merge"] == "emr":
+            s["rows"]["emr@routed"]["kl_sum"] *= 2
+    cfg = {**ClaimsConfig().model_dump(), "secondary": [], "null_replicates": 0}
+    lines = {ln["contrast"].key: ln for ln in decide(seqs, [], {}, list(TASKS), {}, cfg, ["transductive"], 0, labels)}
+    oracle, routed = lines["3-emr"], lines["3-emr-routed"]
+    assert oracle["n_cells"] == 15 and {(c.merge, c.task) for c in oracle["cells"]} == {(m, t) for m in MERGES
+                                                                                       for t in TASKS}
+    assert all(c.y == pytest.approx(math.log(2), abs=1e-12) and c.v > 0 for c in oracle["cells"])
+    assert oracle["verdict"] == "not supported" and oracle["meta"].estimate == pytest.approx(math.log(2), abs=1e-12)
+    assert "EMR-Merging (task's mask and rescaler) is better" in oracle["sentence"]
+    assert "100.0% higher for DARTS than EMR-Merging (task's mask and rescaler)" in oracle["sentence"]
+    # the EMR side is shared by the 5 merges' cells of a task: the stratified test clusters its 3 x 21 sequences
+    assert oracle["stratified"]["clusters"] == 3 * 21
+    assert routed["n_cells"] == 15 and routed["verdict"] == "inconclusive"
+    assert routed["meta"].estimate == pytest.approx(0.0, abs=1e-12) and "EMR-Merging, routed" in routed["sentence"]
+    # DARTS vs Surgery is unaffected by the EMR records; no EMR merge, no EMR line
+    assert lines["3"]["n_cells"] == 15 and not any(c.merge.startswith("emr") for c in lines["3"]["cells"])
+    plain = decide([s for s in seqs if not s["merge"].startswith("emr")], [], {}, list(TASKS), {}, cfg,
+                   ["transductive"], 0, {m: "task_arithmetic" for m in MERGES})
+    assert not any(ln["contrast"].key.startswith("3-emr") for ln in plain)

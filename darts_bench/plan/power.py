@@ -68,9 +68,14 @@ def claims_plan(cfg, task_names: list[str], power_from: Path | None = None) -> d
     methods = set(cfg.surgery.methods) | {"none"}
     out = []
     for c in CONTRASTS:
-        if c.a not in methods or c.b not in methods or (c.b_control and c.b_control not in cfg.surgery.controls):
+        if c.b_merge:  # a cross-merge line (EMR): its b row is the task-aware merge's, which needs no head
+            if c.a not in methods or not merges[c.b_merge]:
+                continue
+            if c.b.endswith("@routed") and len(with_heads) < 2:
+                continue  # nothing to route between: no routed row (preflight says so)
+        elif c.a not in methods or c.b not in methods or (c.b_control and c.b_control not in cfg.surgery.controls):
             continue
-        k = len(merges[c.merges]) * len(with_heads)
+        k = len(merges[c.merges]) * len(with_heads)  # cells: (merge with heads, task); EMR's side is shared per task
         if k == 0:
             continue
         mde = planned_mde(k, var["within_var"], var["tau2"], cfg.claims.alpha) if k >= MIN_CELLS else None

@@ -544,11 +544,17 @@ def collect(x: PlanInputs) -> dict[str, Any]:
     merge, stored in ``pool.dtype``, with the expert's next-token entropies (the ``logits`` rate) and the
     merges' only when a surgery variant reads them (:func:`~darts_bench.rows.merged_entropy_needed`;
     else the ``forward`` rate). One load per task expert and per merge
-    (model-major, the latest model kept loaded; with Ray one actor group each)."""
+    (model-major, the latest model kept loaded; with Ray one actor group each).
+
+    A task-aware merge (EMR, :func:`darts_bench.stages.collect.collect_task_aware`) has no merged model: each task's
+    checkpoint on its task's sets (the oracle row's evidence: the tokens of every set once, K loads); the routed
+    row's other checkpoints on a task's split only where the router sends a prompt there (not counted: up to
+    K - 1 times each split's tokens, none when every prompt is routed to its own task)."""
     cfg, cal, W, P, kind = x.cfg, x.cfg.calibration, x.weights, x.params, x.kind
-    M, T = sum(not m.task_aware for m in cfg.merges), len(x.head_tasks)  # EMR: no merged model, no features
+    M, T = sum(not m.task_aware for m in cfg.merges), len(x.head_tasks)
+    A = sum(m.task_aware for m in cfg.merges)  # EMR: its task checkpoints' features, no merged model
     seq_tokens = sum(c["tokens"] for c in x.calib.values())  # tokens per feature set (one forward each)
-    feature_forward_tokens = seq_tokens * (1 + M)  # expert once, every merge once
+    feature_forward_tokens = seq_tokens * (1 + M + A)  # expert once, every merge once, each EMR task model its sets
     d = x.arch["hidden_size"] if x.arch else None
     calib = {k: {**c, "disk_bytes_per_merge": c["tokens"] * d * x.pool_bytes * 2 if d else None}  # expert + merged h
              for k, c in x.calib.items()}
@@ -559,16 +565,18 @@ def collect(x: PlanInputs) -> dict[str, Any]:
         "what": (f"{T} tasks x {len(cal.splits)} splits ({', '.join(cal.splits)}) + reference answers: "
                  f"expert greedy continuations ({cal.max_new_tokens} new tokens), then final hidden states of the "
                  f"expert (and its entropies) and of {M} merges"
-                 + (" (and theirs: surgery.entropy_source merged)" if merged_entropy_needed(cfg) else "")),
+                 + (" (and theirs: surgery.entropy_source merged)" if merged_entropy_needed(cfg) else "")
+                 + (f"; {A} task-aware merge(s) (EMR): each task's checkpoint on its task's sets (+ the routed "
+                    "row's other checkpoints where its router sends a prompt, not counted)" if A else "")),
         "where": where_executor(cfg),
         "memory_bytes": None,
         "memory_note": (f"per worker: weights {gb(W)} + activations {gb(act)} "
                         f"(batch {cal.batch_size} x {cal_seq} tokens, logits dominate) + KV cache {gb(kv)}"),
-        "disk_bytes": seq_tokens * d * x.pool_bytes * (1 + M) if d else None,  # expert features shared by merges
+        "disk_bytes": seq_tokens * d * x.pool_bytes * (1 + M + A) if d else None,  # expert features shared by merges
         "calibration": calib,
         "generation_tokens": sum(c["tokens"] for c in x.splits.values()),
         "feature_forward_tokens": feature_forward_tokens,
-        "model_loads": T + M,
+        "model_loads": T + M + A * T,
         "process_baseline_bytes": PROCESS_BASELINE["collect"]}
     if x.arch is None:
         return s
@@ -603,7 +611,7 @@ def collect(x: PlanInputs) -> dict[str, Any]:
     # (the lm_head and softmax skipped) unless a surgery variant reads it (entropy_source: merged)
     merged_rate = "logits" if merged_entropy_needed(cfg) else "forward"
     s["seconds"] = (gen_s + forward_seconds(seq_tokens, P, kind, rate="logits")
-                    + forward_seconds(seq_tokens * M, P, kind, rate=merged_rate))
+                    + forward_seconds(seq_tokens * (M + A), P, kind, rate=merged_rate))
     return _finish(s, kind, x.workers)
 
 
@@ -637,6 +645,10 @@ def diagnostics_work(x: PlanInputs) -> dict[str, Any]:
     references (once: the KL weight source). Held-out tokens are ``calibration.held_out_fraction`` of a set's
     tokens, reference tokens ``n_examples x reference_tokens_est`` of the task.
 
+    A task-aware merge (EMR, :func:`darts_bench.stages.train.task_aware_runs`) adds per (task, split, seed) one
+    pass of its task checkpoint's plain row over the held-out and reference tokens (three matmuls and passes per
+    token, no head); the routed row's other checkpoints' held-out passes are not counted (router-dependent).
+
     Returns ``{"diagnostics_tokens"`` (tokens scored, summed over the passes), ``"diagnostics_matmuls"`` (token x
     matmul products), ``"diagnostics_flops"`` (FLOPs: 2 d V per token and matmul, plus the factored heads'
     2 r V), ``"diagnostics_passes"`` (token x pass products)``}``; zeros without an architecture or heads.
@@ -665,6 +677,12 @@ def diagnostics_work(x: PlanInputs) -> dict[str, Any]:
             fac_heads += M * n_tok * fh
         if scfg.entropy_source == "kl":  # each seed loads its split, the references are streamed once, with KL weights
             matmuls += M * 2 * (seeds * c["tokens"] + ref)
+        A = sum(m.task_aware for m in cfg.merges)  # EMR: a plain-row pass per seed over held-out and reference tokens
+        if A:
+            mm, ps, _ = diagnostics_call(0, 0)
+            tokens += A * seeds * (held + ref)
+            matmuls += A * seeds * (held + ref) * mm
+            passes += A * seeds * (held + ref) * ps
     V = x.arch["vocab_size"] if x.arch else 0
     flops = (matmuls * 2 * d + fac_heads * 2 * scfg.rank) * V
     return {"diagnostics_tokens": tokens, "diagnostics_matmuls": matmuls, "diagnostics_flops": flops,

@@ -4,10 +4,11 @@ control measured on the run's own data.
 
 A *line* compares two kinds of row over the cells of one calibration split: DARTS vs Surgery (claim 3),
 DARTS vs the parameter-matched Surgery, each DARTS ingredient vs Surgery, a head vs its plain strong
-merge (claim 7), and DARTS vs Surgery on a merge with a planted drift (the positive control). Per cell
-(merge, task, split), the two rows are compared on the same units (held-out sequences for behaviour
-families, benchmark examples for task families); head seeds are averaged inside the cell and their
-spread is a variance component of the cell.
+merge (claim 7), DARTS vs the post-merge baseline with the same task-label budget (EMR-Merging, oracle and
+routed: a cross-merge line, :data:`CONTRASTS` ``3-emr``), and DARTS vs Surgery on a merge with a planted drift
+(the positive control). Per cell (merge, task, split), the two rows are compared on the same units (held-out
+sequences for behaviour families, benchmark examples for task families); head seeds are averaged inside the
+cell and their spread is a variance component of the cell.
 
 Per family, the cell estimate and its within-cell variance are computed from the per-sequence (or
 per-example) sums of ``evidence/`` by linearisation (the delta method for a ratio of sums; sequences
@@ -89,25 +90,30 @@ def merge_sets(labels: dict[str, str], planted: Iterable[str] = (), present: Ite
                ) -> dict[str, set[str]]:
     """Which merges each kind of line (:attr:`Contrast.merges`) reads: ``real`` every merge with heads but the
     planted ones, ``strong`` the data merges, ``fix`` the strong training-free fixes (:func:`is_fix`),
-    ``planted`` the merges with a planted drift. ``labels``: merge -> label (:func:`merge_labels`);
-    ``present``: the merges with evidence (default: every labelled merge). Task-aware merges (EMR: a model per
-    task, no heads) are in none of them. The report (:func:`decide`) and the planner
-    (:func:`darts_bench.plan.power.claims_plan`) both read it."""
+    ``planted`` the merges with a planted drift, ``task_aware`` the first task-aware merge present (EMR: a model
+    per task, no heads; in labels order, i.e. the config's: a run with several EMR merges decides the ``3-emr``
+    lines against the first only). ``labels``: merge -> label (:func:`merge_labels`);
+    ``present``: the merges with evidence (default: every labelled merge). Task-aware merges are in no other set.
+    The report (:func:`decide`) and the planner (:func:`darts_bench.plan.power.claims_plan`) both read it."""
     from darts_bench.config import DATA_MERGE_METHODS, TASK_AWARE_METHODS
 
     planted = set(planted)
     present = set(labels) if present is None else set(present)
-    aware = {m for m, lab in labels.items() if lab in TASK_AWARE_METHODS}
-    real = present - planted - aware
+    aware = [m for m, lab in labels.items() if lab in TASK_AWARE_METHODS]
+    real = present - planted - set(aware)
     return {"real": real, "strong": {m for m in real if labels.get(m) in DATA_MERGE_METHODS},
-            "fix": {m for m in real if is_fix(labels.get(m, ""))}, "planted": planted & present}
+            "fix": {m for m in real if is_fix(labels.get(m, ""))}, "planted": planted & present,
+            "task_aware": set([m for m in aware if m in present][:1])}
 
 
 @dataclass(frozen=True)
 class Contrast:
     """One claim line's pair: rows ``a`` and ``b`` as (variant-tag suffix, row kind) of a cell; a row kind is
     a correction method (``darts``, ``surgery``, ``darts_ew_only``, ...) or ``none`` (the plain merge).
-    ``b_control`` names a matched control whose variant tag replaces ``b``'s (``param_matched``)."""
+    ``b_control`` names a matched control whose variant tag replaces ``b``'s (``param_matched``).
+    ``b_merge`` (``task_aware``): a cross-merge line, whose ``b`` row is a row kind of another merge (the
+    :func:`merge_sets` set of that name: the EMR merge's ``emr`` / ``emr@routed`` rows) on the same task, split,
+    head seed and held-out sequences as the cell's ``a`` row; the cell is still (merge of ``a``, task)."""
 
     key: str
     claim: int
@@ -116,6 +122,7 @@ class Contrast:
     b: str
     b_control: str | None = None
     merges: str = "real"  #: real | strong | fix | planted: which merges' cells the line uses
+    b_merge: str | None = None  #: task_aware: ``b`` is read from that merge set's merge (cross-merge line)
 
 
 CONTRASTS = (
@@ -134,6 +141,10 @@ CONTRASTS = (
              "head vs plain merge)", "darts", "none", merges="fix"),
     Contrast("7-surgery-fix", 7, "a Surgery head still helps on top of a strong training-free fix (SVC, TSV-M, "
              "Iso-C: head vs plain merge)", "surgery", "none", merges="fix"),
+    Contrast("3-emr", 3, "DARTS beats EMR-Merging with the task's mask and rescaler (the same task-label budget, "
+             "oracle)", "darts", "emr", b_merge="task_aware"),
+    Contrast("3-emr-routed", 3, "DARTS beats EMR-Merging routed by the base's prompt state (no task label)",
+             "darts", "emr@routed", b_merge="task_aware"),
     Contrast("control", 0, "positive control: DARTS beats Surgery on a planted position-dependent drift", "darts",
              "surgery", merges="planted"),
 )
@@ -229,9 +240,17 @@ def _variant_of(c: Contrast, side: str, base_tag: str) -> str:
 
 
 def behaviour_cells(family: str, c: Contrast, sequences: list[dict], base_tag: str = "",
-                    merges: Iterable[str] | None = None) -> dict[str, list[Cell]]:
+                    merges: Iterable[str] | None = None, b_merges: Iterable[str] = ()) -> dict[str, list[Cell]]:
     """The cells (split -> list) of a behaviour family for line ``c`` from ``sequences.jsonl.gz``'s
-    records: per (merge, task, split), each seed's held-out sequences that both rows have."""
+    records: per (merge, task, split), each seed's held-out sequences that both rows have.
+
+    A cross-merge line (``c.b_merge``) reads ``b`` from the first of ``b_merges`` (the EMR merge: records of
+    variant ``""``) on the same (task, split, seed) and sequence ids: held-out ids are one split per (task,
+    split, head seed) of the task's calibration set, the same for every merge (:func:`darts_bench.stages.train.
+    task_split`). Its ``b`` values are then shared by the cells of one task: the stratified test clusters
+    them (the units are (task, split, sequence) over merges), the random-effects verdict treats the cells as
+    independent (the shared side makes their errors correlated: its interval is then too narrow by that
+    correlation; the stratified test beside it is the check)."""
     set_name, q = BEHAVIOUR_FAMILIES[family]
     idx: dict[tuple, dict] = {}
     for s in sequences:
@@ -243,7 +262,10 @@ def behaviour_cells(family: str, c: Contrast, sequences: list[dict], base_tag: s
     for (m, t, split, variant, seed), by_seq in sorted(idx.items(), key=lambda kv: str(kv[0])):
         if variant != va or (keep is not None and m not in keep):
             continue
-        other = idx.get((m, t, split, vb, seed))
+        if c.b_merge:
+            other = idx.get((next(iter(sorted(b_merges)), None), t, split, "", seed))
+        else:
+            other = idx.get((m, t, split, vb, seed))
         if other is None:
             continue
         ids = sorted(set(by_seq) & set(other))
@@ -264,10 +286,12 @@ def behaviour_cells(family: str, c: Contrast, sequences: list[dict], base_tag: s
 
 def task_cells(family: str, c: Contrast, examples: list[dict], meta: dict[str, dict[str, Any]],
                task_names: list[str], primary: dict[str, str], splits: list[str], base_tag: str = "",
-               merges: Iterable[str] | None = None) -> dict[str, list[Cell]]:
+               merges: Iterable[str] | None = None, b_merges: Iterable[str] = ()) -> dict[str, list[Cell]]:
     """The cells (split -> list) of ``ref_nll`` or ``primary`` for line ``c`` from ``examples.jsonl.gz``'s
     records: per (merge, task, split), each seed's examples that both rows have (NaN values left out).
-    ``primary``: task -> its primary metric column."""
+    ``primary``: task -> its primary metric column. A cross-merge line (``c.b_merge``) reads ``b`` from the first
+    of ``b_merges``: its row of kind ``c.b`` (the oracle ``emr`` row, one for every split; the ``emr@routed`` row
+    of the cell's split), the same for every seed."""
     from darts_bench.api import get_task
     from darts_bench.report.stats import RATIO_KEYS
 
@@ -279,6 +303,9 @@ def task_cells(family: str, c: Contrast, examples: list[dict], meta: dict[str, d
     keep = set(merges) if merges is not None else None
     seeds = sorted({m["seed"] for m in meta.values() if m.get("merge")}, key=str)
     merge_names = sorted({m["merge"] for m in meta.values() if m.get("merge")})
+    e = next(iter(sorted(b_merges)), None)
+    cross = {(mm["calibration"] or "*", mm["correction"]): name for name, mm in meta.items()
+             if c.b_merge and mm.get("merge") == e}  # (split or * for the oracle, kind) -> row of the EMR merge
     out: dict[str, list[Cell]] = {}
     for t in task_names:
         task = get_task(t)
@@ -293,8 +320,11 @@ def task_cells(family: str, c: Contrast, examples: list[dict], meta: dict[str, d
                 per_seed = []
                 for seed in seeds:
                     ra = rows.get((m, split, va, seed, c.a)) if c.a != "none" else rows.get((m, "*", "", seed, "none"))
-                    rb = (rows.get((m, split, vb, seed, c.b)) if c.b != "none"
-                          else rows.get((m, "*", "", seed, "none")) or rows.get((m, "*", "", None, "none")))
+                    if c.b_merge:
+                        rb = cross.get((split, c.b)) or cross.get(("*", c.b))
+                    else:
+                        rb = (rows.get((m, split, vb, seed, c.b)) if c.b != "none"
+                              else rows.get((m, "*", "", seed, "none")) or rows.get((m, "*", "", None, "none")))
                     ea, eb = by.get((ra, t)), by.get((rb, t))
                     if ra is None or rb is None or ea is None or eb is None:
                         continue
@@ -433,7 +463,8 @@ def mde_words(family: str, res: MetaResult) -> str:
 
 
 ROW_WORDS = {"darts": "DARTS", "surgery": "Surgery", "darts_ew_only": "entropy weighting alone",
-             "darts_pos_only": "the position table alone", "none": "the plain merge"}
+             "darts_pos_only": "the position table alone", "none": "the plain merge",
+             "emr": "EMR-Merging (task's mask and rescaler)", "emr@routed": "EMR-Merging, routed"}
 
 
 def row_words(c: Contrast, side: str) -> str:
@@ -495,13 +526,15 @@ def decide(sequences: list[dict], examples: list[dict], meta: dict[str, dict[str
                                                                   if m.get("merge")}
 
     def cells_of(family: str, c: Contrast) -> dict[str, list[Cell]]:
+        bm = pick[c.b_merge] if c.b_merge else ()
         if family in BEHAVIOUR_FAMILIES:
-            return behaviour_cells(family, c, sequences, merges=pick[c.merges])
-        return task_cells(family, c, examples, meta, task_names, primary_metrics, splits, merges=pick[c.merges])
+            return behaviour_cells(family, c, sequences, merges=pick[c.merges], b_merges=bm)
+        return task_cells(family, c, examples, meta, task_names, primary_metrics, splits, merges=pick[c.merges],
+                          b_merges=bm)
 
     lines = []
     for c in CONTRASTS:
-        if not pick[c.merges] or c.a not in kinds or c.b not in kinds:
+        if not pick[c.merges] or c.a not in kinds or c.b not in kinds or (c.b_merge and not pick[c.b_merge]):
             continue
         favours = -1 if fam0 in LOWER_IS_BETTER else 1
         prim = cells_of(fam0, c)

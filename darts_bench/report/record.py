@@ -22,7 +22,8 @@ class RunRecord:
         pool: the pool (``key``, ``report``); merges: merge name -> merged checkpoint dir (empty when
             the merge stage was skipped).
         train: the train stage's ``{"heads", "diagnostics", "runs", "run_heads"}`` (empty dicts when
-            skipped), with ``surgery.task_agnostic`` also ``"routers"`` and ``"agnostic_runs"``.
+            skipped), with ``surgery.task_agnostic`` also ``"routers"`` and ``"agnostic_runs"``, with a task-aware
+            merge (EMR) ``"task_aware_runs"`` (its rows' behaviour evidence).
         rows: the evaluated rows, in table order.
         results: row name -> task -> :class:`~darts_bench.api.TaskResult`.
         timings: stage name -> exclusive wall time (s).

@@ -421,7 +421,8 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     # the evidence files, then the claims from the same records that `report --from-results` reads back
     runs = record.train.get("runs") or {}
     examples = example_records(results, [r.model for r in record.rows], record.task_names)
-    sequences = sequence_records(runs, record.cfg.seed)
+    # + the task-aware merges' rows (EMR: oracle and routed; no heads, darts_bench/stages/train.py task_aware_runs)
+    sequences = sequence_records({**runs, **(record.train.get("task_aware_runs") or {})}, record.cfg.seed)
     write_jsonl_gz(out / EXAMPLES_FILE, examples)
     write_jsonl_gz(out / SEQUENCES_FILE, sequences)
     primary = record.cfg.tasks.primary_metrics(record.task_names)  # tasks.<task>.primary_metric

@@ -8,10 +8,14 @@ generation, with the expert's final hidden states and next-token entropies
 evaluated prompt followed by its reference answer; diagnostics only, never trained on). Then the
 merged model's final hidden states on the same token ids, per merge
 (:func:`~darts_bench.collect.features.collect_merged`). Every set is cached under its own key.
+
+A task-aware merge (EMR-Merging, :mod:`darts_bench.merge.emr`) has no merged model, so no heads; its rows'
+behaviour evidence reads its per-task checkpoints' features instead (:func:`collect_task_aware`).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from darts_bench.collect.features import (CalibrationSet, FeatureSet, calibration_prompts, collect_calibration,
@@ -55,7 +59,7 @@ def collect(cfg, pool, merges: dict[str, Path], loaded, executor, work_dir: Path
             bar.update(1)
         for m, mdir in merges.items():
             if m in task_aware:
-                continue  # a model per task, no merged model to correct (EMR): no merged features, no heads
+                continue  # a model per task, no merged model to correct (EMR): no heads; collect_task_aware below
             for name in tasks:
                 if (name, "reference") not in calib:
                     continue  # a task without an expert has no calibration sets
@@ -63,6 +67,60 @@ def collect(cfg, pool, merges: dict[str, Path], loaded, executor, work_dir: Path
                     feats[(m, name, split)] = collect_merged(cfg, m, mdir, mdir.name, calib[(name, split)],
                                                              executor, work_dir)
                     bar.update(1)
+    aware = collect_task_aware(cfg, pool, {m: merges[m] for m in merges if m in task_aware}, loaded, calib, executor,
+                               work_dir)
     if hasattr(executor, "release_idle"):
         executor.release_idle()  # no model stays loaded into train / evaluate
-    return {"calibration": calib, "features": feats}
+    return {"calibration": calib, "features": feats, **aware}
+
+
+def collect_task_aware(cfg, pool, merges: dict[str, Path], loaded, calib: dict, executor, work_dir: Path) -> dict:
+    """The features a task-aware merge's rows are diagnosed on (:func:`darts_bench.stages.train.task_aware_runs`):
+    the final hidden states of its per-task checkpoints (``<merge dir>/tasks/<expert>/``,
+    :func:`darts_bench.merge.emr.task_dir`) on the calibration sets, collected as a merge's
+    (:func:`~darts_bench.collect.features.collect_merged`).
+
+    * oracle row (``<merge>``): task t's checkpoint on t's sets (every split and the reference answers);
+    * routed rows (``<merge>[@split]@routed``): with at least two tasks with an expert, the merge's router of
+      each split (:func:`darts_bench.stages.emr.emr_routers`, fitted here, reused by the evaluate stage) routes
+      every calibration prompt of t; another task's checkpoint is collected on t's set of that split only when
+      the router sends at least one of t's prompts to it. Cost: K oracle feature sets per split (and K on the
+      reference answers) plus at most K (K - 1) routed ones per split, none when every prompt is routed to its own
+      task; forward passes only (no generation: the continuations are the experts').
+
+    A feature set's cache key is :func:`~darts_bench.collect.features.merged_key` of the checkpoint's key
+    (``<merge dir name>/tasks/<expert>``: the merge dir's name carries the merge's content key) and the
+    calibration set's key; the sets live under ``features/<merge>-<expert>-<task>-<split>-<key>/``. Order is
+    model-major (every set of one checkpoint in a row).
+
+    Returns:
+        ``{"task_aware": {(merge, task, split, expert): FeatureSet}, "task_aware_routers": {(merge, split, None):
+        router dir}}`` (split runs over ``calibration.splits`` and ``"reference"``; empty dicts without a
+        task-aware merge)."""
+    from darts_bench.config import TASK_MODELS_DIR
+    from darts_bench.stages.emr import emr_routers
+
+    experts = {name: task.expert for name, (task, _) in loaded.tasks.items()
+               if task.expert is not None and (name, "reference") in calib}
+    if not merges or not experts:
+        return {"task_aware": {}, "task_aware_routers": {}}
+    routers = emr_routers(cfg, pool, merges, loaded, work_dir) if len(experts) >= 2 else {}
+    feats: dict[tuple[str, str, str, str], FeatureSet] = {}
+    for m, mdir in merges.items():
+        need: dict[str, list[tuple[str, str]]] = {e: [] for e in dict.fromkeys(experts.values())}  # expert -> sets
+        for name, e in experts.items():
+            need[e] += [(name, split) for split in (*cfg.calibration.splits, "reference")]
+        for split in cfg.calibration.splits:
+            if (m, split, None) not in routers:
+                continue
+            routing = json.loads((routers[(m, split, None)] / "routing.json").read_text())["tasks"]
+            for name, e in experts.items():
+                for e_to in dict.fromkeys(experts[t] for t in routing[name]["sequences_routed"]):
+                    if e_to != e:
+                        need[e_to].append((name, split))
+        for e, sets in need.items():
+            tdir = mdir / TASK_MODELS_DIR / e
+            for name, split in sets:
+                feats[(m, name, split, e)] = collect_merged(cfg, f"{m}-{e}", tdir, f"{mdir.name}/{TASK_MODELS_DIR}/{e}",
+                                                           calib[(name, split)], executor, work_dir)
+    return {"task_aware": feats, "task_aware_routers": {k: v for k, v in routers.items() if k[0] in merges}}

@@ -8,7 +8,8 @@ is no merged model to read, unlike a head row's router, which reads its merge). 
 calibration split on the calibration prompts the heads use (:func:`darts_bench.merge.data.prompts_by_task`),
 their training part under the run seed (:func:`darts_bench.surgery.train.split_by_sequence`, the heads'
 ``held_out_fraction`` and split seeds), and scored on the held-out part (``routing.json``, as a head
-router's). The evaluate stage routes each benchmark prompt with the same ``prompt_states`` (the backend's
+router's), and every calibration prompt's routed task is kept (``sequences_routed``) for the routed row's
+behaviour evidence (:func:`darts_bench.stages.train.task_aware_runs`). The evaluate stage routes each benchmark prompt with the same ``prompt_states`` (the backend's
 base model in process, else an HF copy: :func:`darts_bench.evaluate.routed.prompt_state_source`).
 """
 
@@ -23,25 +24,31 @@ import numpy as np
 from darts_bench.artifacts import cached, stable_hash
 
 log = logging.getLogger("darts_bench")
+#: what an EMR router artifact holds (in its key): 2 adds ``sequences_routed`` (every calibration prompt's routed task)
+EMR_ROUTER_VERSION = 2
 
 
 def emr_router_key(cfg, pool, prompts: dict, split: str) -> str:
     """Cache key of one task-aware router: the base's key, the prompts (:func:`darts_bench.merge.data.data_key`),
     the split, held-out fraction and run seed, ``surgery.routing``, the states' numerics (``tasks.batch_size``,
-    ``pool.dtype``, device) and :data:`~darts_bench.surgery.routing.ROUTER_VERSION`."""
+    ``pool.dtype``, device), :data:`~darts_bench.surgery.routing.ROUTER_VERSION` and :data:`EMR_ROUTER_VERSION`."""
     from darts_bench.merge.data import data_key
     from darts_bench.surgery.routing import ROUTER_VERSION
 
     return stable_hash({"base": pool.model_key("base"), "data": data_key(prompts, cfg), "split": split,
                         "held_out": cfg.calibration.held_out_fraction, "seed": cfg.seed,
                         "routing": cfg.surgery.routing.model_dump(mode="json"), "batch_size": cfg.tasks.batch_size,
-                        "dtype": cfg.pool.dtype, "version": ROUTER_VERSION})
+                        "dtype": cfg.pool.dtype, "version": ROUTER_VERSION,
+                        "emr_version": EMR_ROUTER_VERSION})
 
 
 def emr_routers(cfg, pool, merges: dict[str, Path], loaded, work_dir: Path) -> dict[tuple[str, str, None], Path]:
     """One router per (task-aware merge in ``merges``, calibration split), cached under
     ``routers/<merge>-<split>-<key>/`` (``router.json``, ``routing.json`` with per task ``train_sequences``,
-    ``held_out_sequences``, ``held_out_routed``, ``held_out_acc``, ``train_acc``).
+    ``held_out_sequences``, ``held_out_routed``, ``held_out_acc``, ``train_acc`` and ``sequences_routed``: the
+    routed task of every calibration prompt in sequence-index order, the router's training prompts included: the
+    routed row's evidence under a head seed other than the run seed reads it, and there some of its held-out
+    prompts were the router's training prompts).
 
     Returns:
         ``{(merge, split, None): router dir}`` (no head seed: EMR rows have none).
@@ -71,18 +78,19 @@ def emr_routers(cfg, pool, merges: dict[str, Path], loaded, work_dir: Path) -> d
                         F = np.asarray(states.prompt_states(ps), dtype=np.float64)
                         tr, va = split_by_sequence(len(ps), cfg.calibration.held_out_fraction,
                                                    split_seed(cfg.seed, name, split))
-                        X[name], parts[name] = F[tr], (tr, va, F[va])
+                        X[name], parts[name] = F[tr], (tr, va, F[va], F)
                 finally:
                     if hasattr(states, "close"):
                         states.close()
                 router, _ = fit_router(X, rc.router, rc.C)
                 router.save(tmp / "router.json")
                 tasks_ = {}
-                for name, (tr, va, Fv) in parts.items():
+                for name, (tr, va, Fv, F) in parts.items():
                     routed = router.predict(Fv)
                     tasks_[name] = {"train_sequences": tr, "held_out_sequences": va, "held_out_routed": routed,
                                     "held_out_acc": routing_accuracy(routed, name), "n_heldout": len(va),
-                                    "train_acc": routing_accuracy(router.predict(X[name]), name)}
+                                    "train_acc": routing_accuracy(router.predict(X[name]), name),
+                                    "sequences_routed": router.predict(F)}
                 (tmp / "routing.json").write_text(json.dumps({"router": rc.router, "classes": router.classes,
                                                               "states": "base", "tasks": tasks_}))
 

@@ -144,7 +144,8 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
         and the shared heads in ``run_heads`` under task :data:`darts_bench.rows.SHARED_TASK`
         (:func:`train_shared`; the methods' variants, not the controls), and ``"agnostic_runs":
         {(merge, task, split, variant, seed): {"routed"?, "shared"?: diagnostics}}``
-        (:func:`agnostic_artifact`).
+        (:func:`agnostic_artifact`). With a task-aware merge (EMR) among ``merges``: ``"task_aware_runs":
+        {(merge, task, split, "", seed): diagnostics}`` of its rows (:func:`task_aware_runs`; no heads).
     """
     feats = collected["features"]
     heads: dict[tuple[str, str, str, str], Path] = {}
@@ -199,6 +200,9 @@ def train(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, vari
                 heads[(m, name, method, split)] = final / method
     if agnostic:
         out["agnostic_runs"] = agnostic_runs
+    aware = task_aware_runs(cfg, collected, merges, pool, tasks, variants[0][1], seeds, work_dir)
+    if aware:
+        out["task_aware_runs"] = aware
     return out
 
 
@@ -886,3 +890,159 @@ def diagnosis_inputs(cfg, fs: FeatureSet, merge_dir: Path, expert_dir: Path, ref
     return {"W_e": W_e, "W_m": W_m, "seed": seed, "tr_seq": tr_seq, "va_seq": va_seq, "train": train_, "val": val,
             "mean_h": float(train_.weight_source.mean()), "template": template, "ref_stream": ref_stream,
             "ref_groups": ref_groups, "ref_positions": ref_positions, "n_ref_excluded": n_ref_excluded}
+
+
+# --------------------------------------------------------------------------- task-aware merges (EMR)
+#: what a task-aware merge's diagnostics artifact holds (in its key)
+TASK_AWARE_DIAGNOSTICS_VERSION = 1
+
+
+def task_aware_runs(cfg, collected: dict, merges: dict[str, Path], pool, tasks: dict, scfg, seeds: list[int],
+                    work_dir: Path) -> dict[tuple, dict]:
+    """The behaviour evidence of a task-aware merge's rows (EMR-Merging: a checkpoint per task, no merged model,
+    no heads), per (merge, task with an expert, split, head seed), on the held-out sequences of the task's
+    calibration set under that seed (:func:`task_split`: the sequences every other merge's rows of that (task,
+    split, seed) are diagnosed on, so the claim lines pair them by sequence id):
+
+    * ``<method>`` (``emr``, the oracle row): task t's checkpoint (``<merge dir>/tasks/<expert of t>/``) diagnosed
+      exactly as a merge's plain row ``none`` (:func:`diagnosis_inputs`, :func:`diagnose_seeds` with no head:
+      lm_head ``W_m`` of that checkpoint, held-out and reference-answer tokens);
+    * ``<method>@routed`` (with the split's router, :func:`darts_bench.stages.emr.emr_routers`): per held-out
+      sequence, the checkpoint of the task the router picks for its prompt (``routing.json``
+      ``sequences_routed``; under a head seed other than the run seed some held-out prompts were the router's
+      training prompts): the oracle's per-sequence sums where it picks t, else that checkpoint's
+      (:func:`held_out_sums`). Held-out sets only (``all``, ``gen``, ``prompt``): the reference answers' prompts
+      have no routing decision here (the evaluate stage routes the benchmark prompts).
+
+    ``scfg``: the first sweep variant's surgery config (entropy source and weight cap, as that variant's ``none``
+    row). Artifact ``heads/<merge>-<task>-<split>-<method>-<key>/diagnostics.json`` (key: the oracle's
+    :func:`head_key` of its features, the router's dir and the routed feature sets' keys,
+    :data:`TASK_AWARE_DIAGNOSTICS_VERSION`)::
+
+        {"<method>": {...the oracle's signals, as a ``none`` row...}, "<method>@routed": {<set>: {"kl_expert",
+         "agree_top1", "n_tokens", "n_sequences"}, "routed_to": {task: n held-out sequences}},
+         "per_sequence": {<set>: {"sequence", "n_tokens", "<method>": sums, "<method>@routed": sums}},
+         "intervals*", "template", "bootstrap", "held_out_sequences", "n_heldout", "n_val_tokens", ...}
+
+    Returns:
+        ``{(merge, task, split, "", seed): diagnostics}`` (keys as :func:`train`'s ``runs``).
+    Raises:
+        RuntimeError: a router's ``sequences_routed`` and the calibration set differ in length, or two
+            checkpoints' per-sequence sums on one held-out set hold different sequences (named).
+    """
+    from darts_bench.config import TASK_MODELS_DIR
+
+    feats = collected.get("task_aware") or {}
+    routers = collected.get("task_aware_routers") or {}
+    method_of = {spec.name: spec.method for spec in cfg.merges}
+    out: dict[tuple, dict] = {}
+    for (m, name, split, e), fs in feats.items():
+        expert = tasks[name][0].expert
+        if split == "reference" or e != expert:
+            continue
+        method, ref_fs, mdir = method_of[m], feats[(m, name, "reference", e)], merges[m]
+        rdir = routers.get((m, split, None))
+        seq_task: list[str] | None = None
+        if rdir is not None:
+            seq_task = json.loads((rdir / "routing.json").read_text())["tasks"][name]["sequences_routed"]
+            if len(seq_task) != len(fs.calib.meta["sequences"]):
+                raise RuntimeError(f"{m}/{name}/{split}: the router {rdir} routed {len(seq_task)} prompts, the "
+                                   f"calibration set has {len(fs.calib.meta['sequences'])}: refit the router")
+        routed_feats = {e_: feats[(m, name, split, e_)] for e_ in
+                        dict.fromkeys(tasks[t][0].expert for t in (seq_task or [])) if e_ != e}
+        for seed in seeds:
+            parts = {"oracle": head_key(cfg, fs.key, ref_fs.key, scfg, seed), "version": TASK_AWARE_DIAGNOSTICS_VERSION}
+            if rdir is not None:
+                parts.update({"router": rdir.name, "routed": {e_: f.key for e_, f in routed_feats.items()}})
+            final = work_dir / "heads" / f"{m}-{name}-{split}-{method}-{stable_hash(parts)}"
+            what = f"diagnose task-aware rows {m}/{name}/{split}{seed_tag(cfg, seed)}"
+            if not reused(final, what):
+                t0 = time.perf_counter()
+                x = diagnosis_inputs(cfg, fs, mdir / TASK_MODELS_DIR / e, pool.path(expert), ref_fs, name, split, scfg,
+                                     seed)
+                res = diagnose_seeds([{"heads": {"none": None}, "val": x["val"], "mean_h": x["mean_h"],
+                                       "seed": x["seed"]}], fs.calib.meta, x["template"], x["ref_stream"],
+                                     x["ref_groups"], x["n_ref_excluded"], scfg.w_max, x["W_e"], x["W_m"],
+                                     device=cfg.device)[0]
+                d = _rename_row(res, "none", method)
+                d.update({"held_out_sequences": x["va_seq"], "n_heldout": len(x["va_seq"])})
+                if seq_task is not None:
+                    others = {e_: held_out_sums(cfg, f, mdir / TASK_MODELS_DIR / e_, pool.path(expert), name, split,
+                                                scfg, seed) for e_, f in routed_feats.items()}
+                    experts_of = [tasks[t][0].expert for t in seq_task]
+                    d[f"{method}@routed"] = _routed_row(d["per_sequence"], method, experts_of, e, others,
+                                                        f"{m}/{name}/{split}")
+                    d[f"{method}@routed"]["routed_to"] = {t: sum(seq_task[i] == t for i in x["va_seq"])
+                                                         for t in dict.fromkeys(seq_task)}
+                cached(final, lambda tmp, d=d: (tmp / "diagnostics.json").write_text(json.dumps(d)), what=what,
+                       meta={"kind": "task-aware-diagnostics", "merge": m, "task": name, "split": split, "seed": seed})
+                log.info("%s: %.1f s (%s)", what, time.perf_counter() - t0, final)
+            out[(m, name, split, "", seed)] = json.loads((final / "diagnostics.json").read_text())
+    return out
+
+
+def _rename_row(d: dict, old: str, new: str) -> dict:
+    """:func:`diagnose_rows`' result with row ``old`` named ``new`` (the row itself, its ``per_sequence`` sums and its
+    intervals)."""
+    d = dict(d)
+    d[new] = d.pop(old)
+    d["per_sequence"] = {s: {(new if k == old else k): v for k, v in ps.items()} for s, ps in d["per_sequence"].items()}
+    for k in [k for k in d if k.startswith("intervals")]:
+        d[k] = {(new if r == old else r): v for r, v in d[k].items()}
+    return d
+
+
+def held_out_sums(cfg, fs: FeatureSet, model_dir: Path, expert_dir: Path, name: str, split: str, scfg,
+                  seed: int) -> dict[str, dict]:
+    """One checkpoint's per-sequence sums on the held-out tokens of ``fs``'s calibration set under head seed
+    ``seed`` (:func:`task_split`): the ``none`` row of :func:`diagnose_rows` on those tokens alone (the same
+    :class:`~darts_bench.surgery.diagnostics.Diagnostics` pass, lm_head ``W_m`` of ``model_dir``), no reference
+    answers.
+
+    Returns:
+        ``{set: sequence_sums}`` for ``all``, ``gen`` and ``prompt`` (:func:`~darts_bench.surgery.intervals.
+        sequence_sums` with the row ``none``: ``kl_sum`` nats, ``agree_sum`` counts, ``floor_sum`` nats,
+        ``l1_sum``; sets without tokens left out)."""
+    from darts_bench.surgery.data import POSITION_SETS, load_split, position_sets, shared_template
+    from darts_bench.surgery.diagnostics import Diagnostics
+    from darts_bench.surgery.intervals import sequence_sums
+
+    W_e, W_m = lm_head_weight(expert_dir), lm_head_weight(model_dir)
+    W_e = W_e[: W_m.shape[0]]
+    tr, _ = task_split(cfg, fs, name, split, seed)
+    train_, val = load_split(fs.calib.expert_shards(), fs.merged_shards(), tr, scfg.entropy_source, W_e, W_m)
+    masks = position_sets(val.positions, val.seq_index, fs.calib.meta, shared_template(fs.calib.meta))
+    diag = Diagnostics(lambda: val.batches(8192), float(train_.weight_source.mean()), scfg.w_max, W_e, W_m,
+                       device=cfg.device)
+    d = diag.many([None])[0]
+    pt = {k: np.asarray(d[f"per_token_{k}"]) for k in ("l1", "kl", "agree", "floor")}
+    seq = val.seq_index.numpy()
+    out = {"all": sequence_sums({"none": pt}, seq)}
+    for s_name in POSITION_SETS:
+        mk = masks[s_name].numpy()
+        if mk.any():
+            out[s_name] = sequence_sums({"none": {k: v[mk] for k, v in pt.items()}}, seq[mk])
+    return out
+
+
+def _routed_row(per_sequence: dict, method: str, experts_of: list[str], own: str, others: dict[str, dict],
+                where: str) -> dict:
+    """Add the routed row ``<method>@routed`` to ``per_sequence`` (the oracle's held-out sets; in place): per
+    sequence ``i``, the oracle's sums where the router's pick ``experts_of[i]`` is ``own``, else ``others[pick]``'s
+    (:func:`held_out_sums`). Returns the routed row's token-mean ``kl_expert`` (nats) / ``agree_top1`` per set."""
+    row = f"{method}@routed"
+    summary = {}
+    for s_name in ("all", "gen", "prompt"):
+        ps = per_sequence.get(s_name)
+        if ps is None:
+            continue
+        for e_, o in others.items():
+            if o[s_name]["sequence"] != ps["sequence"] or o[s_name]["n_tokens"] != ps["n_tokens"]:
+                raise RuntimeError(f"{where} {s_name}: {e_}'s checkpoint's held-out sums hold other sequences than "
+                                   "the oracle's (features of another calibration set?)")
+        src = {own: ps[method], **{e_: o[s_name]["none"] for e_, o in others.items()}}
+        ps[row] = {q: [src[experts_of[sq]][q][j] for j, sq in enumerate(ps["sequence"])] for q in ps[method]}
+        n = float(sum(ps["n_tokens"]))
+        summary[s_name] = {"kl_expert": sum(ps[row]["kl_sum"]) / n, "agree_top1": sum(ps[row]["agree_sum"]) / n,
+                           "n_tokens": int(n), "n_sequences": len(ps["sequence"])}
+    return summary
