@@ -81,14 +81,15 @@ def cluster():
         assert not left, f"Ray processes left after stopping the cluster by pid: {left}"
 
 
-def _ensure_second(c: rc.Cluster, hide: Path | None = None) -> None:
-    """Node 2 alive, started plainly or blind to ``hide``."""
-    if c.second is not None and c.second.proc.poll() is None and getattr(c.second, "hide", None) == hide:
+def _ensure_second(c: rc.Cluster, hide: Path | None = None, env: dict[str, str] | None = None) -> None:
+    """Node 2 alive, started plainly, blind to ``hide``, or with ``env``."""
+    key = (hide, tuple(sorted((env or {}).items())))
+    if c.second is not None and c.second.proc.poll() is None and getattr(c.second, "key", None) == key:
         return
     if c.second is not None:
         c.stop_node(c.second)
-    c.start_second(hide=hide)
-    c.second.hide = hide
+    c.start_second(hide=hide, env=env)
+    c.second.key = key
 
 
 def _submit(c: rc.Cluster, name: str, sid: str) -> tuple[subprocess.Popen, Path, Path]:
@@ -150,37 +151,28 @@ def test_two_node_micro_run_equals_local(cluster, local_table):
     assert _table(out) == local_table
 
 
-def _freeze(node: rc.Node) -> list[psutil.Process]:
-    """SIGSTOP the node's actor processes (``ray::_WorkerActor``, loaded: not the raylet, the agents or idle
-    workers, which new actors would start in): a shard sent to them stays in flight."""
-    raylet = node.raylet()
-    workers = [p for p in raylet.children(recursive=True) if "_WorkerActor" in " ".join(p.cmdline())]
-    assert workers, "no actor process on the second node"
-    for p in workers:
-        p.send_signal(signal.SIGSTOP)
-    return workers
+# Ray's own fault-injection knob (ray_config_def.h ``testing_asio_delay_us``, as Ray's tests use it): every call
+# pushed to an actor on node 2 waits this long there before it runs, so a shard sent there is still in flight
+# when the test, reading the driver's log, kills the node (a micro shard itself takes milliseconds)
+PUSH_DELAY_S = 4
+SLOW_NODE = {"RAY_testing_asio_delay_us": f"CoreWorkerService.grpc_server.PushTask={PUSH_DELAY_S * 10**6}:"
+                                          f"{PUSH_DELAY_S * 10**6}"}
 
 
 def test_node_lost_mid_evaluation(cluster, local_table):
-    _ensure_second(cluster)
+    _ensure_second(cluster, env=SLOW_NODE)
     t0 = time.time()
     proc, log, out = _submit(cluster, "lost", "lost-1")
+    killed, t_kill = [], None
     try:
         start = _wait_for(log, r"stage evaluate: start").end()
-        # the base's actors are up on both nodes (its model loaded; its row takes seconds), then freeze node 2's
-        # actor and wait for the driver to stall on the shard it holds (no output for 3 s)
-        m = _wait_for(log, r"ray: 2 actors of \S+/base on nodes \['127\.0\.0\.2', '127\.0\.0\.3'\]", after=start)
-        _freeze(cluster.second)
-        size, quiet = -1, time.time()
-        while time.time() - quiet < 3:
-            time.sleep(0.2)
-            if log.stat().st_size != size:
-                size, quiet = log.stat().st_size, time.time()
+        # an evaluation shard sent to node 2 (slot 1, pinned there by its label): kill node 2 at once
+        sent = _wait_for(log, r"ray: shard (\d+) of (\w+) on (\S+) -> actor slot 1 on 127\.0\.0\.3", after=start)
         t_kill = time.time()
         killed = cluster.kill_second()
         lost = _wait_for(log, r"ray: node (\w+) \(127\.0\.0\.3\) lost: actor slot\(s\) \[1\] of (\S+) were on it "
                               r"and restart on a surviving node; shard\(s\) \[([\d, ]+)\] in flight there are redone",
-                         timeout=120, after=m.end())
+                         timeout=120, after=sent.end())
         t_lost = time.time()
         moved = _wait_for(log, r"ray: actor slot 1 of \S+ now runs on node \w+ \(127\.0\.0\.2\)", timeout=300,
                           after=lost.end())
@@ -189,8 +181,10 @@ def test_node_lost_mid_evaluation(cluster, local_table):
         text = _wait(proc, log)
     COSTS["lost_node"] = dict(run_s=round(time.time() - t0, 1), killed_pids=len(killed),
                               detect_s=round(t_lost - t_kill, 1), redone_shard_back_s=round(t_back - t_kill, 1),
-                              shards_redone=[int(x) for x in lost.group(3).split(",")], model=Path(lost.group(2)).name)
+                              shards_redone=[int(x) for x in lost.group(3).split(",")], op=sent.group(2),
+                              model=Path(lost.group(2)).name, push_delay_s=PUSH_DELAY_S)
     assert proc.returncode == 0, text[-4000:]
+    assert int(sent.group(1)) in COSTS["lost_node"]["shards_redone"] and lost.group(2) == sent.group(3)
     assert moved and "succeeded" in text.lower()
     assert _table(out) == local_table
 
@@ -203,8 +197,9 @@ def test_driver_killed_mid_stage_resumes_from_the_cache(cluster, local_table):
     deadline = time.time() + 300
     while len(list((work / "eval").glob("*/result.json"))) < 2 and time.time() < deadline:
         time.sleep(0.2)
+    # the job's driver process itself (not `ray job submit` here, nor the job's `sh -c` wrapper)
     drivers = [p for p in psutil.process_iter(["cmdline"])
-               if "darts_bench.cli" in " ".join(p.info["cmdline"] or []) and str(out) in " ".join(p.info["cmdline"])]
+               if (p.info["cmdline"] or [])[1:3] == ["-m", "darts_bench.cli"] and str(out) in p.info["cmdline"]]
     assert len(drivers) == 1, drivers
     done_before = len(list((work / "eval").glob("*/result.json")))
     drivers[0].send_signal(signal.SIGKILL)

@@ -200,6 +200,7 @@ class RayExecutor:
         self.actor_starts: Counter = Counter()  # model dir -> actors started (each loads the model)
         self.node_losses: list[dict[str, Any]] = []  # one record per lost node seen (see _check_nodes)
         self._dead_seen: set[str] = set()
+        self._labels_gone: set[str] = set()
 
     # --------------------------------------------------------------------------- actor groups
     def _actor_options(self, slot: int = 0) -> dict[str, Any]:
@@ -218,8 +219,10 @@ class RayExecutor:
             except RuntimeError:
                 if not label_lost(label):  # no node ever had it: a config error, not a lost node
                     raise
-                log.warning("ray: no alive node has the label %r any more (node lost); the actor of slot %d goes "
-                            "to any node", label, slot)
+                if label not in self._labels_gone:  # once per label
+                    self._labels_gone.add(label)
+                    log.warning("ray: no alive node has the label %r any more (its node was lost); actors of "
+                                "slot %d go to any node from now on", label, slot)
         return opts
 
     def _new_actor(self, g: _Group, slot: int = 0):
