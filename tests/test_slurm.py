@@ -32,7 +32,8 @@ from darts_bench.cli import main
 
 pytestmark = [pytest.mark.slurm, pytest.mark.ray, pytest.mark.subprocess, pytest.mark.micro,
               pytest.mark.timeout(900),
-              pytest.mark.skipif(not sc.installed(), reason="SLURM not installed (apt-get install slurm-wlm munge)")]
+              pytest.mark.skipif(not sc.installed(), reason="SLURM not installed (apt-get install slurm-wlm munge)"),
+              pytest.mark.skipif(os.geteuid() != 0, reason="the daemons run as root here (SlurmUser=root, as in CI)")]
 
 REPO = Path(__file__).resolve().parent.parent
 VENV = Path(sys.executable).parent.parent
