@@ -811,6 +811,14 @@ class RayConfig(_Strict):
     shard_size: int = Field(8, ge=1, description="prompts per shard")
     gpu_memory_gb: float | None = Field(None, gt=0, description="memory of one GPU (GB, 1e9 bytes); the plan "
                                         "flags stages whose per-actor GPU memory exceeds it")
+    actor_nodes: list[str] = Field(default_factory=list, description="node label per actor slot (cycled): a custom "
+                                   "resource a node was started with (`ray start --resources '{\"LABEL\": 1}'`); "
+                                   "the slot's actor goes to an alive node that has it (soft node affinity: after that "
+                                   "node is lost, its restarted actor runs on a surviving node); '' = any node")
+    check_shared_dirs: bool = Field(True, description="on a multi-node cluster, before the first stage, a probe task "
+                                    "on every alive node reads a file the driver wrote under work_dir and writes one "
+                                    "back; a node that cannot fails the run at once, named")
+    probe_timeout_s: float = Field(120, gt=0, description="seconds the shared work dir probe waits for every node")
 
 
 class DeepSpeedConfig(_Strict):

@@ -143,6 +143,28 @@ class Pipeline:
         if n:
             log.info("removed %d temp dirs left by an interrupted run", n)
 
+    def check_cluster(self) -> None:
+        """With ``executor: ray`` on a cluster of more than one node (and ``ray.check_shared_dirs``), fail
+        before any stage when a node does not read and write the work dir as the driver does
+        (:func:`darts_bench.executors.cluster.check_shared_dirs`: the error names the node, the path and
+        the fix). Starts the executor (joins the cluster) early; a local or one-node instance is not probed.
+
+        Raises:
+            darts_bench.executors.cluster.SharedDirError: a node cannot use the work dir (an ``OSError``).
+        """
+        if (self.cfg.executor != "ray" or not self.cfg.ray.check_shared_dirs or self.cfg.ray.address is None
+                or "cluster-checked" in self._cache):
+            return
+        from darts_bench.executors.cluster import check_shared_dirs
+
+        self.executor  # noqa: B018 - joins the cluster
+        t0 = time.perf_counter()
+        checked = check_shared_dirs([self.work_dir], timeout=self.cfg.ray.probe_timeout_s)
+        self._cache["cluster-checked"] = checked
+        if checked:
+            log.info("shared work dir: %d nodes read and write %s (%s) in %.1f s", len(checked), self.work_dir,
+                     ", ".join(c["ip"] for c in checked), time.perf_counter() - t0)
+
     def task_limit(self, name: str) -> int | None:
         """``--limit`` when given, else ``tasks.<name>.limit``."""
         return self.limit if self.limit is not None else getattr(self.cfg.tasks, name).limit
@@ -195,6 +217,7 @@ class Pipeline:
 
         def run():
             self.check_writable()
+            self.check_cluster()  # done already by run_until; here for a stage called directly
             return build_pool(self.cfg, self.work_dir)
 
         return self._stage("pool", run)
@@ -290,6 +313,7 @@ class Pipeline:
         pre-registers its claims first (:meth:`preregister`), before any stage."""
         if stage not in STAGES:
             raise ValueError(f"unknown stage {stage!r}; stages: {STAGES}")
+        self.check_cluster()  # every node sees the work dir, or stop now, before any stage
         if stage == "report":
             self.preregister()
         return getattr(self, stage)()

@@ -7,6 +7,7 @@ row ``darts-bench export`` wrote gets the same per-example outputs, for a ``gene
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import textwrap
 from pathlib import Path
@@ -256,3 +257,46 @@ def test_export_refuses_a_nonempty_dir_and_names_rows(tmp_path):
     with pytest.raises(ValueError, match="contains a comma"):
         lm_eval_model_args(Path("/a,b"), None, "float32")
     assert lm_eval_model_args(Path("/m"), Path("/h"), "float32")["hf"] == "pretrained=/m,head=/h,dtype=float32"
+
+
+# ------------------------------------------------------------------ the lm_eval.models entry point
+# lm-eval's main branch discovers external models through the `lm_eval.models` entry-point group
+# (docs/plugins.md): each entry point is recorded as a lazy placeholder under its name (an alias that is
+# already registered is skipped) and imported on first lookup, where the module's @register_model upgrades
+# the placeholder. The child process below does exactly that with lm-eval's own registry, in a fresh
+# interpreter that has not imported darts-bench's adapter, on the metadata an install of this checkout
+# writes (entry_points.txt made from pyproject.toml's table, the file pip writes into *.dist-info).
+DISCOVER = r"""
+import importlib.metadata as md, json, sys
+from lm_eval.api.registry import get_model, model_registry
+before = "darts_bench.evaluate.lm_eval_adapter" in sys.modules
+eps = [ep for ep in md.entry_points(group="lm_eval.models") if ep.name == "darts-bench"]
+for ep in eps:
+    if ep.name not in model_registry:
+        model_registry.register(ep.name, target=ep.value)
+cls = get_model("darts-bench")
+from lm_eval.api.model import LM
+print(json.dumps({"before": before, "values": sorted({ep.value for ep in eps}),
+                  "cls": f"{cls.__module__}:{cls.__qualname__}", "lm": issubclass(cls, LM),
+                  "same": cls is sys.modules["darts_bench.evaluate.lm_eval_adapter"].DartsBenchLM}))
+"""
+
+
+def test_lm_eval_finds_the_model_through_its_entry_point(tmp_path):
+    import subprocess
+    import sys
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    group = pyproject["project"]["entry-points"]["lm_eval.models"]
+    assert group == {"darts-bench": "darts_bench.evaluate.lm_eval_adapter:DartsBenchLM"}
+    dist = tmp_path / "darts_bench_plugin_check-0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: darts-bench-plugin-check\nVersion: 0\n")
+    (dist / "entry_points.txt").write_text("[lm_eval.models]\n" + "".join(f"{k} = {v}\n" for k, v in group.items()))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    r = subprocess.run([sys.executable, "-c", DISCOVER], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got == {"before": False, "values": ["darts_bench.evaluate.lm_eval_adapter:DartsBenchLM"],
+                   "cls": "darts_bench.evaluate.lm_eval_adapter:DartsBenchLM", "lm": True, "same": True}

@@ -1,7 +1,9 @@
-"""The cluster recipes in ray_configs/: the KubeRay RayJob (ray_configs/rayjob.yaml) and the SLURM
-script (ray_configs/slurm.sbatch). Neither is launched here: the RayJob's required fields, the
-script's shell syntax (`bash -n`) and SBATCH header, and the exact darts-bench command both run,
-parsed by darts-bench's own CLI and config loader, sized against the llama2-7b config."""
+"""The cluster recipes in ray_configs/: the KubeRay RayJob (ray_configs/rayjob.yaml) validated against
+KubeRay's RayJob CRD schema (vendored: ray_configs/kuberay/) and the SLURM scripts (ray_configs/slurm.sbatch,
+slurm_array.sbatch, slurm_array_submit.sh). Nothing is launched here (tests/test_slurm.py runs the SLURM
+scripts under a real slurmctld): the RayJob's schema and fields, the scripts' shell syntax (`bash -n`) and
+SBATCH header, and the exact darts-bench command they run, parsed by darts-bench's own CLI and config
+loader, sized against the llama2-7b config."""
 
 from __future__ import annotations
 
@@ -42,12 +44,71 @@ def _gpus(resources: dict) -> int:
     return int(resources.get("limits", {}).get("nvidia.com/gpu", 0))
 
 
+def _crd_schema() -> dict:
+    import json
+
+    return json.loads((RAY_CONFIGS / "kuberay" / "ray.io_rayjobs.v1.schema.json").read_text())
+
+
+def _k8s_validations(schema: dict, obj, path: str = "") -> list[tuple[str, str, object]]:
+    """Every ``x-kubernetes-validations`` rule (CEL) on the way down ``obj``: (path, rule, value there)."""
+    out = [(path, v["rule"], obj) for v in schema.get("x-kubernetes-validations", [])]
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            sub = schema.get("properties", {}).get(k) or schema.get("additionalProperties")
+            if isinstance(sub, dict):
+                out += _k8s_validations(sub, v, f"{path}.{k}")
+    elif isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        for i, v in enumerate(obj):
+            out += _k8s_validations(schema["items"], v, f"{path}[{i}]")
+    return out
+
+
+def test_rayjob_validates_against_the_kuberay_crd_schema():
+    """rayjob.yaml against the RayJob CRD's openAPIV3Schema (KubeRay v1.7.0) with jsonschema; the CEL rules on
+    the way (``x-kubernetes-validations``, which jsonschema does not run) are checked by hand for the two
+    blocks this file uses (deletionStrategy and its rules), and a document the schema must refuse is refused."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = _crd_schema()
+    assert "KubeRay v1.7.0" in schema["$comment"] and "Apache License 2.0" in schema["$comment"]
+    job = yaml.safe_load((RAY_CONFIGS / "rayjob.yaml").read_text())
+    # quantities are int-or-string in Kubernetes; the CRD marks them with x-kubernetes-int-or-string
+    jsonschema.Draft7Validator(schema).validate(job)
+    for bad, where in [({"submissionMode": 3}, "submissionMode"),
+                       ({"deletionStrategy": {"deletionRules": [{"policy": "DeleteEverything",
+                                                                 "condition": {"jobStatus": "FAILED"}}]}},
+                        "policy"),
+                       ({"ttlSecondsAfterFinished": "600"}, "ttlSecondsAfterFinished")]:
+        with pytest.raises(jsonschema.ValidationError, match=where):
+            jsonschema.Draft7Validator(schema).validate({**job, "spec": {**job["spec"], **bad}})
+    spec = job["spec"]
+    assert spec["submissionMode"] == "SidecarMode"
+    sm = schema["properties"]["spec"]["properties"]["submissionMode"]
+    assert sm == {"default": "K8sJobMode", "type": "string"}  # the enum is the operator's: SidecarMode since 1.3
+    # rules mode: no legacy onSuccess/onFailure, no shutdownAfterJobFinishes / global TTL beside the rules
+    assert not {"shutdownAfterJobFinishes", "ttlSecondsAfterFinished"} & set(spec)
+    rules = spec["deletionStrategy"]["deletionRules"]
+    assert set(spec["deletionStrategy"]) == {"deletionRules"} and rules
+    checks = {r for _, r, _ in _k8s_validations(schema, job)}
+    assert "!((has(self.onSuccess) || has(self.onFailure)) && has(self.deletionRules))" in checks
+    assert "has(self.jobStatus) || has(self.jobDeploymentStatus)" in checks
+    for r in rules:  # the CEL rules of a condition, evaluated here by hand
+        cond = r["condition"]
+        assert ("jobStatus" in cond) != ("jobDeploymentStatus" in cond) and cond.get("ttlSeconds", 0) >= 0
+    pairs = [(r["condition"]["jobStatus"], r["policy"]) for r in rules]
+    assert len(pairs) == len(set(pairs))  # the operator refuses duplicate (status, policy) rules
+    ttl = {p: r["condition"]["ttlSeconds"] for p, r in zip(pairs, rules)}
+    # the operator's TTL order for one status: workers go no later than the cluster
+    assert ttl[("FAILED", "DeleteWorkers")] <= ttl[("FAILED", "DeleteCluster")]
+    # SidecarMode's constraints (KubeRay validation.go): head restartPolicy unset or Never, no submitter template
+    assert spec["rayClusterSpec"]["headGroupSpec"]["template"]["spec"].get("restartPolicy", "Never") == "Never"
+    assert not {"submitterPodTemplate", "submitterConfig", "clusterSelector"} & set(spec)
+
+
 def test_rayjob_has_the_kuberay_fields_and_runs_the_command():
     job = yaml.safe_load((RAY_CONFIGS / "rayjob.yaml").read_text())
     assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
     spec = job["spec"]
-    assert spec["shutdownAfterJobFinishes"] is True
-    assert isinstance(spec["ttlSecondsAfterFinished"], int) and spec["ttlSecondsAfterFinished"] > 0
     _check_command(shlex.split(spec["entrypoint"]), "/mnt/shared")
     env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]  # a YAML document inside a string
     assert env["DARTS_BENCH_DATA"] == "/mnt/shared/data" and env["TOKENIZERS_PARALLELISM"] == "false"
@@ -101,5 +162,27 @@ def test_slurm_script_parses_and_submits_the_command():
     argv = shlex.split(submit)
     argv = argv[argv.index("--") + 1:]
     shared = "/shared/darts"
-    _check_command([a.replace("$SHARED", shared) for a in argv], shared)
+    # the defaults: DARTS_BENCH_RUN_ARGS "--suite all", DARTS_BENCH_CONFIG llama2-7b
+    subst = {'"${RUN_ARGS[@]}"': "--suite all", "${RUN_ARGS[@]}": "--suite all", "$CONFIG": "llama2-7b",
+             "$NAME": "llama2-7b", "$SHARED": shared}
+    out = []
+    for a in shlex.split(submit.split(" -- ", 1)[1].replace('"${RUN_ARGS[@]}"', "--suite all")):
+        for k, v in subst.items():
+            a = a.replace(k, v)
+        out.append(a)
+    assert argv  # parsed
+    _check_command(out, shared)
     assert "--runtime-env ray_configs/runtime_env.yaml" in submit
+    assert 'CONFIG=${DARTS_BENCH_CONFIG:-llama2-7b}' in lines and 'NAME=$(basename "$CONFIG" .yaml)' in lines
+    assert 'read -r -a RUN_ARGS <<<"${DARTS_BENCH_RUN_ARGS:---suite all}"' in lines
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("name", ["slurm_array.sbatch", "slurm_array_submit.sh"])
+def test_slurm_array_scripts_parse(name):
+    res = subprocess.run(["bash", "-n", str(RAY_CONFIGS / name)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    text = (RAY_CONFIGS / name).read_text()
+    assert not re.search(r"^[^#]*\bray stop\b", text, re.M)
+    if name == "slurm_array_submit.sh":  # the report waits for every array element, which waits for prepare
+        assert "--dependency=afterok:\"${prep%%;*}\"" in text and "--dependency=afterok:\"${shards%%;*}\"" in text

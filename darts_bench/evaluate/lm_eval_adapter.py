@@ -15,8 +15,12 @@ Usage::
 
 From lm-eval's own command line, with this model registered: ``darts-bench lm-eval run --model
 darts-bench --model_args pretrained=...,head=... --tasks ...`` (every argument after ``lm-eval`` goes to
-lm-eval's CLI). ``lm_eval --model darts-bench`` alone does not find the model: lm-eval loads no
-plugins, and the model is registered when this module is imported.
+lm-eval's CLI). With an lm-eval that discovers plugins (its main branch: the ``lm_eval.models``
+entry-point group, ``docs/plugins.md``), ``lm-eval run --model darts-bench`` finds the model by
+itself: darts-bench declares ``darts-bench = "darts_bench.evaluate.lm_eval_adapter:DartsBenchLM"``
+in that group (pyproject.toml), which lm-eval records as a lazy placeholder and imports on first use
+(the ``@register_model`` below then upgrades the placeholder). lm-eval 0.4.x loads no plugins: there,
+use ``darts-bench lm-eval``, which imports this module first.
 
 Protocol choices (documented here because lm-eval leaves them to the backend):
 

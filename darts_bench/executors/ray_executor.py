@@ -30,6 +30,16 @@ retried: it is raised at once as a :class:`RuntimeError` naming the shard, chain
 error. Exceptions from ``on_result`` (e.g. the NaN check when persisting) propagate unchanged.
 Numpy results are copied out of the object store (writable, as from the local executor).
 
+Several nodes. ``ray.actor_nodes`` gives each actor slot a node label (a custom resource of
+``ray start --resources``), placed with soft node affinity
+(:func:`~darts_bench.executors.cluster.label_strategy`), so that a restart after that node is lost
+lands on a surviving node instead of waiting forever for the label. On a cluster of more than one
+node the driver polls the node table every second while shards are in flight; a node that dies
+while it holds actors of the running group is logged once, by id and IP, with the actor slots on
+it and the shards in flight there, which Ray's restarts (or the driver's replacement actors) redo;
+:attr:`RayExecutor.node_losses` keeps these records. Before the first stage the pipeline checks
+that every node sees the work dir (:func:`~darts_bench.executors.cluster.check_shared_dirs`).
+
 Resources. Actor groups (``num_actors`` actors of one model) live in an LRU pool keyed by
 ``(model_dir, batch_size)``: the correction head is not part of the key but of each call's payload
 (``head_dir``), and the actor swaps it on the loaded model before the op
@@ -82,6 +92,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -111,6 +122,11 @@ class _WorkerActor:
     def pid(self) -> int:
         return os.getpid()
 
+    def where(self) -> tuple[int, str, str]:
+        """``(pid, node id, node IP)`` of this actor's process."""
+        ctx = ray.get_runtime_context()
+        return os.getpid(), ctx.get_node_id(), ray.util.get_node_ip_address()
+
     def close(self) -> None:
         """Release what the worker holds outside this process (a vLLM engine's processes)."""
         close = getattr(self.worker, "close", None)
@@ -131,6 +147,7 @@ class _Group:
     worker_cls: type = ModelWorker
     graceful: bool = False  # call the actors' close() before killing them (vLLM engines)
     actors: list = field(default_factory=list)
+    nodes: list = field(default_factory=list)  # per slot: (node id, node IP) once the actor answered, else None
     busy: int = 0  # calls in flight (never evicted while > 0)
 
     @property
@@ -153,6 +170,9 @@ class RayExecutor:
         in_process: False: models live in Ray actors (backends use their Ray layout).
         actor_starts: ``Counter`` model dir -> actors started for it so far (each loads the
             checkpoint or starts an engine; replacements of dead actors included).
+        node_losses: one dict per node seen lost while it held actors of a running call:
+            ``node_id``, ``ip``, ``model_dir``, ``slots``, ``shards_redone`` (shard indices of that
+            call), ``time`` (epoch s).
     """
 
     name = "ray"
@@ -170,21 +190,78 @@ class RayExecutor:
         self.worker_cls, self.keep_idle = worker_cls, keep_idle
         self._owns_ray = init_ray(self.rcfg.address)
         self._local = self.rcfg.address is None
+        # several nodes: poll the node table while shards are in flight (a lost node is logged by name)
+        self._multi_node = not self._local and len(ray.nodes()) > 1
+        self._poll_s = 1.0 if self._multi_node else None
         self._groups: OrderedDict[tuple, _Group] = OrderedDict()
         self._users: Counter = Counter()  # group key -> open RayTextModel proxies
         self._lock = threading.RLock()
         self._closed = False
         self.actor_starts: Counter = Counter()  # model dir -> actors started (each loads the model)
+        self.node_losses: list[dict[str, Any]] = []  # one record per lost node seen (see _check_nodes)
+        self._dead_seen: set[str] = set()
+        self._labels_gone: set[str] = set()
 
     # --------------------------------------------------------------------------- actor groups
-    def _actor_options(self) -> dict[str, Any]:
+    def _actor_options(self, slot: int = 0) -> dict[str, Any]:
+        """Resources and fault tolerance of the actor in ``slot``; with ``ray.actor_nodes`` its node
+        label's soft node affinity (:func:`~darts_bench.executors.cluster.label_strategy`; a label that
+        no alive node has any more, its node lost, places the actor anywhere, with a warning)."""
         r = self.rcfg
-        return dict(num_cpus=r.num_cpus_per_actor, num_gpus=r.num_gpus_per_actor,
+        opts = dict(num_cpus=r.num_cpus_per_actor, num_gpus=r.num_gpus_per_actor,
                     max_restarts=r.max_restarts, max_task_retries=r.max_task_retries)
+        label = r.actor_nodes[slot % len(r.actor_nodes)] if r.actor_nodes else ""
+        if label:
+            from darts_bench.executors.cluster import label_lost, label_strategy
 
-    def _new_actor(self, g: _Group):
+            try:
+                opts["scheduling_strategy"] = label_strategy(label)
+            except RuntimeError:
+                if not label_lost(label):  # no node ever had it: a config error, not a lost node
+                    raise
+                if label not in self._labels_gone:  # once per label
+                    self._labels_gone.add(label)
+                    log.warning("ray: no alive node has the label %r any more (its node was lost); actors of "
+                                "slot %d go to any node from now on", label, slot)
+        return opts
+
+    def _new_actor(self, g: _Group, slot: int = 0):
         self.actor_starts[g.model_dir] += 1
-        return _RemoteWorker.options(**self._actor_options()).remote(g.worker_cls, g.kwargs)
+        return _RemoteWorker.options(**self._actor_options(slot)).remote(g.worker_cls, g.kwargs)
+
+    def _check_nodes(self, g: _Group, inflight: dict) -> None:
+        """Log (once per node) each node that died while it held actors of ``g``: its id and IP, the
+        actor slots on it (Ray restarts them on a surviving node, or the driver replaces them) and the
+        shards in flight there, which are redone. Recorded in :attr:`node_losses`."""
+        hosted = {n[0] for n in g.nodes if n}
+        if not hosted - self._dead_seen:
+            return
+        try:
+            dead = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if not n.get("Alive")}
+        except Exception:  # noqa: BLE001 - the GCS is busy or gone: the next poll retries
+            return
+        for node_id in sorted(hosted & set(dead) - self._dead_seen):
+            self._dead_seen.add(node_id)
+            slots = [k for k, n in enumerate(g.nodes) if n and n[0] == node_id]
+            shards = sorted(i for i, s in inflight.values() if s in slots)
+            rec = dict(node_id=node_id, ip=dead[node_id], model_dir=g.model_dir, slots=slots, shards_redone=shards,
+                       time=time.time())
+            self.node_losses.append(rec)
+            for k in slots:
+                g.nodes[k] = None  # the restarted actor's node is read again when it next answers
+            log.warning("ray: node %s (%s) lost: actor slot(s) %s of %s were on it and restart on a surviving "
+                        "node; shard(s) %s in flight there are redone", node_id, dead[node_id], slots, g.model_dir,
+                        shards or "none")
+
+    def _note_node(self, g: _Group, slot: int) -> None:
+        """Read the node of the actor in ``slot`` (after a restart) once it has answered a call."""
+        if slot < len(g.nodes) and g.nodes[slot] is None:
+            try:
+                _, node_id, ip = ray.get(g.actors[slot].where.remote(), timeout=60)
+            except Exception:  # noqa: BLE001 - read again after its next answer
+                return
+            g.nodes[slot] = (node_id, ip)
+            log.info("ray: actor slot %d of %s now runs on node %s (%s)", slot, g.model_dir, node_id, ip)
 
     def _cluster_capacity(self) -> int | None:
         """How many actors of this size the cluster can hold at once (None: unknown)."""
@@ -280,10 +357,13 @@ class RayExecutor:
             n = self._n_actors()
             self._make_room(n, keep=key)
             g = _Group(key=key, **(spec or self._hf_spec(key, name)))
-            g.actors = [self._new_actor(g) for _ in range(n)]
+            g.actors = [self._new_actor(g, k) for k in range(n)]
+            g.nodes = [None] * n
             self._groups[key] = g
         try:  # wait for the models to load so a broken checkpoint is reported as such
-            ray.get([a.pid.remote() for a in g.actors])
+            where = ray.get([a.where.remote() for a in g.actors])
+            g.nodes = [(node_id, ip) for _, node_id, ip in where]
+            log.debug("ray: %d actors of %s on nodes %s", len(where), g.model_dir, [ip for _, _, ip in where])
         except (RayActorError, RayTaskError) as e:
             with self._lock:
                 self._kill_group(g)
@@ -296,7 +376,9 @@ class RayExecutor:
             ray.kill(g.actors[slot], no_restart=True)
         except Exception:
             pass
-        g.actors[slot] = self._new_actor(g)
+        g.actors[slot] = self._new_actor(g, slot)
+        if slot < len(g.nodes):
+            g.nodes[slot] = None
 
     # ------------------------------------------------------------------------------- sharding
     def _run_shards(self, g: _Group, op: str, payloads: Sequence[dict[str, Any]], todo: list[int],
@@ -316,7 +398,13 @@ class RayExecutor:
                 while pending and free:
                     i, slot = pending.popleft(), free.popleft()
                     inflight[g.actors[slot].run.remote(op, payloads[i])] = (i, slot)
-                ready, _ = ray.wait(list(inflight), num_returns=1)
+                    node = g.nodes[slot] if slot < len(g.nodes) else None
+                    log.debug("ray: shard %d of %s on %s -> actor slot %d on %s", i, op, model_dir, slot,
+                              node[1] if node else "(node not known yet)")
+                # poll, so that a lost node is named while its shards are redone (Ray retries them unseen)
+                ready, _ = ray.wait(list(inflight), num_returns=1, timeout=self._poll_s)
+                if self._multi_node:
+                    self._check_nodes(g, inflight)
                 for ref in ready:
                     i, slot = inflight.pop(ref)
                     try:
@@ -328,6 +416,8 @@ class RayExecutor:
                             raise RuntimeError(
                                 f"shard {i} of op {op!r} on model {model_dir} failed: its Ray worker died "
                                 f"{n} times ({_cause(e)})") from e
+                        if self._multi_node:
+                            self._check_nodes(g, {ref: (i, slot), **inflight})
                         log.warning("ray: worker died on shard %d of %s (%s); retrying on a new actor "
                                     "(%d/%d)", i, op, model_dir, n, self.rcfg.max_task_retries)
                         self._replace_actor(g, slot)
@@ -338,6 +428,8 @@ class RayExecutor:
                         raise RuntimeError(f"shard {i} of op {op!r} on model {model_dir} failed: "
                                            f"{_cause(e)}") from e
                     free.append(slot)
+                    if self._multi_node:
+                        self._note_node(g, slot)
                     results[i] = res = _own(res)
                     if on_result is not None:
                         on_result(i, res)
