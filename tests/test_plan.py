@@ -881,3 +881,22 @@ def test_plan_counts_svd_merges_by_hand():
     assert st["seconds"] == pytest.approx(13 * mnr / 2.5e9, rel=1e-12)
     assert "tsv: tsv_m, 5 SVD(s) per 2-D matrix (30 matrices)" in st["what"]
     assert "1 mergekit merges: ta-svc" in st["what"]
+
+
+def test_smollm2_merges_preset_holds_every_new_method_and_its_claim_lines():
+    """The issue-59 preset (smollm2-135m-merges): each newer method is a merge of it, on smollm2-135m's pool (so
+    that preset's cached pool is reused), and its claim lines have the cells the plan promises: 11 merges with
+    heads x 3 tasks for DARTS vs Surgery and vs EMR, 5 fixes (TSV-M, Iso-C, Iso-CTS, two SVC merges) x 3 tasks
+    for the heads on a strong fix, Expert Merging's 3 cells for claim 7."""
+    from darts_bench.plan.power import claims_plan
+    from darts_bench.report.decide import merge_labels
+
+    cfg = load_config("smollm2-135m-merges")
+    assert cfg.pool == load_config("smollm2-135m").pool
+    labels = set(merge_labels(cfg.merges).values())
+    for method in ("tsv_m", "iso_c", "iso_cts", "task_arithmetic+svc", "ties+svc", "della", "breadcrumbs_ties",
+                   "model_stock", "expert_merging", "emr"):
+        assert method in labels, method
+    cells = {ln["line"]: ln["cells"] for ln in claims_plan(cfg, ["humaneval", "gsm8k", "alpacaeval"])["lines"]}
+    assert cells == {"3": 33, "7-darts": 3, "7-surgery": 3, "7-darts-fix": 15, "7-surgery-fix": 15, "3-emr": 33,
+                     "3-emr-routed": 33}
