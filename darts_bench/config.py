@@ -483,9 +483,11 @@ class MergeSpec(_Strict):
             mk = [f for f, unset in (("weight", 1.0), ("normalize", None), ("int8_mask", False))
                   if getattr(self, f) != unset]
             if mk:
+                takes = (f"takes {', '.join(allowed)}" if allowed
+                         else "takes no setting (drop them)")  # emr: no hyper-parameter
                 raise ValueError(f"merge {self.name!r}: {', '.join(mk)} {'is a mergekit option' if len(mk) == 1 else 'are mergekit options'}; method {self.method} "
-                                 f"takes {', '.join(allowed)}" + (" (init is AdaMerging's starting lambda)"
-                                                                  if self.method == "adamerging" else ""))
+                                 f"{takes}" + (" (init is AdaMerging's starting lambda)"
+                                               if self.method == "adamerging" else ""))
         if self.method in TASK_AWARE_METHODS and self.dtype != "float32":
             raise ValueError(f"merge {self.name!r}: method {self.method} is built in float32 (its per-task models "
                              "must equal the reconstruction bit for bit); drop dtype")

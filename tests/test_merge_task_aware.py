@@ -31,6 +31,15 @@ def test_rows_of_a_task_aware_merge():
     assert all(s.task_aware == s.model.startswith("emr") for s in specs)
 
 
+def test_emr_refuses_a_weight_naming_that_it_takes_no_setting():
+    """EMR has no hyper-parameter: a ``weight`` (as a merge sweep over it makes) is refused with a message that
+    says so, not an empty list of the settings it takes."""
+    from darts_bench.config import MergeSpec
+
+    with pytest.raises(ValueError, match=r"weight is a mergekit option; method emr takes no setting \(drop them\)"):
+        MergeSpec(name="e", method="emr", weight=0.5)
+
+
 def test_ls_merges_lists_both_with_their_sources():
     from darts_bench.listing import list_merges
 
