@@ -119,6 +119,8 @@ def test_dry_run_checks_data_and_output_dirs_like_a_run(tmp_path, capsys):
     out = tmp_path / "new" / "results"
     assert main(["run", "--dry-run", "--config", "tiny", "--out", str(out)]) == 0
     assert not (tmp_path / "new").exists()
+    # the report line names the --out dir, not the config's default runs/tiny (it did before 2026-12-06)
+    assert f"[report] results.json, table.csv, table.md, plots in {out}\n" in capsys.readouterr().out
 
 
 def test_dry_run_reports_time_and_gpu_memory():

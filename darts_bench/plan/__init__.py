@@ -135,6 +135,8 @@ def print_plan(cfg: Config, suite: str = "all", limit: int | None = None, file: 
     check_data_dir(cfg.resolved_data_dir(), names)
     check_output_dir(Path(out_dir) if out_dir else cfg.resolved_out_dir(), "output dir", create=False)
     check_output_dir(Path(cfg.work_dir), "work dir", create=False)
+    if out_dir:  # the report line names where the run writes: --out wins over the config's out_dir
+        cfg = cfg.model_copy(update={"out_dir": str(out_dir)})
     plan = make_plan(cfg, suite, limit)
     from darts_bench.plan.power import claims_plan, format_claims_plan
 
