@@ -968,7 +968,8 @@ class EvaluateConfig(_Strict):
         "differ from share_prefix alone at rounding level (in the key when set). 0: off. The vLLM backend's "
         "counterpart is evaluate.vllm.prefix_cache_mib")
     rows: list[str] | None = Field(
-        None, description="evaluate only the rows named by one of these entries: a row's exact name or an fnmatch pattern (e.g. "
+        None, description="evaluate only the rows named by one of these entries: a row's exact name or an "
+        "fnmatch pattern (e.g. "
         "['base', 'expert:*'] for base and experts only: no merge, collection or head training then); "
         "None: every row. Results per row do not depend on it (not in any cache key)")
 

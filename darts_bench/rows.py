@@ -225,7 +225,8 @@ def check_row_filter(cfg) -> None:
             near = difflib.get_close_matches(p, names, n=3, cutoff=0.4)
             hint = f"did you mean {', '.join(near)}? " if near else ""
             raise ValueError(f"evaluate.rows: pattern {p!r} matches no row; {hint}(`darts-bench ls rows` lists the "
-                             f"{len(names)} rows of this config; an entry is a row's exact name or an fnmatch glob, e.g. 'ties+*')")
+                             f"{len(names)} rows of this config; an entry is a row's exact name or an fnmatch "
+                             "glob, e.g. 'ties+*')")
 
 
 def selected_specs(cfg) -> list[RowSpec]:
