@@ -246,7 +246,7 @@ MERGE_SOURCES: dict[str, dict[str, str]] = {
                 "code": "fusion-bench 0.2.33 isotropic_merging/ (darts_bench/merge/svd.py)"},
     "svc": {"kind": "post-merge", "paper": "Singular Value Calibration, When Shared Knowledge Hurts (arXiv 2602.05536)",
             "code": "fusion-bench 0.2.33 singular_value_calibration/ (darts_bench/merge/svd.py); svc_alpha on any "
-                    "merge but adamerging / regmean"},
+                    "merge but adamerging / regmean / expert_merging / emr"},
     "adamerging": {"kind": "data", "paper": "Yang et al., ICLR 2024, AdaMerging (arXiv 2310.02575)",
                    "code": "darts_bench/merge/adamerging.py"},
     "regmean": {"kind": "data", "paper": "Jin et al., ICLR 2023, RegMean (arXiv 2212.09849)",

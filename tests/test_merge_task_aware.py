@@ -51,6 +51,13 @@ def test_ls_merges_lists_both_with_their_sources():
     assert by["expert_merging"]["settings"].split(",") == ["steps", "lr", "init", "batch_size", "temperature",
                                                            "sparsity_weight", "hidden_weight", "calibration_split"]
     assert by["ties"]["task_label"] == "no"
+    # the svc line names every method MergeSpec refuses svc_alpha on (it named adamerging / regmean only)
+    from darts_bench.config import DATA_MERGE_METHODS, TASK_AWARE_METHODS, MergeSpec
+
+    for m in (*DATA_MERGE_METHODS, *TASK_AWARE_METHODS):
+        assert m in by["svc"]["code"].split("svc_alpha on any merge but ")[1].split(" / ")
+        with pytest.raises(ValueError, match="svc_alpha calibrates a training-free merge"):
+            MergeSpec(name="m", method=m, svc_alpha=0.1)
 
 
 @pytest.mark.micro
