@@ -235,6 +235,8 @@ def test_plan_counts_emr_models_and_disk():
     cfg1 = _smollm2(["merges=[{name: emr, method: emr}]", "evaluate.rows=null"])
     assert not any(ln["line"].startswith("3-emr") for ln in claims_plan(cfg1, names)["lines"])  # no merge with heads
     assert "3 task-aware (EMR: oracle and routed)" in st["evaluate"]["what"]
+    # the row breakdown adds up: the EMR merge is not also counted as a plain merge (it said "1 merges" here)
+    assert st["evaluate"]["what"].startswith("7 rows (base, 3 experts, 0 merges, 0 corrected, 3 task-aware")
     cfg2 = _smollm2(["merges=[{name: emr, method: emr}, {name: ta, method: task_arithmetic}]", "evaluate.rows=null"])
     both = make_plan(cfg2)
     assert both["stages"]["evaluate"]["model_loads"] == 1 + 3 + 1 + 3  # base, experts, ta, EMR's 3 task models
