@@ -6,7 +6,7 @@
     darts-bench report --rescore [--out DIR]   (re-score the results dir from its samples/, no generation)
     darts-bench score TASK SAMPLES.jsonl [--protocol NAME] [--problems FILE] [--out FILE] [--allow-unisolated]
     darts-bench compare BASELINE_DIR NEW_DIR [--out FILE] [--allow-config-change]   (exit 1 on a regression)
-    darts-bench ls tasks|protocols|configs|annotators|rows [--config C] [--task T] [--json]
+    darts-bench ls tasks|protocols|configs|annotators|rows|merges [--config C] [--task T] [--json]
     darts-bench validate [run's options]   (the checks run makes before any stage; exit 0: one OK line)
     darts-bench export ROW --to DIR [run's options]   (a row's model dir and per-task head dirs, for lm-eval)
     darts-bench lm-eval ARGS...   (lm-eval's own command line, with the `darts-bench` lm-eval model registered)

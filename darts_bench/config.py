@@ -246,7 +246,7 @@ MERGE_SOURCES: dict[str, dict[str, str]] = {
                 "code": "fusion-bench 0.2.33 isotropic_merging/ (darts_bench/merge/svd.py)"},
     "svc": {"kind": "post-merge", "paper": "Singular Value Calibration, When Shared Knowledge Hurts (arXiv 2602.05536)",
             "code": "fusion-bench 0.2.33 singular_value_calibration/ (darts_bench/merge/svd.py); svc_alpha on any "
-                    "merge but adamerging / regmean"},
+                    "merge but adamerging / regmean / expert_merging / emr"},
     "adamerging": {"kind": "data", "paper": "Yang et al., ICLR 2024, AdaMerging (arXiv 2310.02575)",
                    "code": "darts_bench/merge/adamerging.py"},
     "regmean": {"kind": "data", "paper": "Jin et al., ICLR 2023, RegMean (arXiv 2212.09849)",
@@ -483,9 +483,11 @@ class MergeSpec(_Strict):
             mk = [f for f, unset in (("weight", 1.0), ("normalize", None), ("int8_mask", False))
                   if getattr(self, f) != unset]
             if mk:
+                takes = (f"takes {', '.join(allowed)}" if allowed
+                         else "takes no setting (drop them)")  # emr: no hyper-parameter
                 raise ValueError(f"merge {self.name!r}: {', '.join(mk)} {'is a mergekit option' if len(mk) == 1 else 'are mergekit options'}; method {self.method} "
-                                 f"takes {', '.join(allowed)}" + (" (init is AdaMerging's starting lambda)"
-                                                                  if self.method == "adamerging" else ""))
+                                 f"{takes}" + (" (init is AdaMerging's starting lambda)"
+                                               if self.method == "adamerging" else ""))
         if self.method in TASK_AWARE_METHODS and self.dtype != "float32":
             raise ValueError(f"merge {self.name!r}: method {self.method} is built in float32 (its per-task models "
                              "must equal the reconstruction bit for bit); drop dtype")
@@ -966,7 +968,8 @@ class EvaluateConfig(_Strict):
         "differ from share_prefix alone at rounding level (in the key when set). 0: off. The vLLM backend's "
         "counterpart is evaluate.vllm.prefix_cache_mib")
     rows: list[str] | None = Field(
-        None, description="evaluate only the rows whose names match one of these fnmatch patterns (e.g. "
+        None, description="evaluate only the rows named by one of these entries: a row's exact name or an "
+        "fnmatch pattern (e.g. "
         "['base', 'expert:*'] for base and experts only: no merge, collection or head training then); "
         "None: every row. Results per row do not depend on it (not in any cache key)")
 

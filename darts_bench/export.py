@@ -76,10 +76,13 @@ def export_row(pipe, row_name: str, to_dir: str | Path) -> dict[str, Any]:
     to = Path(to_dir).resolve()
     if to.exists() and (not to.is_dir() or any(to.iterdir())):
         raise FileExistsError(f"export: {to} exists and is not empty; give a new or empty dir")
-    rows = {r.model: r for r in pipe.all_rows()}
-    if row_name not in rows:
-        raise KeyError(f"export: no row {row_name!r}; rows of config {pipe.cfg.name}: {list(rows)}")
-    row = rows[row_name]
+    from darts_bench.rows import needed_specs
+
+    # checked on the config's row specs, before pipe.all_rows() builds the pool, merges and heads (it did after)
+    specs = {s.model: s for s in needed_specs(pipe.cfg, pipe.task_names)}
+    if row_name not in specs:
+        raise KeyError(f"export: no row {row_name!r}; rows of config {pipe.cfg.name}: {list(specs)}")
+    row = specs[row_name]
     if row.routing == "routed" and row.task_aware:
         raise ValueError(f"export: {row_name!r} picks its task's model per prompt with a router "
                          "(darts_bench/stages/emr.py), which lm-eval's model_args cannot express; export the oracle "
@@ -88,6 +91,7 @@ def export_row(pipe, row_name: str, to_dir: str | Path) -> dict[str, Any]:
         raise ValueError(f"export: {row_name!r} picks its head per prompt with a router (darts_bench/surgery/routing.py), "
                          "which neither lm-eval's model_args nor vLLM's head plugin can express; export its oracle row "
                          f"{row.merge}+{row.method} or the {row.merge}+{row.method}@shared row")
+    row = {r.model: r for r in pipe.all_rows()}[row_name]
     tasks = {name: task for name, (task, _) in pipe.tasks().items()}
     cfg = pipe.cfg
     to.parent.mkdir(parents=True, exist_ok=True)

@@ -199,10 +199,19 @@ def row_names(cfg) -> list[str]:
     return [s.model for s in row_specs(cfg)]
 
 
+def row_matches(name: str, pattern: str) -> bool:
+    """Whether ``pattern`` (an ``evaluate.rows`` entry) selects row ``name``: its exact name, or an fnmatch
+    glob over names. The exact name first: a sweep variant's or control's name holds ``[...]``
+    (``ties[density=0.4]``, ``ties+surgery[rank=matched]``), which fnmatch reads as a character class, so the
+    row's own name did not select it."""
+    return name == pattern or fnmatchcase(name, pattern)
+
+
 def row_selected(cfg, name: str) -> bool:
-    """Whether row ``name`` is evaluated (``evaluate.rows`` fnmatch patterns; every row when unset)."""
+    """Whether row ``name`` is evaluated (``evaluate.rows`` patterns, :func:`row_matches`; every row when
+    unset)."""
     pats = cfg.evaluate.rows
-    return pats is None or any(fnmatchcase(name, p) for p in pats)
+    return pats is None or any(row_matches(name, p) for p in pats)
 
 
 def check_row_filter(cfg) -> None:
@@ -212,11 +221,12 @@ def check_row_filter(cfg) -> None:
 
     names = row_names(cfg)
     for p in cfg.evaluate.rows or []:
-        if not any(fnmatchcase(n, p) for n in names):
+        if not any(row_matches(n, p) for n in names):
             near = difflib.get_close_matches(p, names, n=3, cutoff=0.4)
             hint = f"did you mean {', '.join(near)}? " if near else ""
             raise ValueError(f"evaluate.rows: pattern {p!r} matches no row; {hint}(`darts-bench ls rows` lists the "
-                             f"{len(names)} rows of this config; patterns are fnmatch globs, e.g. 'ties+*')")
+                             f"{len(names)} rows of this config; an entry is a row's exact name or an fnmatch "
+                             "glob, e.g. 'ties+*')")
 
 
 def selected_specs(cfg) -> list[RowSpec]:

@@ -259,6 +259,32 @@ def test_export_refuses_a_nonempty_dir_and_names_rows(tmp_path):
     assert lm_eval_model_args(Path("/m"), Path("/h"), "float32")["hf"] == "pretrained=/m,head=/h,dtype=float32"
 
 
+
+def test_export_refuses_a_routed_or_unknown_row_before_building_anything(tmp_path, monkeypatch):
+    """A ``@routed`` row (heads or EMR) and a name that is no row are refused from the config's row specs,
+    before ``Pipeline.all_rows`` builds the pool, merges and heads (before 2026-12-06 it built them all, an
+    hour on the smollm2 tier, and then refused)."""
+    from darts_bench.config import load_config
+    from darts_bench.export import export_row
+    from darts_bench.pipeline import Pipeline
+
+    cfg = load_config("micro", ['merges=[{"name": "ties", "method": "ties", "density": 0.5}, '
+                                '{"name": "emr", "method": "emr"}]', "surgery.task_agnostic=[routed]",
+                                f"work_dir={tmp_path / 'work'}"])
+    pipe = Pipeline(cfg)
+
+    def built(*_a, **_k):
+        raise AssertionError("export built the run's artifacts before checking the row")
+
+    monkeypatch.setattr(Pipeline, "all_rows", built)
+    with pytest.raises(ValueError, match="export the oracle row 'emr'"):
+        export_row(pipe, "emr@routed", tmp_path / "e1")
+    with pytest.raises(ValueError, match="export its oracle row ties\\+darts or the ties\\+darts@shared row"):
+        export_row(pipe, "ties+darts@routed", tmp_path / "e2")
+    with pytest.raises(KeyError, match="no row 'ties\\+dart'.*'ties\\+darts'"):
+        export_row(pipe, "ties+dart", tmp_path / "e3")
+    assert not (tmp_path / "work").exists() and not any(tmp_path.glob("e*"))
+
 # ------------------------------------------------------------------ the lm_eval.models entry point
 # lm-eval's main branch discovers external models through the `lm_eval.models` entry-point group
 # (docs/plugins.md): each entry point is recorded as a lazy placeholder under its name (an alias that is

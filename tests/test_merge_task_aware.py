@@ -31,6 +31,15 @@ def test_rows_of_a_task_aware_merge():
     assert all(s.task_aware == s.model.startswith("emr") for s in specs)
 
 
+def test_emr_refuses_a_weight_naming_that_it_takes_no_setting():
+    """EMR has no hyper-parameter: a ``weight`` (as a merge sweep over it makes) is refused with a message that
+    says so, not an empty list of the settings it takes."""
+    from darts_bench.config import MergeSpec
+
+    with pytest.raises(ValueError, match=r"weight is a mergekit option; method emr takes no setting \(drop them\)"):
+        MergeSpec(name="e", method="emr", weight=0.5)
+
+
 def test_ls_merges_lists_both_with_their_sources():
     from darts_bench.listing import list_merges
 
@@ -42,6 +51,13 @@ def test_ls_merges_lists_both_with_their_sources():
     assert by["expert_merging"]["settings"].split(",") == ["steps", "lr", "init", "batch_size", "temperature",
                                                            "sparsity_weight", "hidden_weight", "calibration_split"]
     assert by["ties"]["task_label"] == "no"
+    # the svc line names every method MergeSpec refuses svc_alpha on (it named adamerging / regmean only)
+    from darts_bench.config import DATA_MERGE_METHODS, TASK_AWARE_METHODS, MergeSpec
+
+    for m in (*DATA_MERGE_METHODS, *TASK_AWARE_METHODS):
+        assert m in by["svc"]["code"].split("svc_alpha on any merge but ")[1].split(" / ")
+        with pytest.raises(ValueError, match="svc_alpha calibrates a training-free merge"):
+            MergeSpec(name="m", method=m, svc_alpha=0.1)
 
 
 @pytest.mark.micro
@@ -219,6 +235,8 @@ def test_plan_counts_emr_models_and_disk():
     cfg1 = _smollm2(["merges=[{name: emr, method: emr}]", "evaluate.rows=null"])
     assert not any(ln["line"].startswith("3-emr") for ln in claims_plan(cfg1, names)["lines"])  # no merge with heads
     assert "3 task-aware (EMR: oracle and routed)" in st["evaluate"]["what"]
+    # the row breakdown adds up: the EMR merge is not also counted as a plain merge (it said "1 merges" here)
+    assert st["evaluate"]["what"].startswith("7 rows (base, 3 experts, 0 merges, 0 corrected, 3 task-aware")
     cfg2 = _smollm2(["merges=[{name: emr, method: emr}, {name: ta, method: task_arithmetic}]", "evaluate.rows=null"])
     both = make_plan(cfg2)
     assert both["stages"]["evaluate"]["model_loads"] == 1 + 3 + 1 + 3  # base, experts, ta, EMR's 3 task models

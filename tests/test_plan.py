@@ -119,6 +119,22 @@ def test_dry_run_checks_data_and_output_dirs_like_a_run(tmp_path, capsys):
     out = tmp_path / "new" / "results"
     assert main(["run", "--dry-run", "--config", "tiny", "--out", str(out)]) == 0
     assert not (tmp_path / "new").exists()
+    # the report line names the --out dir, not the config's default runs/tiny (it did before 2026-12-06)
+    assert f"[report] results.json, table.csv, table.md, plots in {out}\n" in capsys.readouterr().out
+
+
+def test_dry_run_notes_the_rows_run_refuses(capsys):
+    """A config ``run`` refuses on its rows (preflight.row_problems: here routed rows with one task of the suite)
+    got a plan with no word of it before 2026-12-06; the plan now ends its notes with each refusal and its fix."""
+    plan = print_plan(load_config("tiny", ['merges=[{"name": "emr", "method": "emr"}, '
+                                           '{"name": "ties", "method": "ties", "density": 0.2}]']), suite="humaneval")
+    refused = [n for n in plan["notes"] if n.startswith("run refuses this config: rows: ")]
+    assert len(refused) == 2
+    assert "task-aware routed row(s) ['emr@routed', 'emr@inductive@routed'] route between" in refused[0]
+    assert "task-agnostic row(s) (routed / shared, e.g. ties+surgery@routed)" in refused[1]
+    assert "fix: add a task with an expert to --suite" in refused[1]
+    assert "\nnote: run refuses this config: rows: " in capsys.readouterr().out
+    assert not any(n.startswith("run refuses") for n in print_plan(load_config("tiny"))["notes"])
 
 
 def test_dry_run_reports_time_and_gpu_memory():

@@ -41,6 +41,21 @@ def test_pattern_matching_no_row_fails_early(tmp_path):
         _pipe(tmp_path, evaluate={"rows": []})
 
 
+def test_a_rows_entry_selects_the_row_of_its_exact_name_brackets_included(tmp_path):
+    """A merge sweep's variant (``ties[density=0.4]``) and the matched control (``ties+surgery[rank=matched]``)
+    hold ``[...]`` in their names, which fnmatch reads as a character class: before 2026-12-06 ``--rows`` with
+    a row's own name matched nothing and the error suggested that very name. The exact name selects it; a
+    glob still works as before."""
+    sweep = {"merges": {"ties": {"density": [0.2, 0.4]}}}
+    from tests.conftest import MICRO
+
+    pipe = _pipe(tmp_path, sweep=sweep, surgery={**MICRO["surgery"], "controls": ["param_matched"]},
+                 evaluate={"rows": ["ties[density=0.4]", "ties[density=0.2]+surgery[rank=matched]", "*0.4]+darts"]})
+    check_row_filter(pipe.cfg)  # every entry matches a row
+    assert [n for n in pipe.row_names() if row_selected(pipe.cfg, n)] == [
+        "ties[density=0.2]+surgery[rank=matched]", "ties[density=0.4]", "ties[density=0.4]+darts"]
+
+
 def test_cli_rows_sets_config(tmp_path):
     from darts_bench.cli import _load, build_parser
 

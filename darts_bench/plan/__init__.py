@@ -116,7 +116,8 @@ def make_plan(cfg: Config, suite: str = "all", limit: int | None = None) -> dict
 def print_plan(cfg: Config, suite: str = "all", limit: int | None = None, file: TextIO | None = None,
                out_dir: str | None = None, power_from: str | None = None) -> dict[str, Any]:
     """Print the plan of ``cfg`` (``darts-bench run --dry-run``) and return it as a dict, after the
-    checks a real run makes first (:mod:`darts_bench.checks`; nothing is created): the stages' costs,
+    checks a real run makes first (:mod:`darts_bench.checks`; nothing is created; the rows' checks of
+    :func:`darts_bench.preflight.row_problems`, on which ``run`` refuses, as notes): the stages' costs,
     then the claims' cells per line and the effect they can detect (:mod:`darts_bench.plan.power`;
     ``power_from``: a previous run's results dir to take the variances from).
 
@@ -135,7 +136,13 @@ def print_plan(cfg: Config, suite: str = "all", limit: int | None = None, file: 
     check_data_dir(cfg.resolved_data_dir(), names)
     check_output_dir(Path(out_dir) if out_dir else cfg.resolved_out_dir(), "output dir", create=False)
     check_output_dir(Path(cfg.work_dir), "work dir", create=False)
+    if out_dir:  # the report line names where the run writes: --out wins over the config's out_dir
+        cfg = cfg.model_copy(update={"out_dir": str(out_dir)})
     plan = make_plan(cfg, suite, limit)
+    from darts_bench.preflight import row_problems
+
+    # the rows' checks `run` refuses a config on before any stage: notes here, the plan still printed
+    plan["notes"] += [f"run refuses this config: {str(p).replace(chr(10), ';')}" for p in row_problems(cfg, names)]
     from darts_bench.plan.power import claims_plan, format_claims_plan
 
     plan["claims"] = claims_plan(cfg, names, Path(power_from) if power_from else None)

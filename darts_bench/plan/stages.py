@@ -860,7 +860,8 @@ def evaluate(x: PlanInputs) -> dict[str, Any]:
     request an earlier row made from its memo (:mod:`darts_bench.evaluate.memo`; how many repeat depends
     on the outputs)."""
     cfg, W, P, kind = x.cfg, x.weights, x.params, x.kind
-    rows, E, M = len(x.evaluated), len(cfg.pool.expert_names), len(cfg.merges)
+    rows, E = len(x.evaluated), len(cfg.pool.expert_names)
+    M = sum(not m.task_aware for m in cfg.merges)  # plain merges; an EMR merge's rows are its task-aware ones
     ray = cfg.executor == "ray"
     vllm = cfg.evaluate.backend == "vllm"
     scoring = cfg.evaluate.vllm.scoring if vllm else "engine"
