@@ -153,6 +153,17 @@ def test_heads_on_a_strong_fix_read_only_the_svd_and_svc_merges():
     assert "7-darts" not in lines  # no data merge in this run: the strong-merge lines are not drawn
 
 
+def test_a_line_over_sweep_variants_of_one_merge_says_they_are_not_independent():
+    """Merge-sweep variants (``ties[density=0.2]``, ``ties[density=0.4]``) are settings of one merge: the line's
+    sentence warns, naming the merge and its variant count; a line over distinct merges does not."""
+    eff = {(m, t): -0.3 for m in ("ties[density=0.2]", "ties[density=0.4]", "tsv") for t in TASKS}
+    ln = _line(sequences(eff))
+    assert ln["n_cells"] == 9
+    assert ("Warning: cells of sweep variants of one merge (ties: 2 variants) are not independent merges"
+            in ln["sentence"])
+    assert "sweep variants" not in _line(sequences({(m, t): -0.3 for m in MERGES for t in TASKS}))["sentence"]
+
+
 def test_the_rule_in_claims_md_is_the_rule_in_the_code():
     """Every verdict the code can give is named in the header with its condition, and each condition, built
     into a result, gives that verdict."""

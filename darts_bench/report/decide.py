@@ -143,8 +143,10 @@ CONTRASTS = (
              "Iso-C: head vs plain merge)", "surgery", "none", merges="fix"),
     Contrast("3-emr", 3, "DARTS beats EMR-Merging with the task's mask and rescaler (the same task-label budget, "
              "oracle)", "darts", "emr", b_merge="task_aware"),
-    Contrast("3-emr-routed", 3, "DARTS beats EMR-Merging routed by the base's prompt state (no task label)",
-             "darts", "emr@routed", b_merge="task_aware"),
+    # not the same budget: DARTS's row here has the task label; routed DARTS rows have no per-sequence evidence yet
+    Contrast("3-emr-routed", 3, "DARTS with the task label beats EMR-Merging routed by the base's prompt state "
+             "(no task label: what EMR gives up without it, not a same-budget comparison)", "darts", "emr@routed",
+             b_merge="task_aware"),
     Contrast("control", 0, "positive control: DARTS beats Surgery on a planted position-dependent drift", "darts",
              "surgery", merges="planted"),
 )
@@ -489,9 +491,24 @@ def sentence(line: dict[str, Any]) -> str:
     warn = (f" Warning: the position tables were trained on less than {COVERAGE_WARN:.0%} of the evaluated positions "
             f"in some cells ({'; '.join(low)}): there the position-table rows are zero-initialised, untrained."
             if low else "")
+    variants = sweep_variant_groups([cell.merge for cell in line["cells"]])
+    if variants:
+        warn += (" Warning: cells of sweep variants of one merge (" + "; ".join(
+            f"{m}: {len(v)} variants" for m, v in variants.items()) + ") are not independent merges: the interval "
+            "treats them as such and is narrower than over independent merges.")
     return (f"{c.statement[0].upper() + c.statement[1:]}? **{line['verdict']}** ({sure}): {effect_words(line['family'], res, a, b)}, "
             f"{where}; HKSJ p = {_fmt(res.p, 2)}, I² = {res.i2:.2f}; detectable at 80% power: "
             f"{mde_words(line['family'], res)}.{warn}")
+
+
+def sweep_variant_groups(merges: Iterable[str]) -> dict[str, list[str]]:
+    """Merge -> its sweep variants (``NAME[KEY=v]``, ``sweep.merges``) among ``merges``, for every merge with
+    more than one: a line over them counts settings of one merge as independent cells."""
+    groups: dict[str, set[str]] = {}
+    for m in merges:
+        if m.endswith("]") and "[" in m:
+            groups.setdefault(m[:m.index("[")], set()).add(m)
+    return {m: sorted(v) for m, v in sorted(groups.items()) if len(v) > 1}
 
 
 def decide(sequences: list[dict], examples: list[dict], meta: dict[str, dict[str, Any]], task_names: list[str],
