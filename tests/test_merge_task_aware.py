@@ -267,13 +267,14 @@ def test_plan_counts_emr_models_and_disk():
     cfg2 = _smollm2(["merges=[{name: emr, method: emr}, {name: ta, method: task_arithmetic}]", "evaluate.rows=null"])
     both = make_plan(cfg2)
     assert both["stages"]["evaluate"]["model_loads"] == 1 + 3 + 1 + 3  # base, experts, ta, EMR's 3 task models
+    assert cfg2.surgery.task_agnostic == ["routed", "shared"]  # the routed head rows: the routed line's DARTS side
     lines = {ln["line"]: ln for ln in claims_plan(cfg2, names)["lines"]}
-    # the routed line needs the routed head rows (surgery.task_agnostic: [routed]): no routed DARTS row, no line
-    assert lines["3-emr"]["cells"] == lines["3"]["cells"] == 3 and "3-emr-routed" not in lines  # ta x 3 tasks
+    assert lines["3-emr"]["cells"] == lines["3-emr-routed"]["cells"] == lines["3"]["cells"] == 3  # ta x 3 tasks
+    # without routed head rows (shared only), no routed DARTS row: no routed line
     cfg3 = _smollm2(["merges=[{name: emr, method: emr}, {name: ta, method: task_arithmetic}]", "evaluate.rows=null",
-                     "surgery.task_agnostic=[routed]"])
+                     "surgery.task_agnostic=[shared]"])
     lines = {ln["line"]: ln for ln in claims_plan(cfg3, names)["lines"]}
-    assert lines["3-emr"]["cells"] == lines["3-emr-routed"]["cells"] == lines["3"]["cells"] == 3
+    assert lines["3-emr"]["cells"] == lines["3"]["cells"] == 3 and "3-emr-routed" not in lines
 
 
 def test_preflight_names_emr_rows_that_cannot_run():
