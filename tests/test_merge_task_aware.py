@@ -68,7 +68,9 @@ def test_emr_and_expert_merging_in_a_micro_run(micro_cfg_path, micro_pipeline, t
     from darts_bench.pipeline import Pipeline
 
     micro_pipeline.pool()
-    cfg = load_config(str(micro_cfg_path), [f"merges={json.dumps([EMR, EM])}", f"out_dir={tmp_path / 'results'}"])
+    # the routed head rows (surgery.task_agnostic: [routed]): claim line 3-emr-routed's same-budget DARTS side
+    cfg = load_config(str(micro_cfg_path), [f"merges={json.dumps([EMR, EM])}", f"out_dir={tmp_path / 'results'}",
+                                            "surgery.task_agnostic=[routed]"])
     pipe = Pipeline(cfg)
     from darts_bench.export import export_row
 
@@ -126,7 +128,10 @@ def _check_emr_evidence(cfg, pipe, col, tr, emr_dir, out):
     tokens equal those computed here directly from the reconstructed task checkpoint and the expert (a forward of
     each full sequence; the stage's features come from left-padded batches, so the KL agrees to float32 rounding,
     rel 1e-4, and the top-1 agreement count exactly); the routed row's sums equal the oracle's on every sequence
-    routed to its own task and another checkpoint's elsewhere; the EMR claim lines reach claims.md with cells."""
+    routed to its own task and another checkpoint's elsewhere; the routed DARTS / Surgery rows' sums in the evidence
+    file equal the oracle rows' exactly on every held-out sequence routed to its own task (the same head, the same
+    diagnostics pass) and differ elsewhere; the EMR claim lines (oracle, and routed DARTS vs routed EMR) reach
+    claims.md with cells."""
     import numpy as np
     from transformers import AutoModelForCausalLM
 
@@ -170,13 +175,34 @@ def _check_emr_evidence(cfg, pipe, col, tr, emr_dir, out):
     assert emr_ids == em_ids == set(ps["sequence"])
     rec = next(r for r in recs if r["merge"] == "emr" and r["task"] == "gsm8k" and r["split"] == split)
     assert set(rec["rows"]) == {"emr", "emr@routed"}
-    # the claim lines: one cell per (real merge, task): em x 3 tasks
+    # the routed head rows: beside the oracle rows of the same (merge, task, split, seed) records, every task and set
+    n_own = n_other = 0
+    all_recs = read_jsonl(out / "evidence" / "sequences.jsonl.gz")
+    for t in ("humaneval", "gsm8k", "alpacaeval"):
+        info = json.loads((tr["routers"][("em", split, seed)] / "routing.json").read_text())["tasks"][t]
+        picked = dict(zip(info["held_out_sequences"], info["held_out_routed"]))
+        mine = [r for r in all_recs if (r["merge"], r["task"], r["split"], r["variant"], r["seed"]) ==
+                ("em", t, split, "", seed)]
+        assert {r["set"] for r in mine} >= {"gen", "reference"}
+        assert all(set(r["rows"]) == {"none", "surgery", "darts", "surgery@routed", "darts@routed"} for r in mine)
+        gen = [r for r in mine if r["set"] == "gen"]
+        assert sorted(r["sequence"] for r in gen) == sorted(picked)
+        for r in gen:
+            same = [r["rows"][f"{k}@routed"] == r["rows"][k] for k in ("darts", "surgery")]
+            if picked[r["sequence"]] == t:
+                assert all(same), (t, r["sequence"])
+                n_own += 1
+            else:
+                assert not any(same), (t, r["sequence"])
+                n_other += 1
+    assert n_own and n_other
+    # the claim lines: one cell per (real merge, task): em x 3 tasks; the routed line pairs the routed rows
     claims = (out / "claims.md").read_text()
     res = json.loads((out / "results.json").read_text())
     dec = {(x["line"], x["split"]): x for x in res["decisions"]}
-    for key in ("3-emr", "3-emr-routed"):
+    for key, words in (("3-emr", "DARTS beats EMR-Merging"), ("3-emr-routed", "DARTS routed beats EMR-Merging routed")):
         assert dec[(key, split)]["cells"] == 3, dec.get((key, split))
-        assert f"| 3 | {key} | DARTS beats EMR-Merging" in claims
+        assert f"| 3 | {key} | {words}" in claims
         assert all(f"| {key} | {split} | em | {t} | kl_expert_gen |" in claims
                    for t in ("humaneval", "gsm8k", "alpacaeval"))
 
@@ -217,7 +243,8 @@ def test_plan_counts_emr_models_and_disk():
     """EMR: K per-task checkpoints and the record on disk; no heads; each task's checkpoint's features on its task's
     calibration sets (the oracle row's evidence: every set's tokens once more, K loads) and its plain-row diagnostics
     (three matmuls per held-out and reference token); the evaluate stage loads each task's model (K) and, for a
-    routed row, the base. The claim lines 3-emr / 3-emr-routed count (merge with heads, task) cells."""
+    routed row, the base. The claim lines 3-emr / 3-emr-routed count (merge with heads, task) cells, the routed one
+    only with the routed head rows."""
     from darts_bench.plan import make_plan
 
     plan = make_plan(_smollm2(["merges=[{name: emr, method: emr}]", "evaluate.rows=null"]))
@@ -240,8 +267,14 @@ def test_plan_counts_emr_models_and_disk():
     cfg2 = _smollm2(["merges=[{name: emr, method: emr}, {name: ta, method: task_arithmetic}]", "evaluate.rows=null"])
     both = make_plan(cfg2)
     assert both["stages"]["evaluate"]["model_loads"] == 1 + 3 + 1 + 3  # base, experts, ta, EMR's 3 task models
+    assert cfg2.surgery.task_agnostic == ["routed", "shared"]  # the routed head rows: the routed line's DARTS side
     lines = {ln["line"]: ln for ln in claims_plan(cfg2, names)["lines"]}
     assert lines["3-emr"]["cells"] == lines["3-emr-routed"]["cells"] == lines["3"]["cells"] == 3  # ta x 3 tasks
+    # without routed head rows (shared only), no routed DARTS row: no routed line
+    cfg3 = _smollm2(["merges=[{name: emr, method: emr}, {name: ta, method: task_arithmetic}]", "evaluate.rows=null",
+                     "surgery.task_agnostic=[shared]"])
+    lines = {ln["line"]: ln for ln in claims_plan(cfg3, names)["lines"]}
+    assert lines["3-emr"]["cells"] == lines["3"]["cells"] == 3 and "3-emr-routed" not in lines
 
 
 def test_preflight_names_emr_rows_that_cannot_run():

@@ -902,8 +902,9 @@ def test_plan_counts_svd_merges_by_hand():
 def test_smollm2_merges_preset_holds_every_new_method_and_its_claim_lines():
     """The issue-59 preset (smollm2-135m-merges): each newer method is a merge of it, on smollm2-135m's pool (so
     that preset's cached pool is reused), and its claim lines have the cells the plan promises: 11 merges with
-    heads x 3 tasks for DARTS vs Surgery and vs EMR, 5 fixes (TSV-M, Iso-C, Iso-CTS, two SVC merges) x 3 tasks
-    for the heads on a strong fix, Expert Merging's 3 cells for claim 7."""
+    heads x 3 tasks for DARTS vs Surgery and vs EMR (oracle, and routed: the preset's routed head rows, without
+    which 3-emr-routed is not counted), 5 fixes (TSV-M, Iso-C, Iso-CTS, two SVC merges) x 3 tasks for the heads on
+    a strong fix, Expert Merging's 3 cells for claim 7; the routed head rows are behaviour-only (not evaluated)."""
     from darts_bench.plan.power import claims_plan
     from darts_bench.report.decide import merge_labels
 
@@ -914,5 +915,15 @@ def test_smollm2_merges_preset_holds_every_new_method_and_its_claim_lines():
                    "model_stock", "expert_merging", "emr"):
         assert method in labels, method
     cells = {ln["line"]: ln["cells"] for ln in claims_plan(cfg, ["humaneval", "gsm8k", "alpacaeval"])["lines"]}
+    assert cfg.surgery.task_agnostic == ["routed"]
     assert cells == {"3": 33, "7-darts": 3, "7-surgery": 3, "7-darts-fix": 15, "7-surgery-fix": 15, "3-emr": 33,
                      "3-emr-routed": 33}
+    no_routed = load_config("smollm2-135m-merges", ["surgery.task_agnostic=[]"])
+    cells = {ln["line"]: ln["cells"] for ln in claims_plan(no_routed, ["humaneval", "gsm8k", "alpacaeval"])["lines"]}
+    assert cells == {"3": 33, "7-darts": 3, "7-surgery": 3, "7-darts-fix": 15, "7-surgery-fix": 15, "3-emr": 33}
+    # 11 merges x 2 methods routed head rows, none of them evaluated (evaluate.rows names only plain and EMR rows)
+    from darts_bench.rows import row_specs, row_selected
+
+    routed = [s for s in row_specs(cfg) if s.routing == "routed" and s.correction != "emr@routed"]
+    assert len(routed) == 22 and {s.correction for s in routed} == {"darts@routed", "surgery@routed"}
+    assert not any(row_selected(cfg, s.model) for s in routed)

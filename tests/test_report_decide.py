@@ -213,7 +213,10 @@ def test_darts_vs_emr_lines_pair_every_merge_with_the_emr_rows_of_the_same_seque
     of the same task, split, seed and held-out sequences. Planted: DARTS's KL per sequence is ``2 b_i r_i`` with
     ``b_i`` EMR-Merging's (oracle) KL and ``r_i`` noise normalised so that ``sum_i b_i r_i = sum_i b_i``: every
     cell's log ratio is exactly log 2 with a non-zero variance, so the oracle line is `not supported` with estimate
-    log 2; against the routed row (``b_i r_i``: ratio exactly 1) it is no verdict, estimate 0."""
+    log 2. The routed line pairs the routed DARTS row (``darts@routed``) with ``emr@routed`` (KL ``c_i``): planted
+    ``2 c_i s_i`` with ``sum_i c_i s_i = sum_i c_i``, so it too is `not supported` with estimate exactly log 2 (the
+    oracle DARTS row, against which the ratio would be ``b_i r_i / c_i``, is not read). Without routed DARTS
+    records the routed line is not drawn (the oracle line still is)."""
     rng = np.random.default_rng(3)
     labels = {**{m: "task_arithmetic" for m in MERGES}, "emr": "emr", "emr2": "emr"}
     seqs = []
@@ -227,16 +230,19 @@ def test_darts_vs_emr_lines_pair_every_merge_with_the_emr_rows_of_the_same_seque
         # a second EMR merge, far worse: the lines read the first task-aware merge only
         seqs += [{**s, "merge": "emr2", "rows": {k: {**v, "kl_sum": 100 * v["kl_sum"]} for k, v in s["rows"].items()}}
                  for s in seqs[-21:]]
+        c = 2 * b  # EMR routed's KL (nats): set below
         for m in MERGES:
             r = rng.lognormal(0, 0.2, 21)
             r *= b.sum() / (b * r).sum()
+            q = rng.lognormal(0, 0.2, 21)
+            q *= c.sum() / (c * q).sum()
             seqs += [{"merge": m, "task": t, "split": "transductive", "variant": "", "seed": 0, "set": "gen",
                       "sequence": i, "n_tokens": int(n[i]), "boot_seed": 1,
                       "rows": {"none": {"kl_sum": float(4 * b[i]), "agree_sum": 0.4 * n[i]},
                                "surgery": {"kl_sum": float(3 * b[i]), "agree_sum": 0.5 * n[i]},
-                               "darts": {"kl_sum": float(2 * b[i] * r[i]), "agree_sum": 0.5 * n[i]}}}
+                               "darts": {"kl_sum": float(2 * b[i] * r[i]), "agree_sum": 0.5 * n[i]},
+                               "darts@routed": {"kl_sum": float(2 * c[i] * q[i]), "agree_sum": 0.45 * n[i]}}}
                      for i in range(21)]
-    # the routed row: DARTS's KL over it is exactly 1 in every cell (b_i r_i summed = b_i summed)
     for s in seqs:
         if s["merge"] == "emr":
             s["rows"]["emr@routed"]["kl_sum"] *= 2
@@ -251,10 +257,20 @@ def test_darts_vs_emr_lines_pair_every_merge_with_the_emr_rows_of_the_same_seque
     assert "100.0% higher for DARTS than EMR-Merging (task's mask and rescaler)" in oracle["sentence"]
     # the EMR side is shared by the 5 merges' cells of a task: the stratified test clusters its 3 x 21 sequences
     assert oracle["stratified"]["clusters"] == 3 * 21
-    assert routed["n_cells"] == 15 and routed["verdict"] == "inconclusive"
-    assert routed["meta"].estimate == pytest.approx(0.0, abs=1e-12) and "EMR-Merging, routed" in routed["sentence"]
+    assert (routed["contrast"].a, routed["contrast"].b) == ("darts@routed", "emr@routed")
+    assert routed["n_cells"] == 15 and {(c.merge, c.task) for c in routed["cells"]} == {(m, t) for m in MERGES
+                                                                                       for t in TASKS}
+    assert all(c.y == pytest.approx(math.log(2), abs=1e-12) and c.v > 0 for c in routed["cells"])
+    assert routed["verdict"] == "not supported" and routed["meta"].estimate == pytest.approx(math.log(2), abs=1e-12)
+    assert routed["sentence"].startswith("DARTS routed beats EMR-Merging routed (no task label on either side")
+    assert "100.0% higher for DARTS, routed than EMR-Merging, routed" in routed["sentence"]
+    assert "EMR-Merging, routed is better" in routed["sentence"] and routed["stratified"]["clusters"] == 3 * 21
     # DARTS vs Surgery is unaffected by the EMR records; no EMR merge, no EMR line
     assert lines["3"]["n_cells"] == 15 and not any(c.merge.startswith("emr") for c in lines["3"]["cells"])
     plain = decide([s for s in seqs if not s["merge"].startswith("emr")], [], {}, list(TASKS), {}, cfg,
                    ["transductive"], 0, {m: "task_arithmetic" for m in MERGES})
     assert not any(ln["contrast"].key.startswith("3-emr") for ln in plain)
+    # no routed DARTS records (no surgery.task_agnostic: [routed]): no routed line, and no fallback to the oracle row
+    unrouted = [{**s, "rows": {k: v for k, v in s["rows"].items() if k != "darts@routed"}} for s in seqs]
+    keys = [ln["contrast"].key for ln in decide(unrouted, [], {}, list(TASKS), {}, cfg, ["transductive"], 0, labels)]
+    assert "3-emr" in keys and "3-emr-routed" not in keys

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from darts_bench.data import DataError, read_jsonl
-from darts_bench.report.evidence import cell_tests, run_intervals_from_sequences, sequence_records, write_jsonl_gz
+from darts_bench.report.evidence import (cell_tests, run_intervals_from_sequences, sequence_records, with_routed_rows,
+                                         write_jsonl_gz)
 from darts_bench.report.stats import (bootstrap_indices, crossed_bootstrap, expanded_levels, holm, mcnemar_exact,
                                       nested_bootstrap, pick_counts)
 
@@ -237,6 +238,35 @@ def test_cell_tests_by_hand():
     [nested] = cell_tests(ex, other, _meta((0, 1)), ["gsm8k"], 0, ["kl_expert_gen"])
     assert nested["test"].startswith("nested bootstrap") and nested["estimate"] == pytest.approx(np.mean(kl))
     assert nested["ci_low"] < nested["estimate"] < nested["ci_high"]
+
+
+def test_routed_head_rows_join_their_oracle_rows_sequence_lines():
+    """The routed diagnostics' per-sequence sums become rows ``<method>@routed`` of the oracle run's lines (same
+    sequence ids, values copied as stored, the routed pass's ``none`` not repeated); a routed pass on other
+    sequences is refused, naming the run; runs without routed diagnostics are unchanged."""
+    key = ("ta", "gsm8k", "transductive", "", 0)
+    sums = lambda k: {"kl_sum": [1.0 * k, 2.0 * k], "agree_sum": [3.0, 4.0]}  # noqa: E731
+    oracle = {"per_sequence": {"gen": {"sequence": [4, 9], "n_tokens": [5, 7], "none": sums(10), "darts": sums(1)},
+                               "reference": {"sequence": [0, 1], "n_tokens": [3, 3], "none": sums(20),
+                                             "darts": sums(2)}}}
+    routed = {"per_sequence": {"gen": {"sequence": [4, 9], "n_tokens": [5, 7], "none": sums(10), "darts": sums(0.5)},
+                               "reference": {"sequence": [0, 1], "n_tokens": [3, 3], "none": sums(20),
+                                             "darts": sums(0.25)}}}
+    other = ("ta", "humaneval", "transductive", "", 0)
+    runs = {key: oracle, other: {"per_sequence": {"gen": {"sequence": [1, 2], "n_tokens": [2, 2], "none": sums(1),
+                                                          "darts": sums(1)}}}}
+    got = with_routed_rows(runs, {key: {"routed": routed, "shared": routed}})
+    recs = {(r["set"], r["sequence"]): r["rows"] for r in sequence_records(got, 0) if r["task"] == "gsm8k"}
+    assert recs[("gen", 9)] == {"none": {"kl_sum": 20.0, "agree_sum": 4.0}, "darts": {"kl_sum": 2.0, "agree_sum": 4.0},
+                                "darts@routed": {"kl_sum": 1.0, "agree_sum": 4.0}}
+    assert recs[("reference", 0)]["darts@routed"] == {"kl_sum": 0.25, "agree_sum": 3.0}
+    assert "darts@routed" not in oracle["per_sequence"]["gen"]  # the train stage's dict is left as it was
+    assert got[other] is runs[other] and with_routed_rows(runs, None) == runs
+    bad = {"per_sequence": {"gen": {**routed["per_sequence"]["gen"], "sequence": [4, 8]}}}
+    with pytest.raises(ValueError, match=r"routed diagnostics \('ta', 'gsm8k'.*'gen'.*different held-out splits"):
+        with_routed_rows(runs, {key: {"routed": bad}})
+    with pytest.raises(ValueError, match="no heads run"):
+        with_routed_rows({}, {key: {"routed": routed}})
 
 
 def test_evidence_bytes_are_deterministic(tmp_path):

@@ -69,8 +69,11 @@ def claims_plan(cfg, task_names: list[str], power_from: Path | None = None) -> d
     out = []
     for c in CONTRASTS:
         if c.b_merge:  # a cross-merge line (EMR): its b row is the task-aware merge's, which needs no head
-            if c.a not in methods or not merges[c.b_merge]:
+            a_method, _, a_routing = c.a.partition("@")
+            if a_method not in methods or not merges[c.b_merge]:
                 continue
+            if a_routing and a_routing not in cfg.surgery.task_agnostic:
+                continue  # a routed DARTS row only with surgery.task_agnostic: [routed] (no fallback to the oracle)
             if c.b.endswith("@routed") and len(with_heads) < 2:
                 continue  # nothing to route between: no routed row (preflight says so)
         elif c.a not in methods or c.b not in methods or (c.b_control and c.b_control not in cfg.surgery.controls):

@@ -4,8 +4,9 @@ control measured on the run's own data.
 
 A *line* compares two kinds of row over the cells of one calibration split: DARTS vs Surgery (claim 3),
 DARTS vs the parameter-matched Surgery, each DARTS ingredient vs Surgery, a head vs its plain strong
-merge (claim 7), DARTS vs the post-merge baseline with the same task-label budget (EMR-Merging, oracle and
-routed: a cross-merge line, :data:`CONTRASTS` ``3-emr``), and DARTS vs Surgery on a merge with a planted drift
+merge (claim 7), DARTS vs the post-merge baseline with the same task-label budget (EMR-Merging: cross-merge
+lines, :data:`CONTRASTS` ``3-emr``, both with the task label, and ``3-emr-routed``, the routed DARTS row vs EMR
+routed, neither with it), and DARTS vs Surgery on a merge with a planted drift
 (the positive control). Per cell (merge, task, split), the two rows are compared on the same units (held-out
 sequences for behaviour families, benchmark examples for task families); head seeds are averaged inside the
 cell and their spread is a variance component of the cell.
@@ -143,10 +144,10 @@ CONTRASTS = (
              "Iso-C: head vs plain merge)", "surgery", "none", merges="fix"),
     Contrast("3-emr", 3, "DARTS beats EMR-Merging with the task's mask and rescaler (the same task-label budget, "
              "oracle)", "darts", "emr", b_merge="task_aware"),
-    # not the same budget: DARTS's row here has the task label; routed DARTS rows have no per-sequence evidence yet
-    Contrast("3-emr-routed", 3, "DARTS with the task label beats EMR-Merging routed by the base's prompt state "
-             "(no task label: what EMR gives up without it, not a same-budget comparison)", "darts", "emr@routed",
-             b_merge="task_aware"),
+    # the same budget without the label: the routed DARTS row (surgery.task_agnostic: [routed]; the head of the task
+    # a router picks per prompt from the merged model's state) vs EMR routed by the base's prompt state
+    Contrast("3-emr-routed", 3, "DARTS routed beats EMR-Merging routed (no task label on either side: the same "
+             "budget)", "darts@routed", "emr@routed", b_merge="task_aware"),
     Contrast("control", 0, "positive control: DARTS beats Surgery on a planted position-dependent drift", "darts",
              "surgery", merges="planted"),
 )
@@ -220,10 +221,11 @@ def combine_seeds(merge: str, task: str, split: str, per_seed: list[tuple[float,
 
 # ------------------------------------------------------------------------------ gathering cells
 def _row_index(meta: dict[str, dict[str, Any]]) -> dict[tuple, str]:
-    """(merge, split, variant, seed, row kind) -> row name (``none``: the plain merge, any split)."""
+    """(merge, split, variant, seed, row kind) -> row name (``none``: the plain merge, any split); a routed
+    head row's kind is its correction (``darts@routed``); shared-head and task-aware rows are left out."""
     out = {}
     for name, m in meta.items():
-        if not m.get("merge") or m.get("routing"):
+        if not m.get("merge") or m.get("routing") not in (None, "routed"):
             continue
         if m["correction"] == "none":
             out[(m["merge"], "*", "", m["seed"], "none")] = name
@@ -466,7 +468,8 @@ def mde_words(family: str, res: MetaResult) -> str:
 
 ROW_WORDS = {"darts": "DARTS", "surgery": "Surgery", "darts_ew_only": "entropy weighting alone",
              "darts_pos_only": "the position table alone", "none": "the plain merge",
-             "emr": "EMR-Merging (task's mask and rescaler)", "emr@routed": "EMR-Merging, routed"}
+             "emr": "EMR-Merging (task's mask and rescaler)", "emr@routed": "EMR-Merging, routed",
+             "darts@routed": "DARTS, routed", "surgery@routed": "Surgery, routed"}
 
 
 def row_words(c: Contrast, side: str) -> str:

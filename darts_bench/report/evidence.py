@@ -10,7 +10,8 @@ task intervals resample::
 
 ``<out>/evidence/sequences.jsonl.gz``: one line per (merge, task, split, variant, seed, position set,
 held-out sequence), from each heads artifact's ``diagnostics.json`` ``per_sequence`` (position sets
-``gen`` / ``prompt`` / ``reference``)::
+``gen`` / ``prompt`` / ``reference``), with the routed head rows' sums (``darts@routed``, ...: the
+task-agnostic diagnostics, :func:`with_routed_rows`) beside the oracle rows of the same sequences::
 
     {"merge": "ties", "task": "gsm8k", "split": "transductive", "variant": "", "seed": 0, "set": "gen",
      "sequence": 7, "n_tokens": 31, "boot_seed": 123, "rows": {"none": {"kl_sum": ..., "agree_sum": ...,
@@ -128,6 +129,46 @@ def sequence_records(runs: dict[tuple, dict], run_seed: int) -> list[dict]:
                 out.append({"merge": m, "task": t, "split": split, "variant": variant, "seed": seed, "set": set_name,
                             "sequence": _num(sq), "n_tokens": _num(n_tok[i]), "boot_seed": boot,
                             "rows": {r: {q: _num(vals[i]) for q, vals in v.items()} for r, v in rows.items()}})
+    return out
+
+
+def with_routed_rows(runs: dict[tuple, dict], agnostic_runs: dict[tuple, dict] | None) -> dict[tuple, dict]:
+    """``runs`` (keyed (merge, task, split, variant, seed)) with each routed head row's per-sequence sums added to
+    the ``per_sequence`` of its run as row ``<method>@routed`` (``darts@routed``, ``surgery@routed``): the train
+    stage's task-agnostic diagnostics (``agnostic_runs``, :func:`darts_bench.stages.train.agnostic_artifact`:
+    ``{"routed": diagnostics}``) computed by the same :func:`darts_bench.stages.train.diagnose_seeds` pass on the
+    same held-out sequences and reference answers as the run's oracle rows, so :func:`sequence_records` writes them
+    into the oracle rows' lines. The routed diagnostics' ``none`` row is the run's own and is not repeated; runs
+    without a routed diagnostics (no ``surgery.task_agnostic: [routed]``) are returned unchanged (new dicts only
+    where rows are added).
+
+    Raises:
+        ValueError: a routed diagnostics without a run of the same key, or whose position set's sequence ids or
+            token counts differ from the run's (the two artifacts were diagnosed on different held-out splits:
+            delete the task-agnostic artifact named in the train stage's log so it is diagnosed again).
+    """
+    out = dict(runs)
+    for key, agn in (agnostic_runs or {}).items():
+        routed = (agn or {}).get("routed")
+        if not routed or not routed.get("per_sequence"):
+            continue
+        if key not in runs:
+            raise ValueError(f"routed diagnostics {key}: no heads run of that (merge, task, split, variant, seed) "
+                             f"among {len(runs)} runs; the task-agnostic rows need their oracle heads' run")
+        d = runs[key]
+        ps = {s: dict(v) for s, v in (d.get("per_sequence") or {}).items()}
+        for set_name, rps in routed["per_sequence"].items():
+            own = ps.get(set_name)
+            if own is None:
+                continue
+            if list(rps["sequence"]) != list(own["sequence"]) or list(rps["n_tokens"]) != list(own["n_tokens"]):
+                raise ValueError(f"routed diagnostics {key} per_sequence[{set_name!r}]: sequence ids or token counts "
+                                 "differ from the oracle heads' run (diagnosed on different held-out splits); delete "
+                                 "that task-agnostic artifact (heads/<merge>-<task>-<split>-agnostic-<key>) and rerun")
+            for r, v in rps.items():
+                if r not in ("sequence", "n_tokens", "none"):
+                    own[f"{r}@routed"] = v
+        out[key] = {**d, "per_sequence": ps}
     return out
 
 

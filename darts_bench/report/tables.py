@@ -410,7 +410,7 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     df = df[cols]
     from darts_bench.report.recompute import claims_from
     from darts_bench.report.evidence import (EXAMPLES_FILE, SEQUENCES_FILE, example_records,
-                                             sequence_records, write_jsonl_gz)
+                                             sequence_records, with_routed_rows, write_jsonl_gz)
     from darts_bench.report.decide import lines_json, merge_labels
     from darts_bench.report.seeds import add_seed_means, comparison_table
     from darts_bench.rows import head_seeds, row_meta, surgery_variants
@@ -422,7 +422,9 @@ def write_report(record: RunRecord) -> pd.DataFrame:
     runs = record.train.get("runs") or {}
     examples = example_records(results, [r.model for r in record.rows], record.task_names)
     # + the task-aware merges' rows (EMR: oracle and routed; no heads, darts_bench/stages/train.py task_aware_runs)
-    sequences = sequence_records({**runs, **(record.train.get("task_aware_runs") or {})}, record.cfg.seed)
+    # and the routed head rows (<method>@routed, surgery.task_agnostic: [routed]) beside their oracle rows
+    sequences = sequence_records({**with_routed_rows(runs, record.train.get("agnostic_runs")),
+                                  **(record.train.get("task_aware_runs") or {})}, record.cfg.seed)
     write_jsonl_gz(out / EXAMPLES_FILE, examples)
     write_jsonl_gz(out / SEQUENCES_FILE, sequences)
     primary = record.cfg.tasks.primary_metrics(record.task_names)  # tasks.<task>.primary_metric
