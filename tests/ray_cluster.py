@@ -185,7 +185,7 @@ class Cluster:
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(alive, timeout=5)
-        return {pid for pid in node.pids if _alive(pid)}
+        return {pid for pid in node.pids if pid_alive(pid)}
 
     def stop(self) -> set[int]:
         left: set[int] = set()
@@ -195,7 +195,8 @@ class Cluster:
         return left
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone: LAB-NOTES, check /proc state, not kill -0)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

@@ -31,6 +31,7 @@ from darts_bench.config import CalibrationConfig, Config, RayConfig  # noqa: E40
 from darts_bench.evaluate.hf_model import HFTextModel, load_causal_lm  # noqa: E402
 from darts_bench.executors.local import LocalExecutor  # noqa: E402
 from darts_bench.executors.ray_executor import RayExecutor, RayTextModel, head_processes, stop_head  # noqa: E402
+from ray_cluster import pid_alive  # noqa: E402  (tests/ray_cluster.py)
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -117,7 +118,7 @@ def _wait_gone(pids: set[int], timeout: float = 20.0) -> set[int]:
     alive = {p for p in pids if psutil.pid_exists(p)}
     while alive and time.time() < deadline:
         time.sleep(0.25)
-        alive = {p for p in alive if _alive(p)}
+        alive = {p for p in alive if pid_alive(p)}
     left = set(alive)
     for pid in left:
         try:
@@ -127,11 +128,6 @@ def _wait_gone(pids: set[int], timeout: float = 20.0) -> set[int]:
     return left
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1", "::1"}
@@ -367,7 +363,7 @@ def test_ray_job_submit_on_loopback_head(tmp_path):
         seen |= {p.pid for p in head_processes(str(temp_dir), gcs_port)}
         stopped = stop_head(str(temp_dir), gcs_port)
         shutil.rmtree(temp_dir, ignore_errors=True)
-    assert seen and seen <= set(stopped) | {p for p in seen if not _alive(p)}
-    left = [p for p in seen | set(stopped) if _alive(p)] + [p.pid for p in head_processes(str(temp_dir), gcs_port)
-                                                            if _alive(p.pid)]
+    assert seen and seen <= set(stopped) | {p for p in seen if not pid_alive(p)}
+    left = [p for p in seen | set(stopped) if pid_alive(p)] + [p.pid for p in head_processes(str(temp_dir), gcs_port)
+                                                            if pid_alive(p.pid)]
     assert not left, f"head processes still running after stop_head: {left}"

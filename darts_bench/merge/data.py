@@ -57,9 +57,15 @@ def prompt_batches(tokenizer, prompts: list[str], batch_size: int, max_tokens: i
     ids = [tokenizer(p, add_special_tokens=True, truncation=True, max_length=max_tokens)["input_ids"]
            for p in prompts]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return right_padded(ids, batch_size, pad)
+
+
+def right_padded(seqs: list[list[int]], batch_size: int, pad: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[(input_ids [B, T] int64, attention_mask [B, T] int64)]``: ``seqs`` (token ids) in order,
+    ``batch_size`` a batch, right-padded with ``pad`` to the batch's longest (T)."""
     out = []
-    for i in range(0, len(ids), batch_size):
-        chunk = ids[i:i + batch_size]
+    for i in range(0, len(seqs), batch_size):
+        chunk = seqs[i:i + batch_size]
         T = max(len(x) for x in chunk)
         inp = torch.full((len(chunk), T), pad, dtype=torch.long)
         mask = torch.zeros((len(chunk), T), dtype=torch.long)

@@ -254,17 +254,10 @@ def expert_sequences(tokenizer, model, prompts: list[str], max_new_tokens: int, 
 def pad_batches(seqs: list[list[int]], teachers: list[int], batch_size: int, pad: int) -> list[dict]:
     """Right-padded batches of ``batch_size`` sequences: ``input_ids`` / ``attention_mask`` [B, T] int64 and
     ``teacher`` (the expert index of each sequence)."""
-    out = []
-    for i in range(0, len(seqs), batch_size):
-        chunk = seqs[i:i + batch_size]
-        T = max(len(s) for s in chunk)
-        ids = torch.full((len(chunk), T), pad, dtype=torch.long)
-        mask = torch.zeros((len(chunk), T), dtype=torch.long)
-        for j, s in enumerate(chunk):
-            ids[j, :len(s)] = torch.tensor(s)
-            mask[j, :len(s)] = 1
-        out.append({"input_ids": ids, "attention_mask": mask, "teacher": teachers[i:i + batch_size]})
-    return out
+    from darts_bench.merge.data import right_padded
+
+    return [{"input_ids": ids, "attention_mask": mask, "teacher": teachers[i * batch_size:(i + 1) * batch_size]}
+            for i, (ids, mask) in enumerate(right_padded(seqs, batch_size, pad))]
 
 
 def build_expert_merging(spec, base_dir: Path, experts: dict[str, Path], prompts: dict[str, tuple[str, list[str]]],
