@@ -31,7 +31,6 @@ from darts_bench.stages import derive_seed  # noqa: F401 - public here (tests, s
 from darts_bench.stages import emr as emr_stage
 from darts_bench.stages import evaluate as evaluate_stage
 from darts_bench.stages import train as train_stage
-from darts_bench.stages.emr import task_experts
 from darts_bench.stages.tasks import load_tasks
 
 log = logging.getLogger("darts_bench")
@@ -196,7 +195,7 @@ class Pipeline:
         tr = self.train()
         routers = {**tr.get("routers", {}), **self.emr_routers(specs)}
         return bind_rows(specs, self.pool(), self.merge(), tr["run_heads"], self.task_names, routers,
-                         task_experts(self.cfg, self.task_names))
+                         {t: self.cfg.tasks.expert(t) for t in self.task_names})
 
     def emr_routers(self, specs=None) -> dict:
         """The task-aware merges' routers (:func:`darts_bench.stages.emr.emr_routers`), built when a row of

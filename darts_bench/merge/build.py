@@ -30,6 +30,12 @@ def data_merge_key(cfg: Config, pool: Pool, spec, prompts: dict) -> str:
                         "data": data_key(prompts, cfg)})
 
 
+def spec_key(cfg: Config, pool: Pool, spec) -> str:
+    """Cache key of a merge that reads no data (mergekit, SVD, SVC, task-aware): the pool key (every expert's and the
+    base's content), the spec and the run seed (DARE's and DELLA's drop masks)."""
+    return stable_hash({"pool": pool.key, "spec": spec.model_dump(mode="json"), "seed": cfg.seed})
+
+
 def merge_details(merge_dir: Path) -> dict | None:
     """What a data, SVD or task-aware merge dir records beside its weights (the AdaMerging / Expert Merging
     coefficients, the RegMean data, the SVD merge's settings and SVC, the EMR rescalers), or None for a plain
@@ -108,7 +114,7 @@ def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None, only: lis
         if spec.task_aware:
             mod, fn, _ = TASK_AWARE_MERGES[spec.method]
             builder = getattr(importlib.import_module(mod), fn)
-            key = stable_hash({"pool": pool.key, "spec": spec.model_dump(mode="json"), "seed": cfg.seed})
+            key = spec_key(cfg, pool, spec)
             final = work_dir / "merges" / merge_dir_name(spec.name, key)
             experts = dict(pool.experts)
             cached(final, lambda tmp, b=builder, s=spec: b(s, pool.base, experts, cfg, tmp),
@@ -133,7 +139,7 @@ def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None, only: lis
                          "seed": cfg.seed, "prompts": {t: {"expert": e, "n": len(ps)} for t, (e, ps) in prompts.items()}})
         elif spec.uses_svd:  # TSV-M / Iso-C / Iso-CTS, or any training-free merge with SVC on top
             cd = None if spec.method in SVD_MERGE_METHODS else merge_config_dict(spec, pool, cfg.pool.vocab_alignment)
-            key = stable_hash({"pool": pool.key, "spec": spec.model_dump(mode="json"), "seed": cfg.seed})
+            key = spec_key(cfg, pool, spec)
             final = work_dir / "merges" / merge_dir_name(spec.name, key)
             cached(final, lambda tmp, s=spec, cd=cd: _svd_or_svc(s, cd, pool, tmp, cfg.seed),
                    what=f"merge {spec.name} ({spec.method}{' + SVC' if spec.svc_alpha is not None else ''})",
@@ -141,7 +147,7 @@ def build_merges(cfg: Config, pool: Pool, work_dir: Path, loaded=None, only: lis
                          **({"mergekit": cd} if cd else {})})
         else:
             cd = merge_config_dict(spec, pool, cfg.pool.vocab_alignment)
-            key = stable_hash({"pool": pool.key, "spec": spec.model_dump(mode="json"), "seed": cfg.seed})
+            key = spec_key(cfg, pool, spec)
             final = work_dir / "merges" / merge_dir_name(spec.name, key)
             cached(final, lambda tmp, cd=cd, s=spec: _mergekit(s.name, cd, tmp, cfg.seed, pool.base),
                    what=f"merge {spec.name} ({spec.method})", meta={"kind": "merge", "mergekit": cd})

@@ -377,11 +377,12 @@ def _svd_merge(x: PlanInputs, m) -> dict[str, Any]:
     around the SVDs, SVC's K projections and reading / writing the checkpoints are not counted; the mergekit merge
     under an SVC is not timed, as mergekit merges are not), None when the architecture is unknown."""
     K = len(x.cfg.pool.expert_names)
-    n = (svd_count(m.method, K) if m.method in ("tsv_m", "iso_c", "iso_cts") else 0) + \
+    n = (svd_count(m.method, K) if m.method in SVD_MERGE_METHODS else 0) + \
         (svd_count("svc", K) if m.svc_alpha is not None else 0)
-    mnr = sum(a * b * min(a, b) for a, b in _svd_matrices(x.arch)) if x.arch else None
+    mats = _svd_matrices(x.arch) if x.arch else None
+    mnr = sum(a * b * min(a, b) for a, b in mats) if mats else None
     what = (f"{m.name}: {m.method}" + (" + SVC" if m.svc_alpha is not None else "")
-            + f", {n} SVD(s) per 2-D matrix ({len(_svd_matrices(x.arch)) if x.arch else '?'} matrices)")
+            + f", {n} SVD(s) per 2-D matrix ({len(mats) if mats else '?'} matrices)")
     return {"what": what, "seconds": None if mnr is None else n * mnr / THROUGHPUT[x.kind]["svd"]}
 
 

@@ -244,11 +244,11 @@ def _variant_of(c: Contrast, side: str, base_tag: str) -> str:
 
 
 def behaviour_cells(family: str, c: Contrast, sequences: list[dict], base_tag: str = "",
-                    merges: Iterable[str] | None = None, b_merges: Iterable[str] = ()) -> dict[str, list[Cell]]:
+                    merges: Iterable[str] | None = None, b_merge: str | None = None) -> dict[str, list[Cell]]:
     """The cells (split -> list) of a behaviour family for line ``c`` from ``sequences.jsonl.gz``'s
     records: per (merge, task, split), each seed's held-out sequences that both rows have.
 
-    A cross-merge line (``c.b_merge``) reads ``b`` from the first of ``b_merges`` (the EMR merge: records of
+    A cross-merge line (``c.b_merge``) reads ``b`` from the merge ``b_merge`` (the EMR merge: records of
     variant ``""``) on the same (task, split, seed) and sequence ids: held-out ids are one split per (task,
     split, head seed) of the task's calibration set, the same for every merge (:func:`darts_bench.stages.train.
     task_split`). Its ``b`` values are then shared by the cells of one task: the stratified test clusters
@@ -267,7 +267,7 @@ def behaviour_cells(family: str, c: Contrast, sequences: list[dict], base_tag: s
         if variant != va or (keep is not None and m not in keep):
             continue
         if c.b_merge:
-            other = idx.get((next(iter(sorted(b_merges)), None), t, split, "", seed))
+            other = idx.get((b_merge, t, split, "", seed))
         else:
             other = idx.get((m, t, split, vb, seed))
         if other is None:
@@ -290,11 +290,11 @@ def behaviour_cells(family: str, c: Contrast, sequences: list[dict], base_tag: s
 
 def task_cells(family: str, c: Contrast, examples: list[dict], meta: dict[str, dict[str, Any]],
                task_names: list[str], primary: dict[str, str], splits: list[str], base_tag: str = "",
-               merges: Iterable[str] | None = None, b_merges: Iterable[str] = ()) -> dict[str, list[Cell]]:
+               merges: Iterable[str] | None = None, b_merge: str | None = None) -> dict[str, list[Cell]]:
     """The cells (split -> list) of ``ref_nll`` or ``primary`` for line ``c`` from ``examples.jsonl.gz``'s
     records: per (merge, task, split), each seed's examples that both rows have (NaN values left out).
-    ``primary``: task -> its primary metric column. A cross-merge line (``c.b_merge``) reads ``b`` from the first
-    of ``b_merges``: its row of kind ``c.b`` (the oracle ``emr`` row, one for every split; the ``emr@routed`` row
+    ``primary``: task -> its primary metric column. A cross-merge line (``c.b_merge``) reads ``b`` from the merge
+    ``b_merge``: its row of kind ``c.b`` (the oracle ``emr`` row, one for every split; the ``emr@routed`` row
     of the cell's split), the same for every seed."""
     from darts_bench.api import get_task
     from darts_bench.report.stats import RATIO_KEYS
@@ -307,9 +307,8 @@ def task_cells(family: str, c: Contrast, examples: list[dict], meta: dict[str, d
     keep = set(merges) if merges is not None else None
     seeds = sorted({m["seed"] for m in meta.values() if m.get("merge")}, key=str)
     merge_names = sorted({m["merge"] for m in meta.values() if m.get("merge")})
-    e = next(iter(sorted(b_merges)), None)
     cross = {(mm["calibration"] or "*", mm["correction"]): name for name, mm in meta.items()
-             if c.b_merge and mm.get("merge") == e}  # (split or * for the oracle, kind) -> row of the EMR merge
+             if c.b_merge and mm.get("merge") == b_merge}  # (split or * for the oracle, kind) -> row of the EMR merge
     out: dict[str, list[Cell]] = {}
     for t in task_names:
         task = get_task(t)
@@ -546,11 +545,11 @@ def decide(sequences: list[dict], examples: list[dict], meta: dict[str, dict[str
                                                                   if m.get("merge")}
 
     def cells_of(family: str, c: Contrast) -> dict[str, list[Cell]]:
-        bm = pick[c.b_merge] if c.b_merge else ()
+        bm = next(iter(pick[c.b_merge]), None) if c.b_merge else None  # merge_sets: at most one
         if family in BEHAVIOUR_FAMILIES:
-            return behaviour_cells(family, c, sequences, merges=pick[c.merges], b_merges=bm)
+            return behaviour_cells(family, c, sequences, merges=pick[c.merges], b_merge=bm)
         return task_cells(family, c, examples, meta, task_names, primary_metrics, splits, merges=pick[c.merges],
-                          b_merges=bm)
+                          b_merge=bm)
 
     lines = []
     for c in CONTRASTS:

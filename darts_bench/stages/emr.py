@@ -15,7 +15,6 @@ base model in process, else an HF copy: :func:`darts_bench.evaluate.routed.promp
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -56,12 +55,10 @@ def emr_routers(cfg, pool, merges: dict[str, Path], loaded, work_dir: Path) -> d
         ValueError: fewer than two tasks with an expert (nothing to route between)."""
     from darts_bench.evaluate.engines.hf import load_text_model
     from darts_bench.merge.data import prompts_by_task
-    from darts_bench.stages.train import split_seed
-    from darts_bench.surgery.routing import fit_router, routing_accuracy
+    from darts_bench.stages.train import split_seed, write_router
     from darts_bench.surgery.train import split_by_sequence
 
     out: dict[tuple[str, str, None], Path] = {}
-    rc = cfg.surgery.routing
     for spec in cfg.merges:
         if not spec.task_aware or spec.name not in merges:
             continue
@@ -73,26 +70,14 @@ def emr_routers(cfg, pool, merges: dict[str, Path], loaded, work_dir: Path) -> d
                 states = load_text_model(pool.base, "emr-router-states", device=cfg.device, dtype=cfg.pool.dtype,
                                          batch_size=cfg.tasks.batch_size)
                 try:
-                    X, parts = {}, {}
-                    for name, (_, ps) in prompts.items():
-                        F = np.asarray(states.prompt_states(ps), dtype=np.float64)
-                        tr, va = split_by_sequence(len(ps), cfg.calibration.held_out_fraction,
-                                                   split_seed(cfg.seed, name, split))
-                        X[name], parts[name] = F[tr], (tr, va, F[va], F)
+                    by_task = {name: (np.asarray(states.prompt_states(ps), dtype=np.float64),
+                                      *split_by_sequence(len(ps), cfg.calibration.held_out_fraction,
+                                                         split_seed(cfg.seed, name, split)))
+                               for name, (_, ps) in prompts.items()}
                 finally:
                     if hasattr(states, "close"):
                         states.close()
-                router, _ = fit_router(X, rc.router, rc.C)
-                router.save(tmp / "router.json")
-                tasks_ = {}
-                for name, (tr, va, Fv, F) in parts.items():
-                    routed = router.predict(Fv)
-                    tasks_[name] = {"train_sequences": tr, "held_out_sequences": va, "held_out_routed": routed,
-                                    "held_out_acc": routing_accuracy(routed, name), "n_heldout": len(va),
-                                    "train_acc": routing_accuracy(router.predict(X[name]), name),
-                                    "sequences_routed": router.predict(F)}
-                (tmp / "routing.json").write_text(json.dumps({"router": rc.router, "classes": router.classes,
-                                                              "states": "base", "tasks": tasks_}))
+                write_router(tmp, by_task, cfg.surgery.routing, every_prompt=True, extra={"states": "base"})
 
             cached(final, build, what=f"fit router {spec.name}/{split} (base prompt states)",
                    meta={"kind": "router", "merge": spec.name, "split": split, "states": "base"})
@@ -100,11 +85,4 @@ def emr_routers(cfg, pool, merges: dict[str, Path], loaded, work_dir: Path) -> d
     return out
 
 
-def task_experts(cfg, task_names: list[str]) -> dict[str, str | None]:
-    """Task -> its expert (``Task.expert`` with ``tasks.<name>.expert`` applied; None: no expert)."""
-    from darts_bench.api import get_task
-
-    return {t: get_task(t, getattr(cfg.tasks, t)).expert for t in task_names}
-
-
-__all__ = ["emr_router_key", "emr_routers", "task_experts"]
+__all__ = ["emr_router_key", "emr_routers"]

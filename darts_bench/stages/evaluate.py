@@ -181,22 +181,20 @@ def _evaluate_rows(cfg, rows, tasks, executor, work_dir, results, by_name, memos
     # a merge's checkpoint: with vLLM scoring heads / shared its plain rows score on the HF copy too (scoring_mode)
     with open_models(cfg, executor, merge_dirs=merge_dirs_of(by_name.values())) as models, \
             overall_bar(len(rows) * len(tasks), "evaluate", unit="row x task") as bar:
-        if not cfg.evaluate.one_pass:
-            for row in rows:
+        def row_by_row(rows_):
+            for row in rows_:
                 for name, (task, examples) in tasks.items():
                     bar.set_postfix_str(f"{row.model} / {name}")
                     results[row.model][name] = evaluate_one(cfg, row, task, examples, by_name, results, models,
                                                             work_dir, memos=memos)
                     bar.update(1)
+
+        if not cfg.evaluate.one_pass:
+            row_by_row(rows)
             return
         for group in model_groups(rows):
             if group[0].task_aware:  # a model per task (EMR): no multi-head model of one merge; row by row
-                for row in group:
-                    for name, (task, examples) in tasks.items():
-                        bar.set_postfix_str(f"{row.model} / {name}")
-                        results[row.model][name] = evaluate_one(cfg, row, task, examples, by_name, results, models,
-                                                                work_dir, memos=memos)
-                        bar.update(1)
+                row_by_row(group)
                 continue
             for name, (task, examples) in tasks.items():
                 for row, res in zip(group, evaluate_group(cfg, group, task, examples, by_name, results, models,

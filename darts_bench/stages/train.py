@@ -503,35 +503,47 @@ def train_routers(cfg, feats: dict, seeds: list[int], work_dir: Path) -> dict[tu
     Raises:
         ValueError: fewer than two tasks with calibration features (nothing to route between).
     """
-    from darts_bench.surgery.routing import fit_router, routing_accuracy
-
     out: dict[tuple[str, str, int], Path] = {}
-    rc = cfg.surgery.routing
     for (m, split), fss in _by_merge_split(feats).items():
         for seed in seeds:
             final = work_dir / "routers" / f"{m}-{split}-{router_key(cfg, fss, seed)}"
 
-            def build(tmp: Path, m=m, split=split, fss=fss, seed=seed) -> None:
-                X, parts = {}, {}
-                for name, fs in fss.items():
-                    tr, va = task_split(cfg, fs, name, split, seed)
-                    F = calibration_prompt_features(fs)
-                    X[name], parts[name] = F[tr], (tr, va, F[va])
-                router, _ = fit_router(X, rc.router, rc.C)
-                router.save(tmp / "router.json")
-                tasks_ = {}
-                for name, (tr, va, Fv) in parts.items():
-                    routed = router.predict(Fv)
-                    tasks_[name] = {"train_sequences": tr, "held_out_sequences": va, "held_out_routed": routed,
-                                    "held_out_acc": routing_accuracy(routed, name), "n_heldout": len(va),
-                                    "train_acc": routing_accuracy(router.predict(X[name]), name)}
-                (tmp / "routing.json").write_text(json.dumps({"router": rc.router, "classes": router.classes,
-                                                              "tasks": tasks_}))
+            def build(tmp: Path, split=split, fss=fss, seed=seed) -> None:
+                write_router(tmp, {name: (calibration_prompt_features(fs), *task_split(cfg, fs, name, split, seed))
+                                   for name, fs in fss.items()}, cfg.surgery.routing)
 
             cached(final, build, what=f"fit router {m}/{split}{seed_tag(cfg, seed)}",
                    meta={"kind": "router", "merge": m, "split": split, "seed": seed})
             out[(m, split, seed)] = final
     return out
+
+
+def write_router(tmp: Path, by_task: dict[str, tuple[np.ndarray, list[int], list[int]]], rc,
+                 every_prompt: bool = False, extra: dict[str, Any] | None = None) -> None:
+    """Fit ``rc``'s router (``surgery.routing``) on each task's training prompts and write a router artifact
+    into ``tmp``: ``router.json`` (:class:`~darts_bench.surgery.routing.Router`) and ``routing.json``, per task
+    ``train_sequences``, ``held_out_sequences``, ``held_out_routed`` (the routed task of each held-out prompt),
+    ``held_out_acc``, ``n_heldout``, ``train_acc`` and, with ``every_prompt``, ``sequences_routed`` (every
+    prompt's routed task, in sequence order); ``extra`` adds top-level entries before ``tasks``.
+
+    Args:
+        by_task: task -> (``F`` [N, d] the prompts' states, float; ``tr`` / ``va`` the training and held-out
+            sequence indices into ``F``)."""
+    from darts_bench.surgery.routing import fit_router, routing_accuracy
+
+    X = {name: F[tr] for name, (F, tr, _) in by_task.items()}
+    router, _ = fit_router(X, rc.router, rc.C)
+    router.save(tmp / "router.json")
+    tasks_ = {}
+    for name, (F, tr, va) in by_task.items():
+        routed = router.predict(F[va])
+        tasks_[name] = {"train_sequences": tr, "held_out_sequences": va, "held_out_routed": routed,
+                        "held_out_acc": routing_accuracy(routed, name), "n_heldout": len(va),
+                        "train_acc": routing_accuracy(router.predict(X[name]), name)}
+        if every_prompt:
+            tasks_[name]["sequences_routed"] = router.predict(F)
+    (tmp / "routing.json").write_text(json.dumps({"router": rc.router, "classes": router.classes, **(extra or {}),
+                                                  "tasks": tasks_}))
 
 
 #: what an agnostic diagnostics artifact holds (in its key)
